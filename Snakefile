@@ -1,0 +1,29 @@
+# memupdate workflow: every artifact of the MemoryUpdate / MemAgent / two-stage experiments.
+#
+# results/
+#   data/locomo/{train,val,test}.parquet   verl rows, one per LoCoMo QA pair (preprocess_locomo)
+#   data/locomo/memories.parquet           initial memories per conversation (preprocess_locomo)
+#   data/hotpotqa/{split}-{ndocs}.parquet  MemAgent haystacks (preprocess_hotpotqa)
+# resources/data/{name}.json               verified copies of public data files (fetch_data)
+# logs/<rule>/..., benchmarks/<rule>/...   one log and one benchmark per job
+
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "config/schema/config.schema.yaml")
+
+
+include: "rules/common.smk"
+include: "rules/data.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        get_final_outputs(),

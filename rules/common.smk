@@ -1,0 +1,52 @@
+# Shared helpers: scale selection, wildcard constraints and input functions (no logic in rules).
+
+
+SCALE = config["scales"][config["scale"]]
+DATA_FILES = config["data"]["files"]
+LOCOMO_SPLITS = ["train", "val", "test"]
+
+
+wildcard_constraints:
+    name="|".join(DATA_FILES),
+    split="|".join(config["data"]["hotpotqa"]["splits"]),
+    ndocs=r"\d+",
+
+
+def data_file_path(name):
+    return f"resources/data/{name}.json"
+
+
+def get_data_file_spec(wildcards):
+    spec = DATA_FILES[wildcards.name]
+    return {
+        "source": spec["source"],
+        "sha256": spec["sha256"],
+        "filename": spec.get("filename"),
+        "mirrors": config["data"].get("mirrors", []),
+    }
+
+
+def get_locomo_input(wildcards):
+    return data_file_path(config["data"]["locomo"]["file"])
+
+
+def get_hotpotqa_input(wildcards):
+    return data_file_path(config["data"]["hotpotqa"]["splits"][wildcards.split])
+
+
+def get_locomo_outputs():
+    return expand(
+        "results/data/locomo/{part}.parquet", part=[*LOCOMO_SPLITS, "memories"]
+    )
+
+
+def get_hotpotqa_outputs():
+    return expand(
+        "results/data/hotpotqa/{split}-{ndocs}.parquet",
+        split=config["data"]["hotpotqa"]["splits"],
+        ndocs=SCALE["hotpotqa_num_docs"],
+    )
+
+
+def get_final_outputs():
+    return [*get_locomo_outputs(), *get_hotpotqa_outputs()]

@@ -1,0 +1,65 @@
+# Data: verified copies of the public files, then verl-format rows.
+
+
+rule fetch_data:
+    output:
+        data="resources/data/{name}.json",
+    log:
+        "logs/fetch_data/{name}.log",
+    benchmark:
+        "benchmarks/fetch_data/{name}.tsv"
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    resources:
+        runtime=30,
+    params:
+        spec=get_data_file_spec,
+    script:
+        "../workflow/scripts/fetch_data.py"
+
+
+rule preprocess_locomo:
+    input:
+        data=get_locomo_input,
+    output:
+        train="results/data/locomo/train.parquet",
+        val="results/data/locomo/val.parquet",
+        test="results/data/locomo/test.parquet",
+        memories="results/data/locomo/memories.parquet",
+        summary="results/data/locomo/summary.json",
+    log:
+        "logs/preprocess_locomo.log",
+    benchmark:
+        "benchmarks/preprocess_locomo.tsv"
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    resources:
+        runtime=10,
+    params:
+        split=config["data"]["locomo"]["split"],
+        memory_sources=config["data"]["locomo"]["memory_sources"],
+        drop_categories=config["data"]["locomo"]["drop_categories"],
+    script:
+        "../workflow/scripts/preprocess_locomo.py"
+
+
+rule preprocess_hotpotqa:
+    input:
+        data=get_hotpotqa_input,
+    output:
+        rows="results/data/hotpotqa/{split}-{ndocs}.parquet",
+        summary="results/data/hotpotqa/{split}-{ndocs}.summary.json",
+    log:
+        "logs/preprocess_hotpotqa/{split}-{ndocs}.log",
+    benchmark:
+        "benchmarks/preprocess_hotpotqa/{split}-{ndocs}.tsv"
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    resources:
+        runtime=30,
+    params:
+        seed=config["data"]["hotpotqa"]["seed"],
+        tokenizer=config["data"]["hotpotqa"]["tokenizer"],
+        limit=SCALE["hotpotqa_limit"],
+    script:
+        "../workflow/scripts/preprocess_hotpotqa.py"

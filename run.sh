@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One entry point that sets up everything on a fresh Debian machine with Python 3.11, then runs:
+#   ./run.sh pipeline [snakemake args]  the whole workflow on profiles/local at smoke scale
+#   ./run.sh tests [pytest args]        the test suite
+# The environment lives in .venv and is rebuilt only when pyproject.toml or constraints change.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3.11}
+VENV=${MEMUPDATE_VENV:-.venv}
+
+log() { printf '[run.sh] %s\n' "$*" >&2; }
+
+ensure_env() {
+    if ! command -v "$PYTHON" >/dev/null; then
+        log "$PYTHON not found: install Python 3.11 (Debian: apt-get install python3.11 python3.11-venv) or set PYTHON=..."
+        exit 1
+    fi
+    local stamp="$VENV/.memupdate-install" want
+    want=$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -d' ' -f1)
+    if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+        return
+    fi
+    log "setting up $VENV (CPU build of torch, verl 0.9.1, snakemake, dvc); takes a few minutes once"
+    [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    # The CPU build first: left to itself pip would pull a multi-GB CUDA build of torch.
+    "$VENV/bin/python" -m pip install --quiet torch==2.13.0
+    "$VENV/bin/python" -m pip install --quiet -c constraints/cpu.txt -e ".[dev]"
+    echo "$want" > "$stamp"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+    pipeline)
+        ensure_env
+        exec "$VENV/bin/snakemake" --profile profiles/local all "$@"
+        ;;
+    tests)
+        ensure_env
+        exec "$VENV/bin/python" -m pytest "$@"
+        ;;
+    *)
+        sed -n '2,5p' "$0" >&2
+        exit 2
+        ;;
+esac

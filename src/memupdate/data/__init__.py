@@ -1,0 +1,1 @@
+"""Dataset loading, validation and conversion to verl's RLHFDataset rows."""

@@ -1,0 +1,598 @@
+"""HotpotQA: load and validate a HotpotQA file and build MemAgent long-context rows for verl.
+
+MemAgent (BytedTsinghua-SIA/MemAgent, ``taskutils/memory_data/processing.py``) trains its recurrent
+memory agent on HotpotQA questions whose gold paragraphs are hidden among distractor paragraphs drawn
+from the pool of every paragraph in the file. This module builds the same contexts: a document is
+``"{title}\\n{sentences joined with ''}"`` (HotpotQA sentences carry their own leading spaces), and a
+context is ``"Document {i}:\\n{document}"`` blocks, ``i`` from 1, joined by blank lines.
+
+Fixes over the upstream preprocessing: each question has its own ``random.Random`` seeded from the run
+seed and the question id (upstream shared one global RNG), so a row does not depend on the other rows or
+on ``limit``; the pool is sorted, so rows do not depend on record order either; sizes are arguments, not
+magic numbers; every record is validated with an error that names the file, record and field; nested
+columns are native parquet structs and lists, not JSON strings.
+
+Both layouts of the data are accepted: the official HotpotQA JSON (``_id``, ``supporting_facts`` as
+``[title, sent_id]`` pairs, ``context`` as ``[title, sentences]`` pairs) and the Hugging Face
+``hotpot_qa`` layout (``supporting_facts`` ``{title, sent_id}``, ``context`` ``{title, sentences}``),
+whose JSON dumps may lack an id; such records get ``hf-`` plus the first 12 hex digits of the
+question's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+import statistics
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from tqdm.auto import tqdm
+
+from memupdate.utils.io import sha256_file, write_json_atomic, write_parquet_atomic
+
+logger = logging.getLogger(__name__)
+
+DATA_SOURCE = "hotpotqa"
+AGENT_NAME = "memagent"
+REWARD_STYLE = "rule"
+DERIVED_ID_PREFIX = "hf-"
+DERIVED_ID_HEX_DIGITS = 12
+DOCUMENT_SEPARATOR = "\n\n"
+APPROX_TOKENIZER = "approx:words+punctuation"
+
+# One token per run of word characters and one per other non-space character. Subword tokenizers count
+# somewhat more (all-MiniLM-L6-v2's WordPiece: about 9% more on the shared dev file); pass a real
+# tokenizer when the budget must hold for a given model.
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+
+ROW_SCHEMA = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("agent_name", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("context", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.list_(pa.string()))])),
+        (
+            "extra_info",
+            pa.struct(
+                [
+                    ("index", pa.int64()),
+                    ("id", pa.string()),
+                    ("question", pa.string()),
+                    ("answers", pa.list_(pa.string())),
+                    ("num_docs", pa.int64()),
+                    ("num_tokens", pa.int64()),
+                    ("type", pa.string()),
+                    ("level", pa.string()),
+                ]
+            ),
+        ),
+        ("num_docs", pa.int64()),
+        ("num_tokens", pa.int64()),
+    ]
+)
+
+
+class HotpotQAFormatError(ValueError):
+    """A HotpotQA record does not have the expected shape; the message names the file, record and field."""
+
+
+class PoolTooSmallError(ValueError):
+    """The paragraph pool has fewer distractors than ``num_docs`` needs for some question."""
+
+
+@dataclass(frozen=True)
+class Paragraph:
+    """One context paragraph: a Wikipedia title and its sentences as HotpotQA splits them."""
+
+    title: str
+    sentences: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.sentences)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Identity in the pool: the same title and text is the same paragraph however it is split."""
+        return (self.title, self.text)
+
+
+@dataclass(frozen=True)
+class HotpotExample:
+    """One validated HotpotQA question with its supporting facts and its own context paragraphs."""
+
+    id: str
+    question: str
+    answer: str
+    type: str
+    level: str
+    supporting_facts: tuple[tuple[str, int], ...]
+    context: tuple[Paragraph, ...]
+
+    @property
+    def gold_titles(self) -> frozenset[str]:
+        return frozenset(title for title, _ in self.supporting_facts)
+
+    @property
+    def gold(self) -> tuple[Paragraph, ...]:
+        """Context paragraphs whose title is a supporting-fact title, in context order, without repeats."""
+        seen: dict[tuple[str, str], Paragraph] = {}
+        for paragraph in self.context:
+            if paragraph.title in self.gold_titles:
+                seen.setdefault(paragraph.key, paragraph)
+        return tuple(seen.values())
+
+
+def render_document(title: str, text: str) -> str:
+    return f"{title}\n{text}"
+
+
+def render_context(documents: Sequence[str]) -> str:
+    return DOCUMENT_SEPARATOR.join(f"Document {i}:\n{doc}" for i, doc in enumerate(documents, start=1))
+
+
+def approx_token_count(text: str) -> int:
+    """Approximate token count: words and punctuation marks (regex ``\\w+|[^\\w\\s]``).
+
+    It needs no tokenizer and is additive over whitespace-separated pieces, so budgets built with it are
+    exact for it. Subword tokenizers give somewhat higher counts for English (about 9% higher for
+    all-MiniLM-L6-v2's WordPiece on the shared HotpotQA dev file).
+
+    >>> approx_token_count("Document 1:\\nEd Wood (film)\\nEd Wood is a 1994 film.")
+    15
+    """
+    return len(_TOKEN_RE.findall(text))
+
+
+def derived_id(question: str) -> str:
+    """Stable id for a record without one: ``hf-`` and the first 12 hex digits of the question's sha256."""
+    digest = hashlib.sha256(question.encode("utf-8")).hexdigest()
+    return f"{DERIVED_ID_PREFIX}{digest[:DERIVED_ID_HEX_DIGITS]}"
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+class _Record:
+    """Field access for one raw record that raises :class:`HotpotQAFormatError` naming where."""
+
+    def __init__(self, raw: dict, file_name: str, index: int):
+        self.raw = raw
+        self.file_name = file_name
+        self.index = index
+        self.id: str | None = None
+
+    def error(self, field: str, message: str) -> HotpotQAFormatError:
+        record = f"record {self.index}" + (f" (id {self.id})" if self.id is not None else "")
+        return HotpotQAFormatError(f"{self.file_name}: {record}: field {field!r}: {message}")
+
+    def text(self, field: str) -> str:
+        if field not in self.raw:
+            raise self.error(field, "is missing")
+        value = self.raw[field]
+        if not isinstance(value, str):
+            raise self.error(field, f"expected a string, got {_kind(value)}")
+        if not value.strip():
+            raise self.error(field, "is empty")
+        return value.strip()
+
+
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _is_sent_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_supporting_facts(rec: _Record) -> tuple[tuple[str, int], ...]:
+    field = "supporting_facts"
+    if field not in rec.raw:
+        raise rec.error(field, "is missing")
+    value = rec.raw[field]
+    if isinstance(value, list):
+        pairs = []
+        for i, fact in enumerate(value):
+            if not (
+                isinstance(fact, list)
+                and len(fact) == 2
+                and isinstance(fact[0], str)
+                and _is_sent_id(fact[1])
+            ):
+                raise rec.error(field, f"item {i}: expected a [title, sent_id] pair, got {fact!r}")
+            pairs.append((fact[0], fact[1]))
+    elif isinstance(value, dict):
+        titles, sent_ids = value.get("title"), value.get("sent_id")
+        if not _is_str_list(titles):
+            raise rec.error(field, f"'title' must be a list of strings, got {_kind(titles)}")
+        if not (isinstance(sent_ids, list) and all(_is_sent_id(s) for s in sent_ids)):
+            raise rec.error(field, f"'sent_id' must be a list of integers, got {sent_ids!r}")
+        if len(titles) != len(sent_ids):
+            raise rec.error(field, f"{len(titles)} titles but {len(sent_ids)} sent_ids")
+        pairs = list(zip(titles, sent_ids, strict=True))
+    else:
+        raise rec.error(
+            field,
+            "expected a list of [title, sent_id] pairs (official layout) or an object with 'title' and "
+            f"'sent_id' lists (Hugging Face layout), got {_kind(value)}",
+        )
+    if not pairs:
+        raise rec.error(field, "is empty, so the question has no gold paragraph")
+    return tuple(pairs)
+
+
+def _parse_context(rec: _Record) -> tuple[Paragraph, ...]:
+    field = "context"
+    if field not in rec.raw:
+        raise rec.error(field, "is missing")
+    value = rec.raw[field]
+    if isinstance(value, list):
+        paragraphs = []
+        for i, item in enumerate(value):
+            if not (
+                isinstance(item, list)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and _is_str_list(item[1])
+            ):
+                raise rec.error(
+                    field, f"item {i}: expected a [title, [sentences...]] pair, got {_kind(item)}"
+                )
+            paragraphs.append(Paragraph(item[0], tuple(item[1])))
+    elif isinstance(value, dict):
+        titles, sentences = value.get("title"), value.get("sentences")
+        if not _is_str_list(titles):
+            raise rec.error(field, f"'title' must be a list of strings, got {_kind(titles)}")
+        if not (isinstance(sentences, list) and all(_is_str_list(s) for s in sentences)):
+            raise rec.error(field, "'sentences' must be a list of lists of strings")
+        if len(titles) != len(sentences):
+            raise rec.error(field, f"{len(titles)} titles but {len(sentences)} sentence lists")
+        paragraphs = [Paragraph(t, tuple(s)) for t, s in zip(titles, sentences, strict=True)]
+    else:
+        raise rec.error(
+            field,
+            "expected a list of [title, sentences] pairs (official layout) or an object with 'title' and "
+            f"'sentences' lists (Hugging Face layout), got {_kind(value)}",
+        )
+    if not paragraphs:
+        raise rec.error(field, "is empty")
+    return tuple(paragraphs)
+
+
+def _parse_record(raw: Any, file_name: str, index: int) -> HotpotExample:
+    if not isinstance(raw, dict):
+        raise HotpotQAFormatError(f"{file_name}: record {index}: expected an object, got {_kind(raw)}")
+    rec = _Record(raw, file_name, index)
+    # The official layout names its id `_id`; the Hugging Face dataset names it `id`, and JSON dumps
+    # of it (like the shared dev file) may have none, so it is derived from the question as written
+    # (before stripping), which any other tool can recompute from the raw record.
+    id_field = "_id" if "_id" in raw else "id" if "id" in raw else None
+    question = rec.text("question")
+    rec.id = rec.text(id_field) if id_field is not None else derived_id(raw["question"])
+    example = HotpotExample(
+        id=rec.id,
+        question=question,
+        answer=rec.text("answer"),
+        type=rec.text("type"),
+        level=rec.text("level"),
+        supporting_facts=_parse_supporting_facts(rec),
+        context=_parse_context(rec),
+    )
+    missing = sorted(example.gold_titles - {p.title for p in example.context})
+    if missing:
+        # In the distractor setting every supporting paragraph is in the context; without it the
+        # question cannot be answered from the haystack.
+        raise rec.error("supporting_facts", f"titles {missing} are not titles of any context paragraph")
+    return example
+
+
+def load_hotpotqa(path: str | Path) -> list[HotpotExample]:
+    """Load and validate a HotpotQA file in the official or the Hugging Face JSON layout.
+
+    Raises :class:`HotpotQAFormatError` (a ``ValueError``) naming the file, the record index, its id
+    when known, and the field, for the first malformed record or a repeated id.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise HotpotQAFormatError(f"{path.name}: not valid JSON: {exc}") from exc
+    if not isinstance(data, list):
+        raise HotpotQAFormatError(f"{path.name}: expected a JSON list of records, got {_kind(data)}")
+    if not data:
+        raise HotpotQAFormatError(f"{path.name}: holds no records")
+    examples = []
+    first_index: dict[str, int] = {}
+    for index, raw in enumerate(data):
+        example = _parse_record(raw, path.name, index)
+        if example.id in first_index:
+            # Rows are seeded by id, so two records with one id would silently share their distractors.
+            raise HotpotQAFormatError(
+                f"{path.name}: record {index} (id {example.id}): field 'id': "
+                f"same id as record {first_index[example.id]}"
+            )
+        first_index[example.id] = index
+        examples.append(example)
+    types = Counter(e.type for e in examples)
+    logger.info("%s: %d questions (%s)", path.name, len(examples), dict(sorted(types.items())))
+    return examples
+
+
+def paragraph_pool(examples: Sequence[HotpotExample]) -> list[tuple[str, str]]:
+    """All distinct ``(title, text)`` paragraphs of the file, sorted, so the pool ignores record order."""
+    return sorted({p.key for e in examples for p in e.context})
+
+
+def _lazy_permutation(rng: random.Random, n: int) -> Iterator[int]:
+    """Yield ``range(n)`` in random order, one at a time.
+
+    Fisher-Yates with a sparse swap table: drawing k items costs O(k), not O(n), which matters because
+    each question needs a few hundred distractors from a pool that can hold tens of thousands.
+    """
+    swapped: dict[int, int] = {}
+    for i in range(n):
+        j = rng.randrange(i, n)
+        yield swapped.get(j, j)
+        swapped[j] = swapped.get(i, i)
+
+
+def _question_rng(seed: int, example_id: str) -> random.Random:
+    # A hash, not hash(): Python salts str hashes per process, which would break reproducibility.
+    digest = hashlib.sha256(f"{seed}\x1f{example_id}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+
+def _check_arguments(num_docs: int | None, max_tokens: int | None, limit: int | None) -> None:
+    if (num_docs is None) == (max_tokens is None):
+        raise ValueError(f"set exactly one of num_docs and max_tokens (got {num_docs=}, {max_tokens=})")
+    _check_positive("num_docs", num_docs)
+    _check_positive("max_tokens", max_tokens)
+    _check_positive("limit", limit)
+
+
+class _Builder:
+    """Select, shuffle and render the documents of one question against a shared paragraph pool."""
+
+    def __init__(
+        self,
+        pool: list[tuple[str, str]],
+        seed: int,
+        num_docs: int | None,
+        max_tokens: int | None,
+        count_tokens: Callable[[str], int],
+    ):
+        self.pool = pool
+        self.seed = seed
+        self.num_docs = num_docs
+        self.max_tokens = max_tokens
+        self.count = count_tokens
+        self.title_counts = Counter(title for title, _ in pool)
+        self.doc_tokens: dict[str, int] = {}
+        self.separator_tokens = count_tokens(DOCUMENT_SEPARATOR)
+        self.pool_exhausted = 0
+
+    def _doc_cost(self, doc: str, position: int) -> int:
+        """Tokens that appending ``doc`` as document ``position`` adds (exact for the approximate counter)."""
+        if doc not in self.doc_tokens:
+            self.doc_tokens[doc] = self.count(doc)
+        header = self.count(f"Document {position}:\n")
+        return self.separator_tokens + header + self.doc_tokens[doc]
+
+    def _distractors(self, rng: random.Random, gold_titles: frozenset[str]) -> Iterator[str]:
+        # Paragraphs sharing a gold title are skipped too: another version of a gold article would be
+        # a second copy of the evidence, not a distractor.
+        for j in _lazy_permutation(rng, len(self.pool)):
+            title, text = self.pool[j]
+            if title not in gold_titles:
+                yield render_document(title, text)
+
+    def context(self, example: HotpotExample) -> tuple[str, int, int]:
+        """Return one question's rendered context, its number of documents and its token count."""
+        rng = _question_rng(self.seed, example.id)
+        gold = [render_document(p.title, p.text) for p in example.gold]
+        candidates = self._distractors(rng, example.gold_titles)
+        if self.max_tokens is None:
+            distractors = self._take_count(example, gold, candidates, self.num_docs)
+        else:
+            distractors = self._take_budget(gold, candidates, self.max_tokens)
+        docs = gold + distractors
+        rng.shuffle(docs)
+        context = render_context(docs)
+        num_tokens = self.count(context)
+        # A real tokenizer is not exactly additive over documents, so drop the latest distractors
+        # until the exact count fits; with the approximate counter this loop never runs.
+        while self.max_tokens is not None and num_tokens > self.max_tokens and distractors:
+            docs.remove(distractors.pop())
+            context = render_context(docs)
+            num_tokens = self.count(context)
+        return context, len(docs), num_tokens
+
+    def _take_count(
+        self, example: HotpotExample, gold: list[str], candidates: Iterator[str], num_docs: int
+    ) -> list[str]:
+        needed = num_docs - len(gold)
+        if needed < 0:
+            raise ValueError(
+                f"question {example.id} has {len(gold)} gold paragraphs, more than num_docs={num_docs}"
+            )
+        available = len(self.pool) - sum(self.title_counts[t] for t in example.gold_titles)
+        if available < needed:
+            raise PoolTooSmallError(
+                f"num_docs={num_docs} needs {needed} distractors for question {example.id}, but the "
+                f"pool of {len(self.pool)} unique paragraphs has only {available} available besides its "
+                f"gold ones (at most num_docs={available + len(gold)}); lower num_docs or use a larger file"
+            )
+        return list(islice(candidates, needed))
+
+    def _take_budget(self, gold: list[str], candidates: Iterator[str], max_tokens: int) -> list[str]:
+        # Gold documents are always kept, even when they alone exceed the budget.
+        used = self.count(render_context(gold))
+        distractors: list[str] = []
+        for doc in candidates:
+            cost = self._doc_cost(doc, len(gold) + len(distractors) + 1)
+            if used + cost > max_tokens:
+                return distractors
+            distractors.append(doc)
+            used += cost
+        self.pool_exhausted += 1
+        return distractors
+
+
+def build_rows(
+    examples: Sequence[HotpotExample],
+    *,
+    num_docs: int | None = None,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    count_tokens: Callable[[str], int] | None = None,
+    limit: int | None = None,
+) -> pa.Table:
+    """One MemAgent row per question (the first ``limit`` ones), in verl's ``RLHFDataset`` layout.
+
+    Each context holds the question's gold paragraphs plus distractors drawn from every paragraph of
+    ``examples``: either ``num_docs`` documents in all, or as many as fit in ``max_tokens`` tokens
+    counted with ``count_tokens`` (default :func:`approx_token_count`; pass e.g.
+    ``lambda s: len(tok(s).input_ids)`` for a model's tokenizer). The pool always comes from all of
+    ``examples`` and each question has its own RNG, so a row is the same whatever ``limit`` is.
+    Raises :class:`PoolTooSmallError` if the pool cannot supply ``num_docs`` documents.
+    """
+    _check_arguments(num_docs, max_tokens, limit)
+    count = count_tokens or approx_token_count
+    pool = paragraph_pool(examples)
+    chosen = examples if limit is None else examples[:limit]
+    if limit is not None and limit > len(examples):
+        logger.warning("limit=%d but the file has only %d questions; using all of them", limit, len(examples))
+    builder = _Builder(pool, seed, num_docs, max_tokens, count)
+    rows = []
+    for index, example in enumerate(tqdm(chosen, desc="hotpotqa rows", unit="question")):
+        context, n_docs, num_tokens = builder.context(example)
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "agent_name": AGENT_NAME,
+                "prompt": [{"role": "user", "content": example.question}],
+                "context": context,
+                "reward_model": {"style": REWARD_STYLE, "ground_truth": [example.answer]},
+                "extra_info": {
+                    "index": index,
+                    "id": example.id,
+                    "question": example.question,
+                    "answers": [example.answer],
+                    "num_docs": n_docs,
+                    "num_tokens": num_tokens,
+                    "type": example.type,
+                    "level": example.level,
+                },
+                "num_docs": n_docs,
+                "num_tokens": num_tokens,
+            }
+        )
+    if builder.pool_exhausted:
+        logger.warning(
+            "%d questions used the whole pool of %d paragraphs and stay below max_tokens=%d",
+            builder.pool_exhausted,
+            len(pool),
+            max_tokens,
+        )
+    return pa.Table.from_pylist(rows, schema=ROW_SCHEMA)
+
+
+def load_token_counter(tokenizer: str) -> Callable[[str], int]:
+    """Token counter from a Hugging Face tokenizer name or path, read from local files only."""
+    from transformers import AutoTokenizer  # slow import, only needed when a tokenizer is asked for
+
+    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+
+    def count(text: str) -> int:
+        # The context is inserted into a chat prompt, so special tokens are not part of its length;
+        # verbose=False silences the warning about texts longer than the model's maximum length.
+        return len(tok(text, add_special_tokens=False, verbose=False).input_ids)
+
+    return count
+
+
+def _spread(values: list[int]) -> dict[str, float | int | None]:
+    if not values:
+        return {"mean": None, "min": None, "max": None}
+    return {"mean": round(statistics.fmean(values), 2), "min": min(values), "max": max(values)}
+
+
+def preprocess_hotpotqa(
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    num_docs: int | None = None,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    limit: int | None = None,
+    tokenizer: str | None = None,
+    summary_path: str | Path | None = None,
+) -> dict:
+    """Load a HotpotQA file, build MemAgent rows and write them as parquet with a JSON summary.
+
+    The one entry point for the Snakemake script and the CLI. Both files are written atomically; the
+    summary (counts, token and document spreads, input sha256, arguments) goes to ``summary_path``,
+    by default the output path with its suffix replaced by ``.summary.json``. Returns the summary.
+    """
+    _check_arguments(num_docs, max_tokens, limit)
+    examples = load_hotpotqa(input_path)
+    count_tokens = load_token_counter(tokenizer) if tokenizer is not None else None
+    table = build_rows(
+        examples, num_docs=num_docs, max_tokens=max_tokens, seed=seed, count_tokens=count_tokens, limit=limit
+    )
+    write_parquet_atomic(output_path, table)
+
+    tokens = table.column("num_tokens").to_pylist()
+    docs = table.column("num_docs").to_pylist()
+    types = Counter(table.column("extra_info").combine_chunks().field("type").to_pylist())
+    summary: dict[str, Any] = {
+        "input": str(input_path),
+        "input_sha256": sha256_file(input_path),
+        "output": str(output_path),
+        "arguments": {
+            "num_docs": num_docs,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "limit": limit,
+            "tokenizer": tokenizer,
+        },
+        "token_counter": tokenizer if tokenizer is not None else APPROX_TOKENIZER,
+        "questions_in_file": len(examples),
+        "pool_paragraphs": len(paragraph_pool(examples)),
+        "rows": table.num_rows,
+        "rows_by_type": dict(sorted(types.items())),
+        "rows_over_budget": sum(t > max_tokens for t in tokens) if max_tokens is not None else None,
+        "num_tokens": _spread(tokens),
+        "num_docs": _spread(docs),
+    }
+    if summary_path is None:
+        summary_path = Path(output_path).with_suffix(".summary.json")
+    write_json_atomic(summary_path, summary)
+    logger.info(
+        "%s: %d rows, %s-%s documents, tokens mean %s (min %s, max %s) -> %s",
+        Path(input_path).name,
+        table.num_rows,
+        summary["num_docs"]["min"],
+        summary["num_docs"]["max"],
+        summary["num_tokens"]["mean"],
+        summary["num_tokens"]["min"],
+        summary["num_tokens"]["max"],
+        output_path,
+    )
+    return summary

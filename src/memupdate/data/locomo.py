@@ -1,0 +1,546 @@
+"""LoCoMo: load and validate ``locomo10.json``, split by conversation, write verl rows and initial memories.
+
+The file is the one released with Maharana et al. (ACL 2024), CC BY-NC 4.0. Facts this module relies on
+(``data-models-anchors.md`` §1): 10 conversations, 1,986 QA pairs; categories 1 multi-hop, 2 temporal,
+3 open-domain, 4 single-hop, 5 adversarial (``adversarial_answer``, usually no ``answer``); six answers
+are ints; six evidence strings are malformed.
+
+Fixes over the upstream preprocessing (``upstream-systems.md`` §1a, §1h): the split is by conversation
+and written in config (not ``random.seed(42)``); namespaces are hashes, so reruns give the same ones
+(upstream used ``uuid4``); ``extra_info`` is a native nested parquet column, not a JSON string; initial
+memories keep speaker, session, date and evidence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from memupdate.utils.io import sha256_file, write_json_atomic, write_parquet_atomic
+
+logger = logging.getLogger(__name__)
+
+CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
+MEMORY_SOURCES = ("observation", "session_summary", "dialogue")
+MEMORY_TOOLS = (
+    "search_memory",
+    "manage_memory",
+    "delete_memory",
+    "merge_memory",
+    "split_memory",
+    "sample_memory",
+)
+DATA_SOURCE_PREFIX = "locomo"
+AGENT_NAME = "memupdate_agent"
+
+_DIA_ID = re.compile(r"D:?(\d+):(\d+)")
+_SESSION_KEY = re.compile(r"session_(\d+)")
+
+SYSTEM_PROMPT = (
+    "You maintain the long-term memory database of a conversational assistant. "
+    "The database holds short memories about a long conversation between two people. "
+    "Later, another model will answer questions using only the few memories that a search returns, "
+    "so the memories must be correct, specific, dated where the conversation gives a date, and easy to retrieve.\n\n"
+    "Use the tools to inspect and edit the database: search it, then create, update, merge, split or "
+    "delete memories so that the target question, and questions like it, can be answered from it. "
+    "Every memory is shown with a short id in brackets, like [3]; use that id to refer to it. "
+    "Do not answer the question yourself and do not invent facts that the memories do not support. "
+    "When the database is good enough, reply with DONE and no tool call."
+)
+
+USER_TEMPLATE = (
+    "Memory database: {n_memories} memories from {n_sessions} sessions of a conversation between "
+    "{speaker_a} and {speaker_b}, from {first_date} to {last_date}.\n\n"
+    "Target question: {question}\n\n"
+    "Improve the memory database so that this question can be answered correctly from it."
+)
+
+
+class LocomoFormatError(ValueError):
+    """A record of the LoCoMo file does not have the expected shape; the message names where."""
+
+
+def _where(path: str | Path, sample_id: str | None = None, qa_index: int | None = None) -> str:
+    parts = [Path(path).name]
+    if sample_id is not None:
+        parts.append(f"sample {sample_id!r}")
+    if qa_index is not None:
+        parts.append(f"qa[{qa_index}]")
+    return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class EvidenceParse:
+    ids: tuple[str, ...]
+    unparsed: tuple[str, ...]
+    repaired: tuple[str, ...]
+
+
+def parse_evidence(items: Iterable[Any]) -> EvidenceParse:
+    """Parse LoCoMo evidence strings into canonical dialogue ids ``D<session>:<turn>``.
+
+    Malformed strings seen in the real file are repaired where their meaning is clear and reported
+    where it is not:
+
+    >>> parse_evidence(["D8:6; D9:17", "D", "D:11:26", "D9:1 D4:4"])
+    EvidenceParse(ids=('D8:6', 'D9:17', 'D11:26', 'D9:1', 'D4:4'), unparsed=('D',), repaired=('D8:6; D9:17', 'D:11:26', 'D9:1 D4:4'))
+    """
+    ids: list[str] = []
+    unparsed: list[str] = []
+    repaired: list[str] = []
+    for item in items:
+        text = str(item).strip()
+        tokens = [t for t in re.split(r"[;,\s]+", text) if t]
+        parsed_here = 0
+        for token in tokens:
+            match = _DIA_ID.fullmatch(token)
+            if match is None:
+                unparsed.append(token)
+                continue
+            canonical = f"D{int(match.group(1))}:{int(match.group(2))}"
+            parsed_here += 1
+            if canonical not in ids:
+                ids.append(canonical)
+        if parsed_here and (len(tokens) > 1 or not re.fullmatch(r"D\d+:\d+", text)):
+            repaired.append(text)
+        if not tokens:
+            unparsed.append(text)
+    return EvidenceParse(tuple(ids), tuple(unparsed), tuple(repaired))
+
+
+@dataclass(frozen=True)
+class LocomoQA:
+    sample_id: str
+    qa_index: int
+    question: str
+    answer: str | None
+    adversarial_answer: str | None
+    category: int
+    evidence: tuple[str, ...]
+    evidence_unparsed: tuple[str, ...] = ()
+
+    @property
+    def namespace(self) -> str:
+        return base_namespace(self.sample_id, self.qa_index, self.question)
+
+
+@dataclass(frozen=True)
+class Turn:
+    speaker: str
+    dia_id: str
+    text: str
+    image_caption: str | None = None
+
+
+@dataclass(frozen=True)
+class Session:
+    index: int
+    date_time: str | None
+    turns: tuple[Turn, ...]
+    summary: str | None = None
+    # speaker -> list of (fact text, evidence ids)
+    observations: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class LocomoConversation:
+    sample_id: str
+    speaker_a: str
+    speaker_b: str
+    sessions: tuple[Session, ...]
+    qa: tuple[LocomoQA, ...] = field(repr=False)
+
+
+def base_namespace(sample_id: str, qa_index: int, question: str) -> str:
+    """Stable per-row namespace ``{sample_id}-qa{index}-{8 hex}``; the hex is a hash of all three.
+
+    >>> base_namespace("conv-26", 0, "When did Caroline go to the LGBTQ support group?")
+    'conv-26-qa0-ff702917'
+    """
+    digest = hashlib.sha256(f"{sample_id}\x1f{qa_index}\x1f{question}".encode()).hexdigest()[:8]
+    return f"{sample_id}-qa{qa_index}-{digest}"
+
+
+def _require(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise LocomoFormatError(f"{where}: expected an object, got {type(obj).__name__}")
+    if key not in obj:
+        raise LocomoFormatError(f"{where}: field {key!r} is missing")
+    value = obj[key]
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise LocomoFormatError(f"{where}: field {key!r} must be {names}, got {type(value).__name__}")
+    return value
+
+
+def _parse_qa(raw: Any, path: Path, sample_id: str, index: int) -> LocomoQA:
+    where = _where(path, sample_id, index)
+    question = _require(raw, "question", str, where).strip()
+    if not question:
+        raise LocomoFormatError(f"{where}: field 'question' is empty")
+    category = raw.get("category")
+    if isinstance(category, bool) or not isinstance(category, int) or category not in CATEGORY_NAMES:
+        raise LocomoFormatError(f"{where}: field 'category' must be an integer 1..5, got {category!r}")
+    answer = raw.get("answer")
+    adversarial = raw.get("adversarial_answer")
+    if category == 5:
+        if adversarial is None:
+            raise LocomoFormatError(f"{where}: category 5 needs field 'adversarial_answer'")
+    elif answer is None:
+        raise LocomoFormatError(f"{where}: field 'answer' is missing (category {category})")
+    for name, value in (("answer", answer), ("adversarial_answer", adversarial)):
+        if value is not None and not isinstance(value, (str, int, float)):
+            raise LocomoFormatError(f"{where}: field {name!r} must be a string or number, got {value!r}")
+    evidence_raw = raw.get("evidence", [])
+    if not isinstance(evidence_raw, list):
+        raise LocomoFormatError(f"{where}: field 'evidence' must be a list, got {evidence_raw!r}")
+    evidence = parse_evidence(evidence_raw)
+    if evidence.unparsed:
+        logger.warning("%s: evidence %s could not be parsed and is dropped", where, list(evidence.unparsed))
+    if evidence.repaired:
+        logger.info("%s: evidence %s repaired to %s", where, list(evidence.repaired), list(evidence.ids))
+    return LocomoQA(
+        sample_id=sample_id,
+        qa_index=index,
+        question=question,
+        answer=None if answer is None else str(answer),
+        adversarial_answer=None if adversarial is None else str(adversarial),
+        category=category,
+        evidence=evidence.ids,
+        evidence_unparsed=evidence.unparsed,
+    )
+
+
+def _parse_sessions(sample: dict, path: Path, sample_id: str) -> tuple[Session, ...]:
+    where = _where(path, sample_id)
+    conv = _require(sample, "conversation", dict, where)
+    observations = sample.get("observation") or {}
+    summaries = sample.get("session_summary") or {}
+    indices = sorted(int(m.group(1)) for k in conv if (m := _SESSION_KEY.fullmatch(k)))
+    if not indices:
+        raise LocomoFormatError(f"{where}: field 'conversation' has no session_N entries")
+    sessions = []
+    for n in indices:
+        turns_raw = _require(conv, f"session_{n}", list, f"{where}, conversation")
+        turns = []
+        for t_index, turn in enumerate(turns_raw):
+            t_where = f"{where}, conversation.session_{n}[{t_index}]"
+            turns.append(
+                Turn(
+                    speaker=_require(turn, "speaker", str, t_where),
+                    dia_id=_require(turn, "dia_id", str, t_where),
+                    text=_require(turn, "text", str, t_where),
+                    image_caption=turn.get("blip_caption"),
+                )
+            )
+        obs_raw = observations.get(f"session_{n}_observation") or {}
+        if not isinstance(obs_raw, dict):
+            raise LocomoFormatError(f"{where}: field 'observation.session_{n}_observation' must be an object")
+        obs = []
+        for speaker, facts in obs_raw.items():
+            parsed = []
+            for f_index, fact in enumerate(facts):
+                f_where = f"{where}, observation.session_{n}_observation.{speaker}[{f_index}]"
+                if not (isinstance(fact, list) and len(fact) == 2 and isinstance(fact[0], str)):
+                    raise LocomoFormatError(f"{f_where}: expected [fact_text, evidence], got {fact!r}")
+                ev = fact[1] if isinstance(fact[1], list) else [fact[1]]
+                parsed.append((fact[0].strip(), parse_evidence(ev).ids))
+            obs.append((speaker, tuple(parsed)))
+        summary = summaries.get(f"session_{n}_summary")
+        sessions.append(
+            Session(
+                index=n,
+                date_time=conv.get(f"session_{n}_date_time"),
+                turns=tuple(turns),
+                summary=summary if isinstance(summary, str) else None,
+                observations=tuple(obs),
+            )
+        )
+    return tuple(sessions)
+
+
+def load_locomo(path: str | Path) -> list[LocomoConversation]:
+    """Load and validate ``locomo10.json``. Errors name the file, sample, QA index and field."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise LocomoFormatError(f"{path.name}: not valid JSON: {exc}") from exc
+    if not isinstance(raw, list):
+        raise LocomoFormatError(f"{path.name}: expected a list of samples, got {type(raw).__name__}")
+    conversations = []
+    seen: set[str] = set()
+    for s_index, sample in enumerate(raw):
+        sample_id = _require(sample, "sample_id", str, f"{path.name}, sample [{s_index}]")
+        if sample_id in seen:
+            raise LocomoFormatError(f"{_where(path, sample_id)}: duplicate sample_id")
+        seen.add(sample_id)
+        where = _where(path, sample_id)
+        conv = _require(sample, "conversation", dict, where)
+        qa_raw = _require(sample, "qa", list, where)
+        conversations.append(
+            LocomoConversation(
+                sample_id=sample_id,
+                speaker_a=_require(conv, "speaker_a", str, f"{where}, conversation"),
+                speaker_b=_require(conv, "speaker_b", str, f"{where}, conversation"),
+                sessions=_parse_sessions(sample, path, sample_id),
+                qa=tuple(_parse_qa(q, path, sample_id, i) for i, q in enumerate(qa_raw)),
+            )
+        )
+    return conversations
+
+
+# --------------------------------------------------------------------------- initial memories
+
+MEMORY_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("memory_id", pa.int64()),
+        ("content", pa.string()),
+        ("speaker", pa.string()),
+        ("session", pa.int64()),
+        ("date", pa.string()),
+        ("evidence", pa.list_(pa.string())),
+        ("source", pa.string()),
+    ]
+)
+
+
+def initial_memories(conv: LocomoConversation, sources: Sequence[str] = ("observation",)) -> list[dict]:
+    """The conversation's seed memories, in a stable order, with ids 0..n-1.
+
+    ``observation``: one memory per generated fact (the LoCoMo paper's RAG database);
+    ``session_summary``: one per session summary; ``dialogue``: one per turn, "Speaker: text".
+    """
+    unknown = [s for s in sources if s not in MEMORY_SOURCES]
+    if unknown:
+        raise ValueError(f"unknown memory sources {unknown}; choose from {list(MEMORY_SOURCES)}")
+    records: list[dict] = []
+
+    def add(content, speaker, session, evidence, source):
+        records.append(
+            {
+                "sample_id": conv.sample_id,
+                "memory_id": len(records),
+                "content": content,
+                "speaker": speaker,
+                "session": session.index,
+                "date": session.date_time,
+                "evidence": list(evidence),
+                "source": source,
+            }
+        )
+
+    for source in sources:
+        for session in conv.sessions:
+            if source == "observation":
+                for speaker, facts in session.observations:
+                    for text, evidence in facts:
+                        add(text, speaker, session, evidence, source)
+            elif source == "session_summary" and session.summary:
+                add(session.summary.strip(), None, session, (), source)
+            elif source == "dialogue":
+                for turn in session.turns:
+                    text = turn.text.strip()
+                    if turn.image_caption:
+                        text = f"{text} [shares a photo: {turn.image_caption}]"
+                    add(f"{turn.speaker}: {text}", turn.speaker, session, (turn.dia_id,), source)
+    return records
+
+
+# --------------------------------------------------------------------------- verl rows
+
+ROW_SCHEMA = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("agent_name", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("ability", pa.string()),
+        (
+            "reward_model",
+            pa.struct([("style", pa.string()), ("ground_truth", pa.string())]),
+        ),
+        (
+            "extra_info",
+            pa.struct(
+                [
+                    ("index", pa.int64()),
+                    ("split", pa.string()),
+                    ("namespace", pa.string()),
+                    ("sample_id", pa.string()),
+                    ("qa_index", pa.int64()),
+                    ("question", pa.string()),
+                    ("answer", pa.string()),
+                    ("adversarial_answer", pa.string()),
+                    ("category", pa.int64()),
+                    ("category_name", pa.string()),
+                    ("evidence", pa.list_(pa.string())),
+                    (
+                        "tools_kwargs",
+                        pa.struct(
+                            [
+                                (
+                                    tool,
+                                    pa.struct(
+                                        [
+                                            (
+                                                "create_kwargs",
+                                                pa.struct(
+                                                    [("sample_id", pa.string()), ("namespace", pa.string())]
+                                                ),
+                                            )
+                                        ]
+                                    ),
+                                )
+                                for tool in MEMORY_TOOLS
+                            ]
+                        ),
+                    ),
+                ]
+            ),
+        ),
+    ]
+)
+
+
+def build_prompt(conv: LocomoConversation, question: str, n_memories: int) -> list[dict[str, str]]:
+    """The chat messages of one training or evaluation episode (the same for both)."""
+    dates = [s.date_time for s in conv.sessions if s.date_time]
+    user = USER_TEMPLATE.format(
+        n_memories=n_memories,
+        n_sessions=len(conv.sessions),
+        speaker_a=conv.speaker_a,
+        speaker_b=conv.speaker_b,
+        first_date=dates[0] if dates else "an unknown date",
+        last_date=dates[-1] if dates else "an unknown date",
+        question=question,
+    )
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+def build_rows(
+    conversations: Sequence[LocomoConversation],
+    split: str,
+    memory_counts: dict[str, int],
+    drop_categories: Iterable[int] = (),
+) -> pa.Table:
+    """One row per QA pair of the given conversations, in verl's ``RLHFDataset`` layout."""
+    drop = set(drop_categories)
+    rows = []
+    for conv in conversations:
+        for qa in conv.qa:
+            if qa.category in drop:
+                continue
+            namespace = qa.namespace
+            create = {"sample_id": conv.sample_id, "namespace": namespace}
+            rows.append(
+                {
+                    "data_source": f"{DATA_SOURCE_PREFIX}-{conv.sample_id}",
+                    "agent_name": AGENT_NAME,
+                    "prompt": build_prompt(conv, qa.question, memory_counts[conv.sample_id]),
+                    "ability": "memory",
+                    "reward_model": {"style": "memory_delta", "ground_truth": qa.answer},
+                    "extra_info": {
+                        "index": len(rows),
+                        "split": split,
+                        "namespace": namespace,
+                        "sample_id": conv.sample_id,
+                        "qa_index": qa.qa_index,
+                        "question": qa.question,
+                        "answer": qa.answer,
+                        "adversarial_answer": qa.adversarial_answer,
+                        "category": qa.category,
+                        "category_name": CATEGORY_NAMES[qa.category],
+                        "evidence": list(qa.evidence),
+                        "tools_kwargs": {tool: {"create_kwargs": create} for tool in MEMORY_TOOLS},
+                    },
+                }
+            )
+    return pa.Table.from_pylist(rows, schema=ROW_SCHEMA)
+
+
+def resolve_split(conversations: Sequence[LocomoConversation], split: dict[str, Sequence[str]]) -> dict:
+    """Map split names to conversations; every listed id must exist and appear in one split only."""
+    by_id = {c.sample_id: c for c in conversations}
+    assigned: dict[str, str] = {}
+    resolved = {}
+    for name, ids in split.items():
+        for sample_id in ids:
+            if sample_id not in by_id:
+                raise ValueError(
+                    f"split {name!r} lists {sample_id!r}, which is not in the data (have {sorted(by_id)})"
+                )
+            if sample_id in assigned:
+                raise ValueError(f"{sample_id!r} is in both split {assigned[sample_id]!r} and {name!r}")
+            assigned[sample_id] = name
+        resolved[name] = [by_id[i] for i in ids]
+    unused = sorted(set(by_id) - set(assigned))
+    if unused:
+        logger.warning("conversations in no split (not used): %s", unused)
+    return resolved
+
+
+def preprocess_locomo(
+    input_path: str | Path,
+    outputs: dict[str, str | Path],
+    *,
+    split: dict[str, Sequence[str]],
+    memory_sources: Sequence[str] = ("observation",),
+    drop_categories: dict[str, Sequence[int]] | None = None,
+    summary_path: str | Path | None = None,
+) -> dict:
+    """Write ``{split}.parquet`` rows and ``memories.parquet`` for the configured conversation split.
+
+    ``outputs`` maps each split name and ``"memories"`` to a path. ``drop_categories`` maps a split to
+    the categories left out of it (default: category 5 out of ``train`` and ``val``, kept in ``test``
+    for the official evaluation). Returns (and optionally writes) a summary with per-split counts.
+    """
+    if drop_categories is None:
+        drop_categories = {"train": [5], "val": [5]}
+    conversations = load_locomo(input_path)
+    resolved = resolve_split(conversations, split)
+    missing = [name for name in [*resolved, "memories"] if name not in outputs]
+    if missing:
+        raise ValueError(f"no output path given for {missing}")
+
+    memories = [m for conv in conversations for m in initial_memories(conv, memory_sources)]
+    memory_counts = Counter(m["sample_id"] for m in memories)
+    write_parquet_atomic(outputs["memories"], pa.Table.from_pylist(memories, schema=MEMORY_SCHEMA))
+
+    summary: dict[str, Any] = {
+        "input": str(input_path),
+        "input_sha256": sha256_file(input_path),
+        "memory_sources": list(memory_sources),
+        "memories": dict(sorted(memory_counts.items())),
+        "qa_total": sum(len(c.qa) for c in conversations),
+        "qa_by_category": dict(sorted(Counter(q.category for c in conversations for q in c.qa).items())),
+        "evidence_unparsed": [
+            {"sample_id": q.sample_id, "qa_index": q.qa_index, "tokens": list(q.evidence_unparsed)}
+            for c in conversations
+            for q in c.qa
+            if q.evidence_unparsed
+        ],
+        "splits": {},
+    }
+    for name, convs in resolved.items():
+        table = build_rows(convs, name, memory_counts, drop_categories.get(name, ()))
+        write_parquet_atomic(outputs[name], table)
+        categories = Counter(table.column("extra_info").combine_chunks().field("category").to_pylist())
+        summary["splits"][name] = {
+            "conversations": [c.sample_id for c in convs],
+            "rows": table.num_rows,
+            "by_category": dict(sorted(categories.items())),
+        }
+        logger.info("%s: %d rows from %s", name, table.num_rows, [c.sample_id for c in convs])
+    if summary_path is not None:
+        write_json_atomic(summary_path, summary)
+    return summary

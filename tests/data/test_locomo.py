@@ -1,0 +1,195 @@
+import json
+from collections import Counter
+
+import pyarrow.parquet as pq
+import pytest
+
+from memupdate.data.locomo import (
+    CATEGORY_NAMES,
+    LocomoFormatError,
+    base_namespace,
+    initial_memories,
+    load_locomo,
+    parse_evidence,
+    preprocess_locomo,
+)
+
+SPLIT = {
+    "train": ["conv-26", "conv-30", "conv-41", "conv-42", "conv-43", "conv-44"],
+    "val": ["conv-47"],
+    "test": ["conv-48", "conv-49", "conv-50"],
+}
+
+
+def outputs_in(folder):
+    return {name: folder / f"{name}.parquet" for name in ["train", "val", "test", "memories"]}
+
+
+@pytest.fixture(scope="module")
+def conversations(locomo_path):
+    return load_locomo(locomo_path)
+
+
+@pytest.fixture(scope="module")
+def built(locomo_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("locomo")
+    summary = preprocess_locomo(locomo_path, outputs_in(folder), split=SPLIT)
+    return folder, summary
+
+
+def test_real_file_counts(conversations):
+    qa = [q for c in conversations for q in c.qa]
+    assert len(conversations) == 10
+    assert len(qa) == 1986
+    assert sum(q.category != 5 for q in qa) == 1540
+    assert Counter(q.category for q in qa) == {1: 282, 2: 321, 3: 96, 4: 841, 5: 446}
+
+
+def test_answers_are_strings_and_category5_is_adversarial(conversations):
+    qa = [q for c in conversations for q in c.qa]
+    assert all(isinstance(q.answer, str) for q in qa if q.category != 5)
+    assert next(q for q in qa if q.sample_id == "conv-26" and q.qa_index == 1).answer == "2022"
+    cat5 = [q for q in qa if q.category == 5]
+    assert all(q.adversarial_answer for q in cat5)
+    # 444 of 446 have no gold answer at all; two carry both fields in the released file.
+    assert sum(q.answer is None for q in cat5) == 444
+
+
+def test_malformed_evidence_is_repaired_or_reported(conversations):
+    by_key = {(q.sample_id, q.qa_index): q for c in conversations for q in c.qa}
+    assert by_key["conv-26", 37].evidence == ("D8:6", "D9:17")
+    assert by_key["conv-43", 18].evidence == ("D1:14", "D2:7", "D4:7", "D5:15", "D11:26", "D20:21", "D26:36")
+    assert by_key["conv-49", 38].evidence == ("D22:1", "D22:2", "D9:10", "D9:11")
+    assert by_key["conv-42", 88].evidence == ("D1:18", "D1:20")
+    assert by_key["conv-42", 88].evidence_unparsed == ("D",)
+
+
+def test_parse_evidence_shapes():
+    assert parse_evidence(["D1:3"]).ids == ("D1:3",)
+    assert parse_evidence(["D1:3", "D1:3"]).ids == ("D1:3",)
+    parsed = parse_evidence(["D", "X7", ""])
+    assert parsed.ids == () and parsed.unparsed == ("D", "X7", "")
+
+
+def test_namespaces_are_stable_and_unique(conversations):
+    namespaces = [q.namespace for c in conversations for q in c.qa]
+    assert len(set(namespaces)) == 1986
+    q = conversations[0].qa[0]
+    assert q.namespace == base_namespace(q.sample_id, q.qa_index, q.question)
+    assert q.namespace.startswith("conv-26-qa0-") and len(q.namespace.rsplit("-", 1)[1]) == 8
+    assert base_namespace("conv-26", 0, "another question") != q.namespace
+
+
+def test_split_is_by_conversation_and_drops_category5_from_training(built):
+    folder, summary = built
+    seen = {}
+    for split in ["train", "val", "test"]:
+        rows = pq.read_table(folder / f"{split}.parquet").to_pylist()
+        samples = {r["extra_info"]["sample_id"] for r in rows}
+        assert samples == set(SPLIT[split])
+        for sample in samples:
+            assert seen.setdefault(sample, split) == split
+        categories = {r["extra_info"]["category"] for r in rows}
+        assert (5 in categories) == (split == "test")
+    # All ten conversations are split, so the rows are the 1,540 answerable questions plus test's category 5.
+    total = sum(s["rows"] for s in summary["splits"].values())
+    assert total == 1540 + summary["splits"]["test"]["by_category"][5]
+
+
+def test_rows_have_verl_layout_with_native_nested_columns(built):
+    folder, _ = built
+    table = pq.read_table(folder / "train.parquet")
+    assert table.schema.field("extra_info").type.num_fields > 5  # a struct, not a JSON string
+    row = table.slice(0, 1).to_pylist()[0]
+    assert row["agent_name"] == "memupdate_agent"
+    assert row["data_source"] == "locomo-conv-26"
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"]
+    assert "Target question: When did Caroline go to the LGBTQ support group?" in row["prompt"][1]["content"]
+    assert "debug" not in row["prompt"][0]["content"].lower()
+    extra = row["extra_info"]
+    assert row["reward_model"] == {"style": "memory_delta", "ground_truth": "7 May 2023"}
+    assert extra["evidence"] == ["D1:3"] and extra["category"] == 2
+    assert extra["category_name"] == CATEGORY_NAMES[2]
+    assert extra["tools_kwargs"]["search_memory"]["create_kwargs"] == {
+        "sample_id": "conv-26",
+        "namespace": extra["namespace"],
+    }
+    assert table.column("extra_info").combine_chunks().field("index").to_pylist() == list(range(table.num_rows))
+
+
+def test_initial_memories_table(built, conversations):
+    folder, summary = built
+    memories = pq.read_table(folder / "memories.parquet").to_pylist()
+    assert summary["memories"]["conv-26"] == sum(m["sample_id"] == "conv-26" for m in memories)
+    first = memories[0]
+    assert first["sample_id"] == "conv-26" and first["memory_id"] == 0 and first["source"] == "observation"
+    assert first["speaker"] == "Caroline" and first["session"] == 1
+    assert first["date"] == "1:56 pm on 8 May, 2023" and first["evidence"] == ["D1:3"]
+    ids = [m["memory_id"] for m in memories if m["sample_id"] == "conv-30"]
+    assert ids == list(range(len(ids)))
+
+
+def test_memory_sources_are_configurable(conversations):
+    conv = conversations[0]
+    dialogue = initial_memories(conv, ["dialogue"])
+    assert len(dialogue) == sum(len(s.turns) for s in conv.sessions)
+    assert dialogue[0]["content"].startswith("Caroline: ") and dialogue[0]["evidence"] == ["D1:1"]
+    summaries = initial_memories(conv, ["session_summary"])
+    assert len(summaries) == len(conv.sessions) and summaries[0]["speaker"] is None
+    both = initial_memories(conv, ["observation", "session_summary"])
+    assert [m["memory_id"] for m in both] == list(range(len(both)))
+    with pytest.raises(ValueError, match="unknown memory sources"):
+        initial_memories(conv, ["gossip"])
+
+
+def test_preprocessing_is_deterministic(locomo_path, tmp_path, built):
+    folder, _ = built
+    preprocess_locomo(locomo_path, outputs_in(tmp_path), split=SPLIT)
+    for name in ["train", "val", "test", "memories"]:
+        assert (tmp_path / f"{name}.parquet").read_bytes() == (folder / f"{name}.parquet").read_bytes()
+
+
+def test_split_errors(locomo_path, tmp_path):
+    with pytest.raises(ValueError, match="'conv-99', which is not in the data"):
+        preprocess_locomo(locomo_path, outputs_in(tmp_path), split={**SPLIT, "val": ["conv-99"]})
+    with pytest.raises(ValueError, match="'conv-26' is in both split 'train' and 'test'"):
+        preprocess_locomo(locomo_path, outputs_in(tmp_path), split={**SPLIT, "test": ["conv-26"]})
+    assert not any(tmp_path.iterdir())
+
+
+def _broken_copy(locomo_path, tmp_path, edit):
+    data = json.loads(locomo_path.read_text())[:2]
+    edit(data)
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d[1]["qa"][3].pop("answer"), r"broken.json, sample 'conv-30', qa\[3\]: field 'answer' is missing"),
+        (lambda d: d[0]["qa"][7].update(category=9), r"sample 'conv-26', qa\[7\]: field 'category' must be an integer"),
+        (lambda d: d[0]["qa"][2].update(evidence="D1:3"), r"sample 'conv-26', qa\[2\]: field 'evidence' must be a list"),
+        (lambda d: d[0]["qa"][0].pop("question"), r"sample 'conv-26', qa\[0\]: field 'question' is missing"),
+        (lambda d: d[1].pop("sample_id"), r"sample \[1\]: field 'sample_id' is missing"),
+        (
+            lambda d: d[0]["conversation"]["session_2"][4].pop("dia_id"),
+            r"sample 'conv-26', conversation.session_2\[4\]: field 'dia_id' is missing",
+        ),
+        (
+            lambda d: d[0]["qa"][0].update(category=5),
+            r"qa\[0\]: category 5 needs field 'adversarial_answer'",
+        ),
+    ],
+)
+def test_broken_records_name_the_record(locomo_path, tmp_path, edit, message):
+    with pytest.raises(LocomoFormatError, match=message):
+        load_locomo(_broken_copy(locomo_path, tmp_path, edit))
+
+
+def test_invalid_json_names_the_file(tmp_path):
+    path = tmp_path / "locomo10.json"
+    path.write_text("[{")
+    with pytest.raises(LocomoFormatError, match="locomo10.json: not valid JSON"):
+        load_locomo(path)

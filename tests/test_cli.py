@@ -1,0 +1,50 @@
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from memupdate.cli import build_parser
+
+COMMANDS = [[], ["fetch"], ["preprocess"], ["preprocess", "locomo"], ["preprocess", "hotpotqa"], ["score"]]
+
+
+def memupdate_exe():
+    exe = Path(sys.executable).parent / "memupdate"
+    return [str(exe)] if exe.exists() else [shutil.which("memupdate") or "memupdate"]
+
+
+@pytest.mark.parametrize("words", COMMANDS, ids=lambda w: " ".join(w) or "top")
+def test_every_subcommand_has_help(words, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*words, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: memupdate" in capsys.readouterr().out
+
+
+def test_console_script_is_installed():
+    result = subprocess.run([*memupdate_exe(), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "preprocess" in result.stdout
+
+
+def test_preprocess_locomo_from_the_command_line(locomo_path, tmp_path):
+    cmd = [*memupdate_exe(), "preprocess", "locomo", str(locomo_path), str(tmp_path),
+           "--train", "conv-26", "--val", "conv-30", "--test", "conv-41"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    splits = json.loads(result.stdout)
+    assert splits["train"]["rows"] == pq.read_metadata(tmp_path / "train.parquet").num_rows == 152
+
+
+def test_score_command(capsys):
+    from memupdate.cli import main
+
+    main(["score", "running, painting", "painting and running", "--category", "1"])
+    scores = json.loads(capsys.readouterr().out)
+    assert scores["mem0_f1"] == pytest.approx(0.8)
+    # Category 1 splits on commas: gold "painting and running" is one part, best matched by
+    # "running" or "painting" alone (P=1, R=1/2), so 2/3.
+    assert scores["locomo_f1"] == pytest.approx(2 / 3)
