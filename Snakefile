@@ -4,6 +4,7 @@
 #   data/locomo/{train,val,test}.parquet   verl rows, one per LoCoMo QA pair (preprocess_locomo)
 #   data/locomo/memories.parquet           initial memories per conversation (preprocess_locomo)
 #   data/hotpotqa/{split}-{ndocs}.parquet  MemAgent haystacks (preprocess_hotpotqa)
+#   embeddings/<model>/memories/           vectors of the initial memories (embed_memories)
 # resources/data/{name}.json               verified copies of public data files (fetch_data)
 # logs/<rule>/..., benchmarks/<rule>/...   one log and one benchmark per job
 
@@ -21,6 +22,7 @@ validate(config, "config/schema/config.schema.yaml")
 
 include: "rules/common.smk"
 include: "rules/data.smk"
+include: "rules/embed.smk"
 
 
 rule all:

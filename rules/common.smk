@@ -1,9 +1,14 @@
 # Shared helpers: scale selection, wildcard constraints and input functions (no logic in rules).
 
+from pathlib import Path
 
 SCALE = config["scales"][config["scale"]]
 DATA_FILES = config["data"]["files"]
 LOCOMO_SPLITS = ["train", "val", "test"]
+# One folder per embedding model, named by the model's last path component.
+EMBEDDING_MODEL = config["memory"]["embedding_model"]
+EMBEDDING_TAG = Path(EMBEDDING_MODEL).name
+EMBEDDINGS = f"results/embeddings/{EMBEDDING_TAG}"
 
 
 wildcard_constraints:
@@ -49,4 +54,4 @@ def get_hotpotqa_outputs():
 
 
 def get_final_outputs():
-    return [*get_locomo_outputs(), *get_hotpotqa_outputs()]
+    return [*get_locomo_outputs(), *get_hotpotqa_outputs(), f"{EMBEDDINGS}/memories"]

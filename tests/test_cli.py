@@ -9,7 +9,17 @@ import pytest
 
 from memupdate.cli import build_parser
 
-COMMANDS = [[], ["fetch"], ["preprocess"], ["preprocess", "locomo"], ["preprocess", "hotpotqa"], ["score"]]
+COMMANDS = [
+    [],
+    ["fetch"],
+    ["preprocess"],
+    ["preprocess", "locomo"],
+    ["preprocess", "hotpotqa"],
+    ["embed"],
+    ["bench"],
+    ["bench", "memory"],
+    ["score"],
+]
 
 
 def memupdate_exe():

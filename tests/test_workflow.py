@@ -1,5 +1,6 @@
 """The Snakemake workflow, run the way a user runs it: from a clean copy of the repository."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -69,3 +70,14 @@ def test_locomo_target_builds_on_the_local_profile(workdir, shared_data_dir):
     assert (workdir / "resources/data/locomo10.json").stat().st_size == 2_805_274
     rerun = snakemake(workdir, "--profile", "profiles/local", "results/data/locomo/train.parquet")
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
+
+    everything = snakemake(workdir, "--profile", "profiles/local", "all")
+    assert everything.returncode == 0, everything.stderr[-3000:]
+    summary = json.loads((workdir / "results/embeddings/all-MiniLM-L6-v2/memories.summary.json").read_text())
+    assert summary["total"] == summary["cache_size"] == 2541 and summary["new"] == 2541
+    assert pq.read_metadata(workdir / "results/data/hotpotqa/dev-10.parquet").num_rows == 20
+    # Snakemake deletes the cache before a forced rerun; the pool outside it keeps every vector.
+    forced = snakemake(workdir, "--profile", "profiles/local", "--forcerun", "embed_memories", "all")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    summary = json.loads((workdir / "results/embeddings/all-MiniLM-L6-v2/memories.summary.json").read_text())
+    assert summary["new"] == 0 and summary["reused"] == 2541

@@ -54,6 +54,35 @@ def _cmd_preprocess_hotpotqa(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+def _cmd_embed(args: argparse.Namespace) -> None:
+    from memupdate.memory.cache import build_embedding_cache
+
+    summary = build_embedding_cache(
+        args.memories, args.cache_dir, args.model, args.batch_size, pool_dir=args.pool
+    )
+    json.dump(summary, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _cmd_bench_memory(args: argparse.Namespace) -> None:
+    from memupdate.bench.memory import format_memory_bench, run_memory_bench
+
+    result = run_memory_bench(
+        args.memories,
+        args.embeddings,
+        args.locomo,
+        sample_id=args.sample_id,
+        model=args.model,
+        n_ops=args.ops,
+        reward_trials=args.reward_trials,
+        memory_trials=args.memory_trials,
+        changes=args.changes,
+        episodes=args.episodes,
+        output=args.output,
+    )
+    sys.stdout.write(format_memory_bench(result) + "\n")
+
+
 def _cmd_score(args: argparse.Namespace) -> None:
     from memupdate import metrics
 
@@ -107,6 +136,30 @@ def build_parser() -> argparse.ArgumentParser:
     hot.add_argument("--limit", type=int, help="number of questions")
     hot.add_argument("--tokenizer", help="HF tokenizer name or path for token counts")
     hot.set_defaults(func=_cmd_preprocess_hotpotqa)
+
+    embed = sub.add_parser("embed", help="embed the memories table into an embedding cache")
+    embed.add_argument("memories", help="memories.parquet (column 'content')")
+    embed.add_argument("cache_dir", help="cache directory (created, or extended)")
+    embed.add_argument("--model", default="all-MiniLM-L6-v2", help="sentence-transformers name or path")
+    embed.add_argument("--batch-size", type=int, default=64)
+    embed.add_argument("--pool", help="a second cache to reuse vectors from and add new ones to")
+    embed.set_defaults(func=_cmd_embed)
+
+    bench = sub.add_parser("bench", help="benchmarks: print a table and write JSON")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    mem = bench_sub.add_parser("memory", help="tool latency, reward throughput, memory per trial, loop lag")
+    mem.add_argument("--memories", default="results/data/locomo/memories.parquet")
+    mem.add_argument("--embeddings", default="results/embeddings/all-MiniLM-L6-v2/memories")
+    mem.add_argument("--locomo", default="resources/data/locomo10.json")
+    mem.add_argument("--sample-id", default="conv-26")
+    mem.add_argument("--model", default="all-MiniLM-L6-v2")
+    mem.add_argument("--ops", type=int, default=300, help="calls per tool for the latency percentiles")
+    mem.add_argument("--reward-trials", type=int, default=512)
+    mem.add_argument("--memory-trials", type=int, default=1000)
+    mem.add_argument("--changes", type=int, default=5, help="changes per trial store")
+    mem.add_argument("--episodes", type=int, default=64)
+    mem.add_argument("--output", default="results/bench/memory.json")
+    mem.set_defaults(func=_cmd_bench_memory)
 
     score = sub.add_parser("score", help="score one prediction against one gold answer")
     score.add_argument("prediction")

@@ -1,0 +1,190 @@
+"""Registry of the open trial stores of one worker, keyed by trial namespace.
+
+>>> trial_namespace("conv-26-qa0-ff702917", "1010e8efa1b2c3d4e5f6")
+'conv-26-qa0-ff702917-1010e8ef'
+
+Example (an agent loop owns the trial from its first tool call to its reward)::
+
+    manager = MemoryStoreManager("results/data/locomo/memories.parquet",
+                                 "results/embeddings/all-MiniLM-L6-v2/memories", Embedder())
+    trial = await manager.aopen(base_namespace, request_id, sample_id)
+    hits = await trial.asearch("When did Caroline go to the support group?")
+    ...
+    delta = trial.export_delta()          # travels with the trajectory to the reward
+    stats = manager.release(trial.namespace)
+
+The caller creates the manager (one per worker process); nothing here is a global. All bookkeeping is
+synchronous and the only awaits are embedding and first-time base loading in worker threads, so any
+number of coroutines of one event loop can use the manager without locks of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from memupdate.memory.cache import EmbeddingCache
+from memupdate.memory.embedder import Embedder
+from memupdate.memory.store import BaseStore, TrialStore
+
+logger = logging.getLogger(__name__)
+
+MEMORY_COLUMNS = ["sample_id", "memory_id", "content", "speaker", "session", "date", "evidence", "source"]
+
+
+class UnknownNamespace(LookupError):
+    """No trial store is open under this namespace (never opened, or already released)."""
+
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+        super().__init__(f"no open memory store for namespace {namespace!r}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class NamespaceInUse(RuntimeError):
+    """A trial store is already open under this namespace (a reused request id or a missing release)."""
+
+
+def trial_namespace(base_namespace: str, request_id: str) -> str:
+    """``f"{base_namespace}-{request_id[:8]}"``: the row's namespace plus the first 8 characters of the run id."""
+    if not base_namespace or len(request_id) < 8:
+        raise ValueError(
+            f"need a base namespace and a request id of >= 8 characters, got {base_namespace!r}, {request_id!r}"
+        )
+    return f"{base_namespace}-{request_id[:8]}"
+
+
+class MemoryStoreManager:
+    """Opens, finds and releases :class:`TrialStore` overlays; loads each conversation's :class:`BaseStore`
+    lazily, once, from the memories table and the embedding cache.
+
+    ``memories`` is the memories parquet (or a table with its columns); ``cache`` the embedding cache
+    directory (or an open cache). The ``embedder`` must be the cache's model: it embeds the trials' new
+    texts and queries.
+    """
+
+    def __init__(
+        self,
+        memories: str | os.PathLike | pa.Table,
+        cache: str | os.PathLike | EmbeddingCache,
+        embedder: Embedder | None = None,
+    ):
+        self._memories_source = memories
+        self._cache_source = cache
+        self.embedder = embedder
+        self._table: pa.Table | None = None
+        self._cache: EmbeddingCache | None = None
+        self._bases: dict[str, BaseStore] = {}
+        self._trials: dict[str, TrialStore] = {}
+        # Guards lazy loading only, which may run in worker threads (aopen); never held across an await.
+        self._load_lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._trials)
+
+    def __contains__(self, namespace: object) -> bool:
+        return namespace in self._trials
+
+    def namespaces(self) -> list[str]:
+        return sorted(self._trials)
+
+    # ------------------------------------------------------------------ base stores
+
+    def _load_table(self) -> pa.Table:
+        if self._table is None:
+            source = self._memories_source
+            self._table = (
+                source if isinstance(source, pa.Table) else pq.read_table(source, columns=MEMORY_COLUMNS)
+            )
+            logger.info("memories table: %d rows", self._table.num_rows)
+        return self._table
+
+    def _load_cache(self) -> EmbeddingCache:
+        if self._cache is None:
+            source = self._cache_source
+            if isinstance(source, EmbeddingCache):
+                if self.embedder is not None and source.model_name != self.embedder.model_name:
+                    raise ValueError(
+                        f"embedding cache {source.path} is for {source.model_name!r}, "
+                        f"the embedder is {self.embedder.model_name!r}"
+                    )
+                self._cache = source
+            else:
+                self._cache = EmbeddingCache.open(Path(source), self.embedder, must_exist=True)
+        return self._cache
+
+    def base(self, sample_id: str) -> BaseStore:
+        """The base store of one conversation, loaded on first use (blocking; see :meth:`aopen`)."""
+        base = self._bases.get(sample_id)
+        if base is not None:
+            return base
+        with self._load_lock:
+            if sample_id not in self._bases:
+                self._bases[sample_id] = BaseStore.from_table(
+                    self._load_table(), sample_id, self._load_cache()
+                )
+                logger.info("loaded base memories of %s: %d records", sample_id, len(self._bases[sample_id]))
+            return self._bases[sample_id]
+
+    def preload(self, sample_ids: list[str]) -> None:
+        """Load these conversations' base stores now (at worker start) rather than on first open."""
+        for sample_id in sample_ids:
+            self.base(sample_id)
+
+    # ------------------------------------------------------------------ trials
+
+    def open(
+        self, base_namespace: str, request_id: str, sample_id: str, *, exist_ok: bool = False
+    ) -> TrialStore:
+        """A new, empty overlay on ``sample_id``'s base store under ``trial_namespace(base_namespace, request_id)``.
+
+        With ``exist_ok``, the trial already open under that namespace (for the same sample) is returned.
+        """
+        namespace = trial_namespace(base_namespace, request_id)
+        existing = self._trials.get(namespace)
+        if existing is not None:
+            if exist_ok and existing.base.sample_id == sample_id:
+                return existing
+            raise NamespaceInUse(
+                f"a memory store is already open for namespace {namespace!r} "
+                f"(sample {existing.base.sample_id!r}); release it first"
+            )
+        trial = TrialStore(self.base(sample_id), self.embedder, namespace=namespace)
+        self._trials[namespace] = trial
+        return trial
+
+    async def aopen(
+        self, base_namespace: str, request_id: str, sample_id: str, *, exist_ok: bool = False
+    ) -> TrialStore:
+        """:meth:`open`, loading the base store in a thread the first time so the event loop keeps running.
+
+        Parallel tool calls of one trajectory may each call ``aopen(..., exist_ok=True)``: the namespace
+        is checked after the await, so they all get the same store.
+        """
+        if sample_id not in self._bases:
+            await asyncio.to_thread(self.base, sample_id)
+        return self.open(base_namespace, request_id, sample_id, exist_ok=exist_ok)
+
+    def get(self, namespace: str) -> TrialStore:
+        try:
+            return self._trials[namespace]
+        except KeyError:
+            raise UnknownNamespace(namespace) from None
+
+    def release(self, namespace: str) -> dict[str, Any]:
+        """Close a trial and return its growth statistics (export its delta first if it is needed)."""
+        trial = self._trials.pop(namespace, None)
+        if trial is None:
+            raise UnknownNamespace(namespace)
+        stats = {"namespace": namespace, "sample_id": trial.base.sample_id, **trial.stats()}
+        logger.debug("released %s: %s", namespace, stats)
+        return stats

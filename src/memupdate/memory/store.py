@@ -1,0 +1,759 @@
+"""Memory records, the read-only base memories of a conversation, and per-trial overlays on them.
+
+>>> import numpy as np
+>>> base = BaseStore("conv-0", [MemoryRecord(0, "Caroline prefers tea", speaker="Caroline", source="observation")],
+...                  np.array([[1.0, 0.0]], dtype=np.float32))
+>>> trial = TrialStore(base)                  # O(1): nothing of the base is copied
+>>> trial.create("Melanie paints", {"speaker": "Melanie"}, vector=np.array([0.0, 1.0]))
+1
+>>> [(h.id, h.content) for h in trial.search(np.array([0.1, 1.0]), top_k=1)]
+[(1, 'Melanie paints')]
+>>> trial.delete(0).content, len(trial), len(base)
+('Caroline prefers tea', 1, 1)
+>>> trial.export_delta()["deleted"]
+[0]
+
+The model sees memories by their short integer ``id`` (``[3] prefers tea``). Sync methods never run the
+embedding model (they take vectors, so a caller can batch); the ``a``-prefixed methods embed text in a
+worker thread through the injected :class:`~memupdate.memory.embedder.Embedder`. Scores are cosine
+similarities: higher = more similar. The store knows nothing of LLMs or verl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from memupdate.memory.index import VectorIndex, normalize_rows
+
+if TYPE_CHECKING:
+    from memupdate.memory.cache import EmbeddingCache
+    from memupdate.memory.embedder import Embedder
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("observation", "session_summary", "dialogue", "agent")
+METADATA_KEYS = ("speaker", "session", "date", "evidence", "source", "type")
+FILTER_KEYS = ("speaker", "session", "source", "type")
+DELTA_FORMAT_VERSION = 1
+OPERATIONS = ("create", "update", "delete", "merge", "split")
+
+
+class MemoryStoreError(Exception):
+    """Base class of errors caused by the requested operation (the tool layer words them for the model)."""
+
+
+class UnknownMemoryId(MemoryStoreError, LookupError):
+    """No memory with this id in the store; ``deleted`` tells whether it existed in this trial."""
+
+    def __init__(self, memory_id: int, *, deleted: bool = False):
+        self.memory_id = memory_id
+        self.deleted = deleted
+        super().__init__(f"no memory with id {memory_id}" + (" (it was deleted)" if deleted else ""))
+
+    def __str__(self) -> str:
+        # LookupError would otherwise show the repr of the message.
+        return str(self.args[0])
+
+
+class InvalidMemoryOperation(MemoryStoreError, ValueError):
+    """The operation's arguments are invalid (empty content, unknown metadata key, merge of one id, ...)."""
+
+
+def _optional_str(key: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise InvalidMemoryOperation(f"{key} must be a string or null, got {value!r}")
+
+
+def _optional_int(key: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InvalidMemoryOperation(f"{key} must be an integer or null, got {value!r}")
+    try:
+        # Tool arguments come from model-written JSON, where "3" and 3.0 both mean session 3.
+        as_int = int(value)
+    except (TypeError, ValueError):
+        raise InvalidMemoryOperation(f"{key} must be an integer or null, got {value!r}") from None
+    if as_int != float(value):
+        raise InvalidMemoryOperation(f"{key} must be an integer or null, got {value!r}")
+    return as_int
+
+
+@dataclass(frozen=True)
+class MemoryRecord:
+    """One memory. Fields are validated and normalised (evidence becomes a tuple).
+
+    >>> MemoryRecord(3, "prefers tea", evidence=["D1:3"], session="1").metadata
+    {'speaker': None, 'session': 1, 'date': None, 'evidence': ['D1:3'], 'source': 'agent', 'type': None}
+    """
+
+    id: int
+    content: str
+    speaker: str | None = None
+    session: int | None = None
+    date: str | None = None
+    evidence: tuple[str, ...] = ()
+    source: str = "agent"
+    type: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise in place once, at construction
+        set_(self, "id", _optional_int("id", self.id))
+        if self.id is None:
+            raise InvalidMemoryOperation("id must be an integer")
+        if not isinstance(self.content, str) or not self.content.strip():
+            raise InvalidMemoryOperation("content must be a non-empty string")
+        set_(self, "content", self.content.strip())
+        set_(self, "speaker", _optional_str("speaker", self.speaker))
+        set_(self, "session", _optional_int("session", self.session))
+        set_(self, "date", _optional_str("date", self.date))
+        set_(self, "type", _optional_str("type", self.type))
+        evidence = self.evidence
+        if evidence is None:
+            evidence = ()
+        elif isinstance(evidence, str):
+            evidence = (evidence,)
+        elif not isinstance(evidence, Iterable) or not all(isinstance(e, str) for e in evidence):
+            raise InvalidMemoryOperation(f"evidence must be a list of strings, got {evidence!r}")
+        set_(self, "evidence", tuple(evidence))
+        if self.source not in SOURCES:
+            raise InvalidMemoryOperation(f"source must be one of {list(SOURCES)}, got {self.source!r}")
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """Everything but id and content, JSON-ready."""
+        return {
+            "speaker": self.speaker,
+            "session": self.session,
+            "date": self.date,
+            "evidence": list(self.evidence),
+            "source": self.source,
+            "type": self.type,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "content": self.content, **self.metadata}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemoryRecord:
+        unknown = set(data) - {"id", "content", *METADATA_KEYS}
+        if unknown:
+            raise InvalidMemoryOperation(f"unknown memory fields {sorted(unknown)}")
+        return cls(**data)
+
+    def with_changes(
+        self, content: str | None = None, metadata: Mapping[str, Any] | None = None
+    ) -> MemoryRecord:
+        """A copy with new content and/or some metadata keys replaced (validated)."""
+        changes = dict(_check_metadata_keys(metadata))
+        if content is not None:
+            changes["content"] = content
+        return dataclasses.replace(self, **changes)
+
+
+def _check_metadata_keys(metadata: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidMemoryOperation(f"metadata must be an object, got {metadata!r}")
+    unknown = set(metadata) - set(METADATA_KEYS)
+    if unknown:
+        raise InvalidMemoryOperation(
+            f"unknown metadata keys {sorted(unknown)}; allowed: {list(METADATA_KEYS)}"
+        )
+    return metadata
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A search result: the record and its cosine similarity to the query (higher = more similar)."""
+
+    id: int
+    score: float
+    record: MemoryRecord
+
+    @property
+    def content(self) -> str:
+        return self.record.content
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.record.metadata
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"score": self.score, **self.record.to_dict()}
+
+
+# ---------------------------------------------------------------------------------------------- filters
+
+
+def _filter_value(key: str, value: Any) -> Any:
+    if key == "session":
+        return _optional_int(key, value)
+    # Models write "caroline" as often as "Caroline": string filters ignore case and outer spaces.
+    return str(value).strip().casefold()
+
+
+def normalize_filters(filters: Mapping[str, Any] | None) -> dict[str, frozenset]:
+    """``{key: value or list of values}`` → ``{key: frozenset(normalised values)}``; empty/None values are dropped.
+
+    >>> normalize_filters({"speaker": "Caroline", "session": [1, "2"], "source": None})
+    {'speaker': frozenset({'caroline'}), 'session': frozenset({1, 2})}
+    """
+    if not filters:
+        return {}
+    unknown = set(filters) - set(FILTER_KEYS)
+    if unknown:
+        raise InvalidMemoryOperation(f"unknown filter keys {sorted(unknown)}; allowed: {list(FILTER_KEYS)}")
+    out = {}
+    for key in FILTER_KEYS:
+        value = filters.get(key)
+        if value is None:
+            continue
+        values = value if isinstance(value, list | tuple | set | frozenset) else [value]
+        normalised = frozenset(_filter_value(key, v) for v in values if v is not None)
+        if normalised:
+            out[key] = normalised
+    return out
+
+
+def _record_filter_values(record: MemoryRecord) -> dict[str, Any]:
+    return {
+        key: (None if getattr(record, key) is None else _filter_value(key, getattr(record, key)))
+        for key in FILTER_KEYS
+    }
+
+
+def _matches(record: MemoryRecord, filters: Mapping[str, frozenset]) -> bool:
+    values = _record_filter_values(record)
+    return all(values[key] in allowed for key, allowed in filters.items())
+
+
+def _as_query(vector: Any, dim: int) -> np.ndarray:
+    if isinstance(vector, str):
+        raise TypeError("sync search takes a query vector; use asearch() to search by text")
+    q = normalize_rows(vector)
+    if q.shape != (1, dim):
+        raise ValueError(f"expected one query vector of dim {dim}, got shape {np.shape(vector)}")
+    return q
+
+
+def _as_vectors(vectors: Any, n: int, dim: int) -> np.ndarray:
+    if vectors is None:
+        raise ValueError(
+            "sync store methods need precomputed vectors; use the async a*() methods to embed text"
+        )
+    x = normalize_rows(vectors)
+    if x.shape != (n, dim):
+        raise ValueError(f"expected {n} vector(s) of dim {dim}, got shape {np.shape(vectors)}")
+    return x
+
+
+# ---------------------------------------------------------------------------------------------- base
+
+
+class BaseStore:
+    """The read-only initial memories of one conversation: records, their vectors and a :class:`VectorIndex`.
+
+    Built once per worker (from the memories table and the embedding cache, no embedding) and shared by
+    every trial of that conversation.
+    """
+
+    def __init__(self, sample_id: str, records: Sequence[MemoryRecord], vectors: np.ndarray):
+        order = sorted(range(len(records)), key=lambda i: records[i].id)
+        self.sample_id = sample_id
+        self.records: tuple[MemoryRecord, ...] = tuple(records[i] for i in order)
+        ids = [r.id for r in self.records]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"sample {sample_id!r}: memory ids are not unique")
+        if any(i < 0 for i in ids):
+            raise ValueError(f"sample {sample_id!r}: memory ids must be >= 0")
+        vectors = np.asarray(vectors)
+        if vectors.ndim != 2 or len(vectors) != len(records):
+            raise ValueError(
+                f"sample {sample_id!r}: {len(records)} records but vectors of shape {vectors.shape}"
+            )
+        self.vectors = normalize_rows(vectors)[order] if len(records) else normalize_rows(vectors)
+        self.vectors.setflags(write=False)
+        self.dim = self.vectors.shape[1]
+        self.max_id = max(ids, default=-1)
+        self._row = {id_: row for row, id_ in enumerate(ids)}
+        self.index = VectorIndex.from_vectors(ids, self.vectors)
+        # Filter postings: key → normalised value → rows, so a filtered search is a few array unions.
+        postings: dict[str, dict[Any, list[int]]] = {key: {} for key in FILTER_KEYS}
+        for row, record in enumerate(self.records):
+            for key, value in _record_filter_values(record).items():
+                postings[key].setdefault(value, []).append(row)
+        self._postings = {
+            key: {value: np.array(rows, dtype=np.int64) for value, rows in by_value.items()}
+            for key, by_value in postings.items()
+        }
+
+    @classmethod
+    def from_rows(cls, sample_id: str, rows: Iterable[Mapping[str, Any]], cache: EmbeddingCache) -> BaseStore:
+        """Records from memories-table rows (``memory_id``, ``content``, metadata columns), vectors from ``cache``."""
+        records = [
+            MemoryRecord(
+                id=row["memory_id"],
+                content=row["content"],
+                speaker=row.get("speaker"),
+                session=row.get("session"),
+                date=row.get("date"),
+                evidence=tuple(row.get("evidence") or ()),
+                source=row.get("source") or "observation",
+                type=row.get("type"),
+            )
+            for row in rows
+        ]
+        vectors = cache.get([r.content for r in records]) if records else np.empty((0, cache.dim), np.float32)
+        return cls(sample_id, records, vectors)
+
+    @classmethod
+    def from_table(cls, table: pa.Table, sample_id: str, cache: EmbeddingCache) -> BaseStore:
+        """The memories of ``sample_id`` in a memories table; raises ``LookupError`` if it has none."""
+        rows = table.filter(pc.equal(table["sample_id"], sample_id)).to_pylist()
+        if not rows:
+            raise LookupError(f"the memories table has no rows for sample_id {sample_id!r}")
+        return cls.from_rows(sample_id, rows, cache)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __contains__(self, memory_id: object) -> bool:
+        return memory_id in self._row
+
+    def __repr__(self) -> str:
+        return f"BaseStore({self.sample_id!r}, {len(self)} memories, dim={self.dim})"
+
+    def get(self, memory_id: int) -> MemoryRecord:
+        try:
+            return self.records[self._row[memory_id]]
+        except KeyError:
+            raise UnknownMemoryId(memory_id) from None
+
+    def vector(self, memory_id: int) -> np.ndarray:
+        if memory_id not in self._row:
+            raise UnknownMemoryId(memory_id)
+        return self.vectors[self._row[memory_id]]
+
+    def row(self, memory_id: int) -> int:
+        return self._row[memory_id]
+
+    def filter_mask(self, filters: Mapping[str, frozenset]) -> np.ndarray:
+        """Boolean mask over rows matching normalised ``filters`` (see :func:`normalize_filters`)."""
+        mask = np.ones(len(self), dtype=bool)
+        for key, allowed in filters.items():
+            key_mask = np.zeros(len(self), dtype=bool)
+            for value in allowed:
+                rows = self._postings[key].get(value)
+                if rows is not None:
+                    key_mask[rows] = True
+            mask &= key_mask
+        return mask
+
+
+# ---------------------------------------------------------------------------------------------- trial
+
+
+class TrialStore:
+    """One trajectory's view: a :class:`BaseStore` plus this trial's creates, updates and deletes.
+
+    Creating one costs O(1): it references the base and holds only its own changes. New ids continue
+    after the base's largest id (max + 1, + 2, ...), so they are the same in every replay of the same
+    operations. Deleted ids are never reused.
+    """
+
+    def __init__(self, base: BaseStore, embedder: Embedder | None = None, *, namespace: str | None = None):
+        self.base = base
+        self.embedder = embedder
+        self.namespace = namespace
+        self._overlay: dict[int, MemoryRecord] = {}  # created and updated records, current version
+        self._overlay_vectors: dict[int, np.ndarray] = {}
+        self._deleted: set[int] = set()
+        self._next_id = base.max_id + 1
+        self._ops = dict.fromkeys(OPERATIONS, 0)
+
+    def __repr__(self) -> str:
+        return (
+            f"TrialStore({self.namespace or self.base.sample_id!r}, {len(self)} memories, "
+            f"{len(self._overlay)} changed, {len(self._deleted)} deleted)"
+        )
+
+    # ------------------------------------------------------------------ reading
+
+    def __len__(self) -> int:
+        deleted_base = sum(1 for i in self._deleted if i in self.base)
+        created_alive = sum(1 for i in self._overlay if i not in self.base)
+        return len(self.base) - deleted_base + created_alive
+
+    def __contains__(self, memory_id: object) -> bool:
+        return memory_id not in self._deleted and (memory_id in self._overlay or memory_id in self.base)
+
+    @property
+    def next_id(self) -> int:
+        return self._next_id
+
+    def get(self, memory_id: int) -> MemoryRecord:
+        """The current record; raises :class:`UnknownMemoryId` for ids never seen or deleted."""
+        if memory_id in self._deleted:
+            raise UnknownMemoryId(memory_id, deleted=True)
+        if memory_id in self._overlay:
+            return self._overlay[memory_id]
+        return self.base.get(memory_id)
+
+    def vector(self, memory_id: int) -> np.ndarray:
+        self.get(memory_id)
+        if memory_id in self._overlay_vectors:
+            return self._overlay_vectors[memory_id]
+        return self.base.vector(memory_id)
+
+    def _hidden_base_ids(self) -> set[int]:
+        return {i for i in (*self._deleted, *self._overlay) if i in self.base}
+
+    def records(self, filters: Mapping[str, Any] | None = None) -> list[MemoryRecord]:
+        """All current records matching ``filters``, by id."""
+        f = normalize_filters(filters)
+        hidden = self._hidden_base_ids()
+        mask = self.base.filter_mask(f)
+        out = [r for r, keep in zip(self.base.records, mask, strict=True) if keep and r.id not in hidden]
+        out += [r for r in self._overlay.values() if _matches(r, f)]
+        return sorted(out, key=lambda r: r.id)
+
+    def search(
+        self, query_vector: np.ndarray, top_k: int = 5, filters: Mapping[str, Any] | None = None
+    ) -> list[Hit]:
+        """The ``top_k`` current records most similar to the query, best first (ties by id).
+
+        ``filters`` maps ``speaker``/``session``/``source``/``type`` to a value or a list of accepted
+        values; string comparisons ignore case.
+        """
+        if top_k < 0:
+            raise InvalidMemoryOperation(f"top_k must be >= 0, got {top_k}")
+        q = _as_query(query_vector, self.base.dim)
+        f = normalize_filters(filters)
+        hidden = self._hidden_base_ids()
+        candidates: list[tuple[float, int, MemoryRecord]] = []
+        if not f:
+            # Over-fetch by the number of hidden base ids, so that dropping them still leaves top_k.
+            ids, scores = self.base.index.search(q, top_k + len(hidden))
+            for id_, score in zip(ids[0].tolist(), scores[0].tolist(), strict=True):
+                if id_ not in hidden:
+                    candidates.append((score, id_, self.base.get(id_)))
+        else:
+            # A conversation has a few hundred memories: a masked matrix product is exact and cheap.
+            mask = self.base.filter_mask(f)
+            for id_ in hidden:
+                mask[self.base.row(id_)] = False
+            rows = np.flatnonzero(mask)
+            scores = self.base.vectors[rows] @ q[0]
+            for j in np.argsort(-scores, kind="stable")[:top_k].tolist():
+                record = self.base.records[rows[j]]
+                candidates.append((float(scores[j]), record.id, record))
+        for id_, record in self._overlay.items():
+            if _matches(record, f):
+                candidates.append((float(self._overlay_vectors[id_] @ q[0]), id_, record))
+        candidates.sort(key=lambda c: (-c[0], c[1]))
+        return [Hit(id_, score, record) for score, id_, record in candidates[:top_k]]
+
+    # ------------------------------------------------------------------ writing (sync, precomputed vectors)
+
+    def _put(self, record: MemoryRecord, vector: np.ndarray) -> None:
+        self._overlay[record.id] = record
+        self._overlay_vectors[record.id] = vector
+
+    def _remove(self, memory_id: int) -> None:
+        self._overlay.pop(memory_id, None)
+        self._overlay_vectors.pop(memory_id, None)
+        self._deleted.add(memory_id)
+
+    def _new_record(
+        self, content: str, metadata: Mapping[str, Any] | None, defaults: Mapping[str, Any]
+    ) -> MemoryRecord:
+        return MemoryRecord(self._next_id, content, **{**defaults, **_check_metadata_keys(metadata)})
+
+    def create(self, content: str, metadata: Mapping[str, Any] | None = None, *, vector: np.ndarray) -> int:
+        """Add a memory (``source`` defaults to ``"agent"``); returns its new id."""
+        record = self._new_record(content, metadata, {"source": "agent"})
+        vec = _as_vectors(vector, 1, self.base.dim)[0]
+        self._next_id += 1
+        self._put(record, vec)
+        self._ops["create"] += 1
+        return record.id
+
+    def update(
+        self,
+        memory_id: int,
+        content: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        vector: np.ndarray | None = None,
+    ) -> MemoryRecord:
+        """Replace the content and/or some metadata of a memory, keeping its id; returns the new record.
+
+        A new content needs its ``vector``. An update that restores a base memory exactly drops it from
+        the overlay.
+        """
+        current = self.get(memory_id)
+        if content is None and not metadata:
+            raise InvalidMemoryOperation("an update needs new content or metadata")
+        record = current.with_changes(content, metadata)
+        if record.content != current.content:
+            vec = _as_vectors(vector, 1, self.base.dim)[0]
+        else:
+            vec = self.vector(memory_id)
+        if memory_id in self.base and record == self.base.get(memory_id):
+            self._overlay.pop(memory_id, None)
+            self._overlay_vectors.pop(memory_id, None)
+        else:
+            self._put(record, vec)
+        self._ops["update"] += 1
+        return record
+
+    def delete(self, memory_id: int) -> MemoryRecord:
+        """Remove a memory; returns the removed record. Its id is not reused."""
+        record = self.get(memory_id)
+        self._remove(memory_id)
+        self._ops["delete"] += 1
+        return record
+
+    def _check_merge(self, memory_ids: Sequence[int]) -> list[MemoryRecord]:
+        ids = list(memory_ids)
+        if len(ids) < 2 or len(set(ids)) != len(ids):
+            raise InvalidMemoryOperation(f"merge needs at least two distinct memory ids, got {ids}")
+        return [self.get(i) for i in ids]
+
+    def merge(
+        self,
+        memory_ids: Sequence[int],
+        content: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        vector: np.ndarray,
+    ) -> int:
+        """Replace several memories by one new memory; returns its id.
+
+        The new memory has the union of their evidence, and the speaker, session, date and type they
+        share (``None`` where they differ); ``metadata`` overrides any of these.
+        """
+        originals = self._check_merge(memory_ids)
+
+        def shared(key: str) -> Any:
+            values = {getattr(r, key) for r in originals}
+            return values.pop() if len(values) == 1 else None
+
+        evidence = tuple(dict.fromkeys(e for r in originals for e in r.evidence))
+        defaults = {key: shared(key) for key in ("speaker", "session", "date", "type")}
+        record = self._new_record(content, metadata, {**defaults, "evidence": evidence, "source": "agent"})
+        vec = _as_vectors(vector, 1, self.base.dim)[0]
+        self._next_id += 1
+        self._put(record, vec)
+        for r in originals:
+            self._remove(r.id)
+        self._ops["merge"] += 1
+        return record.id
+
+    def _check_split(self, memory_id: int, parts: Sequence[str]) -> MemoryRecord:
+        if isinstance(parts, str) or len(parts) < 2:
+            raise InvalidMemoryOperation("split needs at least two parts")
+        if not all(isinstance(p, str) and p.strip() for p in parts):
+            raise InvalidMemoryOperation("every part of a split must be a non-empty string")
+        return self.get(memory_id)
+
+    def split(
+        self,
+        memory_id: int,
+        parts: Sequence[str],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        vectors: np.ndarray,
+    ) -> list[int]:
+        """Replace one memory by several; each part keeps the original's metadata (``source="agent"``)
+        unless ``metadata`` overrides it. Returns the new ids, in the order of ``parts``."""
+        original = self._check_split(memory_id, parts)
+        defaults = {**original.metadata, "source": "agent"}
+        records = [
+            MemoryRecord(self._next_id + i, part, **{**defaults, **_check_metadata_keys(metadata)})
+            for i, part in enumerate(parts)
+        ]
+        vecs = _as_vectors(vectors, len(parts), self.base.dim)
+        self._next_id += len(records)
+        for record, vec in zip(records, vecs, strict=True):
+            self._put(record, vec)
+        self._remove(original.id)
+        self._ops["split"] += 1
+        return [r.id for r in records]
+
+    # ------------------------------------------------------------------ async: embed in a thread, then apply
+
+    async def _aembed(self, texts: Sequence[str]) -> np.ndarray:
+        if self.embedder is None:
+            raise RuntimeError(
+                "this TrialStore has no embedder: pass one, or call the sync methods with vectors"
+            )
+        return await self.embedder.aencode(list(texts))
+
+    async def asearch(
+        self, query: str | np.ndarray, top_k: int = 5, filters: Mapping[str, Any] | None = None
+    ) -> list[Hit]:
+        """:meth:`search` by text (embedded in a thread) or by vector."""
+        if isinstance(query, str):
+            if not query.strip():
+                raise InvalidMemoryOperation("the search query is empty")
+            normalize_filters(filters)  # fail before embedding
+            query = (await self._aembed([query]))[0]
+        return self.search(query, top_k, filters)
+
+    async def acreate(self, content: str, metadata: Mapping[str, Any] | None = None) -> int:
+        self._new_record(content, metadata, {"source": "agent"})  # validate before paying for embedding
+        (vector,) = await self._aembed([content])
+        return self.create(content, metadata, vector=vector)
+
+    async def aupdate(
+        self, memory_id: int, content: str | None = None, metadata: Mapping[str, Any] | None = None
+    ) -> MemoryRecord:
+        current = self.get(memory_id)
+        vector = None
+        if content is not None and current.with_changes(content).content != current.content:
+            (vector,) = await self._aembed([content])
+        # Re-checked by update(): another coroutine may have deleted the id while we embedded.
+        return self.update(memory_id, content, metadata, vector=vector)
+
+    async def amerge(
+        self, memory_ids: Sequence[int], content: str, metadata: Mapping[str, Any] | None = None
+    ) -> int:
+        self._check_merge(memory_ids)
+        self._new_record(content, metadata, {})
+        (vector,) = await self._aembed([content])
+        return self.merge(memory_ids, content, metadata, vector=vector)
+
+    async def asplit(
+        self, memory_id: int, parts: Sequence[str], metadata: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        self._check_split(memory_id, parts)
+        vectors = await self._aembed(parts)
+        return self.split(memory_id, parts, metadata, vectors=vectors)
+
+    # ------------------------------------------------------------------ statistics and deltas
+
+    def stats(self) -> dict[str, int]:
+        """Growth statistics: counts before/after and the number of each operation applied."""
+        return {
+            "initial_count": len(self.base),
+            "final_count": len(self),
+            "created": self._ops["create"],
+            "updated": self._ops["update"],
+            "deleted": self._ops["delete"],
+            "merged": self._ops["merge"],
+            "split": self._ops["split"],
+        }
+
+    def export_delta(self) -> dict[str, Any]:
+        """This trial's changes as a small JSON-serialisable dict (records without vectors).
+
+        >>> TrialStore(BaseStore("s", [], np.empty((0, 2), np.float32))).export_delta()["created"]
+        []
+        """
+        return {
+            "format_version": DELTA_FORMAT_VERSION,
+            "sample_id": self.base.sample_id,
+            "namespace": self.namespace,
+            "next_id": self._next_id,
+            "created": [self._overlay[i].to_dict() for i in sorted(self._overlay) if i not in self.base],
+            "updated": [self._overlay[i].to_dict() for i in sorted(self._overlay) if i in self.base],
+            "deleted": sorted(self._deleted),
+            "ops": dict(self._ops),
+        }
+
+    @staticmethod
+    def _delta_records(base: BaseStore, delta: Mapping[str, Any]) -> list[MemoryRecord]:
+        if delta.get("format_version") != DELTA_FORMAT_VERSION:
+            raise ValueError(f"unsupported delta format_version {delta.get('format_version')!r}")
+        if delta.get("sample_id") != base.sample_id:
+            raise ValueError(f"delta of sample {delta.get('sample_id')!r} applied to base {base.sample_id!r}")
+        return [MemoryRecord.from_dict(d) for d in [*delta["created"], *delta["updated"]]]
+
+    @staticmethod
+    def _keeps_base_text(base: BaseStore, record: MemoryRecord) -> bool:
+        # Metadata-only updates keep the base text, whose vector is already known.
+        return record.id in base and base.get(record.id).content == record.content
+
+    @classmethod
+    def delta_texts(cls, base: BaseStore, delta: Mapping[str, Any]) -> list[str]:
+        """The texts of ``delta`` that need embedding to rebuild it, in the order
+        :meth:`from_delta_vectors` expects their vectors (so a caller can embed many deltas in one batch)."""
+        return [r.content for r in cls._delta_records(base, delta) if not cls._keeps_base_text(base, r)]
+
+    @classmethod
+    def from_delta_vectors(
+        cls,
+        base: BaseStore,
+        delta: Mapping[str, Any],
+        vectors: np.ndarray | Sequence[np.ndarray],
+        embedder: Embedder | None = None,
+    ) -> TrialStore:
+        """Rebuild the trial that exported ``delta``, given the vectors of :meth:`delta_texts`.
+
+        ``embedder`` is only kept for the rebuilt store's own async methods.
+        """
+        records = cls._delta_records(base, delta)
+        n_texts = sum(not cls._keeps_base_text(base, r) for r in records)
+        matrix = _as_vectors(vectors, n_texts, base.dim) if n_texts else np.empty((0, base.dim), np.float32)
+        next_id = int(delta["next_id"])
+        created = {int(d["id"]) for d in delta["created"]}
+        updated = {int(d["id"]) for d in delta["updated"]}
+        deleted = {int(i) for i in delta["deleted"]}
+        new_range = range(base.max_id + 1, next_id)
+        if (
+            next_id <= base.max_id
+            or not all(i in new_range for i in created)
+            or not all(i in base for i in updated)
+            or not all(i in base or i in new_range for i in deleted)
+            or (created | updated) & deleted
+        ):
+            raise ValueError(
+                f"inconsistent delta for base {base.sample_id!r} (ids 0..{base.max_id}), next_id {next_id}: "
+                "created ids must be new, updated ids must be base ids, and deleted ids neither"
+            )
+        trial = cls(base, embedder, namespace=delta.get("namespace"))
+        rows = iter(matrix)
+        for record in records:
+            trial._put(record, base.vector(record.id) if cls._keeps_base_text(base, record) else next(rows))
+        trial._deleted = deleted
+        trial._next_id = next_id
+        trial._ops = {op: int(delta.get("ops", {}).get(op, 0)) for op in OPERATIONS}
+        return trial
+
+    @classmethod
+    def from_delta(
+        cls, base: BaseStore, delta: Mapping[str, Any], embedder: Embedder | None = None
+    ) -> TrialStore:
+        """Rebuild the trial that exported ``delta``: one batched (blocking) encode of its new texts.
+
+        From a coroutine use :meth:`afrom_delta`; to rebuild many deltas with one encode, use
+        :meth:`delta_texts` and :meth:`from_delta_vectors`.
+        """
+        texts = cls.delta_texts(base, delta)
+        if texts and embedder is None:
+            raise ValueError(f"the delta has {len(texts)} new texts: an embedder is needed to rebuild it")
+        vectors = embedder.encode(texts) if texts else ()
+        return cls.from_delta_vectors(base, delta, vectors, embedder)
+
+    @classmethod
+    async def afrom_delta(
+        cls, base: BaseStore, delta: Mapping[str, Any], embedder: Embedder | None = None
+    ) -> TrialStore:
+        """:meth:`from_delta`, embedding in a worker thread."""
+        texts = cls.delta_texts(base, delta)
+        if texts and embedder is None:
+            raise ValueError(f"the delta has {len(texts)} new texts: an embedder is needed to rebuild it")
+        vectors = await embedder.aencode(texts) if texts else ()
+        return cls.from_delta_vectors(base, delta, vectors, embedder)

@@ -1,0 +1,1 @@
+"""Rewards: pure functions that return their components (``{"score": ..., ...}``)."""

@@ -1,0 +1,69 @@
+"""The memory-efficiency factor ``E`` of the MemoryUpdate reward ``r = (S(final) - S(initial)) * E``.
+
+Upstream (Astera-org/memupdate ``memory_reward.py``) hard-coded the constants below. They are kept as
+defaults so results stay comparable, and every one is a field of :class:`EfficiencyConfig`.
+
+One upstream constant is a trap: ``max_total_memories = 100`` is below the size of every LoCoMo
+conversation's observation set (169 to 324), so the size factor already shrinks every reward before the
+agent does anything. ``max_total_memories=None`` measures size growth against the initial count instead;
+``config/config.yaml`` uses that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EfficiencyConfig:
+    #: Store size above which the size factor falls; ``None`` = the initial store's size.
+    max_total_memories: int | None = 100
+    #: Lowest size factor (upstream 0.1).
+    size_floor: float = 0.1
+    #: Highest density factor: longer memories than before are rewarded up to this (upstream 1.2).
+    density_cap: float = 1.2
+    #: Slope of the change factor per relative change in count (upstream 0.5).
+    change_slope: float = 0.5
+    #: Lowest change factor (upstream 0.8).
+    change_floor: float = 0.8
+    #: Final clamp of E (upstream [0.1, 1.5]).
+    min_factor: float = 0.1
+    max_factor: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.max_total_memories is not None and self.max_total_memories < 1:
+            raise ValueError(f"max_total_memories must be >= 1 or null, got {self.max_total_memories}")
+        if not 0 < self.min_factor <= self.max_factor:
+            raise ValueError(f"need 0 < min_factor <= max_factor, got {self.min_factor}, {self.max_factor}")
+
+
+def efficiency_factor(
+    n_initial: int,
+    chars_initial: int,
+    n_final: int,
+    chars_final: int,
+    config: EfficiencyConfig = EfficiencyConfig(),
+) -> dict[str, float]:
+    """``E`` and its three factors, from the memory counts and total characters before and after.
+
+    An unchanged store has E = 1 (with a size limit at or above its size):
+
+    >>> efficiency_factor(50, 5000, 50, 5000)["efficiency"]
+    1.0
+
+    Growing from 150 to 180 memories of the same length, with upstream's limit of 100:
+    size = max(0.1, 1 - 80/100) = 0.2; density = 1.0; change = max(0.8, 1 - 0.5 * 30/150) = 0.9.
+
+    >>> f = efficiency_factor(150, 15000, 180, 18000)
+    >>> round(f["size_factor"], 3), round(f["change_factor"], 3), round(f["efficiency"], 3)
+    (0.2, 0.9, 0.18)
+    """
+    limit = config.max_total_memories if config.max_total_memories is not None else max(n_initial, 1)
+    size = max(config.size_floor, 1.0 - (n_final - limit) / limit) if n_final > limit else 1.0
+    if n_initial > 0 and n_final > 0:
+        density = min(config.density_cap, (chars_final / n_final) / max(chars_initial / n_initial, 1.0))
+    else:
+        density = 1.0
+    change = max(config.change_floor, 1.0 - config.change_slope * abs(n_final - n_initial) / max(n_initial, 1))
+    efficiency = min(config.max_factor, max(config.min_factor, size * density * change))
+    return {"efficiency": efficiency, "size_factor": size, "density_factor": density, "change_factor": change}

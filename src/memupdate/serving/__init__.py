@@ -1,0 +1,1 @@
+"""Served models: typed endpoints, an async OpenAI-compatible client, vLLM launch and readiness."""

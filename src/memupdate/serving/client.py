@@ -1,0 +1,175 @@
+"""Async client for OpenAI-compatible servers (vLLM, or any hosted API) with timeouts, bounded retries
+and a response cache.
+
+A fixed model is a typed :class:`Endpoint`: the URL and the served model name are required and checked
+up front, so a missing server name fails before a job is submitted, not at the first reward call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+
+class EndpointError(RuntimeError):
+    """The server could not be reached or kept failing; the message names the URL and the attempts."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a fixed model is served.
+
+    >>> Endpoint("http://127.0.0.1:8000/v1", "qa-model").chat_url
+    'http://127.0.0.1:8000/v1/chat/completions'
+
+    ``api_key_env`` names an environment variable holding the key (never the key itself), so
+    configs can be committed.
+    """
+
+    base_url: str
+    model: str
+    timeout_s: float = 60.0
+    max_retries: int = 3
+    api_key_env: str | None = None
+
+    def __post_init__(self) -> None:
+        parsed = urlparse(self.base_url or "")
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(
+                f"endpoint base_url {self.base_url!r} is not an http(s) URL; set it to the server's "
+                "OpenAI-compatible root, e.g. http://127.0.0.1:8000/v1 (a readiness marker's 'endpoint')"
+            )
+        if not self.model:
+            raise ValueError(
+                f"endpoint {self.base_url} has no model name; set it to the server's served model name "
+                "(vLLM --served-model-name, listed by GET /v1/models)"
+            )
+        if self.timeout_s <= 0 or self.max_retries < 0:
+            raise ValueError(f"endpoint {self.base_url}: timeout_s must be > 0 and max_retries >= 0")
+
+    @property
+    def chat_url(self) -> str:
+        return self.base_url.rstrip("/") + "/chat/completions"
+
+    @property
+    def completions_url(self) -> str:
+        return self.base_url.rstrip("/") + "/completions"
+
+    def headers(self) -> dict[str, str]:
+        if self.api_key_env is None:
+            return {}
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise EndpointError(f"environment variable {self.api_key_env} (API key for {self.base_url}) is not set")
+        return {"Authorization": f"Bearer {key}"}
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> Endpoint:
+        unknown = set(spec) - {"base_url", "model", "timeout_s", "max_retries", "api_key_env"}
+        if unknown:
+            raise ValueError(f"unknown endpoint keys {sorted(unknown)}")
+        return cls(**spec)
+
+
+@dataclass
+class ResponseCache:
+    """An LRU cache of responses keyed by a hash of (model, request); identical requests at temperature 0
+    are answered once, which is most of a judge's work across GRPO rollouts."""
+
+    max_entries: int = 100_000
+    hits: int = 0
+    misses: int = 0
+    _data: OrderedDict[str, Any] = field(default_factory=OrderedDict)
+
+    @staticmethod
+    def key(model: str, payload: dict[str, Any]) -> str:
+        blob = json.dumps([model, payload], sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def get(self, key: str) -> Any | None:
+        if key in self._data:
+            self._data.move_to_end(key)
+            self.hits += 1
+            return self._data[key]
+        self.misses += 1
+        return None
+
+    def put(self, key: str, value: Any) -> None:
+        self._data[key] = value
+        self._data.move_to_end(key)
+        while len(self._data) > self.max_entries:
+            self._data.popitem(last=False)
+
+
+class OpenAIClient:
+    """One aiohttp session per event loop; use as ``async with OpenAIClient(endpoint) as client``."""
+
+    # Statuses worth retrying: overload and transient server errors. 4xx errors are the caller's bug.
+    RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+    def __init__(self, endpoint: Endpoint, cache: ResponseCache | None = None, max_concurrency: int = 64):
+        self.endpoint = endpoint
+        self.cache = cache if cache is not None else ResponseCache()
+        self._semaphore = asyncio.Semaphore(max_concurrency)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> OpenAIClient:
+        timeout = aiohttp.ClientTimeout(total=self.endpoint.timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout, headers=self.endpoint.headers())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _post(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+        if self._session is None:
+            raise RuntimeError("OpenAIClient used outside 'async with'")
+        last_error = ""
+        attempts = self.endpoint.max_retries + 1
+        for attempt in range(attempts):
+            try:
+                async with self._semaphore, self._session.post(url, json=payload) as response:
+                    if response.status == 200:
+                        return await response.json()
+                    body = (await response.text())[:500]
+                    if response.status not in self.RETRY_STATUSES:
+                        raise EndpointError(f"POST {url} returned {response.status}: {body}")
+                    last_error = f"HTTP {response.status}: {body}"
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                last_error = f"{type(exc).__name__}: {exc}"
+            if attempt + 1 < attempts:
+                # Exponential backoff with jitter, so retries from many rollouts do not arrive together.
+                await asyncio.sleep(min(8.0, 0.25 * 2**attempt) * (0.5 + random.random()))
+        raise EndpointError(f"POST {url} failed after {attempts} attempts; last error: {last_error}")
+
+    async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> str:
+        """The assistant text for ``messages``; cached by (model, messages, sampling)."""
+        payload = {"model": self.endpoint.model, "messages": messages, **sampling}
+        key = ResponseCache.key(self.endpoint.model, payload)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        data = await self._post(self.endpoint.chat_url, payload)
+        try:
+            text = data["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError) as exc:
+            raise EndpointError(f"{self.endpoint.chat_url}: unexpected response {str(data)[:300]}") from exc
+        self.cache.put(key, text)
+        return text

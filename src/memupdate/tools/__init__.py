@@ -1,0 +1,1 @@
+"""verl ``BaseTool`` subclasses through which the policy reads and edits its trial memory store."""

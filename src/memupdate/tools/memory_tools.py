@@ -1,0 +1,380 @@
+"""The memory tools: search, create/update, delete, merge, split and sample memories.
+
+verl 0.9.1 builds one object per tool per worker and runs ``create -> execute -> release`` around
+every single call (``verl-0.9.1.md`` §2c), so no state lives in the tool. Each call finds its
+trajectory's :class:`~memupdate.memory.store.TrialStore` through the agent data: the trial namespace is
+the row's base namespace (``tools_kwargs.<tool>.create_kwargs.namespace``) plus the first 8 characters
+of ``agent_data.request_id``. The first call of a trajectory opens the store if the agent loop has not;
+every change refreshes ``agent_data.extra_fields["memory_delta"]``, so the delta travels with the
+trajectory to the reward whichever loop ran it.
+
+Bad arguments (unknown id, empty query, wrong types, too many ids) come back to the model as an
+observation that says what to do; only infrastructure failures raise.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import random
+from typing import Any
+
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+from memupdate.memory.embedder import Embedder
+from memupdate.memory.manager import MemoryStoreManager
+from memupdate.memory.store import SOURCES, InvalidMemoryOperation, MemoryRecord, TrialStore, UnknownMemoryId
+
+logger = logging.getLogger(__name__)
+
+DELTA_KEY = "memory_delta"
+NAMESPACE_KEY = "memory_namespace"
+MAX_TOP_K = 20
+MAX_SHOWN_CHARS = 300
+
+
+class ToolArgumentError(ValueError):
+    """An argument the model got wrong; the message is shown to the model as the tool's reply."""
+
+
+@functools.lru_cache(maxsize=8)
+def shared_manager(memories: str, embeddings: str, embedding_model: str) -> MemoryStoreManager:
+    """One manager per worker process and data set, shared by all tools and the agent loop.
+
+    Keyed by the paths, so two configurations in one process never share stores by accident.
+    """
+    return MemoryStoreManager(memories, embeddings, Embedder(embedding_model))
+
+
+def manager_from_config(config: dict[str, Any]) -> MemoryStoreManager:
+    missing = [k for k in ("memories", "embeddings", "embedding_model") if not config.get(k)]
+    if missing:
+        raise ValueError(
+            f"memory tool config lacks {missing}: set them in config/tools/memory_tools.yaml "
+            "(the launcher fills them from the workflow's artifacts)"
+        )
+    return shared_manager(str(config["memories"]), str(config["embeddings"]), str(config["embedding_model"]))
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+
+def _int_arg(params: dict, name: str, *, default: int | None = None, low: int = 0, high: int | None = None) -> int:
+    value = params.get(name, default)
+    if value is None:
+        raise ToolArgumentError(f"Missing argument '{name}'.")
+    if isinstance(value, str) and value.strip().lstrip("[").rstrip("]").isdigit():
+        value = int(value.strip().strip("[]"))  # the model often writes "7" or "[7]" for id 7
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ToolArgumentError(f"Argument '{name}' must be an integer, got {value!r}.")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ToolArgumentError(f"Argument '{name}' must be {bound}, got {value}.")
+    return value
+
+
+def _text_arg(params: dict, name: str, what: str) -> str:
+    value = params.get(name)
+    if not isinstance(value, str) or not value.strip():
+        raise ToolArgumentError(f"Argument '{name}' must be a non-empty string: {what}.")
+    return value.strip()
+
+
+def _id_list(params: dict, name: str, low: int, high: int) -> list[int]:
+    values = params.get(name)
+    if not isinstance(values, list):
+        raise ToolArgumentError(f"Argument '{name}' must be a list of memory ids, like [3, 7].")
+    ids = [_int_arg({name: v}, name) for v in values]
+    if len(set(ids)) != len(ids):
+        raise ToolArgumentError(f"Argument '{name}' repeats an id: {ids}.")
+    if not low <= len(ids) <= high:
+        raise ToolArgumentError(f"Argument '{name}' needs {low} to {high} ids, got {len(ids)}.")
+    return ids
+
+
+def _text_list(params: dict, name: str, low: int, high: int) -> list[str]:
+    values = params.get(name)
+    if not isinstance(values, list) or not all(isinstance(v, str) and v.strip() for v in values):
+        raise ToolArgumentError(f"Argument '{name}' must be a list of non-empty strings.")
+    if not low <= len(values) <= high:
+        raise ToolArgumentError(f"Argument '{name}' needs {low} to {high} parts, got {len(values)}.")
+    return [v.strip() for v in values]
+
+
+def _metadata_arg(params: dict) -> dict[str, Any]:
+    metadata = params.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise ToolArgumentError("Argument 'metadata' must be an object such as {\"speaker\": \"Caroline\"}.")
+    allowed = {"speaker", "session", "date", "evidence", "type"}
+    unknown = sorted(set(metadata) - allowed)
+    if unknown:
+        raise ToolArgumentError(f"Unknown metadata keys {unknown}; allowed: {sorted(allowed)}.")
+    return metadata
+
+
+def format_record(record: MemoryRecord) -> str:
+    """``[3] (Caroline, session 2, 8 May 2023) prefers tea``: short stable handle first."""
+    details = [d for d in (record.speaker, f"session {record.session}" if record.session else None, record.date) if d]
+    content = record.content if len(record.content) <= MAX_SHOWN_CHARS else record.content[:MAX_SHOWN_CHARS] + "..."
+    return f"[{record.id}] " + (f"({', '.join(details)}) " if details else "") + content
+
+
+# ----------------------------------------------------------------------------- base class
+
+
+class MemoryTool(BaseTool):
+    """Common plumbing: schema, store lookup, error handling. Subclasses implement :meth:`run`."""
+
+    #: OpenAI function schema (name, description, parameters) of the tool.
+    SCHEMA: dict[str, Any] = {}
+    #: Whether the tool changes the store (then the delta is refreshed after it).
+    MUTATES = False
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None = None):
+        # BaseTool.__init__ prints the schema on every construction; set the same fields quietly.
+        self.config = config
+        self.tool_schema = tool_schema or OpenAIFunctionToolSchema.model_validate(
+            {"type": "function", "function": self.SCHEMA}
+        )
+        self.name = self.tool_schema.function.name
+        self._manager: MemoryStoreManager | None = None
+
+    def use_manager(self, manager: MemoryStoreManager) -> None:
+        """Serve trajectories from this manager instead of the per-process one built from ``config``
+        (the local backend and benchmarks hold their own)."""
+        self._manager = manager
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        return self.tool_schema
+
+    @property
+    def manager(self) -> MemoryStoreManager:
+        return self._manager if self._manager is not None else manager_from_config(self.config)
+
+    async def store_for(self, agent_data: Any) -> TrialStore:
+        """The trajectory's trial store, opened on its first tool call."""
+        if agent_data is None:
+            raise RuntimeError(f"tool {self.name} called without agent_data; it needs verl >= 0.9's ToolAgentLoop")
+        create = (agent_data.tools_kwargs.get(self.name) or {}).get("create_kwargs") or {}
+        if not create.get("namespace") or not create.get("sample_id"):
+            raise RuntimeError(
+                f"row has no tools_kwargs.{self.name}.create_kwargs.namespace/sample_id "
+                "(rows from memupdate.data.locomo carry them)"
+            )
+        # exist_ok: parallel calls of one turn may all arrive before the first has opened the store.
+        store = await self.manager.aopen(
+            create["namespace"], agent_data.request_id, create["sample_id"], exist_ok=True
+        )
+        agent_data.extra_fields[NAMESPACE_KEY] = store.namespace
+        return store
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        agent_data = kwargs.get("agent_data")
+        store = await self.store_for(agent_data)
+        try:
+            text = await self.run(store, parameters if isinstance(parameters, dict) else {})
+            ok = True
+        except ToolArgumentError as exc:
+            text, ok = str(exc), False
+        except UnknownMemoryId as exc:
+            state = "was deleted" if exc.deleted else "does not exist"
+            text, ok = f"Memory [{exc.memory_id}] {state}. Call search_memory first to get valid ids.", False
+        except InvalidMemoryOperation as exc:
+            text, ok = f"{exc}.".replace("..", "."), False
+        if ok and self.MUTATES:
+            agent_data.extra_fields[DELTA_KEY] = store.export_delta()
+        return ToolResponse(text=text), 0.0, {"tool": self.name, "ok": ok}
+
+    async def run(self, store: TrialStore, params: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- the tools
+
+
+class SearchMemoryTool(MemoryTool):
+    SCHEMA = {
+        "name": "search_memory",
+        "description": "Search the memory database by meaning. Returns the most similar memories with their ids.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "description": "What to look for, in a few words."},
+                "top_k": {"type": "integer", "description": f"How many memories to return (1-{MAX_TOP_K}, default 5)."},
+                "speaker": {"type": "string", "description": "Only memories about this speaker."},
+                "session": {"type": "integer", "description": "Only memories from this session number."},
+                "source": {
+                    "type": "string",
+                    "enum": list(SOURCES),
+                    "description": "Only memories of this origin ('agent' = written by you).",
+                },
+            },
+            "required": ["query"],
+        },
+    }
+
+    async def run(self, store, params):
+        query = _text_arg(params, "query", "pass a few words describing what to look for")
+        top_k = _int_arg(params, "top_k", default=5, low=1, high=MAX_TOP_K)
+        filters = {k: params[k] for k in ("speaker", "session", "source") if params.get(k) not in (None, "")}
+        if "session" in filters:
+            filters["session"] = _int_arg(filters, "session", low=1)
+        if filters.get("source", SOURCES[0]) not in SOURCES:
+            raise ToolArgumentError(f"Argument 'source' must be one of {list(SOURCES)}, got {filters['source']!r}.")
+        hits = await store.asearch(query, top_k, filters=filters or None)
+        if not hits:
+            scope = f" with filters {filters}" if filters else ""
+            return f"No memories found{scope}. Try another query or fewer filters."
+        lines = [format_record(hit.record) for hit in hits]
+        return f"Found {len(hits)} memories:\n" + "\n".join(lines)
+
+
+class ManageMemoryTool(MemoryTool):
+    MUTATES = True
+    SCHEMA = {
+        "name": "manage_memory",
+        "description": "Create a new memory, or update the content or details of an existing one by its id.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "operation": {"type": "string", "enum": ["create", "update"]},
+                "content": {"type": "string", "description": "The memory text: one specific, dated fact."},
+                "memory_id": {"type": "integer", "description": "Id of the memory to update (update only)."},
+                "metadata": {
+                    "type": "object",
+                    "description": "Optional details: speaker, session, date, evidence (dialogue ids like D1:3), type.",
+                },
+            },
+            "required": ["operation"],
+        },
+    }
+
+    async def run(self, store, params):
+        operation = params.get("operation")
+        metadata = _metadata_arg(params)
+        if operation == "create":
+            if params.get("memory_id") is not None:
+                raise ToolArgumentError("Do not pass memory_id when creating a memory; omit it and try again.")
+            content = _text_arg(params, "content", "the text of the new memory")
+            new_id = await store.acreate(content, metadata)
+            return f"Created memory {format_record(store.get(new_id))}"
+        if operation == "update":
+            memory_id = _int_arg(params, "memory_id")
+            content = params.get("content")
+            if content is not None:
+                content = _text_arg(params, "content", "the new text of the memory")
+            if content is None and not metadata:
+                raise ToolArgumentError("Nothing to update: pass new 'content' and/or 'metadata'.")
+            await store.aupdate(memory_id, content=content, metadata=metadata or None)
+            return f"Updated memory {format_record(store.get(memory_id))}"
+        raise ToolArgumentError("Argument 'operation' must be 'create' or 'update'.")
+
+
+class DeleteMemoryTool(MemoryTool):
+    MUTATES = True
+    SCHEMA = {
+        "name": "delete_memory",
+        "description": "Delete a wrong, duplicated or useless memory by its id.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "memory_id": {"type": "integer", "description": "Id of the memory to delete."},
+                "reason": {"type": "string", "description": "Why it should go (for the log)."},
+            },
+            "required": ["memory_id"],
+        },
+    }
+
+    async def run(self, store, params):
+        memory_id = _int_arg(params, "memory_id")
+        record = store.delete(memory_id)
+        logger.debug("deleted [%d] (%s): %s", memory_id, params.get("reason", ""), record.content)
+        return f"Deleted memory [{memory_id}]. {len(store)} memories remain."
+
+
+class MergeMemoryTool(MemoryTool):
+    MUTATES = True
+    SCHEMA = {
+        "name": "merge_memory",
+        "description": "Replace 2 to 5 related memories by one memory whose text you write.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "memory_ids": {"type": "array", "items": {"type": "integer"}, "description": "2 to 5 ids."},
+                "content": {"type": "string", "description": "The merged memory, keeping every fact that matters."},
+            },
+            "required": ["memory_ids", "content"],
+        },
+    }
+
+    async def run(self, store, params):
+        ids = _id_list(params, "memory_ids", 2, 5)
+        content = _text_arg(params, "content", "the text of the merged memory")
+        new_id = await store.amerge(ids, content)
+        return f"Merged {', '.join(f'[{i}]' for i in ids)} into {format_record(store.get(new_id))}"
+
+
+class SplitMemoryTool(MemoryTool):
+    MUTATES = True
+    SCHEMA = {
+        "name": "split_memory",
+        "description": "Replace one memory that mixes several facts by 2 to 5 memories whose texts you write.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "memory_id": {"type": "integer", "description": "Id of the memory to split."},
+                "parts": {"type": "array", "items": {"type": "string"}, "description": "2 to 5 new memory texts."},
+            },
+            "required": ["memory_id", "parts"],
+        },
+    }
+
+    async def run(self, store, params):
+        memory_id = _int_arg(params, "memory_id")
+        parts = _text_list(params, "parts", 2, 5)
+        new_ids = await store.asplit(memory_id, parts)
+        return f"Split [{memory_id}] into:\n" + "\n".join(format_record(store.get(i)) for i in new_ids)
+
+
+class SampleMemoryTool(MemoryTool):
+    SCHEMA = {
+        "name": "sample_memory",
+        "description": "List some memories to get an overview of the database.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "k": {"type": "integer", "description": f"How many memories (1-{MAX_TOP_K}, default 5)."},
+                "strategy": {
+                    "type": "string",
+                    "enum": ["random", "diverse", "recent"],
+                    "description": "random; diverse (spread over the whole database); recent (latest sessions and your own).",
+                },
+            },
+            "required": [],
+        },
+    }
+
+    async def run(self, store, params):
+        k = _int_arg(params, "k", default=5, low=1, high=MAX_TOP_K)
+        strategy = params.get("strategy") or "random"
+        # Records in id order: base memories follow the conversation, created ones come last.
+        records = sorted(store.records(), key=lambda r: r.id)
+        if not records:
+            return "The memory database is empty. Create memories with manage_memory."
+        k = min(k, len(records))
+        if strategy == "random":
+            # Seeded by the trial and its size so a rollout is reproducible.
+            seed = hashlib.sha256(f"{store.namespace}:{len(records)}".encode()).hexdigest()
+            chosen = sorted(random.Random(seed).sample(records, k), key=lambda r: r.id)
+        elif strategy == "diverse":
+            chosen = [records[round(i * (len(records) - 1) / max(k - 1, 1))] for i in range(k)] if k > 1 else records[:1]
+        elif strategy == "recent":
+            chosen = records[-k:]
+        else:
+            raise ToolArgumentError("Argument 'strategy' must be 'random', 'diverse' or 'recent'.")
+        return f"{k} of {len(records)} memories ({strategy}):\n" + "\n".join(format_record(r) for r in chosen)
+
+
+TOOL_CLASSES = (SearchMemoryTool, ManageMemoryTool, DeleteMemoryTool, MergeMemoryTool, SplitMemoryTool, SampleMemoryTool)

@@ -1,0 +1,85 @@
+import asyncio
+
+import numpy as np
+import pytest
+
+from memupdate.memory.embedder import DEFAULT_MODEL, Embedder, EmbedderLoadError, resolve_model_path
+
+
+def test_encode_gives_unit_float32_rows(embedder):
+    vectors = embedder.encode(
+        ["Caroline prefers tea.", "Melanie paints sunsets.", "Caroline likes green tea."]
+    )
+    assert embedder.model_name == DEFAULT_MODEL and embedder.dim == 384
+    assert vectors.dtype == np.float32 and vectors.shape == (3, 384) and vectors.flags.c_contiguous
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    sims = vectors @ vectors.T
+    assert sims[0, 2] > sims[0, 1], "the packaged model is a real sentence encoder"
+    assert embedder.encode([]).shape == (0, 384)
+    with pytest.raises(TypeError, match="sequence of texts"):
+        embedder.encode("one text")
+
+
+def test_model_is_loaded_once_per_process_and_aliases_agree(embedder):
+    other = Embedder("sentence-transformers/all-MiniLM-L6-v2", batch_size=8)
+    assert other.model_name == embedder.model_name
+    assert other._loaded is embedder._loaded
+    assert resolve_model_path(DEFAULT_MODEL).endswith("model")
+
+
+def test_missing_model_fails_offline_with_a_clear_error(tmp_path):
+    with pytest.raises(EmbedderLoadError, match="offline"):
+        Embedder(str(tmp_path / "no-such-model"))
+
+
+@pytest.mark.asyncio
+async def test_aencode_matches_encode_and_leaves_the_event_loop_free(embedder):
+    texts = [f"memory number {i} about a hiking trip" for i in range(64)]
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.001)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    vectors = await embedder.aencode(texts, batch_size=16)
+    task.cancel()
+    assert ticks > 0, "the loop ran other coroutines while the model encoded"
+    np.testing.assert_allclose(vectors, embedder.encode(texts), atol=1e-5)
+
+
+@pytest.mark.asyncio
+async def test_concurrent_aencode_requests_are_coalesced(counting_embedder):
+    texts = [f"Caroline went to event number {i}." for i in range(16)]
+    results = await asyncio.gather(*(counting_embedder.aencode([t]) for t in texts))
+    # All requests queue before the drainer task first runs; at worst the first goes alone.
+    assert counting_embedder.calls <= 2 and counting_embedder.texts == 16
+    np.testing.assert_allclose(np.concatenate(results), counting_embedder.encode(texts), atol=1e-5)
+
+
+@pytest.mark.asyncio
+async def test_aencode_errors_and_cancellations_reach_only_their_waiters(embedder):
+    class Flaky(Embedder):
+        fail = True
+
+        def encode(self, texts, batch_size=None):
+            if self.fail:
+                raise RuntimeError("model crashed")
+            return super().encode(texts, batch_size)
+
+    flaky = Flaky(embedder.model_name)
+    outcomes = await asyncio.gather(flaky.aencode(["a"]), flaky.aencode(["b"]), return_exceptions=True)
+    assert [str(o) for o in outcomes] == ["model crashed", "model crashed"]
+
+    flaky.fail = False
+    first = asyncio.ensure_future(flaky.aencode(["kept"]))
+    doomed = asyncio.ensure_future(flaky.aencode(["cancelled"]))
+    later = asyncio.ensure_future(flaky.aencode(["also kept"]))
+    await asyncio.sleep(0)
+    doomed.cancel()
+    kept, also_kept = await asyncio.gather(first, later)
+    assert kept.shape == also_kept.shape == (1, 384) and doomed.cancelled()
+    with pytest.raises(TypeError):
+        await flaky.aencode("not a list")

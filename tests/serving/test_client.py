@@ -1,0 +1,122 @@
+"""The OpenAI-compatible client against a real HTTP server on loopback whose failures we control
+(a vLLM server cannot be made to fail on demand; the real vLLM round trip is in the vllm-marked tests)."""
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from memupdate.rewards.scorers import JudgeScorer, QAItem, ReaderScorer, Retrieved
+from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
+
+
+class Server:
+    """Answers /v1/chat/completions: fails the first ``fail`` requests with ``status``, then replies
+    ``reply(messages)``; sleeps ``delay`` seconds per request."""
+
+    def __init__(self, reply, fail=0, status=503, delay=0.0):
+        self.reply, self.fail, self.status, self.delay = reply, fail, status, delay
+        self.requests = []
+
+    async def handle(self, request):
+        payload = await request.json()
+        self.requests.append(payload)
+        await asyncio.sleep(self.delay)
+        if len(self.requests) <= self.fail:
+            return web.Response(status=self.status, text="overloaded")
+        text = self.reply(payload["messages"])
+        return web.json_response({"choices": [{"message": {"role": "assistant", "content": text}}]})
+
+    async def __aenter__(self):
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/v1"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_endpoint_validation_says_how_to_fix():
+    with pytest.raises(ValueError, match="is not an http\\(s\\) URL; set it to the server's OpenAI-compatible root"):
+        Endpoint("localhost:8000", "qa")
+    with pytest.raises(ValueError, match="no model name; set it to the server's served model name"):
+        Endpoint("http://127.0.0.1:8000/v1", "")
+    with pytest.raises(ValueError, match="unknown endpoint keys"):
+        Endpoint.from_dict({"base_url": "http://h/v1", "model": "m", "temperature": 0})
+
+
+def test_retries_transient_errors_then_caches():
+    async def main():
+        async with Server(lambda m: "Paris", fail=2) as server:
+            endpoint = Endpoint(server.url, "qa", max_retries=3)
+            async with OpenAIClient(endpoint) as client:
+                first = await client.chat([{"role": "user", "content": "capital?"}], temperature=0.0)
+                second = await client.chat([{"role": "user", "content": "capital?"}], temperature=0.0)
+            return first, second, server.requests, client.cache
+
+    first, second, requests, cache = run(main())
+    assert first == second == "Paris"
+    assert len(requests) == 3 and requests[0]["model"] == "qa"  # two failures, one success, then the cache
+    assert cache.hits == 1
+
+
+def test_gives_up_after_bounded_retries_and_does_not_retry_client_errors():
+    async def main(status):
+        async with Server(lambda m: "x", fail=99, status=status) as server:
+            async with OpenAIClient(Endpoint(server.url, "qa", max_retries=1)) as client:
+                with pytest.raises(EndpointError) as info:
+                    await client.chat([{"role": "user", "content": "q"}])
+            return str(info.value), len(server.requests)
+
+    message, attempts = run(main(503))
+    assert "failed after 2 attempts; last error: HTTP 503: overloaded" in message and attempts == 2
+    message, attempts = run(main(400))
+    assert "returned 400" in message and attempts == 1
+
+
+def test_timeout_is_enforced():
+    async def main():
+        async with Server(lambda m: "late", delay=2.0) as server:
+            async with OpenAIClient(Endpoint(server.url, "qa", timeout_s=0.2, max_retries=0)) as client:
+                with pytest.raises(EndpointError, match="TimeoutError"):
+                    await client.chat([{"role": "user", "content": "q"}])
+
+    run(main())
+
+
+def test_reader_and_judge_scorers_speak_the_protocol():
+    def reader_reply(messages):
+        prompt = messages[0]["content"]
+        return "7 May 2023" if "7 May 2023" in prompt else "I don't know"
+
+    def judge_reply(messages):
+        prompt = messages[0]["content"]
+        return '{"label": "CORRECT"}' if "Generated answer: 7 May 2023" in prompt else '{"label": "WRONG"}'
+
+    item = QAItem("When did Caroline go to the support group?", "7 May 2023", 2)
+    with_answer = [Retrieved("Caroline went to the support group on 7 May 2023.", date="8 May 2023", speaker="Caroline")]
+    without = [Retrieved("Caroline likes painting.")]
+
+    async def main():
+        async with Server(reader_reply) as reader_server, Server(judge_reply) as judge_server:
+            async with OpenAIClient(Endpoint(reader_server.url, "qa")) as rc, OpenAIClient(Endpoint(judge_server.url, "judge")) as jc:
+                reader = ReaderScorer(rc, metric="locomo_f1")
+                f1 = await reader.score([item, item], [with_answer, without])
+                judged = await JudgeScorer(reader, jc).score([item, item], [with_answer, without])
+            return f1, judged, reader_server.requests
+
+    f1, judged, requests = run(main())
+    assert f1 == [1.0, 0.0] and judged == [1.0, 0.0]
+    prompt = requests[0]["messages"][0]["content"]
+    assert "- [8 May 2023] Caroline: Caroline went to the support group on 7 May 2023." in prompt
+    assert requests[0]["temperature"] == 0.0 and requests[0]["max_tokens"] == 32

@@ -1,0 +1,216 @@
+import asyncio
+import json
+
+import pytest
+from verl.experimental.agent_loop.tool_agent_loop import AgentData
+from verl.tools.tool_registry import initialize_tools_from_config
+
+from memupdate.data.locomo import MEMORY_TOOLS
+from memupdate.tools.memory_tools import (
+    DELTA_KEY,
+    NAMESPACE_KEY,
+    TOOL_CLASSES,
+    format_record,
+    manager_from_config,
+)
+
+BASE_NS = "conv-26-qa0-ff702917"
+
+
+@pytest.fixture(scope="module")
+def tool_config(memories_parquet, cache_dir, embedder):
+    return {
+        "type": "native",
+        "memories": str(memories_parquet),
+        "embeddings": str(cache_dir),
+        "embedding_model": embedder.model_name,
+    }
+
+
+@pytest.fixture(scope="module")
+def tools(tool_config):
+    return {cls.SCHEMA["name"]: cls(tool_config) for cls in TOOL_CLASSES}
+
+
+_counter = iter(range(10**6))
+
+
+def new_agent_data(request_id=None):
+    """verl's own per-trajectory state, as ToolAgentLoop builds it for a LoCoMo row."""
+    request_id = request_id or f"{next(_counter):08x}deadbeef"
+    create = {"create_kwargs": {"sample_id": "conv-26", "namespace": BASE_NS}}
+    return AgentData(
+        messages=[],
+        image_data=None,
+        video_data=None,
+        audio_data=None,
+        mm_processor_kwargs=None,
+        metrics={},
+        request_id=request_id,
+        tools_kwargs={name: create for name in MEMORY_TOOLS},
+    )
+
+
+def call(tools, agent_data, name, **params):
+    response, reward, metrics = asyncio.run(tools[name].execute("instance", params, agent_data=agent_data))
+    assert reward == 0.0 and metrics["tool"] == name
+    return response.text, metrics["ok"]
+
+
+def test_tools_load_through_verls_registry_from_the_shipped_yaml(repo_root, tool_config, monkeypatch):
+    monkeypatch.setenv("MEMUPDATE_MEMORIES", tool_config["memories"])
+    monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", tool_config["embeddings"])
+    loaded = initialize_tools_from_config(str(repo_root / "config/tools/memory_tools.yaml"))
+    assert sorted(t.name for t in loaded) == sorted(MEMORY_TOOLS)
+    assert all(t.config["memories"] == tool_config["memories"] for t in loaded)
+    schema = loaded[0].get_openai_tool_schema().model_dump()
+    assert schema["function"]["parameters"]["required"] == ["query"]
+
+
+def test_search_shows_short_ids_and_details(tools):
+    text, ok = call(tools, new_agent_data(), "search_memory", query="LGBTQ support group", top_k=3)
+    assert ok and text.startswith("Found 3 memories:")
+    first = text.splitlines()[1]
+    assert first.startswith("[0] (Caroline, session 1, 1:56 pm on 8 May, 2023) Caroline attended an LGBTQ support group")
+
+
+def test_search_filters(tools):
+    text, ok = call(tools, new_agent_data(), "search_memory", query="painting", top_k=20, speaker="Melanie", session=2)
+    assert ok
+    lines = text.splitlines()[1:]
+    assert lines and all("(Melanie, session 2," in line for line in lines)
+    text, ok = call(tools, new_agent_data(), "search_memory", query="painting", source="agent")
+    assert ok and text.startswith("No memories found with filters {'source': 'agent'}")
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"query": "  "}, "Argument 'query' must be a non-empty string"),
+        ({}, "Argument 'query' must be a non-empty string"),
+        ({"query": "x", "top_k": "five"}, "Argument 'top_k' must be an integer, got 'five'"),
+        ({"query": "x", "top_k": 500}, "Argument 'top_k' must be between 1 and 20, got 500"),
+        ({"query": "x", "source": "rumour"}, "source"),
+    ],
+)
+def test_search_bad_arguments_are_instructions(tools, params, message):
+    text, ok = call(tools, new_agent_data(), "search_memory", **params)
+    assert not ok and message in text
+
+
+def test_create_update_delete_change_the_store_and_the_delta(tools):
+    agent = new_agent_data()
+    text, ok = call(
+        tools, agent, "manage_memory", operation="create", content="Caroline went to an LGBTQ support group on 7 May 2023.",
+        metadata={"speaker": "Caroline", "evidence": ["D1:3"]},
+    )
+    assert ok and text.startswith("Created memory [184] (Caroline)")
+    assert agent.extra_fields[NAMESPACE_KEY] == f"{BASE_NS}-{agent.request_id[:8]}"
+    delta = agent.extra_fields[DELTA_KEY]
+    assert [r["id"] for r in delta["created"]] == [184] and delta["created"][0]["source"] == "agent"
+    json.dumps(delta)  # travels with the trajectory: must be JSON
+
+    text, _ = call(tools, agent, "search_memory", query="When did Caroline go to the support group?", top_k=1)
+    assert text.splitlines()[1].startswith("[184]")
+
+    text, ok = call(tools, agent, "manage_memory", operation="update", memory_id="[0]", content="Caroline first attended an LGBTQ support group on 7 May 2023.")
+    assert ok and text.startswith("Updated memory [0]") and "first attended" in text
+    text, ok = call(tools, agent, "delete_memory", memory_id=184, reason="duplicate of [0]")
+    assert ok and text == "Deleted memory [184]. 184 memories remain."
+    delta = agent.extra_fields[DELTA_KEY]
+    assert delta["deleted"] == [184] and [r["id"] for r in delta["updated"]] == [0]
+    text, ok = call(tools, agent, "delete_memory", memory_id=184)
+    assert not ok and text == "Memory [184] was deleted. Call search_memory first to get valid ids."
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"operation": "update", "memory_id": 999, "content": "x"}, "Memory [999] does not exist. Call search_memory first"),
+        ({"operation": "create", "content": "x", "memory_id": 3}, "Do not pass memory_id when creating"),
+        ({"operation": "create"}, "Argument 'content' must be a non-empty string"),
+        ({"operation": "update", "memory_id": 3}, "Nothing to update"),
+        ({"operation": "remove", "content": "x"}, "'operation' must be 'create' or 'update'"),
+        ({"operation": "create", "content": "x", "metadata": {"mood": "sad"}}, "Unknown metadata keys ['mood']"),
+        ({"operation": "create", "content": "x", "metadata": "Caroline"}, "'metadata' must be an object"),
+        ({"operation": "update", "memory_id": True, "content": "x"}, "'memory_id' must be an integer, got True"),
+    ],
+)
+def test_manage_bad_arguments_are_instructions(tools, params, message):
+    agent = new_agent_data()
+    text, ok = call(tools, agent, "manage_memory", **params)
+    assert not ok and message in text
+    assert DELTA_KEY not in agent.extra_fields
+
+
+def test_merge_and_split(tools):
+    agent = new_agent_data()
+    text, ok = call(tools, agent, "merge_memory", memory_ids=[0, 1], content="Caroline's LGBTQ support group gave her courage.")
+    assert ok and text.startswith("Merged [0], [1] into [184]")
+    merged = manager_from_config(tools["merge_memory"].config).get(agent.extra_fields[NAMESPACE_KEY]).get(184)
+    assert set(merged.evidence) == {"D1:3", "D1:7"}
+    text, ok = call(tools, agent, "split_memory", memory_id=184, parts=["Caroline went to a support group.", "It gave her courage."])
+    assert ok and "[185]" in text and "[186]" in text
+    delta = agent.extra_fields[DELTA_KEY]
+    assert delta["ops"]["merge"] == 1 and delta["ops"]["split"] == 1 and 0 in delta["deleted"]
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("merge_memory", {"memory_ids": [0], "content": "x"}, "needs 2 to 5 ids, got 1"),
+        ("merge_memory", {"memory_ids": [0, 1, 2, 3, 4, 5], "content": "x"}, "needs 2 to 5 ids, got 6"),
+        ("merge_memory", {"memory_ids": [0, 0], "content": "x"}, "repeats an id"),
+        ("merge_memory", {"memory_ids": "0,1", "content": "x"}, "must be a list of memory ids"),
+        ("merge_memory", {"memory_ids": [0, 999], "content": "x"}, "Memory [999] does not exist"),
+        ("split_memory", {"memory_id": 0, "parts": ["only one"]}, "needs 2 to 5 parts, got 1"),
+        ("split_memory", {"memory_id": 0, "parts": ["a", ""]}, "list of non-empty strings"),
+        ("sample_memory", {"strategy": "best"}, "'strategy' must be 'random', 'diverse' or 'recent'"),
+        ("delete_memory", {}, "Missing argument 'memory_id'"),
+    ],
+)
+def test_other_bad_arguments_are_instructions(tools, name, params, message):
+    text, ok = call(tools, new_agent_data(), name, **params)
+    assert not ok and message in text
+
+
+def test_sample_strategies(tools):
+    agent = new_agent_data("0badc0de00000000")
+    text, _ = call(tools, agent, "sample_memory", k=3, strategy="random")
+    again, _ = call(tools, agent, "sample_memory", k=3, strategy="random")
+    assert text == again and text.startswith("3 of 184 memories (random):")
+    text, _ = call(tools, agent, "sample_memory", k=3, strategy="diverse")
+    assert [line.split("]")[0] for line in text.splitlines()[1:]] == ["[0", "[92", "[183"]
+    call(tools, agent, "manage_memory", operation="create", content="Melanie plans a camping trip in July.")
+    text, _ = call(tools, agent, "sample_memory", k=2, strategy="recent")
+    assert text.splitlines()[-1].startswith("[184]")
+
+
+def test_trajectories_are_isolated_and_parallel_first_calls_are_safe(tools, base):
+    async def trajectory(i):
+        agent = new_agent_data(f"{i:08x}cafecafe")
+        # A turn with several parallel calls, the first of the trajectory: all race to open the store.
+        await asyncio.gather(
+            tools["search_memory"].execute("x", {"query": "support group"}, agent_data=agent),
+            tools["manage_memory"].execute("x", {"operation": "create", "content": f"fact number {i}"}, agent_data=agent),
+            tools["sample_memory"].execute("x", {"k": 2}, agent_data=agent),
+        )
+        return agent
+
+    async def main():
+        return await asyncio.gather(*(trajectory(i) for i in range(16)))
+
+    agents = asyncio.run(main())
+    manager = manager_from_config(tools["search_memory"].config)
+    for i, agent in enumerate(agents):
+        store = manager.get(agent.extra_fields[NAMESPACE_KEY])
+        created = [r.content for r in store.records() if r.source == "agent"]
+        assert created == [f"fact number {i}"]
+    assert len(base) == 184 and all(r.source == "observation" for r in base.records)
+
+
+def test_format_record_truncates_long_content():
+    from memupdate.memory.store import MemoryRecord
+
+    record = MemoryRecord(3, "x" * 400, speaker="Ana")
+    assert format_record(record) == "[3] (Ana) " + "x" * 300 + "..."
