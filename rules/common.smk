@@ -15,6 +15,8 @@ wildcard_constraints:
     name="|".join(DATA_FILES),
     split="|".join(config["data"]["hotpotqa"]["splits"]),
     ndocs=r"\d+",
+    model="|".join(config["models"]),
+    exp="|".join(config["experiments"]),
 
 
 def data_file_path(name):
@@ -53,5 +55,42 @@ def get_hotpotqa_outputs():
     )
 
 
+def get_experiment(wildcards):
+    name = wildcards.exp
+    if name not in config["experiments"]:
+        raise ValueError(
+            f"no experiment {name!r} in config/config.yaml (have {sorted(config['experiments'])})"
+        )
+    return config["experiments"][name]
+
+
+def get_model_spec(wildcards):
+    return config["models"][wildcards.model]
+
+
+def get_stage1_inputs(wildcards):
+    experiment = get_experiment(wildcards)
+    return {
+        "model": f"results/models/{experiment['policy']}",
+        "train": "results/data/locomo/train.parquet",
+        "memories": "results/data/locomo/memories.parquet",
+        "embeddings": f"{EMBEDDINGS}/memories",
+    }
+
+
+def get_stage1_settings(wildcards):
+    return get_experiment(wildcards)["stage1"]
+
+
+def get_run_dir(wildcards):
+    return f"results/{wildcards.exp}/stage1"
+
+
 def get_final_outputs():
-    return [*get_locomo_outputs(), *get_hotpotqa_outputs(), f"{EMBEDDINGS}/memories"]
+    checkpoints = expand("results/{exp}/stage1/ckpt", exp=SCALE["experiments"])
+    return [
+        *get_locomo_outputs(),
+        *get_hotpotqa_outputs(),
+        f"{EMBEDDINGS}/memories",
+        *checkpoints,
+    ]

@@ -14,7 +14,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 # Modules whose import registers something with verl (agent loops, reward managers).
-REGISTRATION_MODULES: tuple[str, ...] = ()
+REGISTRATION_MODULES: tuple[str, ...] = ("memupdate.agents.memory_loop", "memupdate.rewards.manager")
 
 for _module in REGISTRATION_MODULES:
     try:

@@ -1,0 +1,1 @@
+"""verl agent loops: the MemoryUpdate tool loop (and, later, the recurrent MemAgent loop)."""

@@ -1,0 +1,1 @@
+"""Model artifacts for training and serving: checkpoint preparation and chat templates."""

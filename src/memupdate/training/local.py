@@ -1,0 +1,386 @@
+"""The ``local`` training backend: GRPO in one process, on a CPU or one GPU.
+
+verl's trainer needs GPUs and a vLLM/SGLang rollout (``verl-0.9.1.md`` §3), so this backend drives
+verl's own pieces directly instead:
+
+1. verl's ``AgentLoopWorker`` runs our agent loop and tools on each prompt ``n`` times, against an HF
+   generation server (:class:`~memupdate.serving.hf_server.HFGenerateServer`) holding the policy, and
+   streams every finished trajectory to verl's ``RewardLoopWorker`` with our reward manager — both
+   in-process, no Ray;
+2. verl's ``compute_grpo_outcome_advantage`` turns the rewards into advantages per prompt group;
+3. verl's policy loss (``get_policy_loss_fn``), ``kl_penalty`` (low_var_kl against a frozen reference)
+   and ``agg_loss`` give the loss; AdamW steps with gradient accumulation over micro-batches.
+
+It writes the layout downstream rules read whichever backend ran: ``<run>/ckpt/`` (HF model, tokenizer,
+``manifest.json``), plus ``<run>/checkpoints/step_N/`` (with optimizer state, for resuming),
+``<run>/metrics.jsonl`` and ``<run>/resolved_config.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import verl
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from verl import DataProto
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+from verl.trainer.ppo.core_algos import (
+    agg_loss,
+    compute_grpo_outcome_advantage,
+    get_policy_loss_fn,
+    kl_penalty,
+)
+from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+from verl.workers.config import ActorConfig
+
+from memupdate.agents import memory_loop
+from memupdate.serving.hf_server import HFGenerateServer
+from memupdate.utils.io import sha256_file, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalGRPOConfig:
+    """Everything a local run depends on; its hash names the run in the checkpoint manifest."""
+
+    model_path: str
+    train_files: list[str]
+    run_dir: str
+    tool_config: str
+    memories: str
+    embeddings: str
+    embedding_model: str = "all-MiniLM-L6-v2"
+    agent_name: str = "memupdate_agent"
+    #: Reward manager registered with verl's reward loop (``memupdate_memory`` for MemoryUpdate).
+    reward_manager: str = "memupdate_memory"
+    steps: int = 4
+    prompts_per_step: int = 2
+    rollout_n: int = 4
+    micro_batch_size: int = 4
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_ratio: float = 0.2
+    kl_coef: float = 0.001
+    norm_adv_by_std: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 96
+    prompt_length: int = 2048
+    response_length: int = 512
+    max_assistant_turns: int = 4
+    max_parallel_calls: int = 2
+    max_tool_response_length: int = 1024
+    save_every: int = 2
+    seed: int = 0
+    max_rows: int | None = None
+    reward: dict[str, Any] = field(default_factory=dict)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def verl_config(cfg: LocalGRPOConfig, agent_loop_config: Path):
+    """verl 0.9.1's full trainer config with our settings; the worker and reward loop read it."""
+    base = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+    conf = OmegaConf.load(base)
+    overrides = {
+        "actor_rollout_ref.model.path": cfg.model_path,
+        # The worker validates the rollout config; the name only has to be a known backend.
+        "actor_rollout_ref.rollout.name": "vllm",
+        "actor_rollout_ref.rollout.n": cfg.rollout_n,
+        "actor_rollout_ref.rollout.temperature": cfg.temperature,
+        "actor_rollout_ref.rollout.top_p": cfg.top_p,
+        "actor_rollout_ref.rollout.prompt_length": cfg.prompt_length,
+        "actor_rollout_ref.rollout.response_length": cfg.response_length,
+        "actor_rollout_ref.rollout.calculate_log_probs": False,
+        "actor_rollout_ref.rollout.multi_turn.enable": True,
+        "actor_rollout_ref.rollout.multi_turn.format": "hermes",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path": cfg.tool_config,
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": cfg.max_assistant_turns,
+        "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": cfg.max_parallel_calls,
+        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": cfg.max_tool_response_length,
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(agent_loop_config),
+        "data.max_prompt_length": cfg.prompt_length,
+        "data.max_response_length": cfg.response_length,
+        "data.return_raw_chat": True,
+        # RLHFDataset draws its max_samples subset with this seed (unseeded by default).
+        "data.seed": cfg.seed,
+        "reward.reward_manager.source": "register",
+        "reward.reward_manager.name": cfg.reward_manager,
+        "reward.custom_reward_function.reward_kwargs": {
+            "memories": cfg.memories,
+            "embeddings": cfg.embeddings,
+            "embedding_model": cfg.embedding_model,
+            **cfg.reward,
+        },
+    }
+    for key, value in overrides.items():
+        OmegaConf.update(conf, key, value, force_add=True)
+    return conf
+
+
+class _Remote:
+    """``handle.compute_score.remote(data)`` for an in-process worker (what a Ray handle offers)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def remote(self, *args, **kwargs):
+        return await self.fn(*args, **kwargs)
+
+
+class _LocalHandle:
+    def __init__(self, worker: RewardLoopWorker, timer: dict[str, float]):
+        async def timed(data):
+            start = time.perf_counter()
+            try:
+                return await worker.compute_score(data)
+            finally:
+                timer["reward"] += time.perf_counter() - start
+
+        self.compute_score = _Remote(timed)
+
+
+def response_log_probs(model, batch: DataProto, grad: bool) -> torch.Tensor:
+    """Log-probabilities of the response tokens under ``model`` ([B, response_length])."""
+    input_ids, attention = batch.batch["input_ids"], batch.batch["attention_mask"]
+    positions, responses = batch.batch["position_ids"], batch.batch["responses"]
+    # Prompts are left-padded to the configured prompt length; skip the columns no row uses.
+    first = int(attention.any(dim=0).float().argmax())
+    input_ids, attention, positions = input_ids[:, first:], attention[:, first:], positions[..., first:]
+    with torch.set_grad_enabled(grad):
+        # Only the response positions need logits: keeping them alone saves a [B, T, vocab] tensor.
+        logits = model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, logits_to_keep=responses.size(1) + 1
+        ).logits
+        logits = logits[:, :-1].float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+class LocalGRPOTrainer:
+    def __init__(self, cfg: LocalGRPOConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        start = self._latest_checkpoint()
+        weights = start or Path(cfg.model_path)
+        self.policy = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+        self.reference = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32).eval()
+        self.reference.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.step = 0
+        if start is not None:
+            self.optimizer.load_state_dict(torch.load(start / "optimizer.pt", weights_only=True))
+            self.step = json.loads((start / "trainer_state.json").read_text())["step"]
+            logger.info("resuming from %s (step %d)", start, self.step)
+
+        agent_loop_config = self.run_dir / "agent_loops.yaml"
+        agent_loop_config.write_text(
+            OmegaConf.to_yaml(
+                [{"name": cfg.agent_name, "_target_": "memupdate.agents.memory_loop.MemoryUpdateAgentLoop",
+                  "deterministic_ids": True}]
+            )
+        )
+        # The tools YAML reads the memory paths from the environment (one file for every run).
+        os.environ.update(
+            {"MEMUPDATE_MEMORIES": cfg.memories, "MEMUPDATE_EMBEDDINGS": cfg.embeddings,
+             "MEMUPDATE_EMBEDDING_MODEL": cfg.embedding_model}
+        )
+        self.config = verl_config(cfg, agent_loop_config)
+        write_json_atomic(self.run_dir / "resolved_config.json", {
+            "memupdate": asdict(cfg), "verl": OmegaConf.to_container(self.config, resolve=True)
+        })
+        self.server = HFGenerateServer(self.policy, self.tokenizer, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+        self.timer: dict[str, float] = {"reward": 0.0}
+        self.dataset = RLHFDataset(cfg.train_files, self.tokenizer, self.config.data, max_samples=cfg.max_rows or -1)
+        self.actor_config = ActorConfig(
+            strategy="fsdp", clip_ratio=cfg.clip_ratio, ppo_mini_batch_size=cfg.prompts_per_step,
+            ppo_micro_batch_size_per_gpu=cfg.micro_batch_size, rollout_n=cfg.rollout_n,
+        )
+        self.policy_loss = get_policy_loss_fn("vanilla")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _latest_checkpoint(self) -> Path | None:
+        steps = sorted((self.run_dir / "checkpoints").glob("step_*"))
+        return steps[-1] if steps else None
+
+    def _save(self, metrics: dict[str, Any]) -> Path:
+        target = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+        tmp = target.with_name(f".{target.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.policy.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "metrics": metrics}, indent=2))
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+        return target
+
+    def manifest(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "backend": "local",
+            "step": self.step,
+            "config_digest": self.cfg.digest(),
+            "data_sha256": {f: sha256_file(f) for f in self.cfg.train_files},
+            "base_model": self.cfg.model_path,
+            "metrics": metrics,
+        }
+
+    def export(self, metrics: dict[str, Any]) -> Path:
+        """``<run>/ckpt``: the latest checkpoint plus its manifest, placed atomically."""
+        source = self._save(metrics)
+        final = self.run_dir / "ckpt"
+        tmp = final.with_name(".ckpt.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        write_json_atomic(tmp / "manifest.json", self.manifest(metrics))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        return final
+
+    # ------------------------------------------------------------------ one step
+
+    def _prompts(self) -> DataProto:
+        rng = random.Random(f"{self.cfg.seed}:{self.step}")
+        indices = rng.sample(range(len(self.dataset)), min(self.cfg.prompts_per_step, len(self.dataset)))
+        batch = DataProto.from_single_dict(collate_fn([self.dataset[i] for i in indices]))
+        batch.non_tensor_batch["uid"] = np.array([f"{self.step}-{i}" for i in indices], dtype=object)
+        batch = batch.repeat(repeat_times=self.cfg.rollout_n, interleave=True)
+        batch.meta_info["global_steps"] = self.step
+        return batch
+
+    def _update(self, batch: DataProto) -> dict[str, float]:
+        mask = batch.batch["response_mask"].float()
+        rewards = batch.batch["rm_scores"]
+        advantages, _ = compute_grpo_outcome_advantage(
+            rewards, mask, batch.non_tensor_batch["uid"], norm_adv_by_std_in_grpo=self.cfg.norm_adv_by_std
+        )
+        old = torch.cat([response_log_probs(self.policy, mb, False) for mb in batch.split(self.cfg.micro_batch_size)])
+        ref = torch.cat([response_log_probs(self.reference, mb, False) for mb in batch.split(self.cfg.micro_batch_size)])
+        batch.batch["advantages"], batch.batch["old_log_prob"], batch.batch["ref_log_prob"] = advantages, old, ref
+        total_tokens = mask.sum().clamp(min=1)
+        self.policy.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = Counter()
+        for mb in batch.split(self.cfg.micro_batch_size):
+            mb_mask = mb.batch["response_mask"].float()
+            log_prob = response_log_probs(self.policy, mb, True)
+            pg_loss, pg_metrics = self.policy_loss(
+                mb.batch["old_log_prob"], log_prob, mb.batch["advantages"], mb_mask, "token-mean", self.actor_config
+            )
+            kl = kl_penalty(log_prob, mb.batch["ref_log_prob"], "low_var_kl")
+            kl_loss = agg_loss(kl, mb_mask, "token-mean")
+            share = mb_mask.sum() / total_tokens  # token-mean over the whole batch, not per micro-batch
+            ((pg_loss + self.cfg.kl_coef * kl_loss) * share).backward()
+            stats["pg_loss"] += pg_loss.item() * share.item()
+            stats["kl"] += kl_loss.item() * share.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        return {**stats, "grad_norm": float(grad_norm)}
+
+    def train(self) -> dict[str, Any]:
+        # One event loop for the whole run: the embedder's request queue and HTTP clients belong to it.
+        return asyncio.run(self._train())
+
+    async def _train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        reward_worker = RewardLoopWorker(self.config)
+        worker = AgentLoopWorker(
+            self.config, llm_client=self.server, reward_loop_worker_handles=[_LocalHandle(reward_worker, self.timer)]
+        )
+        metrics: dict[str, Any] = {}
+        metrics_path = self.run_dir / "metrics.jsonl"
+        with tqdm(total=cfg.steps, initial=self.step, desc="local GRPO", unit="step", disable=None) as bar:
+            while self.step < cfg.steps:
+                self.timer["reward"] = 0.0
+                tokens_before, generation_before = self.server.generated_tokens, self.server.seconds
+                start = time.perf_counter()
+                memory_loop.reset_request_ids(f"{cfg.seed}:{self.step}")
+                prompts = self._prompts()
+                batch = await worker.generate_sequences(prompts)
+                # The worker returns rollouts in prompt order but not the grouping key.
+                batch.non_tensor_batch["uid"] = prompts.non_tensor_batch["uid"]
+                rollout_seconds = time.perf_counter() - start
+                start = time.perf_counter()
+                update = self._update(batch)
+                update_seconds = time.perf_counter() - start
+                self.step += 1
+                metrics = self._metrics(
+                    batch,
+                    update,
+                    rollout_seconds,
+                    update_seconds,
+                    self.server.generated_tokens - tokens_before,
+                    self.server.seconds - generation_before,
+                )
+                with metrics_path.open("a") as fh:
+                    fh.write(json.dumps(metrics) + "\n")
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
+                bar.update(1)
+                if self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    self._save(metrics)
+        self.export(metrics)
+        return metrics
+
+    def _metrics(self, batch, update, rollout_s, update_s, tokens, generation_s) -> dict[str, Any]:
+        scores = batch.batch["rm_scores"].sum(-1).numpy()
+        extra = batch.non_tensor_batch
+        reasons = Counter(str(r) for r in extra.get("termination_reason", []))
+        out = {
+            "step": self.step,
+            "reward_mean": float(scores.mean()),
+            "reward_std": float(scores.std()),
+            "reward_min": float(scores.min()),
+            "reward_max": float(scores.max()),
+            "response_tokens_mean": float(batch.batch["response_mask"].sum(-1).float().mean()),
+            "num_turns_mean": float(np.mean(extra["__num_turns__"])) if "__num_turns__" in extra else None,
+            "termination": dict(reasons),
+            "generated_tokens": tokens,
+            "seconds": {
+                "rollout": round(rollout_s, 3),
+                "generation": round(generation_s, 3),
+                "reward": round(self.timer["reward"], 3),
+                "tools_and_other": round(max(0.0, rollout_s - generation_s - self.timer["reward"]), 3),
+                "update": round(update_s, 3),
+            },
+            **update,
+        }
+        for key in ("qa_initial", "qa_final", "efficiency", "memories_final", "ops_created", "ops_updated", "ops_deleted"):
+            if key in extra:
+                out[f"{key}_mean"] = float(np.mean(extra[key].astype(float)))
+        return out
+
+
+def train_local(cfg: LocalGRPOConfig) -> dict[str, Any]:
+    """Run (or resume) a local GRPO run; returns the last step's metrics."""
+    return LocalGRPOTrainer(cfg).train()
+
+
+def local_config(settings: dict[str, Any], **paths: Any) -> LocalGRPOConfig:
+    """A :class:`LocalGRPOConfig` from workflow settings, with a clear error for unknown keys."""
+    known = set(LocalGRPOConfig.__dataclass_fields__)
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown local training settings {unknown}; known: {sorted(known - set(paths))}")
+    return LocalGRPOConfig(**{**settings, **paths})
