@@ -3,8 +3,9 @@
 verl 0.9.1 streams each finished trajectory to a reward worker, which calls :meth:`run_single` with a
 one-row ``DataProto``: the dataset row (``extra_info`` has the target question, answer, evidence and
 category) and ``tool_extra_fields`` (the agent loop's ``extra_fields``: the store delta). The reward
-is :func:`memupdate.rewards.memory.memory_reward` on base vs. base + delta; its components become
-``reward_extra_info`` (logged per sample by verl).
+is :func:`memupdate.rewards.memory.memory_reward` on base vs. base + delta for the memory role, and the
+answer's F1 for the QA role of two-stage training (``training_stage`` from the agent loop); all
+components become ``reward_extra_info`` (logged per sample by verl).
 
 Settings come from ``reward.custom_reward_function.reward_kwargs`` (verl's own key), with the memory
 paths falling back to the environment variables the tools read::
@@ -28,6 +29,7 @@ from verl import DataProto
 from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
+from memupdate import metrics
 from memupdate.rewards.memory import MemoryRewardComputer, MemoryRewardConfig, RewardRequest, select_questions
 from memupdate.rewards.scorers import (
     AnswerRecallScorer,
@@ -43,7 +45,25 @@ from memupdate.tools.memory_tools import DELTA_KEY, manager_from_config
 logger = logging.getLogger(__name__)
 
 ENV_KEYS = {"memories": "MEMUPDATE_MEMORIES", "embeddings": "MEMUPDATE_EMBEDDINGS", "embedding_model": "MEMUPDATE_EMBEDDING_MODEL"}
-SETTINGS = {*ENV_KEYS, "scorer", "top_k", "other_questions", "efficiency", "qa_pool", "reader", "reader_metric", "judge"}
+SETTINGS = {
+    *ENV_KEYS, "scorer", "top_k", "other_questions", "efficiency", "qa_pool", "reader", "reader_metric", "judge",
+    "answer_metric",
+}
+
+
+def answer_score(answer: str | None, item: QAItem, metric: str) -> float:
+    """The QA role's score: its answer against the gold answer (0 when it gave none).
+
+    >>> answer_score("7 May 2023", QAItem("q", "7 May 2023", 2), "locomo_f1")
+    1.0
+    """
+    if not answer:
+        return 0.0
+    if metric == "locomo_f1":
+        return metrics.locomo_f1(answer, item.answer, item.category)
+    if metric == "mem0_f1":
+        return metrics.mem0_f1(answer, item.answer)
+    raise ValueError(f"answer_metric must be mem0_f1 or locomo_f1, got {metric!r}")
 
 
 def reward_settings(config: Any) -> dict[str, Any]:
@@ -134,4 +154,8 @@ class MemoryRewardManager(RewardManagerBase):
             items = select_questions(target, pool, self.reward_config.other_questions, extra_info["namespace"])
         computer = await self.computer()
         (result,) = await computer.compute([RewardRequest(extra_info["sample_id"], delta, items)])
-        return {"reward_score": result["score"], "reward_extra_info": result}
+        # Two-stage training: the memory role earns the memory reward, the QA role its answer's score.
+        stage = fields.get("training_stage") or "memory"
+        answer = answer_score(fields.get("qa_answer"), target, self.settings.get("answer_metric") or "mem0_f1")
+        score = {"memory": result["score"], "qa": answer, "joint": result["score"] + answer}[stage]
+        return {"reward_score": score, "reward_extra_info": {**result, "memory_reward": result["score"], "answer_score": answer, "score": score}}

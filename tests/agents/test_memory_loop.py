@@ -1,0 +1,111 @@
+"""The MemoryUpdate agent loop, run the way verl's AgentLoopWorker runs it, on tiny random models."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+from verl.experimental.agent_loop.tool_agent_loop import ToolListWrap
+from verl.tools.tool_registry import load_all_tools
+from verl.utils.dataset.rl_dataset import RLHFDataset
+
+from memupdate.agents.memory_loop import ANSWER_KEY, STAGE_KEY, TERMINATION_KEY, MemoryUpdateAgentLoop
+from memupdate.models.prepare import prepare_model
+from memupdate.serving.hf_server import HFGenerateServer
+from memupdate.tools.memory_tools import DELTA_KEY
+from memupdate.training.local import LocalGRPOConfig, verl_config
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    prepare_model({"kind": "tiny_random", "seed": 0}, root / "policy")
+    prepare_model({"kind": "tiny_random", "seed": 1}, root / "fixed")
+    return root
+
+
+@pytest.fixture(scope="module")
+def rows(locomo_path, tmp_path_factory):
+    from memupdate.data.locomo import preprocess_locomo
+
+    out = tmp_path_factory.mktemp("locomo")
+    outputs = {name: out / f"{name}.parquet" for name in ["train", "val", "test", "memories"]}
+    preprocess_locomo(locomo_path, outputs, split={"train": ["conv-26"], "val": [], "test": ["conv-30"]})
+    return outputs
+
+
+@pytest.fixture()
+def setup(models, rows, cache_dir, repo_root, monkeypatch, tmp_path):
+    monkeypatch.chdir(repo_root)
+    monkeypatch.setenv("MEMUPDATE_MEMORIES", str(rows["memories"]))
+    monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", str(cache_dir))
+    cfg = LocalGRPOConfig(
+        model_path=str(models / "policy"), train_files=[str(rows["train"])], run_dir=str(tmp_path),
+        tool_config="config/tools/memory_tools.yaml", memories=str(rows["memories"]), embeddings=str(cache_dir),
+        prompt_length=4096, response_length=2048, max_new_tokens=12, max_assistant_turns=2,
+    )
+    config = verl_config(cfg, tmp_path / "unused.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(models / "policy")
+    dataset = RLHFDataset(cfg.train_files, tokenizer, config.data)
+    tools = load_all_tools(cfg.tool_config, None)
+    policy = HFGenerateServer(AutoModelForCausalLM.from_pretrained(models / "policy"), tokenizer, max_new_tokens=12)
+    fixed = HFGenerateServer(AutoModelForCausalLM.from_pretrained(models / "fixed"), tokenizer, max_new_tokens=12, seed=7)
+    return config, tokenizer, dataset, tools, policy, fixed
+
+
+def run_episode(setup, **loop_kwargs):
+    config, tokenizer, dataset, tools, policy, fixed = setup
+    row = dataset[0]
+
+    async def main():
+        # Built inside the running event loop, as verl's worker does.
+        loop = MemoryUpdateAgentLoop(
+            trainer_config=DictConfigWrap(config), server_manager=policy, tokenizer=tokenizer, processor=None,
+            dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data), tools=ToolListWrap(tools),
+            **({"fixed_model": fixed} | loop_kwargs),
+        )
+        kwargs = {k: v for k, v in row.items() if not isinstance(v, torch.Tensor)}
+        return await loop.run({"temperature": 1.0, "top_p": 1.0, "top_k": -1}, **kwargs)
+
+    return asyncio.run(main()), policy, fixed
+
+
+def segments(mask):
+    """Runs of equal mask values: [(value, length), ...]."""
+    runs = []
+    for m in mask:
+        if runs and runs[-1][0] == m:
+            runs[-1][1] += 1
+        else:
+            runs.append([m, 1])
+    return [tuple(r) for r in runs]
+
+
+def test_memory_stage_trains_memory_tokens_and_masks_the_fixed_qa_answer(setup):
+    output, policy, fixed = run_episode(setup, training_stage="memory", qa_phase=True)
+    runs = segments(output.response_mask)
+    # Policy memory turn(s) (1), then the QA prompt and the fixed model's answer (0).
+    assert runs[0][0] == 1 and runs[-1][0] == 0
+    assert fixed.generated_tokens > 0 and policy.generated_tokens > 0
+    assert output.extra_fields[STAGE_KEY] == "memory"
+    assert isinstance(output.extra_fields[ANSWER_KEY], str)
+    assert output.extra_fields[DELTA_KEY]["sample_id"] == "conv-26"
+    assert output.extra_fields[TERMINATION_KEY] in ("no_tool_call", "done", "max_assistant_turns", "response_budget")
+
+
+def test_qa_stage_masks_every_memory_token_and_trains_the_answer(setup):
+    output, policy, fixed = run_episode(setup, training_stage="qa")
+    runs = segments(output.response_mask)
+    # The fixed memory model's turns and the QA prompt are 0; only the answer is 1.
+    assert runs[-1][0] == 1 and all(value == 0 for value, _ in runs[:-1])
+    assert sum(output.response_mask) == policy.generated_tokens
+    assert fixed.generated_tokens > 0
+
+
+def test_memory_stage_without_qa_phase_needs_no_fixed_model_and_qa_stage_does(setup):
+    output, policy, _ = run_episode(setup, training_stage="memory", fixed_model=None)
+    assert set(output.response_mask) == {1} or segments(output.response_mask)[0][0] == 1
+    assert output.extra_fields[ANSWER_KEY] is None
+    with pytest.raises(ValueError, match="needs fixed_model to play the memory role"):
+        run_episode(setup, training_stage="qa", fixed_model=None)
