@@ -185,8 +185,10 @@ class LocalGRPOTrainer:
         start = self._latest_checkpoint()
         weights = start or Path(cfg.model_path)
         self.policy = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
-        self.reference = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32).eval()
-        self.reference.requires_grad_(False)
+        self.reference = None
+        if cfg.kl_coef:
+            self.reference = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32).eval()
+            self.reference.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
         if start is not None:
@@ -276,9 +278,10 @@ class LocalGRPOTrainer:
         advantages, _ = compute_grpo_outcome_advantage(
             rewards, mask, batch.non_tensor_batch["uid"], norm_adv_by_std_in_grpo=self.cfg.norm_adv_by_std
         )
-        old = torch.cat([response_log_probs(self.policy, mb, False) for mb in batch.split(self.cfg.micro_batch_size)])
-        ref = torch.cat([response_log_probs(self.reference, mb, False) for mb in batch.split(self.cfg.micro_batch_size)])
-        batch.batch["advantages"], batch.batch["old_log_prob"], batch.batch["ref_log_prob"] = advantages, old, ref
+        batch.batch["advantages"] = advantages
+        if self.cfg.kl_coef:
+            ref = [response_log_probs(self.reference, mb, False) for mb in batch.split(self.cfg.micro_batch_size)]
+            batch.batch["ref_log_prob"] = torch.cat(ref)
         total_tokens = mask.sum().clamp(min=1)
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -286,15 +289,19 @@ class LocalGRPOTrainer:
         for mb in batch.split(self.cfg.micro_batch_size):
             mb_mask = mb.batch["response_mask"].float()
             log_prob = response_log_probs(self.policy, mb, True)
-            pg_loss, pg_metrics = self.policy_loss(
-                mb.batch["old_log_prob"], log_prob, mb.batch["advantages"], mb_mask, "token-mean", self.actor_config
+            # One on-policy update per rollout: the behaviour policy is the current one, so its
+            # log-probs are these, detached (saves a forward pass per step).
+            pg_loss, _ = self.policy_loss(
+                log_prob.detach(), log_prob, mb.batch["advantages"], mb_mask, "token-mean", self.actor_config
             )
-            kl = kl_penalty(log_prob, mb.batch["ref_log_prob"], "low_var_kl")
-            kl_loss = agg_loss(kl, mb_mask, "token-mean")
+            loss = pg_loss
+            if self.cfg.kl_coef:
+                kl_loss = agg_loss(kl_penalty(log_prob, mb.batch["ref_log_prob"], "low_var_kl"), mb_mask, "token-mean")
+                loss = loss + self.cfg.kl_coef * kl_loss
+                stats["kl"] += kl_loss.item() * (mb_mask.sum() / total_tokens).item()
             share = mb_mask.sum() / total_tokens  # token-mean over the whole batch, not per micro-batch
-            ((pg_loss + self.cfg.kl_coef * kl_loss) * share).backward()
+            (loss * share).backward()
             stats["pg_loss"] += pg_loss.item() * share.item()
-            stats["kl"] += kl_loss.item() * share.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
         return {**stats, "grad_norm": float(grad_norm)}

@@ -1,0 +1,463 @@
+"""One Ray cluster across the nodes of a Slurm allocation, then one command on its head.
+
+A multi-node training rule (Snakemake resources ``nodes=N, tasks=N, gres="gpu:G", tasks_per_gpu=0,
+mpi="srun"``) runs its shell in the batch step, and ``srun`` starts one task per node::
+
+    srun python -m memupdate.training.ray_cluster --shared-dir <run>/ray -- python -m verl.trainer.main_ppo ...
+
+Every task runs :func:`run_ray_cluster` with its rank (``SLURM_PROCID``):
+
+- rank 0 starts the Ray head (``ray start --head --block``), waits until it answers, and writes its
+  address atomically to ``<shared-dir>/<cluster id>.head.json``;
+- every other rank waits for that file and joins (``ray start --address <head> --block``);
+- rank 0 waits until ``ray.nodes()`` shows all N nodes alive (or fails after ``timeout``, naming the
+  ranks that joined), runs the command with ``RAY_ADDRESS`` set, so main_ppo's ``ray.init()`` joins this
+  cluster instead of starting its own, and then writes ``<cluster id>.stop`` with the exit code;
+- on that file every rank stops its own Ray node; rank 0 exits with the command's exit code.
+
+Stopping is scoped to this cluster: each rank sends SIGTERM to the ``ray start --block`` process it
+started, whose handler stops exactly that node's Ray processes. ``ray stop`` would kill every Ray process
+of the user on the host: another job's, or the other "node" when two share a host.
+
+Several nodes on one host (CI runs two slurmd daemons on one machine) must not collide:
+
+- each node gets its own ``--temp-dir`` (session, sockets, logs);
+- ports Ray would take from fixed defaults are random instead: worker ports (``--min-worker-port 0
+  --max-worker-port 0``, each worker binds a free port), the dashboard agent's HTTP port (default 52365)
+  and the dashboard's (8265); the head's GCS and Ray-client ports (6379, 10001 by default) are picked
+  free unless given. Every other Ray port is random already.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import ray
+
+from memupdate.utils.io import write_json_atomic
+from memupdate.utils.logging import setup_logging
+
+logger = logging.getLogger(__name__)
+
+# Spelled out: under `python -m` this module's __name__ is "__main__".
+MODULE = "memupdate.training.ray_cluster"
+# The plasma socket is <temp dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store: 64 characters
+# after the temp dir, and an AF_UNIX path holds at most 107.
+MAX_TEMP_DIR_LEN = 43
+POLL_S = 0.5
+# How long a `ray start --block` gets to stop its node after SIGTERM before it is killed.
+STOP_TIMEOUT_S = 60.0
+
+
+class RayClusterError(RuntimeError):
+    """The cluster could not be formed; the message names the ranks and their logs."""
+
+
+@dataclass(frozen=True)
+class ClusterFiles:
+    """The files ranks share, in a directory every node sees."""
+
+    shared_dir: Path
+    cluster_id: str
+
+    @property
+    def head(self) -> Path:
+        return self.shared_dir / f"{self.cluster_id}.head.json"
+
+    @property
+    def stop(self) -> Path:
+        return self.shared_dir / f"{self.cluster_id}.stop"
+
+    def log(self, rank: int) -> Path:
+        return self.shared_dir / f"{self.cluster_id}.rank{rank}.ray.log"
+
+    def stopped(self, rank: int) -> Path:
+        return self.shared_dir / f"{self.cluster_id}.rank{rank}.stopped"
+
+
+def slurm_rank(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """``(rank, number of nodes)`` of this Slurm task: one task per node, so the task rank is the node's."""
+    rank = env.get("SLURM_PROCID", env.get("SLURM_NODEID"))
+    nnodes = env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES"))
+    if rank is None or nnodes is None:
+        raise RayClusterError(
+            "SLURM_PROCID and SLURM_NNODES are not set: run this under `srun` (one task per node) "
+            "or set them by hand"
+        )
+    rank_, nnodes_ = int(rank), int(nnodes)
+    if not 0 <= rank_ < nnodes_:
+        raise RayClusterError(f"rank {rank_} is outside 0..{nnodes_ - 1}")
+    return rank_, nnodes_
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on right now (the OS's choice); Ray binds it moments later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _ray_executable() -> str:
+    # The `ray` script of this interpreter's environment, so every node runs the same Ray as the driver.
+    script = Path(sys.executable).with_name("ray")
+    return str(script) if script.exists() else "ray"
+
+
+def ray_start_argv(
+    *,
+    node_ip: str,
+    temp_dir: Path,
+    node_name: str,
+    head_address: str | None = None,
+    port: int | None = None,
+    client_port: int | None = None,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    object_store_memory: int | None = None,
+) -> list[str]:
+    """``ray start ... --block`` for the head (``head_address`` None: give ``port`` and ``client_port``)
+    or a worker joining ``head_address``."""
+    if len(str(temp_dir)) > MAX_TEMP_DIR_LEN:
+        raise RayClusterError(
+            f"Ray temp dir {temp_dir} is longer than {MAX_TEMP_DIR_LEN} characters: Ray's socket paths "
+            "under it would exceed the AF_UNIX limit; use a shorter --temp-root"
+        )
+    argv = [_ray_executable(), "start"]
+    if head_address is None:
+        if port is None or client_port is None:
+            raise ValueError("the head needs its GCS port and Ray-client port")
+        argv += ["--head", "--port", str(port), "--ray-client-server-port", str(client_port)]
+        argv += ["--dashboard-port", "0"]
+    else:
+        argv += ["--address", head_address]
+    argv += [
+        "--node-ip-address",
+        node_ip,
+        "--node-name",
+        node_name,
+        "--temp-dir",
+        str(temp_dir),
+        "--dashboard-agent-listen-port",
+        "0",
+        "--min-worker-port",
+        "0",
+        "--max-worker-port",
+        "0",
+        "--disable-usage-stats",
+        "--block",
+    ]
+    for flag, value in (
+        ("--num-cpus", num_cpus),
+        ("--num-gpus", num_gpus),
+        ("--object-store-memory", object_store_memory),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _start_node(argv: list[str], log_path: Path) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    # On SIGTERM Ray first drains the node for up to 30 s so serving traffic can move; when we stop a
+    # node the job is over, so there is nothing to drain.
+    env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
+    logger.info("starting Ray node: %s (log %s)", " ".join(argv), log_path)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _stop_node(proc: subprocess.Popen) -> None:
+    """SIGTERM to our own ``ray start --block``: it stops its node's processes and exits. Whatever of its
+    process tree outlives it (Ray's agents hang when the GCS is already gone) is killed by PID."""
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    except psutil.NoSuchProcess:
+        tree = []
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning(
+                "ray start (pid %d) did not stop within %.0f s: killing it", proc.pid, STOP_TIMEOUT_S
+            )
+            proc.kill()
+            proc.wait()
+    _, alive = psutil.wait_procs(tree, timeout=5)
+    if alive:
+        logger.warning("killing Ray processes left behind by ray start (pid %d): %s", proc.pid, alive)
+        for leftover in alive:
+            leftover.kill()
+        psutil.wait_procs(alive, timeout=5)
+
+
+def _log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _wait_for_gcs(proc: subprocess.Popen, node_ip: str, port: int, log_path: Path, deadline: float) -> None:
+    while True:
+        if proc.poll() is not None:
+            raise RayClusterError(
+                f"the Ray head exited with {proc.returncode} while starting; {log_path}:\n{_log_tail(log_path)}"
+            )
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.settimeout(POLL_S)
+            if sock.connect_ex((node_ip, port)) == 0:
+                return
+        if time.monotonic() > deadline:
+            raise RayClusterError(f"the Ray head did not open {node_ip}:{port} in time; see {log_path}")
+        time.sleep(POLL_S)
+
+
+def _wait_for_nodes(
+    files: ClusterFiles, nnodes: int, deadline: float, timeout: float, joined: set[int]
+) -> None:
+    """Poll ``ray.nodes()`` (from a connected driver) until ``nnodes`` are alive; ``joined`` is kept up to
+    date with the ranks seen so far, for the caller's clean-up."""
+    while True:
+        alive = sorted(node["NodeName"] for node in ray.nodes() if node["Alive"])
+        joined |= {int(m.group(1)) for name in alive if (m := re.search(r"rank(\d+)$", name))}
+        if len(alive) >= nnodes:
+            logger.info("all %d Ray nodes joined: %s", nnodes, ", ".join(alive))
+            return
+        if time.monotonic() > deadline:
+            missing = [r for r in range(nnodes) if r not in joined]
+            logs = ", ".join(str(files.log(r)) for r in missing)
+            raise RayClusterError(
+                f"only {len(alive)} of {nnodes} Ray nodes joined within {timeout:.0f} s: joined {alive}, "
+                f"missing ranks {missing} (their logs: {logs})"
+            )
+        time.sleep(POLL_S)
+
+
+def _wait_for_workers(files: ClusterFiles, ranks: Sequence[int]) -> None:
+    """Wait until the worker ranks whose nodes joined have stopped them: a raylet stopping after the
+    head cannot unregister from the GCS and leaves its agents behind."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    pending = [r for r in ranks if not files.stopped(r).exists()]
+    while pending and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        pending = [r for r in pending if not files.stopped(r).exists()]
+    if pending:
+        logger.warning("ranks %s did not report their Ray node stopped; stopping the head anyway", pending)
+
+
+def _run_head(
+    command: Sequence[str],
+    files: ClusterFiles,
+    nnodes: int,
+    node_argv: dict,
+    port: int | None,
+    timeout: float,
+) -> int:
+    deadline = time.monotonic() + timeout
+    for stale in (files.head, files.stop, *(files.stopped(r) for r in range(1, nnodes))):
+        if stale.exists():
+            logger.warning("removing %s left by an earlier run with cluster id %s", stale, files.cluster_id)
+            stale.unlink()
+    node_ip = node_argv["node_ip"]
+    port = port or free_port(node_ip)
+    address = f"{node_ip}:{port}"
+    proc: subprocess.Popen | None = None
+    exit_code = 1
+    joined: set[int] = set()
+    try:
+        proc = _start_node(
+            ray_start_argv(port=port, client_port=free_port(node_ip), **node_argv), files.log(0)
+        )
+        _wait_for_gcs(proc, node_ip, port, files.log(0), deadline)
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        try:
+            write_json_atomic(
+                files.head, {"address": address, "cluster_id": files.cluster_id, "nnodes": nnodes}
+            )
+            _wait_for_nodes(files, nnodes, deadline, timeout, joined)
+        finally:
+            ray.shutdown()
+        logger.info("running on the Ray cluster at %s: %s", address, " ".join(command))
+        exit_code = subprocess.run(list(command), env={**os.environ, "RAY_ADDRESS": address}).returncode
+        logger.info("command exited with %d", exit_code)
+        return exit_code
+    finally:
+        # Also on failure: the other ranks wait for this file.
+        write_json_atomic(files.stop, {"exit_code": exit_code})
+        _wait_for_workers(files, sorted(joined - {0}))
+        if proc is not None:
+            _stop_node(proc)
+
+
+def _wait_for_head(files: ClusterFiles, rank: int, deadline: float) -> str:
+    while not files.head.exists():
+        if files.stop.exists():
+            raise RayClusterError(f"rank {rank}: rank 0 stopped before its head started; see {files.log(0)}")
+        if time.monotonic() > deadline:
+            raise RayClusterError(
+                f"rank {rank}: no Ray head address in {files.head} in time; see {files.log(0)}"
+            )
+        time.sleep(POLL_S)
+    return json.loads(files.head.read_text())["address"]
+
+
+def _run_worker(files: ClusterFiles, rank: int, node_argv: dict, timeout: float) -> int:
+    try:
+        address = _wait_for_head(files, rank, time.monotonic() + timeout)
+        proc = _start_node(ray_start_argv(head_address=address, **node_argv), files.log(rank))
+        try:
+            while not files.stop.exists():
+                if proc.poll() is not None:
+                    raise RayClusterError(
+                        f"rank {rank}: ray start exited with {proc.returncode}; {files.log(rank)}:\n"
+                        f"{_log_tail(files.log(rank))}"
+                    )
+                time.sleep(POLL_S)
+            return 0
+        finally:
+            _stop_node(proc)
+    finally:
+        # Rank 0 stops the head only after every rank reported (see _wait_for_workers).
+        write_json_atomic(files.stopped(rank), {"rank": rank})
+
+
+def run_ray_cluster(
+    command: Sequence[str],
+    *,
+    shared_dir: str | os.PathLike,
+    rank: int,
+    nnodes: int,
+    cluster_id: str = "local",
+    port: int | None = None,
+    node_ip: str | None = None,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    object_store_memory: int | None = None,
+    temp_root: str | os.PathLike | None = None,
+    timeout: float = 300.0,
+) -> int:
+    """Run this rank's part of the cluster (see the module docstring); rank 0 returns the command's exit
+    code, other ranks 0 once rank 0 says stop.
+
+    ``shared_dir`` must be visible to every node; ``cluster_id`` (the Slurm job id) keeps the files of
+    different jobs apart. ``timeout`` bounds the start-up: the head coming up and every node joining.
+    """
+    cluster_id = re.sub(r"[^\w.-]", "_", cluster_id)
+    files = ClusterFiles(Path(shared_dir).resolve(), cluster_id)
+    files.shared_dir.mkdir(parents=True, exist_ok=True)
+    node_ip = node_ip or ray.util.get_node_ip_address()
+    node_argv = {
+        "node_ip": node_ip,
+        "temp_dir": Path(temp_root or tempfile.gettempdir()) / f"ray-{cluster_id}-{rank}",
+        # Ends in "rank<r>" so a failed start-up can tell which ranks are missing.
+        "node_name": f"{socket.gethostname()}-rank{rank}",
+        "num_cpus": num_cpus,
+        "num_gpus": num_gpus,
+        "object_store_memory": object_store_memory,
+    }
+    if rank == 0:
+        if not command:
+            raise ValueError("rank 0 needs a command to run on the cluster")
+        return _run_head(command, files, nnodes, node_argv, port, timeout)
+    return _run_worker(files, rank, node_argv, timeout)
+
+
+def cluster_command(
+    command: Sequence[str], *, shared_dir: str | os.PathLike, python: str = sys.executable, **options: object
+) -> list[str]:
+    """``python -m memupdate.training.ray_cluster ... -- <command>``, for ``srun`` to start on every node.
+
+    ``options`` are the CLI flags by their :func:`run_ray_cluster` names (``port=6380``, ``num_gpus=4``);
+    None leaves a flag out.
+    """
+    argv = [python, "-m", MODULE, "--shared-dir", os.path.abspath(shared_dir)]
+    for name, value in options.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return [*argv, "--", *command]
+
+
+def _default_cluster_id() -> str:
+    # A requeued job keeps its id; the restart count keeps the new attempt off the old attempt's files.
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is None:
+        return "local"
+    restart = os.environ.get("SLURM_RESTART_COUNT")
+    return f"{job}.{restart}" if restart else job
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument(
+        "--shared-dir", required=True, help="folder every node sees (head address, stop file, logs)"
+    )
+    parser.add_argument(
+        "--cluster-id", default=_default_cluster_id(), help="default: the Slurm job id, or 'local'"
+    )
+    parser.add_argument("--port", type=int, help="the head's GCS port (default: a free port)")
+    parser.add_argument("--node-ip", help="this node's address (default: Ray's guess)")
+    parser.add_argument("--num-cpus", type=int)
+    parser.add_argument("--num-gpus", type=int)
+    parser.add_argument("--object-store-memory", type=int, help="bytes")
+    parser.add_argument(
+        "--temp-root", help="parent of each node's short Ray temp dir (default: $TMPDIR or /tmp)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds for the head to start and all to join"
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command rank 0 runs")
+    return parser
+
+
+def _terminate(signum: int, frame: object) -> None:
+    # Slurm cancels and time limits send SIGTERM; exiting through SystemExit runs the `finally` blocks
+    # that stop this rank's Ray node and, on rank 0, tell the other ranks to stop.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    setup_logging()
+    args = _parser().parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        rank, nnodes = slurm_rank()
+        return run_ray_cluster(
+            command,
+            shared_dir=args.shared_dir,
+            rank=rank,
+            nnodes=nnodes,
+            cluster_id=args.cluster_id,
+            port=args.port,
+            node_ip=args.node_ip,
+            num_cpus=args.num_cpus,
+            num_gpus=args.num_gpus,
+            object_store_memory=args.object_store_memory,
+            temp_root=args.temp_root,
+            timeout=args.timeout,
+        )
+    except RayClusterError as err:
+        logger.error("%s", err)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""Launcher of the ``verl`` training backend: ``python -m verl.trainer.main_ppo`` on GPU nodes.
+
+``config/verl/grpo_memupdate.yaml`` is a hydra delta over verl's packaged ``ppo_trainer``; this module adds
+what changes per run as hydra overrides (:func:`compose_overrides`), builds the command and the
+environment the memory tools read (:func:`build_main_ppo_command`), and checks everything before a job
+is submitted (:func:`validate_overrides`): the overrides are composed with hydra's compose API exactly as
+``main_ppo`` composes them, so a misspelt key fails here with the key's name, and the rollout and actor
+sections are converted to verl's dataclasses, so a wrong value fails too. :func:`prepare_main_ppo` does
+all of it and writes the run's files.
+
+Per run, under ``experiment_dir``:
+
+- ``resolved_config.yaml``: the composed, resolved verl config the run uses;
+- ``agent_loops.yaml``: ``config/verl/agent_loops.yaml`` with the run's ``training_stage`` and
+  ``fixed_model`` (verl passes an agent-loop entry's keys to the loop's constructor);
+- ``checkpoints/`` (verl's ``trainer.default_local_dir``), ``validation/`` (validation generations),
+  ``hydra/`` (main_ppo's hydra output).
+
+A stage is an override set, not a config file: ``memory`` trains the memory role (two-stage stage 1, or
+single-stage MemoryUpdate), ``qa`` trains the QA role while the stage-1 model is served as the fixed
+memory model (stage 2), ``joint`` trains both. Only the agent loop's arguments differ between them.
+
+The memory paths reach the tools (``config/tools/memory_tools.yaml``) and the reward manager through
+``MEMUPDATE_*`` environment variables: returned for the driver, and forwarded to every Ray worker
+through ``ray_kwargs.ray_init.runtime_env.env_vars``, which ``main_ppo`` merges over
+``get_ppo_ray_runtime_env()`` before ``ray.init``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra.errors import HydraException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from memupdate.memory.embedder import DEFAULT_MODEL
+from memupdate.utils.io import write_text_atomic
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "config" / "verl"
+CONFIG_NAME = "grpo_memupdate"
+AGENT_LOOP_TEMPLATE = "agent_loops.yaml"
+AGENT_LOOP_NAME = "memupdate_agent"
+TRAINING_STAGES = ("memory", "qa", "joint")
+
+# Files and folders of one run, under experiment_dir.
+RESOLVED_CONFIG = "resolved_config.yaml"
+AGENT_LOOPS_FILE = "agent_loops.yaml"
+CHECKPOINT_DIR = "checkpoints"
+VALIDATION_DIR = "validation"
+HYDRA_DIR = "hydra"
+
+# Where our reward manager (memupdate_memory) reads its settings; see config/verl/grpo_memupdate.yaml.
+REWARD_KWARGS = "reward.custom_reward_function.reward_kwargs"
+# main_ppo merges this over verl's own runtime_env, so these variables reach every Ray worker.
+RAY_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
+TOOL_ENV = {
+    "memories": "MEMUPDATE_MEMORIES",
+    "embeddings": "MEMUPDATE_EMBEDDINGS",
+    "embedding_model": "MEMUPDATE_EMBEDDING_MODEL",
+}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_KEY = re.compile(r"^[A-Za-z_][\w-]*$")
+_HYDRA_BAD_KEY = re.compile(r"Could not override '([^']+)'")
+
+PathLike = str | os.PathLike
+
+
+class ConfigValidationError(ValueError):
+    """The overrides do not compose into a config verl accepts; the message names the key or section."""
+
+
+# ----------------------------------------------------------------------------------- overrides
+
+
+def hydra_value(value: Any) -> str:
+    """``value`` in hydra's override grammar: strings are always quoted, so a path, a URL or a model
+    name never turns into a number, a bool or null.
+
+    >>> hydra_value("it's")
+    "'it\\\\'s'"
+    >>> hydra_value({"base_url": "http://h:8000/v1", "top_k": 5, "judge": None})
+    "{base_url:'http://h:8000/v1',top_k:5,judge:null}"
+    >>> hydra_value([1e-06, True])
+    '[1e-06,true]'
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str | os.PathLike):
+        text = os.fspath(value)
+        # In a quoted hydra string a backslash is literal unless it (or a run of them) precedes a
+        # quote or the closing quote, where each must be doubled; the quote itself is escaped.
+        text = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text)
+        return "'" + text.replace("'", "\\'") + "'"
+    if isinstance(value, Mapping):
+        for key in value:
+            if not isinstance(key, str) or not _KEY.match(key):
+                raise ValueError(f"cannot write the mapping key {key!r} as a hydra override")
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, Sequence):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} as a hydra override")
+
+
+def _flatten(prefix: str, mapping: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    items = []
+    for key, value in mapping.items():
+        if isinstance(value, Mapping) and value:
+            items += _flatten(f"{prefix}.{key}", value)
+        else:
+            items.append((f"{prefix}.{key}", value))
+    return items
+
+
+def _abs(path: PathLike) -> str:
+    return os.path.abspath(os.path.expanduser(os.fspath(path)))
+
+
+def _model_path(model_path: PathLike) -> str:
+    """A local checkpoint becomes absolute (Ray workers run elsewhere); a hub id ``org/name`` that
+    is not a local folder stays as it is."""
+    text = os.fspath(model_path)
+    if not os.path.exists(text) and _HUB_ID.match(text):
+        logger.info("model %s is not a local path: verl will load it from the Hugging Face hub", text)
+        return text
+    return _abs(text)
+
+
+def _files(files: PathLike | Sequence[PathLike]) -> list[str]:
+    if isinstance(files, str | os.PathLike):
+        return [_abs(files)]
+    return [_abs(f) for f in files]
+
+
+def _fixed_model(stage: str, endpoint: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if stage not in TRAINING_STAGES:
+        raise ValueError(f"unknown training stage {stage!r}; expected one of {', '.join(TRAINING_STAGES)}")
+    if stage == "qa" and endpoint is None:
+        raise ValueError(
+            "stage 'qa' trains the QA role against a served memory model: pass fixed_model_endpoint "
+            "{base_url, model} (the stage-1 model's readiness marker)"
+        )
+    if stage == "joint" and endpoint is not None:
+        raise ValueError("stage 'joint' trains both roles, so it takes no fixed_model_endpoint")
+    if endpoint is None:
+        return None
+    missing = [k for k in ("base_url", "model") if not endpoint.get(k)]
+    if missing:
+        raise ValueError(
+            f"fixed_model_endpoint lacks {missing}: it needs base_url and model, got {dict(endpoint)}"
+        )
+    return dict(endpoint)
+
+
+def tool_env(
+    memories: PathLike, embeddings: PathLike, embedding_model: str = DEFAULT_MODEL
+) -> dict[str, str]:
+    """The ``MEMUPDATE_*`` variables ``config/tools/memory_tools.yaml`` and the reward manager read.
+
+    A local embedding model folder becomes absolute; a model name stays a name.
+    """
+    model = _abs(embedding_model) if os.path.exists(embedding_model) else embedding_model
+    return {
+        TOOL_ENV["memories"]: _abs(memories),
+        TOOL_ENV["embeddings"]: _abs(embeddings),
+        TOOL_ENV["embedding_model"]: model,
+    }
+
+
+def compose_overrides(
+    stage: str,
+    *,
+    model_path: PathLike,
+    train_files: PathLike | Sequence[PathLike],
+    val_files: PathLike | Sequence[PathLike],
+    tool_config: PathLike,
+    memories: PathLike,
+    embeddings: PathLike,
+    n_gpus_per_node: int,
+    nnodes: int,
+    experiment_dir: PathLike,
+    fixed_model_endpoint: Mapping[str, Any] | None = None,
+    embedding_model: str = DEFAULT_MODEL,
+    reward: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | Sequence[str] = (),
+) -> list[str]:
+    """Hydra overrides for ``main_ppo --config-name grpo_memupdate`` for one run.
+
+    ``stage`` is a training stage (``memory``, ``qa`` or ``joint``); it and ``fixed_model_endpoint``
+    go into the run's ``agent_loops.yaml`` (written by :func:`prepare_main_ppo`). ``reward`` holds our
+    reward manager's settings (``config/config.yaml``'s ``reward`` section: scorer, top_k,
+    other_questions, efficiency, ...). ``extra`` is either a mapping of config keys to values, or
+    override strings passed as they are (e.g. ``"trainer.total_epochs=1"``). Every path becomes
+    absolute, since Ray workers on other nodes do not share the driver's working directory.
+    """
+    _fixed_model(stage, fixed_model_endpoint)
+    if n_gpus_per_node < 1 or nnodes < 1:
+        raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
+    run_dir = Path(_abs(experiment_dir))
+    overrides = [
+        f"actor_rollout_ref.model.path={hydra_value(_model_path(model_path))}",
+        f"data.train_files={hydra_value(_files(train_files))}",
+        f"data.val_files={hydra_value(_files(val_files))}",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={hydra_value(_abs(tool_config))}",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={hydra_value(run_dir / AGENT_LOOPS_FILE)}",
+        f"trainer.n_gpus_per_node={int(n_gpus_per_node)}",
+        f"trainer.nnodes={int(nnodes)}",
+        # "<experiment>-<stage dir>": tells runs apart in trackers and rollout traces.
+        f"trainer.experiment_name={hydra_value('-'.join(run_dir.parts[-2:]))}",
+        f"trainer.default_local_dir={hydra_value(run_dir / CHECKPOINT_DIR)}",
+        f"trainer.validation_data_dir={hydra_value(run_dir / VALIDATION_DIR)}",
+        # main_ppo is a @hydra.main app; without this it writes outputs/<date>/ into the working dir.
+        f"hydra.run.dir={hydra_value(run_dir / HYDRA_DIR)}",
+    ]
+    # The reward settings are our manager's own namespace, not verl's schema, so they are added or
+    # replaced (++) leaf by leaf; the manager rejects an unknown setting when it starts.
+    overrides += [f"++{key}={hydra_value(value)}" for key, value in _flatten(REWARD_KWARGS, reward or {})]
+    env = tool_env(memories, embeddings, embedding_model)
+    overrides += [f"++{RAY_ENV_VARS}.{name}={hydra_value(value)}" for name, value in env.items()]
+    if isinstance(extra, Mapping):
+        overrides += [f"{key}={hydra_value(value)}" for key, value in extra.items()]
+    else:
+        overrides += list(extra)
+    return overrides
+
+
+def main_ppo_argv(
+    overrides: Sequence[str], *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR
+) -> list[str]:
+    return [
+        python,
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        _abs(config_dir),
+        "--config-name",
+        CONFIG_NAME,
+        *overrides,
+    ]
+
+
+def build_main_ppo_command(
+    stage: str, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, **run: Any
+) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env)`` for one run; ``run`` takes :func:`compose_overrides`' keyword arguments.
+
+    ``env`` holds only the ``MEMUPDATE_*`` variables: run ``argv`` with ``{**os.environ, **env}``.
+    """
+    argv = main_ppo_argv(compose_overrides(stage, **run), python=python, config_dir=config_dir)
+    return argv, _run_env(run)
+
+
+def _run_env(run: Mapping[str, Any]) -> dict[str, str]:
+    return tool_env(run["memories"], run["embeddings"], run.get("embedding_model", DEFAULT_MODEL))
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+def _compose(config_dir: PathLike, config_name: str, overrides: Sequence[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=_abs(config_dir), version_base=None):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, DictConfig) and len(node):
+        return [
+            k for key, child in node.items_ex(resolve=False) for k in _leaf_keys(child, f"{prefix}{key}.")
+        ]
+    return [prefix.rstrip(".")]
+
+
+def _defines(config: DictConfig, key: str) -> bool:
+    # keys(), not `in`: a DictConfig hides keys whose value is still ??? (e.g. rollout.name) from `in`.
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(config, parent) if parent else config
+    return isinstance(node, DictConfig) and leaf in node.keys()
+
+
+def _check_delta(config_dir: PathLike, config_name: str) -> None:
+    """Every key the delta file sets must exist in verl's ``ppo_trainer``: hydra lets a primary config
+    add keys, so a misspelt key in the file itself would otherwise be silently ignored by verl."""
+    path = Path(config_dir) / f"{config_name}.yaml"
+    delta = OmegaConf.load(path)
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        base = compose(config_name="ppo_trainer")
+    unknown = [
+        key
+        for key in _leaf_keys(delta)
+        if key.split(".")[0] not in ("defaults", "hydra")
+        and not key.startswith(REWARD_KWARGS + ".")
+        and not _defines(base, key)
+    ]
+    if unknown:
+        raise ConfigValidationError(
+            f"{path} sets keys verl's ppo_trainer does not define: {', '.join(unknown)}"
+        )
+
+
+def _unknown_key_hint(config_dir: PathLike, config_name: str, key: str) -> str:
+    """If ``key`` is not in the config (without overrides), say so with the closest sibling keys."""
+    parent, _, leaf = key.rpartition(".")
+    base = _compose(config_dir, config_name, [])
+    siblings = OmegaConf.select(base, parent) if parent else base
+    if not isinstance(siblings, DictConfig) or _defines(base, key):
+        return ""
+    matches = difflib.get_close_matches(leaf, [str(k) for k in siblings.keys()], n=3)
+    prefix = f"{parent}." if parent else ""
+    suggestion = f"; did you mean {' or '.join(prefix + m for m in matches)}?" if matches else ""
+    return f" (verl defines no such key{suggestion})"
+
+
+def _to_dataclass(config: DictConfig, section: str) -> Any:
+    from verl.utils.config import omega_conf_to_dataclass
+
+    node = OmegaConf.select(config, section)
+    try:
+        return omega_conf_to_dataclass(node)
+    except Exception as err:  # any failure of verl's own checks means main_ppo would fail the same way
+        target = node.get("_target_", "its dataclass") if isinstance(node, DictConfig) else "its dataclass"
+        raise ConfigValidationError(f"{section} does not convert to verl's {target}: {err}") from err
+
+
+def validate_overrides(config_dir: PathLike, config_name: str, overrides: Sequence[str]) -> DictConfig:
+    """Compose ``config_name`` from ``config_dir`` with ``overrides`` as ``main_ppo`` does, then run
+    verl's own checks; return the composed config or raise :class:`ConfigValidationError`.
+
+    Hydra's struct mode rejects an override of a key verl does not define (prefix it with ``+`` to add
+    one on purpose), and every key the delta file itself sets must exist in verl's config. The rollout
+    and actor sections are converted to verl's dataclasses (which reject e.g. ``rollout.mode=sync``),
+    and ``verl.utils.config.validate_config`` checks batch sizes against the GPU count as main_ppo does
+    before starting Ray. verl is imported here, not at module import, because it pulls in torch.
+    """
+    _check_delta(config_dir, config_name)
+    try:
+        config = _compose(config_dir, config_name, overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        bad = _HYDRA_BAD_KEY.search(str(err))
+        hint = _unknown_key_hint(config_dir, config_name, bad.group(1)) if bad else ""
+        if hint:
+            message = f"key '{bad.group(1)}'{hint}; a key verl does not define needs a '+' prefix"
+        else:
+            message = f"key '{bad.group(1)}'" if bad else "the overrides"
+        raise ConfigValidationError(f"verl config {config_name} rejects {message}.\n{err}") from err
+
+    try:
+        OmegaConf.resolve(config)
+    except OmegaConfBaseException as err:
+        raise ConfigValidationError(
+            f"verl config {config_name} has an interpolation that fails: {err}"
+        ) from err
+
+    _to_dataclass(config, "actor_rollout_ref.rollout")
+    _to_dataclass(config, "actor_rollout_ref.actor")
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    try:
+        validate_config(
+            config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
+        )
+    except (AssertionError, ValueError) as err:
+        raise ConfigValidationError(f"verl's validate_config rejects {config_name}: {err}") from err
+    return config
+
+
+# ----------------------------------------------------------------------------------- run files
+
+
+def write_resolved_config(path: PathLike, config: DictConfig) -> Path:
+    """Write the composed verl config with every interpolation resolved (atomically)."""
+    path = Path(path)
+    write_text_atomic(path, OmegaConf.to_yaml(config, resolve=True))
+    return path
+
+
+def write_agent_loop_config(
+    path: PathLike,
+    training_stage: str,
+    fixed_model: Mapping[str, Any] | None = None,
+    *,
+    template: PathLike = CONFIG_DIR / AGENT_LOOP_TEMPLATE,
+) -> Path:
+    """Copy the agent-loop list from ``template`` with ``memupdate_agent``'s ``training_stage`` and
+    ``fixed_model`` set for this run (verl hands them to the loop's constructor)."""
+    fixed = _fixed_model(training_stage, fixed_model)
+    loops = OmegaConf.load(template)
+    if not isinstance(loops, ListConfig):
+        raise ValueError(f"{template} must be a list of agent loops (verl's agent_loop_config_path format)")
+    entries = [entry for entry in loops if entry.get("name") == AGENT_LOOP_NAME]
+    if not entries:
+        raise ValueError(f"{template} has no agent loop named {AGENT_LOOP_NAME!r}")
+    entries[0].training_stage = training_stage
+    entries[0].fixed_model = fixed
+    header = f"# Written for this run by {__name__} from {_abs(template)}.\n"
+    path = Path(path)
+    write_text_atomic(path, header + OmegaConf.to_yaml(loops))
+    return path
+
+
+def prepare_main_ppo(
+    stage: str, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, **run: Any
+) -> tuple[list[str], dict[str, str]]:
+    """Everything before the exec: compose and validate the config, write the run's
+    ``agent_loops.yaml`` and ``resolved_config.yaml``, and return ``(argv, env)``.
+
+    Takes :func:`compose_overrides`' keyword arguments. Nothing is written when validation fails.
+    """
+    overrides = compose_overrides(stage, **run)
+    config = validate_overrides(config_dir, CONFIG_NAME, overrides)
+    run_dir = Path(_abs(run["experiment_dir"]))
+    write_agent_loop_config(
+        run_dir / AGENT_LOOPS_FILE,
+        stage,
+        run.get("fixed_model_endpoint"),
+        template=Path(config_dir) / AGENT_LOOP_TEMPLATE,
+    )
+    write_resolved_config(run_dir / RESOLVED_CONFIG, config)
+    logger.info("verl run prepared in %s (stage %s, %d overrides)", run_dir, stage, len(overrides))
+    return main_ppo_argv(overrides, python=python, config_dir=config_dir), _run_env(run)

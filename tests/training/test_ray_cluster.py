@@ -1,0 +1,180 @@
+"""Multi-node Ray start-up for Slurm, tested without Slurm: two local processes play the two tasks that
+`srun` starts inside a 2-node allocation (SLURM_PROCID=0/1, SLURM_NNODES=2) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from memupdate.training import ray_cluster as rc
+
+
+def test_slurm_rank_reads_the_task_environment():
+    assert rc.slurm_rank({"SLURM_PROCID": "1", "SLURM_NNODES": "2"}) == (1, 2)
+    assert rc.slurm_rank({"SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "4"}) == (0, 4)
+    with pytest.raises(rc.RayClusterError, match="srun"):
+        rc.slurm_rank({})
+    with pytest.raises(rc.RayClusterError, match="outside"):
+        rc.slurm_rank({"SLURM_PROCID": "2", "SLURM_NNODES": "2"})
+
+
+def test_ray_start_argv_avoids_fixed_ports():
+    common = {"node_ip": "127.0.0.1", "temp_dir": Path("/tmp/ray-7-0"), "node_name": "h-rank0"}
+    head = rc.ray_start_argv(port=6400, client_port=6401, num_cpus=1, num_gpus=0, **common)
+    assert head[1:3] == ["start", "--head"] and "--block" in head
+    flags = dict(zip(head[3::2], head[4::2], strict=False))
+    assert (flags["--port"], flags["--ray-client-server-port"], flags["--dashboard-port"]) == (
+        "6400",
+        "6401",
+        "0",
+    )
+    worker = rc.ray_start_argv(head_address="10.0.0.1:6400", **common)
+    assert worker[1:4] == ["start", "--address", "10.0.0.1:6400"]
+    for argv in (head, worker):
+        text = " ".join(argv)
+        assert "--min-worker-port 0 --max-worker-port 0" in text
+        assert "--dashboard-agent-listen-port 0" in text and "--temp-dir /tmp/ray-7-0" in text
+    assert "--num-cpus" not in worker  # None leaves Ray's own detection
+
+
+def test_ray_start_argv_rejects_a_temp_dir_too_long_for_unix_sockets():
+    with pytest.raises(rc.RayClusterError, match="AF_UNIX"):
+        rc.ray_start_argv(head_address="h:1", node_ip="h", temp_dir=Path("/" + "x" * 60), node_name="n")
+
+
+def test_cluster_command_is_the_srun_payload(tmp_path):
+    argv = rc.cluster_command(
+        ["python", "-c", "pass"], shared_dir=tmp_path, port=6400, num_gpus=4, node_ip=None
+    )
+    assert argv == [
+        sys.executable,
+        "-m",
+        "memupdate.training.ray_cluster",
+        "--shared-dir",
+        str(tmp_path),
+        "--port",
+        "6400",
+        "--num-gpus",
+        "4",
+        "--",
+        "python",
+        "-c",
+        "pass",
+    ]
+
+
+CHECK = textwrap.dedent(
+    """
+    import json, os, sys
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray.init(address="auto", logging_level="WARNING")
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+
+    @ray.remote(num_cpus=1)
+    def where():
+        return ray.get_runtime_context().get_node_id()
+
+    ran = ray.get([
+        where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+        for n in nodes
+    ])
+    result = {"names": sorted(n["NodeName"] for n in nodes), "ran_on_each": ran == [n["NodeID"] for n in nodes]}
+    json.dump(result, open(sys.argv[1], "w"))
+    sys.exit(3)  # rank 0 must hand this exit code on
+    """
+)
+
+
+def _alive(procs: dict[tuple[int, float], psutil.Process]) -> list[psutil.Process]:
+    return [p for p in procs.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow
+def test_two_ranks_form_one_cluster_and_stop_it(tmp_path):
+    # Ray's socket paths must stay under 107 characters, so the node temp dirs live in a short folder.
+    temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
+    shared, result = tmp_path / "shared", tmp_path / "result.json"
+    (tmp_path / "check.py").write_text(CHECK)
+    command = rc.cluster_command(
+        [sys.executable, str(tmp_path / "check.py"), str(result)],
+        shared_dir=shared,
+        node_ip="127.0.0.1",
+        num_cpus=1,
+        num_gpus=0,
+        object_store_memory=100 * 1024 * 1024,
+        temp_root=temp_root,
+        timeout=120,
+    )
+    env = {**os.environ, "SLURM_NNODES": "2", "SLURM_JOB_ID": "t2"}
+    ranks = [
+        subprocess.Popen(
+            command, env={**env, "SLURM_PROCID": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for r in (0, 1)
+    ]
+    # Every process the ranks start (ray start, raylets, GCS, agents, workers), by PID and start time,
+    # so the check below and the clean-up touch only this test's processes.
+    seen: dict[tuple[int, float], psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while any(p.poll() is None for p in ranks) and time.monotonic() < deadline:
+            for rank in ranks:
+                try:
+                    for child in psutil.Process(rank.pid).children(recursive=True):
+                        seen.setdefault((child.pid, child.create_time()), child)
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.2)
+        outputs = [p.communicate(timeout=10)[0].decode(errors="replace") for p in ranks]
+        assert [p.returncode for p in ranks] == [3, 0], outputs
+
+        assert json.loads(result.read_text()) == {
+            "names": [f"{os.uname().nodename}-rank{r}" for r in (0, 1)],
+            "ran_on_each": True,
+        }
+        assert len(seen) > 4, "the ranks should have started Ray processes"
+        assert _alive(seen) == [], "Ray processes outlived their cluster"
+        assert {f.name for f in shared.iterdir()} >= {"t2.head.json", "t2.stop", "t2.rank1.stopped"}
+        assert json.loads((shared / "t2.stop").read_text()) == {"exit_code": 3}
+    finally:
+        for proc in [*ranks, *_alive(seen)]:
+            try:
+                proc.kill()
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                pass
+        shutil.rmtree(temp_root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_joins_fails_the_start_up_naming_it(tmp_path):
+    temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
+    try:
+        env = {**os.environ, "SLURM_NNODES": "2", "SLURM_PROCID": "0", "SLURM_JOB_ID": "t3"}
+        command = rc.cluster_command(
+            [sys.executable, "-c", "pass"],
+            shared_dir=tmp_path,
+            node_ip="127.0.0.1",
+            num_cpus=1,
+            num_gpus=0,
+            object_store_memory=100 * 1024 * 1024,
+            temp_root=temp_root,
+            timeout=20,
+        )
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
+        assert proc.returncode == 1
+        assert "only 1 of 2 Ray nodes joined" in proc.stderr and "missing ranks [1]" in proc.stderr
+        assert json.loads((tmp_path / "t3.stop").read_text()) == {"exit_code": 1}
+    finally:
+        shutil.rmtree(temp_root, ignore_errors=True)

@@ -1,0 +1,280 @@
+"""The verl backend's launcher, up to the exec: overrides, command, validation against verl 0.9.1's real
+config, and the files a run writes. Nothing here needs a GPU; main_ppo itself is never started."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import hydra.utils
+import pytest
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from memupdate.training import verl_launcher as vl
+
+ENDPOINT = {"base_url": "http://n1:8000/v1", "model": "stage1"}
+
+
+@pytest.fixture
+def run(tmp_path, repo_root):
+    """compose_overrides' keyword arguments for a two-node run, with the workflow's reward settings."""
+    model = tmp_path / "models" / "tiny"
+    model.mkdir(parents=True)
+    config = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())
+    return {
+        "model_path": model,
+        "train_files": tmp_path / "data" / "train.parquet",
+        "val_files": [tmp_path / "data" / "val.parquet"],
+        "tool_config": repo_root / "config" / "tools" / "memory_tools.yaml",
+        "memories": tmp_path / "data" / "memories.parquet",
+        "embeddings": tmp_path / "embeddings" / "memories",
+        "n_gpus_per_node": 8,
+        "nnodes": 2,
+        "experiment_dir": tmp_path / "results" / "exp" / "stage1",
+        "reward": config["reward"],
+    }
+
+
+def overrides_dict(overrides: list[str]) -> dict[str, object]:
+    """Parsed with hydra's own parser: key (with its +/++ prefix) -> value."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return {("+" * (o.is_add() + o.is_force_add() * 2)) + o.key_or_group: o.value() for o in parsed}
+
+
+def validate(overrides):
+    return vl.validate_overrides(vl.CONFIG_DIR, vl.CONFIG_NAME, overrides)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "plain",
+        "it's",
+        "a\\'b",
+        "C:\\dir\\",
+        "/tmp/x y/z",
+        "http://h:8000/v1",
+        "Qwen/Qwen2.5-3B",
+        "8000",
+        "null",
+        "",
+    ],
+)
+def test_hydra_value_round_trips_strings(value):
+    (override,) = OverridesParser.create().parse_overrides([f"k={vl.hydra_value(value)}"])
+    assert override.value() == value
+
+
+def test_hydra_value_round_trips_containers():
+    value = {
+        "base_url": "http://h:8000/v1",
+        "top_k": 5,
+        "floor": 1e-06,
+        "on": True,
+        "judge": None,
+        "xs": [1, "a"],
+    }
+    (override,) = OverridesParser.create().parse_overrides([f"k={vl.hydra_value(value)}"])
+    assert override.value() == value
+
+
+def test_stage1_command(run):
+    argv, env = vl.build_main_ppo_command("memory", **run)
+    assert argv[:7] == [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        str(vl.CONFIG_DIR),
+        "--config-name",
+        "grpo_memupdate",
+    ]
+    got = overrides_dict(argv[7:])
+    run_dir = str(run["experiment_dir"])
+    assert got["actor_rollout_ref.model.path"] == str(run["model_path"])
+    assert got["data.train_files"] == [str(run["train_files"])]
+    assert got["data.val_files"] == [str(run["val_files"][0])]
+    assert got["actor_rollout_ref.rollout.agent.agent_loop_config_path"] == f"{run_dir}/agent_loops.yaml"
+    assert got["trainer.default_local_dir"] == f"{run_dir}/checkpoints"
+    assert got["trainer.n_gpus_per_node"] == 8 and got["trainer.nnodes"] == 2
+    assert got["++reward.custom_reward_function.reward_kwargs.scorer"] == run["reward"]["scorer"]
+    assert got["++reward.custom_reward_function.reward_kwargs.efficiency.max_total_memories"] is None
+    assert env == {
+        "MEMUPDATE_MEMORIES": str(run["memories"]),
+        "MEMUPDATE_EMBEDDINGS": str(run["embeddings"]),
+        "MEMUPDATE_EMBEDDING_MODEL": "all-MiniLM-L6-v2",
+    }
+    # The same variables go to every Ray worker, as strings (Ray rejects other env values).
+    for name, value in env.items():
+        assert got[f"++ray_kwargs.ray_init.runtime_env.env_vars.{name}"] == value
+
+
+def test_stage2_command_needs_the_served_memory_model(run):
+    with pytest.raises(ValueError, match="fixed_model_endpoint"):
+        vl.compose_overrides("qa", **run)
+    argv, _ = vl.build_main_ppo_command("qa", fixed_model_endpoint=ENDPOINT, **run)
+    assert argv[2] == "verl.trainer.main_ppo"
+
+
+@pytest.mark.parametrize(
+    ("stage", "endpoint", "message"),
+    [
+        ("joint", ENDPOINT, "takes no fixed_model_endpoint"),
+        ("stage3", None, "unknown training stage"),
+        ("qa", {"base_url": "http://n1:8000/v1"}, "lacks \\['model'\\]"),
+    ],
+)
+def test_bad_stage_arguments(run, stage, endpoint, message):
+    with pytest.raises(ValueError, match=message):
+        vl.compose_overrides(stage, fixed_model_endpoint=endpoint, **run)
+
+
+def test_paths_become_absolute(run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    relative = {
+        **run,
+        "model_path": "models/tiny",
+        "train_files": "data/train.parquet",
+        "val_files": ["data/val.parquet"],
+        "memories": "data/memories.parquet",
+        "embeddings": "embeddings/memories",
+        "experiment_dir": "results/exp/stage1",
+        "tool_config": os.path.relpath(run["tool_config"], tmp_path),
+    }
+    config = validate(vl.compose_overrides("memory", **relative))
+    rollout = config.actor_rollout_ref.rollout
+    paths = [
+        config.actor_rollout_ref.model.path,
+        *config.data.train_files,
+        *config.data.val_files,
+        rollout.multi_turn.tool_config_path,
+        rollout.agent.agent_loop_config_path,
+        config.trainer.default_local_dir,
+        config.trainer.validation_data_dir,
+        config.ray_kwargs.ray_init.runtime_env.env_vars.MEMUPDATE_MEMORIES,
+        config.ray_kwargs.ray_init.runtime_env.env_vars.MEMUPDATE_EMBEDDINGS,
+    ]
+    assert all(os.path.isabs(p) for p in paths), paths
+    assert rollout.multi_turn.tool_config_path == str(run["tool_config"])
+    assert all(p.startswith(f"{tmp_path}/") for p in paths if p != rollout.multi_turn.tool_config_path), paths
+
+
+def test_hub_model_id_stays_a_hub_id(run):
+    got = overrides_dict(vl.compose_overrides("memory", **{**run, "model_path": "Qwen/Qwen2.5-3B-Instruct"}))
+    assert got["actor_rollout_ref.model.path"] == "Qwen/Qwen2.5-3B-Instruct"
+
+
+@pytest.mark.parametrize(
+    ("stage", "endpoint"), [("memory", None), ("memory", ENDPOINT), ("qa", ENDPOINT), ("joint", None)]
+)
+def test_every_override_composes_against_verl(run, stage, endpoint):
+    overrides = vl.compose_overrides(stage, fixed_model_endpoint=endpoint, **run)
+    config = validate(overrides)
+    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    assert config.algorithm.adv_estimator == "grpo"
+    assert config.algorithm.use_kl_in_reward is False
+    assert (actor.use_kl_loss, actor.kl_loss_type, actor.kl_loss_coef) == (True, "low_var_kl", 0.001)
+    assert actor.optim.lr == 1e-6 and actor.entropy_coeff == 0
+    assert rollout.n == 8 and (rollout.name, rollout.mode) == ("vllm", "async")
+    assert rollout.multi_turn.enable and rollout.multi_turn.format == "hermes"
+    assert rollout.agent.default_agent_loop == "memupdate_agent"
+    assert (config.reward.reward_manager.source, config.reward.reward_manager.name) == (
+        "register",
+        "memupdate_memory",
+    )
+    assert OmegaConf.to_container(config.reward.custom_reward_function.reward_kwargs) == run["reward"]
+    assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (2, 8)
+
+
+def test_env_reaches_ray_workers_through_verls_runtime_env(run):
+    """main_ppo merges ray_kwargs.ray_init.runtime_env over get_ppo_ray_runtime_env() for ray.init."""
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    _, env = vl.build_main_ppo_command("memory", **run)
+    config = validate(vl.compose_overrides("memory", **run))
+    merged = OmegaConf.merge(get_ppo_ray_runtime_env(config), config.ray_kwargs.ray_init.runtime_env)
+    env_vars = OmegaConf.to_container(merged)["env_vars"]
+    assert env.items() <= env_vars.items()
+    assert "VLLM_LOGGING_LEVEL" in env_vars or "VLLM_LOGGING_LEVEL" in os.environ  # verl's own survive
+
+
+def test_extra_overrides(run):
+    config = validate(vl.compose_overrides("memory", extra={"trainer.total_epochs": 1}, **run))
+    assert config.trainer.total_epochs == 1
+    config = validate(vl.compose_overrides("memory", extra=["+trainer.note='x'"], **run))
+    assert config.trainer.note == "x"
+
+
+def test_misspelt_key_fails_naming_it(run):
+    overrides = vl.compose_overrides(
+        "memory", extra=["actor_rollout_ref.rollout.multi_turn.max_assistant_turn=3"], **run
+    )
+    with pytest.raises(vl.ConfigValidationError) as err:
+        validate(overrides)
+    message = str(err.value)
+    assert "'actor_rollout_ref.rollout.multi_turn.max_assistant_turn'" in message
+    assert "did you mean actor_rollout_ref.rollout.multi_turn.max_assistant_turns" in message
+
+
+def test_misspelt_key_in_the_delta_file_fails(tmp_path):
+    config_dir = tmp_path / "verl"
+    shutil.copytree(vl.CONFIG_DIR, config_dir)
+    path = config_dir / "grpo_memupdate.yaml"
+    path.write_text(path.read_text().replace("max_parallel_calls:", "max_parallel_call:"))
+    with pytest.raises(
+        vl.ConfigValidationError, match="actor_rollout_ref.rollout.multi_turn.max_parallel_call$"
+    ):
+        vl.validate_overrides(config_dir, vl.CONFIG_NAME, [])
+
+
+def test_sync_rollout_fails_dataclass_conversion(run):
+    overrides = vl.compose_overrides("memory", extra={"actor_rollout_ref.rollout.mode": "sync"}, **run)
+    with pytest.raises(
+        vl.ConfigValidationError, match="(?s)actor_rollout_ref.rollout does not convert.*'sync'"
+    ):
+        validate(overrides)
+
+
+def test_wrong_actor_value_fails_dataclass_conversion(run):
+    overrides = vl.compose_overrides(
+        "memory", extra={"actor_rollout_ref.actor.loss_agg_mode": "seq-sum"}, **run
+    )
+    with pytest.raises(
+        vl.ConfigValidationError, match="(?s)actor_rollout_ref.actor does not convert.*seq-sum"
+    ):
+        validate(overrides)
+
+
+def test_prepare_writes_the_run_files(run):
+    argv, env = vl.prepare_main_ppo("qa", fixed_model_endpoint=ENDPOINT, **run)
+    run_dir = run["experiment_dir"]
+
+    resolved = OmegaConf.load(run_dir / "resolved_config.yaml")
+    assert "${" not in (run_dir / "resolved_config.yaml").read_text()
+    assert resolved.actor_rollout_ref.rollout.response_length == resolved.data.max_response_length
+    assert resolved.actor_rollout_ref.rollout.agent.agent_loop_config_path == str(
+        run_dir / "agent_loops.yaml"
+    )
+    assert OmegaConf.to_container(resolved.ray_kwargs.ray_init.runtime_env.env_vars) == env
+
+    # verl's AgentLoopWorker loads this list and builds a loop with hydra.utils.instantiate(entry, ...):
+    # every key but _target_ becomes a constructor kwarg. builtins.dict stands in for the loop class.
+    (entry,) = OmegaConf.load(run_dir / "agent_loops.yaml")
+    assert entry._target_ == "memupdate.agents.memory_loop.MemoryUpdateAgentLoop"
+    kwargs = hydra.utils.instantiate({**OmegaConf.to_container(entry), "_target_": "builtins.dict"})
+    assert kwargs == {"name": "memupdate_agent", "training_stage": "qa", "fixed_model": ENDPOINT}
+    assert argv == vl.build_main_ppo_command("qa", fixed_model_endpoint=ENDPOINT, **run)[0]
+
+
+def test_prepare_writes_nothing_when_validation_fails(run):
+    with pytest.raises(vl.ConfigValidationError):
+        vl.prepare_main_ppo("memory", extra={"actor_rollout_ref.rollout.mode": "sync"}, **run)
+    assert not run["experiment_dir"].exists()
+
+
+def test_agent_loop_template_defaults_to_single_stage_memory():
+    (entry,) = OmegaConf.load(vl.CONFIG_DIR / "agent_loops.yaml")
+    assert (entry.name, entry.training_stage, entry.fixed_model) == ("memupdate_agent", "memory", None)
