@@ -113,3 +113,28 @@ def cache(cache_dir) -> EmbeddingCache:
 def base(memories_table, cache) -> BaseStore:
     """The read-only base of conv-26, shared by the tests like it is shared by trials in a worker."""
     return BaseStore.from_table(memories_table, SAMPLE_ID, cache)
+
+
+# ----------------------------------------------------------------------------------- training fixtures
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Path:
+    """Two tiny random Qwen2 models (seed 0 = policy, seed 1 = a fixed model), built once per session."""
+    from memupdate.models.prepare import prepare_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    prepare_model({"kind": "tiny_random", "seed": 0}, root / "policy")
+    prepare_model({"kind": "tiny_random", "seed": 1}, root / "fixed")
+    return root
+
+
+@pytest.fixture(scope="session")
+def locomo_rows(locomo_path, tmp_path_factory) -> dict[str, Path]:
+    """LoCoMo rows of conv-26 (train) and conv-30 (test), as preprocess_locomo writes them."""
+    from memupdate.data.locomo import preprocess_locomo
+
+    out = tmp_path_factory.mktemp("locomo-rows")
+    outputs = {name: out / f"{name}.parquet" for name in ["train", "val", "test", "memories"]}
+    preprocess_locomo(locomo_path, outputs, split={"train": ["conv-26"], "val": [], "test": ["conv-30"]})
+    return outputs

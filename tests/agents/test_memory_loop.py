@@ -11,32 +11,14 @@ from verl.tools.tool_registry import load_all_tools
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from memupdate.agents.memory_loop import ANSWER_KEY, STAGE_KEY, TERMINATION_KEY, MemoryUpdateAgentLoop
-from memupdate.models.prepare import prepare_model
 from memupdate.serving.hf_server import HFGenerateServer
 from memupdate.tools.memory_tools import DELTA_KEY
 from memupdate.training.local import LocalGRPOConfig, verl_config
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    prepare_model({"kind": "tiny_random", "seed": 0}, root / "policy")
-    prepare_model({"kind": "tiny_random", "seed": 1}, root / "fixed")
-    return root
-
-
-@pytest.fixture(scope="module")
-def rows(locomo_path, tmp_path_factory):
-    from memupdate.data.locomo import preprocess_locomo
-
-    out = tmp_path_factory.mktemp("locomo")
-    outputs = {name: out / f"{name}.parquet" for name in ["train", "val", "test", "memories"]}
-    preprocess_locomo(locomo_path, outputs, split={"train": ["conv-26"], "val": [], "test": ["conv-30"]})
-    return outputs
-
-
 @pytest.fixture()
-def setup(models, rows, cache_dir, repo_root, monkeypatch, tmp_path):
+def setup(tiny_models, locomo_rows, cache_dir, repo_root, monkeypatch, tmp_path):
+    models, rows = tiny_models, locomo_rows
     monkeypatch.chdir(repo_root)
     monkeypatch.setenv("MEMUPDATE_MEMORIES", str(rows["memories"]))
     monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", str(cache_dir))

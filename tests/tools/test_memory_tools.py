@@ -2,7 +2,6 @@ import asyncio
 import json
 
 import pytest
-from verl.experimental.agent_loop.tool_agent_loop import AgentData
 from verl.tools.tool_registry import initialize_tools_from_config
 
 from memupdate.data.locomo import MEMORY_TOOLS
@@ -10,6 +9,7 @@ from memupdate.tools.memory_tools import (
     DELTA_KEY,
     NAMESPACE_KEY,
     TOOL_CLASSES,
+    agent_data_for,
     format_record,
     manager_from_config,
 )
@@ -36,19 +36,7 @@ _counter = iter(range(10**6))
 
 
 def new_agent_data(request_id=None):
-    """verl's own per-trajectory state, as ToolAgentLoop builds it for a LoCoMo row."""
-    request_id = request_id or f"{next(_counter):08x}deadbeef"
-    create = {"create_kwargs": {"sample_id": "conv-26", "namespace": BASE_NS}}
-    return AgentData(
-        messages=[],
-        image_data=None,
-        video_data=None,
-        audio_data=None,
-        mm_processor_kwargs=None,
-        metrics={},
-        request_id=request_id,
-        tools_kwargs={name: create for name in MEMORY_TOOLS},
-    )
+    return agent_data_for(request_id or f"{next(_counter):08x}deadbeef", "conv-26", BASE_NS)
 
 
 def call(tools, agent_data, name, **params):

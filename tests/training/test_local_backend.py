@@ -9,7 +9,6 @@ from safetensors.torch import load_file
 from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
-from memupdate.models.prepare import prepare_model
 from memupdate.training.local import LocalGRPOConfig, LocalGRPOTrainer, train_local
 
 
@@ -30,20 +29,8 @@ class TokenShareReward(RewardManagerBase):
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("models") / "tiny"
-    prepare_model({"kind": "tiny_random", "seed": 0}, path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def locomo_rows(locomo_path, tmp_path_factory):
-    from memupdate.data.locomo import preprocess_locomo
-
-    out = tmp_path_factory.mktemp("locomo")
-    outputs = {name: out / f"{name}.parquet" for name in ["train", "val", "test", "memories"]}
-    preprocess_locomo(locomo_path, outputs, split={"train": ["conv-26"], "val": [], "test": ["conv-30"]})
-    return outputs
+def tiny_model(tiny_models):
+    return tiny_models / "policy"
 
 
 def config(tmp_path, tiny_model, rows, cache_dir, **overrides):

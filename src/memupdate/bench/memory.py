@@ -29,13 +29,13 @@ from tqdm.auto import tqdm
 from verl.experimental.agent_loop.tool_agent_loop import AgentData
 
 from memupdate.bench.report import format_table, percentiles_ms, save_report
-from memupdate.data.locomo import MEMORY_TOOLS, load_locomo
+from memupdate.data.locomo import load_locomo
 from memupdate.memory.embedder import Embedder
 from memupdate.memory.manager import MemoryStoreManager
 from memupdate.memory.store import BaseStore, TrialStore
 from memupdate.rewards.memory import MemoryRewardComputer, MemoryRewardConfig, RewardRequest
 from memupdate.rewards.scorers import AnswerRecallScorer, QAItem
-from memupdate.tools.memory_tools import TOOL_CLASSES, MemoryTool
+from memupdate.tools.memory_tools import TOOL_CLASSES, MemoryTool, agent_data_for
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +73,6 @@ def load_conversation(locomo_path: str, sample_id: str) -> Conversation:
     return Conversation(sample_id, questions, turns)
 
 
-def new_agent_data(request_id: str, sample_id: str, namespace: str) -> AgentData:
-    create = {"create_kwargs": {"sample_id": sample_id, "namespace": namespace}}
-    return AgentData(
-        messages=[],
-        image_data=None,
-        video_data=None,
-        audio_data=None,
-        mm_processor_kwargs=None,
-        metrics={},
-        request_id=request_id,
-        tools_kwargs={name: create for name in MEMORY_TOOLS},
-    )
-
-
 def make_tools(manager: MemoryStoreManager) -> dict[str, MemoryTool]:
     tools = {}
     for cls in TOOL_CLASSES:
@@ -116,7 +102,7 @@ async def tool_latency(
         if i % ops_per_trial == 0:
             if agent is not None:
                 manager.release(agent.extra_fields["memory_namespace"])
-            agent = new_agent_data(f"{i:08x}latency0", conv.sample_id, f"{conv.sample_id}-bench")
+            agent = agent_data_for(f"{i:08x}latency0", conv.sample_id, f"{conv.sample_id}-bench")
             await _timed(tools["search_memory"], {"query": "warm-up"}, agent, [])  # opens the store
             store = manager.get(agent.extra_fields["memory_namespace"])
         question = conv.questions[i % len(conv.questions)].question
@@ -229,7 +215,7 @@ async def event_loop_lag(manager: MemoryStoreManager, conv: Conversation, episod
             lags.append(max(0.0, time.perf_counter() - start - 0.001))
 
     async def episode(i: int):
-        agent = new_agent_data(f"{i:08x}looplag0", conv.sample_id, f"{conv.sample_id}-lag")
+        agent = agent_data_for(f"{i:08x}looplag0", conv.sample_id, f"{conv.sample_id}-lag")
         for j in range(calls):
             k = i * calls + j
             question = conv.questions[k % len(conv.questions)].question

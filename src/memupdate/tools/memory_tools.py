@@ -20,9 +20,11 @@ import logging
 import random
 from typing import Any
 
+from verl.experimental.agent_loop.tool_agent_loop import AgentData
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
+from memupdate.data.locomo import MEMORY_TOOLS
 from memupdate.memory.embedder import Embedder
 from memupdate.memory.manager import MemoryStoreManager
 from memupdate.memory.store import SOURCES, InvalidMemoryOperation, MemoryRecord, TrialStore, UnknownMemoryId
@@ -112,6 +114,22 @@ def _metadata_arg(params: dict) -> dict[str, Any]:
     if unknown:
         raise ToolArgumentError(f"Unknown metadata keys {unknown}; allowed: {sorted(allowed)}.")
     return metadata
+
+
+def agent_data_for(request_id: str, sample_id: str, namespace: str) -> AgentData:
+    """verl's per-trajectory state as ``ToolAgentLoop`` builds it for a LoCoMo row, for calling the tools
+    outside a loop (benchmarks, tests)."""
+    create = {"create_kwargs": {"sample_id": sample_id, "namespace": namespace}}
+    return AgentData(
+        messages=[],
+        image_data=None,
+        video_data=None,
+        audio_data=None,
+        mm_processor_kwargs=None,
+        metrics={},
+        request_id=request_id,
+        tools_kwargs={name: create for name in MEMORY_TOOLS},
+    )
 
 
 def format_record(record: MemoryRecord) -> str:

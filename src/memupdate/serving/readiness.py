@@ -1,0 +1,180 @@
+"""Readiness probes and readiness markers for served models.
+
+A *readiness marker* (``results/<exp>/serve/<role>.ready.json``) is the Snakemake output of a serve
+rule: it says where a served model answers. It is a promise that held when it was written, not one
+that holds forever (the server's job can end, be pre-empted, or the machine can restart), so:
+
+- the writer calls :func:`write_marker` only **after** it has probed the server itself (listed in
+  ``GET /v1/models`` *and* a tiny completion succeeded; :func:`memupdate.serving.vllm.wait_until_ready`
+  does both), and
+- every reader goes through :func:`read_marker`, which probes again and fails with a message naming
+  the marker, the URL and the fix, instead of the first reward call timing out deep inside a run.
+
+The probes use ``urllib`` and are synchronous: they run in serve scripts and before training
+starts, where there is no event loop to share.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import urllib.error
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from memupdate.serving.client import Endpoint, EndpointError
+from memupdate.utils.io import write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+#: Bumped when the marker's keys change incompatibly; readers reject other versions.
+MARKER_FORMAT = 1
+
+
+class ServerNotReady(EndpointError):
+    """A probe failed: the server is not answering, or answers without the expected model."""
+
+
+class ServerGone(EndpointError):
+    """The server a readiness marker points to does not answer any more."""
+
+
+def _request_json(url: str, payload: dict[str, Any] | None, timeout_s: float) -> Any:
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"} if data is not None else {}
+    )
+    # A proxy set in the environment must not intercept loopback or cluster-internal probes.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        body = exc.read()[:300].decode(errors="replace")
+        raise ServerNotReady(f"{'POST' if data else 'GET'} {url} returned {exc.code}: {body}") from exc
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ServerNotReady(f"{'POST' if data else 'GET'} {url} failed: {reason}") from exc
+
+
+def get_models(base_url: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """The model cards ``GET {base_url}/models`` returns (vLLM's include ``max_model_len``)."""
+    data = _request_json(base_url.rstrip("/") + "/models", None, timeout_s)
+    try:
+        cards = list(data["data"])
+        if not all(isinstance(card, dict) and "id" in card for card in cards):
+            raise TypeError("model card without an id")
+        return cards
+    except (KeyError, TypeError) as exc:
+        raise ServerNotReady(f"GET {base_url}/models: unexpected response {str(data)[:300]}") from exc
+
+
+def list_models(base_url: str, timeout_s: float = 5.0) -> list[str]:
+    """The model ids ``GET {base_url}/models`` lists; raises :class:`ServerNotReady`."""
+    return [card["id"] for card in get_models(base_url, timeout_s)]
+
+
+def probe_models(base_url: str, served_model_name: str, timeout_s: float = 5.0) -> None:
+    """Raise :class:`ServerNotReady` unless ``served_model_name`` is listed by ``/v1/models``."""
+    models = list_models(base_url, timeout_s)
+    if served_model_name not in models:
+        raise ServerNotReady(
+            f"{base_url} answers but serves {models}, not {served_model_name!r} (another server on that port?)"
+        )
+
+
+def probe_completion(base_url: str, served_model_name: str, timeout_s: float = 30.0) -> None:
+    """Send one 1-token completion; listing a model does not prove the engine can generate yet."""
+    payload = {"model": served_model_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    data = _request_json(base_url.rstrip("/") + "/completions", payload, timeout_s)
+    if not isinstance(data, dict) or not data.get("choices"):
+        raise ServerNotReady(f"POST {base_url}/completions: no choices in {str(data)[:300]}")
+
+
+def probe(base_url: str, served_model_name: str, *, completion: bool = True, timeout_s: float = 30.0) -> None:
+    """The full readiness check a marker stands for: the model is listed and (by default) generates."""
+    probe_models(base_url, served_model_name, timeout_s=min(timeout_s, 10.0))
+    if completion:
+        probe_completion(base_url, served_model_name, timeout_s=timeout_s)
+
+
+def write_marker(
+    path: str | os.PathLike,
+    *,
+    endpoint: str | Endpoint,
+    served_model_name: str,
+    pid: int | None = None,
+    slurm_job_id: str | None = None,
+    model_path: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Write the readiness marker for a served model at ``path`` (atomically) and return its content.
+
+    Call it only after the server passed :func:`probe` (``wait_until_ready`` does that): this function
+    does not probe, it records that a probe succeeded just now (``health_checked_at``). ``endpoint``
+    is the OpenAI-compatible root (``http://host:port/v1``) or an :class:`Endpoint`; it must be
+    reachable from the consumers, so a server for other nodes records its hostname, not 127.0.0.1.
+    ``slurm_job_id`` defaults to ``$SLURM_JOB_ID`` when the writer runs inside a Slurm job, which is
+    how a server's job is found and cancelled later.
+    """
+    base_url = endpoint.base_url if isinstance(endpoint, Endpoint) else str(endpoint)
+    Endpoint(base_url, served_model_name)  # validates URL and name before anything is written
+    if slurm_job_id is None:
+        slurm_job_id = os.environ.get("SLURM_JOB_ID")
+    marker = {
+        "format": MARKER_FORMAT,
+        "endpoint": base_url,
+        "served_model_name": served_model_name,
+        "model_path": None if model_path is None else str(Path(model_path).resolve()),
+        "host": socket.gethostname(),
+        "pid": pid,
+        "slurm_job_id": slurm_job_id,
+        "health_checked_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    write_json_atomic(path, marker)
+    logger.info("readiness marker %s: %s serves %r", path, base_url, served_model_name)
+    return marker
+
+
+def load_marker(path: str | os.PathLike) -> dict[str, Any]:
+    """The marker's content, checked for shape, without probing (for reports and for stopping servers)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no readiness marker at {path}: run the serve rule that writes it")
+    try:
+        marker = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"readiness marker {path} is not valid JSON ({exc}); rerun the serve rule") from exc
+    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
+        raise ValueError(
+            f"readiness marker {path} has format {marker.get('format') if isinstance(marker, dict) else None!r}, "
+            f"this code reads format {MARKER_FORMAT}; rerun the serve rule"
+        )
+    for key in ("endpoint", "served_model_name"):
+        if not marker.get(key):
+            raise ValueError(f"readiness marker {path} has no {key!r}; rerun the serve rule")
+    return marker
+
+
+def read_marker(path: str | os.PathLike, *, timeout_s: float = 10.0, **endpoint_options: Any) -> Endpoint:
+    """The :class:`Endpoint` recorded in the marker at ``path``, after checking the server still serves it.
+
+    Probes ``GET /v1/models`` (cheap; no generation) and raises :class:`ServerGone` naming the marker,
+    the URL and the fix when it fails. ``endpoint_options`` (``timeout_s``, ``max_retries``,
+    ``api_key_env``) go to the returned :class:`Endpoint`.
+    """
+    marker = load_marker(path)
+    base_url, name = marker["endpoint"], marker["served_model_name"]
+    try:
+        probe_models(base_url, name, timeout_s=timeout_s)
+    except ServerNotReady as exc:
+        where = f"pid {marker['pid']}" if marker.get("pid") else f"Slurm job {marker.get('slurm_job_id')}"
+        raise ServerGone(
+            f"the server recorded in {path} at {base_url} is not answering ({exc}); it was started as "
+            f"{where} on {marker.get('host')} and last health-checked at {marker.get('health_checked_at')}: "
+            f"rerun the serve rule (e.g. snakemake --forcerun {path})"
+        ) from exc
+    return Endpoint(base_url, name, **endpoint_options)
