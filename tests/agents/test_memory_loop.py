@@ -91,3 +91,17 @@ def test_memory_stage_without_qa_phase_needs_no_fixed_model_and_qa_stage_does(se
     assert output.extra_fields[ANSWER_KEY] is None
     with pytest.raises(ValueError, match="needs fixed_model to play the memory role"):
         run_episode(setup, training_stage="qa", fixed_model=None)
+
+
+def test_fixed_model_from_agent_loops_yaml_becomes_a_vllm_token_client():
+    from omegaconf import OmegaConf
+
+    from memupdate.agents.memory_loop import fixed_client
+    from memupdate.serving.vllm import VLLMTokenClient
+
+    client = fixed_client(OmegaConf.create({"base_url": "http://127.0.0.1:8011/v1", "model": "qa"}), 64)
+    assert isinstance(client, VLLMTokenClient) and client.endpoint.model == "qa" and client.max_tokens == 64
+    with pytest.raises(ValueError, match="no model name"):
+        fixed_client({"base_url": "http://127.0.0.1:8011/v1", "model": ""}, 64)
+    with pytest.raises(ValueError, match="fixed_model must be an endpoint"):
+        fixed_client("qa-model", 64)

@@ -21,12 +21,16 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+from collections.abc import Mapping
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
+from memupdate.serving.client import Endpoint
+from memupdate.serving.vllm import VLLMTokenClient
 from memupdate.tools.memory_tools import DELTA_KEY, MemoryTool, format_record
 
 logger = logging.getLogger(__name__)
@@ -50,6 +54,18 @@ _ids = {"prefix": "", "counter": itertools.count()}
 def reset_request_ids(prefix: str) -> None:
     """Restart deterministic request ids (the local backend calls this before each rollout)."""
     _ids["prefix"], _ids["counter"] = prefix, itertools.count()
+
+
+def fixed_client(spec: Any, max_tokens: int) -> Any:
+    """The fixed model's client: an object with verl's ``generate`` is used as is; an endpoint mapping
+    (``{base_url, model, ...}``, as agent_loops.yaml gives it) becomes a :class:`VLLMTokenClient`."""
+    if spec is None or hasattr(spec, "generate"):
+        return spec
+    if isinstance(spec, DictConfig):
+        spec = OmegaConf.to_container(spec, resolve=True)
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"fixed_model must be an endpoint {{base_url, model}} or a client, got {spec!r}")
+    return VLLMTokenClient(Endpoint.from_dict(dict(spec)), max_tokens=max_tokens)
 
 
 @register("memupdate_agent")
@@ -83,7 +99,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
                 "(a served model: run the serve rule, its readiness marker names the endpoint)"
             )
         self.fixed_role = fixed_role
-        self.fixed_model = fixed_model
+        self.fixed_model = fixed_client(fixed_model, self.response_length)
         self.qa_top_k = qa_top_k
         self.qa_max_tokens = qa_max_tokens
         self._phase = "memory"

@@ -1,0 +1,69 @@
+"""End to end: verl's AgentLoopWorker runs our MemoryUpdate loop, tools and reward manager against a
+real vLLM OpenAI server on the CPU, token ids in and out."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from verl import DataProto
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+from memupdate.serving.client import Endpoint
+from memupdate.serving.vllm import VLLMTokenClient, start_vllm_server
+from memupdate.training.local import LocalGRPOConfig, _LocalHandle, verl_config
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def long_context_server(vllm_python, tiny_model_dir, tmp_path_factory):
+    # LoCoMo prompts with six tool schemas are ~2.2k tokens with the tiny tokenizer.
+    log = tmp_path_factory.mktemp("vllm-loop") / "server.log"
+    server = start_vllm_server(
+        tiny_model_dir, served_model_name="tiny", python=vllm_python, dtype="float32", log_path=log,
+        max_model_len=4096,
+    )
+    try:
+        server.wait_until_ready(timeout_s=300)
+        yield server
+    finally:
+        server.stop()
+        assert not server.alive()
+
+
+def test_agent_loop_worker_with_our_loop_against_vllm(
+    long_context_server, tiny_model_dir, locomo_rows, cache_dir, repo_root, monkeypatch, tmp_path
+):
+    monkeypatch.chdir(repo_root)
+    cfg = LocalGRPOConfig(
+        model_path=str(tiny_model_dir), train_files=[str(locomo_rows["train"])], run_dir=str(tmp_path),
+        tool_config="config/tools/memory_tools.yaml", memories=str(locomo_rows["memories"]),
+        embeddings=str(cache_dir), rollout_n=2, prompt_length=3072, response_length=512, max_assistant_turns=2,
+        reward={"efficiency": {"max_total_memories": None}},
+    )
+    monkeypatch.setenv("MEMUPDATE_MEMORIES", cfg.memories)
+    monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", cfg.embeddings)
+    loops = tmp_path / "agent_loops.yaml"
+    loops.write_text("- name: memupdate_agent\n  _target_: memupdate.agents.memory_loop.MemoryUpdateAgentLoop\n")
+    config = verl_config(cfg, loops)
+    client = VLLMTokenClient(Endpoint(long_context_server.base_url, "tiny"), max_tokens=32)
+
+    async def main():
+        reward = RewardLoopWorker(config)
+        worker = AgentLoopWorker(config, llm_client=client, reward_loop_worker_handles=[_LocalHandle(reward, {"reward": 0.0})])
+        dataset = RLHFDataset(cfg.train_files, worker.tokenizer, config.data, max_samples=2)
+        batch = DataProto.from_single_dict(collate_fn([dataset[0], dataset[1]]))
+        batch = batch.repeat(repeat_times=2, interleave=True)
+        return await worker.generate_sequences(batch), worker.tokenizer
+
+    out, tokenizer = asyncio.run(main())
+    responses, mask = out.batch["responses"], out.batch["response_mask"]
+    assert responses.shape[0] == 4 and out.batch["rm_scores"].shape == responses.shape
+    generated = responses[mask.bool()]
+    assert generated.numel() > 0 and int(generated.max()) < len(tokenizer)
+    reasons = set(out.non_tensor_batch["termination_reason"])
+    assert reasons <= {"done", "no_tool_call", "response_budget", "max_assistant_turns", "max_user_turns"}
+    assert all(d["sample_id"] == "conv-26" for d in out.non_tensor_batch["memory_delta"])
+    assert np.isfinite(out.batch["rm_scores"].sum(-1).numpy()).all()
