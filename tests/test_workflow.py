@@ -33,9 +33,12 @@ def snakemake(workdir, *args, timeout=600):
 
 
 def test_dry_run_of_all_is_fast(workdir):
-    start = time.perf_counter()
-    result = snakemake(workdir, "-n", "all", "--cores", "1", "--quiet", "rules")
-    elapsed = time.perf_counter() - start
+    # Best of two: a 2-core machine busy with something else can stretch one start-up.
+    elapsed = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        result = snakemake(workdir, "-n", "all", "--cores", "1", "--quiet", "rules")
+        elapsed = min(elapsed, time.perf_counter() - start)
     assert result.returncode == 0, result.stderr
     assert "preprocess_locomo" in result.stdout + result.stderr
     assert elapsed < 5.0, f"snakemake -n all took {elapsed:.1f} s"
