@@ -6,7 +6,9 @@
 #   data/hotpotqa/{split}-{ndocs}.parquet  MemAgent haystacks (preprocess_hotpotqa)
 #   embeddings/<model>/memories/           vectors of the initial memories (embed_memories)
 #   models/<name>/                         HF checkpoints of the policy and fixed models (prepare_model)
+#   <exp>/serve/<served>.ready.json         readiness marker of a running vLLM server (serve_model, temp)
 #   <exp>/stage1/ckpt/                     stage-1 checkpoint + manifest (train_stage1)
+#   <exp>/stage2/ckpt/                     stage-2 checkpoint + manifest (train_stage2)
 # resources/data/{name}.json               verified copies of public data files (fetch_data)
 # logs/<rule>/..., benchmarks/<rule>/...   one log and one benchmark per job
 
@@ -26,7 +28,16 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/embed.smk"
 include: "rules/models.smk"
+include: "rules/serve.smk"
 include: "rules/train.smk"
+
+
+onsuccess:
+    stop_run_servers()
+
+
+onerror:
+    stop_run_servers()
 
 
 rule all:

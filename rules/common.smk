@@ -1,5 +1,6 @@
 # Shared helpers: scale selection, wildcard constraints and input functions (no logic in rules).
 
+import os
 from pathlib import Path
 
 SCALE = config["scales"][config["scale"]]
@@ -17,6 +18,7 @@ wildcard_constraints:
     ndocs=r"\d+",
     model="|".join(config["models"]),
     exp="|".join(config["experiments"]),
+    served="qa-base|stage1|stage2",
 
 
 def data_file_path(name):
@@ -68,13 +70,57 @@ def get_model_spec(wildcards):
     return config["models"][wildcards.model]
 
 
-def get_stage1_inputs(wildcards):
-    experiment = get_experiment(wildcards)
+# Servers started by serve_model are recorded here and stopped when the run ends (Snakefile hooks).
+SERVER_REGISTRY = "logs/serve_model/running"
+
+# A server started by a local serve_model job watches this process and stops when it is gone, even
+# when the run is killed. Jobs re-read the Snakefile, so only the first (main) process sets it.
+os.environ.setdefault("MEMUPDATE_RUN_PID", str(os.getpid()))
+
+
+def stop_run_servers():
+    from memupdate.serving.launch import stop_servers
+
+    for name in stop_servers(SERVER_REGISTRY):
+        logger.info(f"stopped the {name} server")
+
+
+def serve_marker(exp, served):
+    return f"results/{exp}/serve/{served}.ready.json"
+
+
+def memory_inputs():
     return {
-        "model": f"results/models/{experiment['policy']}",
         "train": "results/data/locomo/train.parquet",
         "memories": "results/data/locomo/memories.parquet",
         "embeddings": f"{EMBEDDINGS}/memories",
+    }
+
+
+def get_qa_model(wildcards):
+    experiment = get_experiment(wildcards)
+    if "qa_model" not in experiment:
+        raise ValueError(
+            f"experiment {wildcards.exp!r} has no qa_model in config/config.yaml; two-stage "
+            "training and serving the QA role need one"
+        )
+    return experiment["qa_model"]
+
+
+def get_stage1_inputs(wildcards):
+    experiment = get_experiment(wildcards)
+    inputs = {"model": f"results/models/{experiment['policy']}", **memory_inputs()}
+    # Without a QA model stage 1 is single-stage MemoryUpdate: no QA phase, nothing served.
+    if "qa_model" in experiment:
+        inputs["fixed"] = serve_marker(wildcards.exp, "qa-base")
+    return inputs
+
+
+def get_stage2_inputs(wildcards):
+    return {
+        "model": f"results/models/{get_qa_model(wildcards)}",
+        **memory_inputs(),
+        "fixed": serve_marker(wildcards.exp, "stage1"),
     }
 
 
@@ -82,15 +128,46 @@ def get_stage1_settings(wildcards):
     return get_experiment(wildcards)["stage1"]
 
 
-def get_run_dir(wildcards):
+def get_stage2_settings(wildcards):
+    experiment = get_experiment(wildcards)
+    if "stage2" not in experiment:
+        raise ValueError(
+            f"experiment {wildcards.exp!r} has no stage2 settings in config/config.yaml"
+        )
+    return experiment["stage2"]
+
+
+def get_backend(wildcards):
+    return get_experiment(wildcards)["backend"]
+
+
+def get_stage1_run_dir(wildcards):
     return f"results/{wildcards.exp}/stage1"
 
 
+def get_stage2_run_dir(wildcards):
+    return f"results/{wildcards.exp}/stage2"
+
+
+def get_served_model(wildcards):
+    """The checkpoint folder a served name stands for."""
+    if wildcards.served == "qa-base":
+        return f"results/models/{get_qa_model(wildcards)}"
+    return f"results/{wildcards.exp}/{wildcards.served}/ckpt"
+
+
+def get_served_model_name(wildcards):
+    return f"{wildcards.exp}-{wildcards.served}"
+
+
+def get_server_log(wildcards):
+    return f"logs/serve_model/{wildcards.exp}/{wildcards.served}.supervisor.log"
+
+
 def get_final_outputs():
-    checkpoints = expand("results/{exp}/stage1/ckpt", exp=SCALE["experiments"])
-    return [
-        *get_locomo_outputs(),
-        *get_hotpotqa_outputs(),
-        f"{EMBEDDINGS}/memories",
-        *checkpoints,
-    ]
+    outputs = [*get_locomo_outputs(), *get_hotpotqa_outputs(), f"{EMBEDDINGS}/memories"]
+    for name in SCALE["experiments"]:
+        outputs.append(f"results/{name}/stage1/ckpt")
+        if "stage2" in config["experiments"][name]:
+            outputs.append(f"results/{name}/stage2/ckpt")
+    return outputs

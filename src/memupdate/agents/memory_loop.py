@@ -58,14 +58,17 @@ def reset_request_ids(prefix: str) -> None:
 
 def fixed_client(spec: Any, max_tokens: int) -> Any:
     """The fixed model's client: an object with verl's ``generate`` is used as is; an endpoint mapping
-    (``{base_url, model, ...}``, as agent_loops.yaml gives it) becomes a :class:`VLLMTokenClient`."""
+    (``{base_url, model, ...}``, as agent_loops.yaml gives it) becomes a :class:`VLLMTokenClient`. The
+    mapping's ``max_tokens`` caps each of its turns (default ``max_tokens``), as the policy's own cap does."""
     if spec is None or hasattr(spec, "generate"):
         return spec
     if isinstance(spec, DictConfig):
         spec = OmegaConf.to_container(spec, resolve=True)
     if not isinstance(spec, Mapping):
         raise ValueError(f"fixed_model must be an endpoint {{base_url, model}} or a client, got {spec!r}")
-    return VLLMTokenClient(Endpoint.from_dict(dict(spec)), max_tokens=max_tokens)
+    spec = dict(spec)
+    max_tokens = int(spec.pop("max_tokens", max_tokens))
+    return VLLMTokenClient(Endpoint.from_dict(spec), max_tokens=max_tokens)
 
 
 @register("memupdate_agent")

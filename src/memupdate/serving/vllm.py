@@ -663,6 +663,10 @@ class VLLMTokenClient:
         stop_reason = {"stop": "completed", "length": "completed", "abort": "aborted"}.get(
             finish_reason or "", finish_reason
         )
+        # Like verl's own servers, log-probs come back only when asked for: an episode whose policy turns
+        # carry none (calculate_log_probs off) cannot take them for the served role's turns either.
+        if not sampling_params.get("logprobs", True):
+            log_probs = None
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop_reason)
 
 

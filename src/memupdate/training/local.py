@@ -92,9 +92,21 @@ class LocalGRPOConfig:
     seed: int = 0
     max_rows: int | None = None
     reward: dict[str, Any] = field(default_factory=dict)
+    #: Which role is trained (memory | qa | joint); see memupdate.agents.memory_loop.
+    training_stage: str = "memory"
+    #: Add the QA phase to memory-stage episodes (implied by the qa and joint stages).
+    qa_phase: bool = False
+    #: The served model playing the other role, ``{base_url, model}`` (from its readiness marker).
+    fixed_model: dict[str, Any] | None = None
+    qa_top_k: int = 5
+    qa_max_tokens: int = 32
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        settings = asdict(self)
+        # A served model's address changes with every server start; the model it serves is what counts.
+        if self.fixed_model:
+            settings["fixed_model"] = {k: v for k, v in self.fixed_model.items() if k != "base_url"}
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def verl_config(cfg: LocalGRPOConfig, agent_loop_config: Path):
@@ -197,10 +209,13 @@ class LocalGRPOTrainer:
             logger.info("resuming from %s (step %d)", start, self.step)
 
         agent_loop_config = self.run_dir / "agent_loops.yaml"
+        # The served role's turns get the same per-turn cap as the policy's.
+        fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.max_new_tokens}
         agent_loop_config.write_text(
             OmegaConf.to_yaml(
                 [{"name": cfg.agent_name, "_target_": "memupdate.agents.memory_loop.MemoryUpdateAgentLoop",
-                  "deterministic_ids": True}]
+                  "deterministic_ids": True, "training_stage": cfg.training_stage, "qa_phase": cfg.qa_phase,
+                  "fixed_model": fixed_model, "qa_top_k": cfg.qa_top_k, "qa_max_tokens": cfg.qa_max_tokens}]
             )
         )
         # The tools YAML reads the memory paths from the environment (one file for every run).
@@ -285,9 +300,15 @@ class LocalGRPOTrainer:
         total_tokens = mask.sum().clamp(min=1)
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = Counter()
+        stats = Counter(pg_loss=0.0, **({"kl": 0.0} if self.cfg.kl_coef else {}))
+        if not mask.any():
+            logger.warning("step %d has no trained tokens in any trajectory; the update is skipped", self.step)
         for mb in batch.split(self.cfg.micro_batch_size):
             mb_mask = mb.batch["response_mask"].float()
+            if not mb_mask.any():
+                # No trained token (e.g. the served role used the whole budget): a token-mean over
+                # nothing is 0/0, and the gradient is zero anyway.
+                continue
             log_prob = response_log_probs(self.policy, mb, True)
             # One on-policy update per rollout: the behaviour policy is the current one, so its
             # log-probs are these, detached (saves a forward pass per step).

