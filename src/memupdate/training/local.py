@@ -102,7 +102,9 @@ class LocalGRPOConfig:
     qa_max_tokens: int = 32
 
     def digest(self) -> str:
+        """Names the run: everything that shapes a step, but not how many steps (extending a run resumes it)."""
         settings = asdict(self)
+        settings.pop("steps"), settings.pop("save_every")
         # A served model's address changes with every server start; the model it serves is what counts.
         if self.fixed_model:
             settings["fixed_model"] = {k: v for k, v in self.fixed_model.items() if k != "base_url"}
@@ -239,8 +241,28 @@ class LocalGRPOTrainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _latest_checkpoint(self) -> Path | None:
+        """The checkpoint to resume from: the latest one, if it was written by this very configuration.
+
+        A run directory left by another configuration (the rule reruns because its settings changed) is
+        moved to ``superseded/<its digest>/`` rather than resumed: continuing it would mix two runs.
+        """
         steps = sorted((self.run_dir / "checkpoints").glob("step_*"))
-        return steps[-1] if steps else None
+        if not steps:
+            return None
+        state = json.loads((steps[-1] / "trainer_state.json").read_text())
+        digest = state.get("config_digest")
+        if digest == self.cfg.digest():
+            return steps[-1]
+        target = self.run_dir / "superseded" / str(digest)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("checkpoints", "metrics.jsonl"):
+            if (self.run_dir / name).exists():
+                (self.run_dir / name).rename(target / name)
+        logger.warning(
+            "%s holds a run of another configuration (digest %s, this one %s); moved it to %s and starting afresh",
+            self.run_dir, digest, self.cfg.digest(), target,
+        )
+        return None
 
     def _save(self, metrics: dict[str, Any]) -> Path:
         target = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
@@ -249,7 +271,7 @@ class LocalGRPOTrainer:
         self.policy.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "metrics": metrics}, indent=2))
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "config_digest": self.cfg.digest(), "metrics": metrics}, indent=2))
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         return target
