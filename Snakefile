@@ -9,6 +9,7 @@
 #   <exp>/serve/<served>.ready.json         readiness marker of a running vLLM server (serve_model, temp)
 #   <exp>/stage1/ckpt/                     stage-1 checkpoint + manifest (train_stage1)
 #   <exp>/stage2/ckpt/                     stage-2 checkpoint + manifest (train_stage2)
+#   <exp>/eval/report.{json,md,html}       LoCoMo evaluation report + plots, predictions/ (eval_locomo)
 # resources/data/{name}.json               verified copies of public data files (fetch_data)
 # logs/<rule>/..., benchmarks/<rule>/...   one log and one benchmark per job
 
@@ -30,6 +31,7 @@ include: "rules/embed.smk"
 include: "rules/models.smk"
 include: "rules/serve.smk"
 include: "rules/train.smk"
+include: "rules/eval.smk"
 
 
 onsuccess:

@@ -19,6 +19,7 @@ wildcard_constraints:
     model="|".join(config["models"]),
     exp="|".join(config["experiments"]),
     served="qa-base|stage1|stage2",
+    purpose="train|eval",
 
 
 def data_file_path(name):
@@ -74,8 +75,13 @@ def get_model_spec(wildcards):
 SERVER_REGISTRY = "logs/serve_model/running"
 
 # A server started by a local serve_model job watches this process and stops when it is gone, even
-# when the run is killed. Jobs re-read the Snakefile, so only the first (main) process sets it.
-os.environ.setdefault("MEMUPDATE_RUN_PID", str(os.getpid()))
+# when the run is killed. Jobs re-read the Snakefile with it inherited, so only the main process sets it.
+if os.environ.setdefault("MEMUPDATE_RUN_PID", str(os.getpid())) == str(os.getpid()):
+    # Servers (and markers) left by a killed run would make this run trust dead endpoints.
+    if os.path.isdir(SERVER_REGISTRY) and os.listdir(SERVER_REGISTRY):
+        from memupdate.serving.launch import stop_servers
+
+        stop_servers(SERVER_REGISTRY, orphans_only=True)
 
 
 def stop_run_servers():
@@ -85,8 +91,11 @@ def stop_run_servers():
         logger.info(f"stopped the {name} server")
 
 
-def serve_marker(exp, served):
-    return f"results/{exp}/serve/{served}.ready.json"
+def serve_marker(exp, served, purpose):
+    """Training and evaluation ask for their own servers: a marker made for one consumer in a run
+    would otherwise count as an updated input of the other, and retrain a finished stage.
+    """
+    return f"results/{exp}/serve/{purpose}/{served}.ready.json"
 
 
 def memory_inputs():
@@ -112,7 +121,7 @@ def get_stage1_inputs(wildcards):
     inputs = {"model": f"results/models/{experiment['policy']}", **memory_inputs()}
     # Without a QA model stage 1 is single-stage MemoryUpdate: no QA phase, nothing served.
     if "qa_model" in experiment:
-        inputs["fixed"] = serve_marker(wildcards.exp, "qa-base")
+        inputs["fixed"] = serve_marker(wildcards.exp, "qa-base", "train")
     return inputs
 
 
@@ -120,7 +129,7 @@ def get_stage2_inputs(wildcards):
     return {
         "model": f"results/models/{get_qa_model(wildcards)}",
         **memory_inputs(),
-        "fixed": serve_marker(wildcards.exp, "stage1"),
+        "fixed": serve_marker(wildcards.exp, "stage1", "train"),
     }
 
 
@@ -157,11 +166,43 @@ def get_served_model(wildcards):
 
 
 def get_served_model_name(wildcards):
-    return f"{wildcards.exp}-{wildcards.served}"
+    if wildcards.purpose == "train":
+        return f"{wildcards.exp}-{wildcards.served}"
+    return f"{wildcards.exp}-{wildcards.purpose}-{wildcards.served}"
 
 
 def get_server_log(wildcards):
-    return f"logs/serve_model/{wildcards.exp}/{wildcards.served}.supervisor.log"
+    return f"logs/serve_model/{wildcards.exp}/{wildcards.purpose}/{wildcards.served}.supervisor.log"
+
+
+def get_eval_inputs(wildcards):
+    experiment = get_experiment(wildcards)
+    inputs = {
+        "test": "results/data/locomo/test.parquet",
+        "memories": "results/data/locomo/memories.parquet",
+        "embeddings": f"{EMBEDDINGS}/memories",
+        "conversations": data_file_path(config["data"]["locomo"]["file"]),
+        "qa_base": serve_marker(wildcards.exp, "qa-base", "eval"),
+        "stage1": serve_marker(wildcards.exp, "stage1", "eval"),
+    }
+    if "stage2" in experiment:
+        inputs["stage2"] = serve_marker(wildcards.exp, "stage2", "eval")
+    return inputs
+
+
+def get_eval_settings(wildcards):
+    return get_experiment(wildcards).get("eval", {})
+
+
+def get_training_metrics(wildcards):
+    stages = (
+        ["stage1", "stage2"] if "stage2" in get_experiment(wildcards) else ["stage1"]
+    )
+    return {s: f"results/{wildcards.exp}/{s}/metrics.jsonl" for s in stages}
+
+
+def get_eval_dir(wildcards):
+    return f"results/{wildcards.exp}/eval"
 
 
 def get_final_outputs():
@@ -170,4 +211,6 @@ def get_final_outputs():
         outputs.append(f"results/{name}/stage1/ckpt")
         if "stage2" in config["experiments"][name]:
             outputs.append(f"results/{name}/stage2/ckpt")
+        if "qa_model" in config["experiments"][name]:
+            outputs.append(f"results/{name}/eval/report.json")
     return outputs

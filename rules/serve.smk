@@ -1,17 +1,18 @@
-# Serving: a vLLM OpenAI server per (experiment, served model), for the fixed role of the other stage
-# and for evaluation. The marker is temp(): it only means something while its server runs, and every
-# server started by a run is stopped when the run ends (onsuccess/onerror in the Snakefile).
+# Serving: a vLLM OpenAI server per (experiment, purpose, served model): for the fixed role of the
+# other training stage, and for evaluation. The marker is temp(): the server stops as soon as Snakemake
+# deletes it (its consumers are done), and every server still running stops when the run ends
+# (onsuccess/onerror in the Snakefile).
 
 
 rule serve_model:
     input:
         model=get_served_model,
     output:
-        marker=temp("results/{exp}/serve/{served}.ready.json"),
+        marker=temp("results/{exp}/serve/{purpose}/{served}.ready.json"),
     log:
-        "logs/serve_model/{exp}/{served}.log",
+        "logs/serve_model/{exp}/{purpose}/{served}.log",
     benchmark:
-        "benchmarks/serve_model/{exp}/{served}.tsv"
+        "benchmarks/serve_model/{exp}/{purpose}/{served}.tsv"
     conda:
         "../workflow/envs/memupdate.yaml"
     resources:

@@ -81,7 +81,7 @@ def _supervisors(workdir: Path) -> list[psutil.Process]:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_python, monkeypatch):
-    """Data, embeddings, models, served models and both training stages, from a clean copy; the tiny
+    """Data, embeddings, models, served models, both training stages and the evaluation, from a clean copy; the tiny
     experiment stands in for SmolLM2 (same rules, same code paths, minutes instead of a quarter hour)."""
     if not shared_data_dir.is_dir():
         pytest.skip("needs ../shared/data as the data mirror")
@@ -113,9 +113,18 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
     loops = {s: (workdir / "results/tiny" / s / "agent_loops.yaml").read_text() for s in ("stage1", "stage2")}
     assert "training_stage: memory" in loops["stage1"] and "model: tiny-qa-base" in loops["stage1"]
     assert "training_stage: qa" in loops["stage2"] and "model: tiny-stage1" in loops["stage2"]
+    # The evaluation rule reported every system, from predictions saved beside the report.
+    report = json.loads((workdir / "results/tiny/eval/report.json").read_text())
+    assert set(report["systems"]) == {"no_update", "full_context", "stage1+qa_base", "stage1+stage2"}
+    assert report["questions"] == 6 and report["judge"].startswith("tiny-eval-qa-base")
+    # LoCoMo conversations (13k-25k tokens) do not fit the tiny model's 8k context: skipped, with why.
+    assert report["systems"]["full_context"]["skipped"] == 6
+    for name in ("per_category.png", "training.png", "report.md", "report.html"):
+        assert (workdir / "results/tiny/eval" / name).is_file()
     # Servers were stopped when the run ended; their markers (temp) are gone with them.
-    assert "stopped the tiny-qa-base server" in log and "stopped the tiny-stage1 server" in log
-    assert not list((workdir / "results/tiny/serve").glob("*.json"))
+    for served in ("qa-base", "stage1", "eval-qa-base", "eval-stage1", "eval-stage2"):
+        assert f"stopped the tiny-{served} server" in log
+    assert not list((workdir / "results/tiny/serve").rglob("*.json"))
     assert not list((workdir / "logs/serve_model/running").glob("*.json"))
     assert not _supervisors(workdir)
 

@@ -87,3 +87,5 @@ def test_served_model_stops_with_the_run_that_started_it(vllm_python, tiny_model
     with pytest.raises(ServerGone):
         read_marker(marker)
     assert launch.stop_servers(registry) == ["exp-qa"]
+    # Stopping forgets the server and deletes its marker, so no later run trusts the dead endpoint.
+    assert not marker.exists() and not list(registry.glob("*.json"))

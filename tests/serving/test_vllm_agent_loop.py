@@ -6,13 +6,13 @@ import asyncio
 import numpy as np
 import pytest
 from verl import DataProto
-from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
+from memupdate.agents.memory_loop import TERMINATION_REASONS
 from memupdate.serving.client import Endpoint
 from memupdate.serving.vllm import VLLMTokenClient, start_vllm_server
-from memupdate.training.local import LocalGRPOConfig, _LocalHandle, verl_config
+from memupdate.training.local import LocalGRPOConfig, run_config
+from memupdate.training.workers import in_process_workers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -43,16 +43,13 @@ def test_agent_loop_worker_with_our_loop_against_vllm(
         embeddings=str(cache_dir), rollout_n=2, prompt_length=3072, response_length=512, max_assistant_turns=2,
         reward={"efficiency": {"max_total_memories": None}},
     )
-    monkeypatch.setenv("MEMUPDATE_MEMORIES", cfg.memories)
-    monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", cfg.embeddings)
-    loops = tmp_path / "agent_loops.yaml"
-    loops.write_text("- name: memupdate_agent\n  _target_: memupdate.agents.memory_loop.MemoryUpdateAgentLoop\n")
-    config = verl_config(cfg, loops)
+    for name in ("MEMUPDATE_MEMORIES", "MEMUPDATE_EMBEDDINGS", "MEMUPDATE_EMBEDDING_MODEL"):
+        monkeypatch.setenv(name, "")  # run_config sets them; monkeypatch undoes it after the test
+    config = run_config(cfg)
     client = VLLMTokenClient(Endpoint(long_context_server.base_url, "tiny"), max_tokens=32)
 
     async def main():
-        reward = RewardLoopWorker(config)
-        worker = AgentLoopWorker(config, llm_client=client, reward_loop_worker_handles=[_LocalHandle(reward, {"reward": 0.0})])
+        worker = in_process_workers(config, client)
         dataset = RLHFDataset(cfg.train_files, worker.tokenizer, config.data, max_samples=2)
         batch = DataProto.from_single_dict(collate_fn([dataset[0], dataset[1]]))
         batch = batch.repeat(repeat_times=2, interleave=True)
@@ -64,6 +61,6 @@ def test_agent_loop_worker_with_our_loop_against_vllm(
     generated = responses[mask.bool()]
     assert generated.numel() > 0 and int(generated.max()) < len(tokenizer)
     reasons = set(out.non_tensor_batch["termination_reason"])
-    assert reasons <= {"done", "no_tool_call", "response_budget", "max_assistant_turns", "max_user_turns"}
+    assert reasons <= set(TERMINATION_REASONS)
     assert all(d["sample_id"] == "conv-26" for d in out.non_tensor_batch["memory_delta"])
     assert np.isfinite(out.batch["rm_scores"].sum(-1).numpy()).all()

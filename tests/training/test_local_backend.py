@@ -114,11 +114,11 @@ def test_grpo_learns_a_toy_reward_changes_weights_and_resumes(
     assert resumed.step == 20
     assert resumed.train()["step"] == 22
 
-    # Another configuration in the same run directory starts afresh; the old run is kept aside.
+    # Another configuration (or a finished run asked for again) starts afresh; the old run is kept aside.
     changed = cfg.__class__(**{**cfg.__dict__, "lr": 1e-3})
     fresh = LocalGRPOTrainer(changed)
     assert fresh.step == 0
-    kept = tmp_path / "run" / "superseded" / cfg.digest()
+    kept = tmp_path / "run" / "superseded" / f"{cfg.digest()}-step22"
     assert sorted(p.name for p in (kept / "checkpoints").iterdir())[-1] == "step_000022"
     assert len((kept / "metrics.jsonl").read_text().splitlines()) == 22
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from verl import DataProto
-from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.bench.report import format_table, save_report
 from memupdate.models.prepare import prepare_model
 from memupdate.serving.client import Endpoint
 from memupdate.serving.vllm import VLLMTokenClient, ensure_vllm_env, start_vllm_server
-from memupdate.training.local import LocalGRPOConfig, _LocalHandle, verl_config
+from memupdate.training.local import LocalGRPOConfig, run_config
+from memupdate.training.workers import in_process_workers
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +48,7 @@ class RecordingClient:
 
 
 async def _agent_loop(config, client: RecordingClient, train_file: str, prompts: int, n: int) -> float:
-    reward = RewardLoopWorker(config)
-    worker = AgentLoopWorker(config, llm_client=client, reward_loop_worker_handles=[_LocalHandle(reward, {"reward": 0.0})])
+    worker = in_process_workers(config, client)
     dataset = RLHFDataset([train_file], worker.tokenizer, config.data, max_samples=prompts)
     batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
     batch = batch.repeat(repeat_times=n, interleave=True)
@@ -98,10 +95,7 @@ def run_rollout_bench(
         memories=memories, embeddings=embeddings, rollout_n=n, prompt_length=3072, response_length=768,
         max_assistant_turns=max_assistant_turns, reward={"efficiency": {"max_total_memories": None}},
     )
-    os.environ.update({"MEMUPDATE_MEMORIES": memories, "MEMUPDATE_EMBEDDINGS": embeddings})
-    loops = work / "agent_loops.yaml"
-    loops.write_text("- name: memupdate_agent\n  _target_: memupdate.agents.memory_loop.MemoryUpdateAgentLoop\n")
-    config = verl_config(cfg, loops)
+    config = run_config(cfg)
     python = ensure_vllm_env()
     with start_vllm_server(model_dir, served_model_name="bench", python=python, dtype="float32",
                            max_model_len=4096, log_path=work / "server.log") as server:

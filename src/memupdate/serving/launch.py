@@ -8,9 +8,10 @@ finishes once the marker is written; its consumers run afterwards), so it is sta
 
 in both cases through :func:`main` (``python -m memupdate.serving.launch run ...``), a small supervisor that
 picks a free port on the node it runs on, writes ``host:port`` to an address file, runs the vLLM server
-in its own process group and stops that whole group when it is told to stop (SIGTERM, ``scancel``) or,
-for a local server, when the Snakemake run that started it is gone (so even a killed run leaves no
-server behind).
+in its own process group and stops that whole group when it is told to stop (SIGTERM, ``scancel``),
+when its readiness marker is deleted (Snakemake deletes a temp() output once its consumers are done),
+or, for a local server, when the Snakemake run that started it is gone (so even a killed run leaves
+no server behind).
 
 Every started server is recorded in a registry folder (one JSON file per server) before anything waits
 on it; the Snakefile's ``onsuccess``/``onerror`` hooks call :func:`stop_servers` on that folder, which
@@ -137,10 +138,15 @@ def _stop_local(pid: int, timeout_s: float) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-def stop_servers(registry_dir: str | os.PathLike, timeout_s: float = 60.0) -> list[str]:
-    """Stop every server recorded in ``registry_dir`` (by process group or Slurm job id); returns their names.
+def stop_servers(
+    registry_dir: str | os.PathLike, timeout_s: float = 60.0, *, orphans_only: bool = False
+) -> list[str]:
+    """Stop every server recorded in ``registry_dir`` (by process group or Slurm job id) and delete its
+    readiness marker, so no later run trusts it; returns their names.
 
-    Called by the Snakefile's ``onsuccess`` and ``onerror`` hooks; safe when nothing is recorded.
+    Called by the Snakefile's ``onsuccess`` and ``onerror`` hooks, and with ``orphans_only`` when a run
+    starts: servers of runs that were killed (their Snakemake process is gone) are stopped then, while
+    those of a run still going in the same folder are left alone. Safe when nothing is recorded.
     """
     registry_dir = Path(registry_dir)
     stopped = []
@@ -149,6 +155,8 @@ def stop_servers(registry_dir: str | os.PathLike, timeout_s: float = 60.0) -> li
             entry = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             logger.error("unreadable server record %s (%s); stop that server by hand", path, exc)
+            continue
+        if orphans_only and entry.get("run_pid") and _pid_alive(int(entry["run_pid"])):
             continue
         if entry.get("slurm_job_id"):
             result = subprocess.run(
@@ -161,6 +169,8 @@ def stop_servers(registry_dir: str | os.PathLike, timeout_s: float = 60.0) -> li
         elif entry.get("pid"):
             _stop_local(int(entry["pid"]), timeout_s)
             logger.info("stopped local server %s (pid %s)", entry["name"], entry["pid"])
+        if entry.get("marker"):
+            Path(entry["marker"]).unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         stopped.append(entry["name"])
     return stopped
@@ -188,7 +198,7 @@ def vllm_python(settings: ServeSettings) -> str:
 
 def supervisor_argv(
     model_dir: Path, served_model_name: str, address_file: Path, settings: ServeSettings, python: str, *,
-    bind_host: str, watch_pid: int | None,
+    bind_host: str, watch_pid: int | None, marker: Path | None = None,
 ) -> list[str]:  # fmt: skip
     argv = [
         sys.executable, "-m", MODULE, "run",
@@ -202,6 +212,8 @@ def supervisor_argv(
     ]  # fmt: skip
     if watch_pid:
         argv += ["--watch-pid", str(watch_pid)]
+    if marker is not None:
+        argv += ["--marker", str(marker.resolve())]
     for arg in settings.extra_args:
         argv.append(f"--extra-arg={arg}")
     return argv
@@ -280,22 +292,24 @@ def serve_model(
     address_file.unlink(missing_ok=True)
     server_log.parent.mkdir(parents=True, exist_ok=True)
     process, job_id = None, None
+    record = {"log": str(server_log), "marker": str(marker.resolve()), "run_pid": os.environ.get(RUN_PID_ENV)}
     if launcher == "local":
         watch = os.environ.get(RUN_PID_ENV)
         argv = supervisor_argv(
             model_dir, served_model_name, address_file, settings, python,
-            bind_host="127.0.0.1", watch_pid=int(watch) if watch else None,
+            bind_host="127.0.0.1", watch_pid=int(watch) if watch else None, marker=marker,
         )  # fmt: skip
         with server_log.open("w", encoding="utf-8") as log:
             process = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, **settings.env}, start_new_session=True,
             )  # fmt: skip
-        _register(registry_dir, served_model_name, {"pid": process.pid, "log": str(server_log)})
+        _register(registry_dir, served_model_name, {"pid": process.pid, **record})
         logger.info("started server supervisor pid %d for %s (log %s)", process.pid, model_dir, server_log)
     else:
         argv = supervisor_argv(
-            model_dir, served_model_name, address_file, settings, python, bind_host="0.0.0.0", watch_pid=None
+            model_dir, served_model_name, address_file, settings, python, bind_host="0.0.0.0", watch_pid=None,
+            marker=marker,
         )
         env_prefix = [f"{k}={v}" for k, v in settings.env.items()]
         command = ["env", *env_prefix, *argv] if env_prefix else argv
@@ -304,7 +318,7 @@ def serve_model(
         if result.returncode != 0:
             raise ServeError(f"sbatch for the {served_model_name} server failed: {result.stderr.strip()}")
         job_id = result.stdout.strip().split(";")[0]
-        _register(registry_dir, served_model_name, {"slurm_job_id": job_id, "log": str(server_log)})
+        _register(registry_dir, served_model_name, {"slurm_job_id": job_id, **record})
         logger.info("submitted Slurm job %s serving %s (log %s)", job_id, model_dir, server_log)
     try:
         address = _wait_for_address(
@@ -376,6 +390,8 @@ def run_supervisor(args: argparse.Namespace) -> int:
          "vllm_log": str(log_path)},
     )  # fmt: skip
     logger.info("vLLM pid %d serving %s at %s (log %s)", child.pid, args.served_model_name, server.base_url, log_path)
+    marker = Path(args.marker) if args.marker else None
+    marked = False
     while stop["why"] is None:
         if child.poll() is not None:
             logger.error("vLLM exited with code %s:\n%s", child.returncode, tail(log_path, 40))
@@ -383,6 +399,13 @@ def run_supervisor(args: argparse.Namespace) -> int:
         if args.watch_pid and not _pid_alive(args.watch_pid):
             stop["why"] = f"run process {args.watch_pid} ended"
             break
+        # The marker is a temp() output: once written, its deletion means every consumer is done.
+        if marker is not None:
+            if marker.exists():
+                marked = True
+            elif marked:
+                stop["why"] = f"its readiness marker {marker} was deleted"
+                break
         time.sleep(1.0)
     logger.info("stopping vLLM pid %d (%s)", child.pid, stop["why"])
     server.stop()
@@ -401,6 +424,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-model-len", type=int, default=4096)
     run.add_argument("--dtype", default="bfloat16")
     run.add_argument("--watch-pid", type=int)
+    run.add_argument("--marker", help="stop once this readiness marker, after being written, is deleted")
     run.add_argument("--extra-arg", action="append", default=[])
     stop = sub.add_parser("stop", help="stop every server recorded in a registry folder")
     stop.add_argument("registry_dir")

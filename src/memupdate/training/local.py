@@ -38,8 +38,6 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl import DataProto
-from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 from verl.trainer.ppo.core_algos import (
     agg_loss,
     compute_grpo_outcome_advantage,
@@ -51,6 +49,7 @@ from verl.workers.config import ActorConfig
 
 from memupdate.agents import memory_loop
 from memupdate.serving.hf_server import HFGenerateServer
+from memupdate.training.workers import in_process_workers
 from memupdate.utils.io import sha256_file, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -151,26 +150,27 @@ def verl_config(cfg: LocalGRPOConfig, agent_loop_config: Path):
     return conf
 
 
-class _Remote:
-    """``handle.compute_score.remote(data)`` for an in-process worker (what a Ray handle offers)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    async def remote(self, *args, **kwargs):
-        return await self.fn(*args, **kwargs)
-
-
-class _LocalHandle:
-    def __init__(self, worker: RewardLoopWorker, timer: dict[str, float]):
-        async def timed(data):
-            start = time.perf_counter()
-            try:
-                return await worker.compute_score(data)
-            finally:
-                timer["reward"] += time.perf_counter() - start
-
-        self.compute_score = _Remote(timed)
+def run_config(cfg: LocalGRPOConfig):
+    """Write the run's ``agent_loops.yaml`` into ``cfg.run_dir``, point the memory tools at the run's data
+    (environment variables the tools YAML reads) and return verl's config for the in-process workers."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    agent_loop_config = run_dir / "agent_loops.yaml"
+    # The served role's turns get the same per-turn cap as the policy's.
+    fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.max_new_tokens}
+    agent_loop_config.write_text(
+        OmegaConf.to_yaml(
+            [{"name": cfg.agent_name, "_target_": "memupdate.agents.memory_loop.MemoryUpdateAgentLoop",
+              "deterministic_ids": True, "training_stage": cfg.training_stage, "qa_phase": cfg.qa_phase,
+              "fixed_model": fixed_model, "qa_top_k": cfg.qa_top_k, "qa_max_tokens": cfg.qa_max_tokens}]
+        )
+    )
+    # One tools YAML serves every run: it reads the memory paths from the environment.
+    os.environ.update(
+        {"MEMUPDATE_MEMORIES": cfg.memories, "MEMUPDATE_EMBEDDINGS": cfg.embeddings,
+         "MEMUPDATE_EMBEDDING_MODEL": cfg.embedding_model}
+    )
+    return verl_config(cfg, agent_loop_config)
 
 
 def response_log_probs(model, batch: DataProto, grad: bool) -> torch.Tensor:
@@ -210,22 +210,7 @@ class LocalGRPOTrainer:
             self.step = json.loads((start / "trainer_state.json").read_text())["step"]
             logger.info("resuming from %s (step %d)", start, self.step)
 
-        agent_loop_config = self.run_dir / "agent_loops.yaml"
-        # The served role's turns get the same per-turn cap as the policy's.
-        fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.max_new_tokens}
-        agent_loop_config.write_text(
-            OmegaConf.to_yaml(
-                [{"name": cfg.agent_name, "_target_": "memupdate.agents.memory_loop.MemoryUpdateAgentLoop",
-                  "deterministic_ids": True, "training_stage": cfg.training_stage, "qa_phase": cfg.qa_phase,
-                  "fixed_model": fixed_model, "qa_top_k": cfg.qa_top_k, "qa_max_tokens": cfg.qa_max_tokens}]
-            )
-        )
-        # The tools YAML reads the memory paths from the environment (one file for every run).
-        os.environ.update(
-            {"MEMUPDATE_MEMORIES": cfg.memories, "MEMUPDATE_EMBEDDINGS": cfg.embeddings,
-             "MEMUPDATE_EMBEDDING_MODEL": cfg.embedding_model}
-        )
-        self.config = verl_config(cfg, agent_loop_config)
+        self.config = run_config(cfg)
         write_json_atomic(self.run_dir / "resolved_config.json", {
             "memupdate": asdict(cfg), "verl": OmegaConf.to_container(self.config, resolve=True)
         })
@@ -241,27 +226,31 @@ class LocalGRPOTrainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _latest_checkpoint(self) -> Path | None:
-        """The checkpoint to resume from: the latest one, if it was written by this very configuration.
+        """The checkpoint to resume from: the latest one of an unfinished run of this very configuration.
 
-        A run directory left by another configuration (the rule reruns because its settings changed) is
-        moved to ``superseded/<its digest>/`` rather than resumed: continuing it would mix two runs.
+        Anything else in the run directory (another configuration, or a finished run whose output was
+        deleted because code or inputs changed) moves to ``superseded/<digest>-step<N>/``: continuing
+        it would mix two runs.
         """
         steps = sorted((self.run_dir / "checkpoints").glob("step_*"))
         if not steps:
             return None
         state = json.loads((steps[-1] / "trainer_state.json").read_text())
         digest = state.get("config_digest")
-        if digest == self.cfg.digest():
+        if digest == self.cfg.digest() and state["step"] < self.cfg.steps:
             return steps[-1]
-        target = self.run_dir / "superseded" / str(digest)
+        # A finished run asked for again (its checkpoint was deleted because code or inputs changed) is
+        # trained anew, not "resumed" into a copy of the old result.
+        why = "another configuration" if digest != self.cfg.digest() else "a finished run"
+        target = self.run_dir / "superseded" / f"{digest}-step{state['step']}"
+        if target.exists():
+            shutil.rmtree(target)
         target.mkdir(parents=True, exist_ok=True)
         for name in ("checkpoints", "metrics.jsonl"):
             if (self.run_dir / name).exists():
                 (self.run_dir / name).rename(target / name)
-        logger.warning(
-            "%s holds a run of another configuration (digest %s, this one %s); moved it to %s and starting afresh",
-            self.run_dir, digest, self.cfg.digest(), target,
-        )
+        logger.warning("%s holds %s (digest %s, this one %s); moved it to %s and starting afresh",
+                       self.run_dir, why, digest, self.cfg.digest(), target)
         return None
 
     def _save(self, metrics: dict[str, Any]) -> Path:
@@ -355,10 +344,7 @@ class LocalGRPOTrainer:
 
     async def _train(self) -> dict[str, Any]:
         cfg = self.cfg
-        reward_worker = RewardLoopWorker(self.config)
-        worker = AgentLoopWorker(
-            self.config, llm_client=self.server, reward_loop_worker_handles=[_LocalHandle(reward_worker, self.timer)]
-        )
+        worker = in_process_workers(self.config, self.server, self.timer)
         metrics: dict[str, Any] = {}
         metrics_path = self.run_dir / "metrics.jsonl"
         with tqdm(total=cfg.steps, initial=self.step, desc="local GRPO", unit="step", disable=None) as bar:

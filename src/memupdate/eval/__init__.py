@@ -1,0 +1,1 @@
+"""LoCoMo and MemAgent evaluation: predictions, scores, reports."""

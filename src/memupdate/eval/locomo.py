@@ -1,0 +1,457 @@
+"""LoCoMo evaluation of (memory model, QA model) pairs on the held-out conversations.
+
+Systems (one predictions file each, ``predictions/<system>.jsonl``):
+
+- ``no_update``: the QA model answers from the top-k of the *initial* memories;
+- a memory model + a QA model (``stage1+qa_base``, ``stage1+stage2``): the memory model edits the
+  question's trial store with the tools and the QA model answers from the top-k of the *final* store.
+  This is the training episode itself: verl's ``AgentLoopWorker`` runs the ``memupdate_agent`` loop
+  (``training_stage=memory`` with its QA phase) against the two served models, greedy, so training and
+  evaluation share every prompt;
+- ``full_context``: the QA model reads the whole conversation, when it fits its context; otherwise the
+  system is recorded as skipped, with the token count that did not fit.
+
+Category 5 (adversarial, no gold answer) is asked as the LoCoMo paper's two-way choice between
+"Not mentioned in the conversation" and the adversarial answer, in a seeded order; the official
+LoCoMo F1 scores it 1 when the model abstains.
+
+Predictions are appended to the JSONL file as each batch finishes; a rerun skips questions already
+there (a torn last line from a killed run is dropped and redone). Scores are computed from the
+predictions only (:mod:`memupdate.eval.report`), so the report can always be rebuilt from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
+
+from memupdate.agents.memory_loop import ANSWER_KEY, QA_PROMPT, STATS_KEY, TERMINATION_KEY
+from memupdate.memory.store import TrialStore
+from memupdate.serving.client import Endpoint, OpenAIClient
+from memupdate.serving.readiness import load_marker, read_marker
+from memupdate.tools.memory_tools import DELTA_KEY, format_record, manager_from_config
+from memupdate.utils.io import sha256_file, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+NOT_MENTIONED = "Not mentioned in the conversation"
+CHOICE_PROMPT = "{question} Select the correct answer: (a) {first} (b) {second}."
+
+
+@dataclass
+class LocomoEvalSettings:
+    """The ``eval`` section of an experiment in config/config.yaml."""
+
+    #: Questions per test conversation (null = all), drawn with ``seed``; smoke runs use a few.
+    questions_per_conversation: int | None = None
+    top_k: int = 5
+    seed: int = 0
+    #: Per-turn cap of the memory model and the answer cap of the QA model.
+    max_new_tokens: int = 64
+    qa_max_tokens: int = 32
+    max_assistant_turns: int = 3
+    prompt_length: int = 2048
+    response_length: int = 768
+    #: Episodes run concurrently (one verl batch); predictions are saved after each.
+    batch_size: int = 8
+    #: Served model that judges answers for Mem0's J (a serve name such as qa-base), or null for no J.
+    #: A small open judge is only a proxy for the GPT-4o-mini judge of published numbers.
+    judge: str | None = "qa-base"
+
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any] | None) -> LocomoEvalSettings:
+        spec = dict(spec or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"unknown LoCoMo eval settings {unknown}; known: {sorted(known)}")
+        return cls(**spec)
+
+
+@dataclass
+class System:
+    """A row of the report: its QA model's readiness marker and, unless it is ``no_update`` or
+    ``full_context``, its memory model's marker."""
+
+    name: str
+    qa: str
+    memory: str | None = None
+    kind: str = "memory"  # memory | no_update | full_context
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------- rows
+
+
+def select_rows(test_file: str | Path, per_conversation: int | None, seed: int) -> list[dict[str, Any]]:
+    """The test rows to evaluate: every row, or ``per_conversation`` per conversation drawn with ``seed``
+    (always the same questions for the same seed, whatever else changes)."""
+    rows = pq.read_table(test_file).to_pylist()
+    if per_conversation is None:
+        return rows
+    by_conversation: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_conversation.setdefault(row["extra_info"]["sample_id"], []).append(row)
+    chosen = []
+    for sample_id in sorted(by_conversation):
+        group = by_conversation[sample_id]
+        rng = random.Random(f"{seed}:{sample_id}")
+        picked = rng.sample(range(len(group)), min(per_conversation, len(group)))
+        chosen += [group[i] for i in sorted(picked)]
+    return chosen
+
+
+def choice_question(info: Mapping[str, Any], seed: int) -> str:
+    """Category 5 as the LoCoMo paper asks it: a two-way choice, the order drawn per question.
+
+    >>> q = choice_question({"question": "Who?", "adversarial_answer": "Bo", "namespace": "n"}, 0)
+    >>> q.startswith("Who? Select the correct answer: (a)") and "Bo" in q and "Not mentioned" in q
+    True
+    """
+    options = [NOT_MENTIONED, str(info.get("adversarial_answer") or "")]
+    random.Random(f"{seed}:{info['namespace']}").shuffle(options)
+    return CHOICE_PROMPT.format(question=info["question"], first=options[0], second=options[1])
+
+
+def asked_question(info: Mapping[str, Any], seed: int) -> str:
+    return choice_question(info, seed) if int(info["category"]) == 5 else str(info["question"])
+
+
+def ask_rows(rows: Sequence[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
+    """Rows whose question (in ``extra_info`` and in the prompt) is the one asked at evaluation."""
+    asked = []
+    for row in rows:
+        info = dict(row["extra_info"])
+        question = asked_question(info, seed)
+        prompt = [
+            {**m, "content": m["content"].replace(info["question"], question)} if m["role"] == "user" else m
+            for m in row["prompt"]
+        ]
+        asked.append({**row, "prompt": prompt, "extra_info": {**info, "question": question}})
+    return asked
+
+
+# ------------------------------------------------------------------------------------ predictions
+
+
+def read_predictions(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Saved predictions by namespace; a torn last line (a killed run) is dropped and logged."""
+    path = Path(path)
+    found: dict[str, dict[str, Any]] = {}
+    if not path.is_file():
+        return found
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                logger.warning("%s: dropping a torn last line (interrupted run); it is redone", path)
+                continue
+            raise ValueError(f"{path}:{number} is not valid JSON; delete the file to redo this system") from None
+        found[record["namespace"]] = record
+    if lines and not path.read_text(encoding="utf-8").endswith("\n"):
+        # Rewrite without the torn line, so appends start on a line of their own.
+        path.write_text("".join(json.dumps(r) + "\n" for r in found.values()), encoding="utf-8")
+    return found
+
+
+def _append(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
+    with path.open("a", encoding="utf-8") as fh:
+        for record in records:
+            fh.write(json.dumps(record) + "\n")
+        fh.flush()
+
+
+def _base_record(row: Mapping[str, Any], system: str) -> dict[str, Any]:
+    info = row["extra_info"]
+    return {
+        "system": system,
+        "namespace": info["namespace"],
+        "sample_id": info["sample_id"],
+        "category": int(info["category"]),
+        "question": info["question"],
+        "answer": info.get("answer"),
+        "adversarial_answer": info.get("adversarial_answer"),
+        "evidence": list(info.get("evidence") or []),
+    }
+
+
+# ----------------------------------------------------------------------------------- evaluation
+
+
+class LocomoEvaluator:
+    def __init__(
+        self, *, test_file: str, memories: str, embeddings: str, embedding_model: str, tool_config: str,
+        conversations: str | None, out_dir: str, settings: LocomoEvalSettings,
+    ):  # fmt: skip
+        self.test_file, self.memories, self.embeddings = test_file, memories, embeddings
+        self.embedding_model, self.tool_config = embedding_model, tool_config
+        self.conversations = conversations
+        self.out_dir = Path(out_dir)
+        self.settings = settings
+        self.rows = ask_rows(select_rows(test_file, settings.questions_per_conversation, settings.seed), settings.seed)
+        self.manager = manager_from_config(
+            {"memories": memories, "embeddings": embeddings, "embedding_model": embedding_model}
+        )
+        self._tokenizers: dict[str, Any] = {}
+
+    def tokenizer(self, marker: str):
+        from transformers import AutoTokenizer
+
+        path = load_marker(marker).get("model_path")
+        if path not in self._tokenizers:
+            self._tokenizers[path] = AutoTokenizer.from_pretrained(path)
+        return self._tokenizers[path]
+
+    async def retrieve(self, sample_id: str, question: str, delta: Mapping[str, Any] | None):
+        """Top-k of the initial store, or of initial + ``delta`` (the final store of an episode)."""
+        base = self.manager.base(sample_id)
+        texts = TrialStore.delta_texts(base, delta) if delta else []
+        # One batched encode for the question and the episode's new memory texts.
+        vectors = await self.manager.embedder.aencode([question, *texts])
+        store = TrialStore.from_delta_vectors(base, delta, list(vectors[1:])) if delta else TrialStore(base)
+        return store.search(vectors[0], self.settings.top_k)
+
+    async def _retrieval_fields(self, record: dict[str, Any], delta, tokenizer) -> dict[str, Any]:
+        hits = await self.retrieve(record["sample_id"], record["question"], delta)
+        context = "\n".join(format_record(h.record) for h in hits) or "(no memories found)"
+        found = {e for h in hits for e in h.record.evidence}
+        gold = set(record["evidence"])
+        return {
+            "retrieved_ids": [h.id for h in hits],
+            "retrieved_evidence": sorted(found),
+            "evidence_recall": len(gold & found) / len(gold) if gold else None,
+            "context_tokens": len(tokenizer(context)["input_ids"]),
+            "context": context,
+        }
+
+    # ------------------------------------------------------------------ no update / full context
+
+    async def _qa(self, client: OpenAIClient, prompt: str) -> tuple[str, float]:
+        start = time.perf_counter()
+        answer = await client.chat(
+            [{"role": "user", "content": prompt}], temperature=0.0, max_tokens=self.settings.qa_max_tokens
+        )
+        return answer.strip(), time.perf_counter() - start
+
+    async def run_no_update(self, system: System, todo: list[dict[str, Any]], path: Path, bar) -> None:
+        endpoint = read_marker(system.qa, timeout_s=30.0)
+        tokenizer = self.tokenizer(system.qa)
+        async with OpenAIClient(endpoint) as client:
+            for start in range(0, len(todo), self.settings.batch_size):
+                chunk = todo[start : start + self.settings.batch_size]
+
+                async def one(row):
+                    record = _base_record(row, system.name)
+                    record.update(await self._retrieval_fields(record, None, tokenizer))
+                    prompt = QA_PROMPT.format(memories=record.pop("context"), question=record["question"])
+                    record["prediction"], record["latency_s"] = await self._qa(client, prompt)
+                    return record
+
+                _append(path, await asyncio.gather(*(one(r) for r in chunk)))
+                bar.update(len(chunk))
+
+    async def run_full_context(self, system: System, todo: list[dict[str, Any]], path: Path, bar) -> None:
+        from memupdate.data.locomo import conversation_text, load_locomo
+
+        endpoint = read_marker(system.qa, timeout_s=30.0)
+        tokenizer = self.tokenizer(system.qa)
+        limit = _max_model_len(endpoint) - self.settings.qa_max_tokens
+        samples = {c.sample_id: c for c in load_locomo(self.conversations)} if self.conversations else {}
+        async with OpenAIClient(endpoint) as client:
+            records = []
+            for row in todo:
+                record = _base_record(row, system.name)
+                sample = samples.get(record["sample_id"])
+                if sample is None:
+                    raise ValueError(f"{self.conversations} has no conversation {record['sample_id']!r}")
+                prompt = QA_PROMPT.format(memories=conversation_text(sample), question=record["question"])
+                tokens = len(tokenizer(prompt)["input_ids"])
+                record["context_tokens"] = tokens
+                if tokens > limit:
+                    record.update(prediction=None, skipped=f"{tokens} prompt tokens > {limit} the QA model can take")
+                else:
+                    record["prediction"], record["latency_s"] = await self._qa(client, prompt)
+                records.append(record)
+                bar.update(1)
+            _append(path, records)
+
+    # ------------------------------------------------------------------ memory model + QA model
+
+    async def run_memory_system(self, system: System, todo: list[dict[str, Any]], path: Path, bar) -> None:
+        from verl import DataProto
+        from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+        from memupdate.serving.vllm import VLLMTokenClient
+        from memupdate.training.local import LocalGRPOConfig, run_config
+        from memupdate.training.workers import in_process_workers
+
+        memory = read_marker(system.memory, timeout_s=30.0)
+        qa = read_marker(system.qa, timeout_s=30.0)
+        s = self.settings
+        run_dir = self.out_dir / "runs" / system.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rows_file = run_dir / "rows.parquet"
+        pq.write_table(pa.Table.from_pylist(todo), rows_file)
+        cfg = LocalGRPOConfig(
+            model_path=load_marker(system.memory)["model_path"], train_files=[str(rows_file)], run_dir=str(run_dir),
+            tool_config=self.tool_config, memories=self.memories, embeddings=self.embeddings,
+            embedding_model=self.embedding_model, rollout_n=1, temperature=0.0, max_new_tokens=s.max_new_tokens,
+            prompt_length=s.prompt_length, response_length=s.response_length,
+            max_assistant_turns=s.max_assistant_turns, training_stage="memory", qa_phase=True,
+            fixed_model={"base_url": qa.base_url, "model": qa.model}, qa_top_k=s.top_k,
+            qa_max_tokens=s.qa_max_tokens, seed=s.seed,
+        )  # fmt: skip
+        config = run_config(cfg)
+        worker = in_process_workers(config, VLLMTokenClient(memory, max_tokens=s.max_new_tokens), reward=False)
+        dataset = RLHFDataset([str(rows_file)], worker.tokenizer, config.data)
+        tokenizer = self.tokenizer(system.qa)
+        for start in range(0, len(dataset), s.batch_size):
+            index = list(range(start, min(start + s.batch_size, len(dataset))))
+            batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in index]))
+            began = time.perf_counter()
+            out = await worker.generate_sequences(batch)
+            seconds = time.perf_counter() - began
+            extra = out.non_tensor_batch
+            timing = out.meta_info.get("metrics") or [{}] * len(index)
+            records = []
+            for j, i in enumerate(index):
+                record = _base_record(todo[i], system.name)
+                delta = extra[DELTA_KEY][j]
+                record.update(await self._retrieval_fields(record, delta, tokenizer))
+                record.pop("context")
+                episode = timing[j] if j < len(timing) else {}
+                record.update(
+                    prediction=extra[ANSWER_KEY][j],
+                    termination_reason=str(extra[TERMINATION_KEY][j]),
+                    memory_stats=_plain(extra[STATS_KEY][j]),
+                    # The episode's own time (its generations and tool calls), not the batch's.
+                    latency_s=float(episode.get("generate_sequences", 0.0) + episode.get("tool_calls", 0.0))
+                    or seconds,
+                )
+                records.append(record)
+            _append(path, records)
+            bar.update(len(index))
+
+    # ------------------------------------------------------------------ all systems
+
+    def fingerprint(self, system: System) -> dict[str, Any]:
+        """What a system's saved predictions depend on: its models (their manifests) and the settings."""
+        models = {}
+        for role, marker in (("qa", system.qa), ("memory", system.memory)):
+            if marker:
+                folder = Path(load_marker(marker)["model_path"])
+                manifests = [folder / n for n in ("manifest.json", "memupdate_model.json", "config.json")]
+                found = next((m for m in manifests if m.is_file()), None)
+                models[role] = {"path": str(folder), "manifest": sha256_file(found) if found else None}
+        return {"kind": system.kind, "models": models, "settings": asdict(self.settings),
+                "test_file": sha256_file(self.test_file)}  # fmt: skip
+
+    async def run(self, systems: Sequence[System]) -> dict[str, Path]:
+        predictions = self.out_dir / "predictions"
+        predictions.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for system in systems:
+            path = paths[system.name] = predictions / f"{system.name}.jsonl"
+            _invalidate_if_changed(path, self.fingerprint(system))
+            done = read_predictions(path)
+            todo = [r for r in self.rows if r["extra_info"]["namespace"] not in done]
+            logger.info("%s: %d of %d questions to predict", system.name, len(todo), len(self.rows))
+            if not todo:
+                continue
+            runner = {
+                "no_update": self.run_no_update, "full_context": self.run_full_context,
+                "memory": self.run_memory_system,
+            }[system.kind]  # fmt: skip
+            with tqdm(total=len(todo), desc=system.name, unit="question", disable=None) as bar:
+                await runner(system, todo, path, bar)
+        return paths
+
+
+def _invalidate_if_changed(path: Path, fingerprint: dict[str, Any]) -> None:
+    """Predictions made by other models or settings are moved aside, never mixed with new ones."""
+    meta = path.with_suffix(".meta.json")
+    if meta.is_file() and json.loads(meta.read_text(encoding="utf-8")) != fingerprint and path.exists():
+        stale = path.with_suffix(".stale.jsonl")
+        path.rename(stale)
+        logger.warning("%s was made by other models or settings; moved to %s and predicting afresh", path, stale)
+    write_json_atomic(meta, fingerprint)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def _max_model_len(endpoint: Endpoint) -> int:
+    from memupdate.serving.readiness import get_models
+
+    cards = get_models(endpoint.base_url)
+    lengths = [c.get("max_model_len") for c in cards if c["id"] == endpoint.model]
+    if not lengths or not lengths[0]:
+        raise ValueError(f"{endpoint.base_url} does not report max_model_len for {endpoint.model!r}")
+    return int(lengths[0])
+
+
+def evaluate_locomo(
+    *, experiment: str, test_file: str, memories: str, embeddings: str, embedding_model: str, tool_config: str,
+    conversations: str | None, markers: Mapping[str, str], out_dir: str, settings: Mapping[str, Any] | None = None,
+    training_metrics: Mapping[str, str] | None = None, published: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The ``eval_locomo`` rule: predict with every system the served models allow, then write the report.
+
+    ``markers`` maps serve names (``qa-base``, ``stage1``, ``stage2``) to readiness markers. Systems:
+    ``no_update`` and ``full_context`` (qa-base), ``stage1+qa_base`` (needs stage1) and ``stage1+stage2``
+    (needs stage2).
+    """
+    from memupdate.eval.report import build_report, judge_predictions
+
+    eval_settings = LocomoEvalSettings.from_dict(settings)
+    if "qa-base" not in markers:
+        raise ValueError("LoCoMo evaluation needs the base QA model served: markers['qa-base']")
+    systems = [System("no_update", markers["qa-base"], kind="no_update")]
+    if conversations:
+        systems.append(System("full_context", markers["qa-base"], kind="full_context"))
+    if "stage1" in markers:
+        systems.append(System("stage1+qa_base", markers["qa-base"], memory=markers["stage1"]))
+        if "stage2" in markers:
+            systems.append(System("stage1+stage2", markers["stage2"], memory=markers["stage1"]))
+    evaluator = LocomoEvaluator(
+        test_file=test_file, memories=memories, embeddings=embeddings, embedding_model=embedding_model,
+        tool_config=tool_config, conversations=conversations, out_dir=out_dir, settings=eval_settings,
+    )  # fmt: skip
+    judge_name = None
+
+    async def main() -> dict[str, Path]:
+        nonlocal judge_name
+        paths = await evaluator.run(systems)
+        if eval_settings.judge:
+            if eval_settings.judge not in markers:
+                raise ValueError(f"eval.judge is {eval_settings.judge!r}, which is not served for this run")
+            endpoint = read_marker(markers[eval_settings.judge], timeout_s=30.0)
+            judge_name = f"{endpoint.model} ({load_marker(markers[eval_settings.judge])['model_path']})"
+            async with OpenAIClient(endpoint) as judge:
+                for path in paths.values():
+                    await judge_predictions(path, judge, judge_name)
+        return paths
+
+    paths = asyncio.run(main())
+    return build_report(
+        out_dir, paths, experiment=experiment, settings=asdict(eval_settings), judge=judge_name,
+        training_metrics=training_metrics, published=published,
+    )  # fmt: skip

@@ -1,0 +1,329 @@
+"""Scores and reports from saved predictions: ``report.json`` (every number), ``report.md``, ``report.html``
+and PNG plots.
+
+Everything here is computed from ``predictions/<system>.jsonl`` and the training runs' ``metrics.jsonl``,
+so a test (or a reader) can recompute every reported number from the saved files. Metrics come from
+:mod:`memupdate.metrics` only, the implementations the rewards use.
+
+Two protocols (``data-models-anchors.md`` §1): the official LoCoMo F1 over all five categories (category
+5 scored as abstention), and the Mem0 protocol on categories 1-4 (set-based F1, BLEU-1, and J from a
+served judge when one is given). Categories are reported by numeric id with the file's type names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from memupdate import metrics
+from memupdate.utils.io import write_json_atomic, write_text_atomic
+
+logger = logging.getLogger(__name__)
+
+CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
+MEM0_CATEGORIES = (1, 2, 3, 4)
+
+
+def score_prediction(record: Mapping[str, Any]) -> dict[str, float | None]:
+    """The per-question scores of one saved prediction (None where a protocol does not score it).
+
+    >>> score_prediction({"prediction": "7 May 2023", "answer": "7 May 2023", "category": 2})["locomo_f1"]
+    1.0
+    """
+    prediction, category = record.get("prediction"), int(record["category"])
+    if prediction is None:
+        return {"locomo_f1": None, "mem0_f1": None, "bleu1": None}
+    prediction = str(prediction)
+    if category == 5:
+        return {"locomo_f1": metrics.locomo_f1(prediction, "", 5), "mem0_f1": None, "bleu1": None}
+    answer = str(record["answer"])
+    return {
+        "locomo_f1": metrics.locomo_f1(prediction, answer, category),
+        "mem0_f1": metrics.mem0_f1(prediction, answer),
+        "bleu1": metrics.bleu1(prediction, answer),
+    }
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(float(np.mean(values)), 4) if values else None
+
+
+def _percentile(values: Sequence[float | None], q: float) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(float(np.percentile(values, q)), 4) if values else None
+
+
+def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Every number of one system's row in the report, from its saved predictions."""
+    scored = [{**r, **score_prediction(r)} for r in records]
+    answered = [r for r in scored if r.get("prediction") is not None]
+    mem0 = [r for r in answered if r["category"] in MEM0_CATEGORIES]
+    per_category = {}
+    for category, name in CATEGORY_NAMES.items():
+        rows = [r for r in answered if r["category"] == category]
+        per_category[str(category)] = {
+            "name": name,
+            "n": len(rows),
+            "locomo_f1": _mean([r["locomo_f1"] for r in rows]),
+            "mem0_f1": _mean([r["mem0_f1"] for r in rows]),
+            "bleu1": _mean([r["bleu1"] for r in rows]),
+            "j": _mean([r.get("judge") for r in rows]),
+        }
+    skipped = [r for r in scored if r.get("prediction") is None]
+    return {
+        "questions": len(scored),
+        "answered": len(answered),
+        "skipped": len(skipped),
+        "skip_reasons": sorted({str(r.get("skipped")) for r in skipped}),
+        "locomo": {"f1": _mean([r["locomo_f1"] for r in answered]), "n": len(answered)},
+        "mem0": {
+            "f1": _mean([r["mem0_f1"] for r in mem0]),
+            "bleu1": _mean([r["bleu1"] for r in mem0]),
+            "j": _mean([r.get("judge") for r in mem0]),
+            "n": len(mem0),
+        },
+        "per_category": per_category,
+        "evidence_recall_at_k": _mean([r.get("evidence_recall") for r in answered]),
+        "context_tokens_mean": _mean([r.get("context_tokens") for r in scored]),
+        "latency_s": {"p50": _percentile([r.get("latency_s") for r in answered], 50),
+                      "p95": _percentile([r.get("latency_s") for r in answered], 95)},
+        "termination": _counts(r.get("termination_reason") for r in answered if r.get("termination_reason")),
+    }  # fmt: skip
+
+
+def _counts(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[str(v)] = out.get(str(v), 0) + 1
+    return out
+
+
+def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+async def judge_predictions(path: str | Path, judge: Any, judge_name: str, max_tokens: int = 64) -> None:
+    """Add Mem0's J (``judge``: 1 CORRECT / 0 WRONG, from an :class:`OpenAIClient`) to the category 1-4
+    predictions in ``path`` that have none yet, and rewrite the file atomically."""
+    from memupdate.rewards.scorers import JUDGE_PROMPT, parse_judge_label
+
+    records = load_jsonl(path)
+
+    async def one(record):
+        if record.get("judge") is not None or record.get("prediction") is None:
+            return
+        if record["category"] not in MEM0_CATEGORIES:
+            return
+        prompt = JUDGE_PROMPT.format(question=record["question"], answer=record["answer"], prediction=record["prediction"])
+        reply = await judge.chat([{"role": "user", "content": prompt}], temperature=0.0, max_tokens=max_tokens)
+        try:
+            record["judge"] = parse_judge_label(reply)
+        except ValueError:
+            # A small judge can fail to follow the format; that answer counts as not judged correct.
+            record["judge"], record["judge_unparsed"] = 0.0, reply[:200]
+        record["judge_model"] = judge_name
+
+    await asyncio.gather(*(one(r) for r in records))
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+# --------------------------------------------------------------------------------- training curves
+
+
+def training_curves(metrics_files: Mapping[str, str | Path]) -> dict[str, list[dict[str, Any]]]:
+    """Each training stage's per-step metrics (reward mean and spread, memories, turns, terminations)."""
+    keep = ("step", "reward_mean", "reward_std", "reward_min", "reward_max", "num_turns_mean",
+            "memories_final_mean", "response_tokens_mean", "termination")  # fmt: skip
+    curves = {}
+    for name, path in metrics_files.items():
+        if Path(path).is_file():
+            curves[name] = [{k: m.get(k) for k in keep} for m in load_jsonl(path)]
+    return curves
+
+
+# ---------------------------------------------------------------------------------------- plots
+
+
+def _plots(report: Mapping[str, Any], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = []
+    systems = report["systems"]
+    if systems:
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        width = 0.8 / max(1, len(systems))
+        for i, (name, row) in enumerate(systems.items()):
+            values = [row["per_category"][str(c)]["locomo_f1"] or 0.0 for c in CATEGORY_NAMES]
+            ax.bar(np.arange(5) + i * width, values, width, label=name)
+        ax.set_xticks(np.arange(5) + width * (len(systems) - 1) / 2)
+        ax.set_xticklabels([f"{c} {n}" for c, n in CATEGORY_NAMES.items()])
+        ax.set_ylabel("LoCoMo F1")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+        ax.set_title("LoCoMo F1 per category (numeric ids)")
+        fig.tight_layout()
+        fig.savefig(out_dir / "per_category.png", dpi=110)
+        plt.close(fig)
+        plots.append("per_category.png")
+    curves = report["training"]
+    if curves:
+        fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+        for name, steps in curves.items():
+            x = [s["step"] for s in steps]
+            mean = np.array([s["reward_mean"] or 0.0 for s in steps])
+            std = np.array([s["reward_std"] or 0.0 for s in steps])
+            axes[0].plot(x, mean, marker="o", label=name)
+            axes[0].fill_between(x, mean - std, mean + std, alpha=0.2)
+            axes[1].plot(x, [s["num_turns_mean"] or 0 for s in steps], marker="o", label=name)
+            axes[2].plot(x, [s["memories_final_mean"] or 0 for s in steps], marker="o", label=name)
+        for ax, title in zip(axes, ("reward (mean ± std)", "turns per episode", "memories at the end"), strict=True):
+            ax.set_title(title)
+            ax.set_xlabel("step")
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "training.png", dpi=110)
+        plt.close(fig)
+        plots.append("training.png")
+    return plots
+
+
+# --------------------------------------------------------------------------------------- report
+
+
+def _pct(value: float | None) -> str:
+    """A score in [0, 1] as a percentage."""
+    return "–" if value is None else f"{100 * value:.1f}"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _markdown(report: Mapping[str, Any]) -> str:
+    lines = [f"# LoCoMo evaluation: {report['experiment']}", ""]
+    lines += [
+        f"{report['questions']} test questions from {', '.join(report['conversations'])} "
+        f"(top-k {report['settings']['top_k']}); judge: {report['judge'] or 'none (J not computed)'}. "
+        "Scores in %, context in tokens per question, latency in seconds per question.", "",
+        "| system | LoCoMo F1 (cat 1-5) | Mem0 F1 (1-4) | BLEU-1 (1-4) | J (1-4) | evidence recall@k | "
+        "context tokens | latency p50 / p95 s | skipped |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for name, row in report["systems"].items():
+        lines.append(
+            f"| {name} | {_pct(row['locomo']['f1'])} | {_pct(row['mem0']['f1'])} | {_pct(row['mem0']['bleu1'])} | "
+            f"{_pct(row['mem0']['j'])} | {_pct(row['evidence_recall_at_k'])} | {_num(row['context_tokens_mean'], 0)} | "
+            f"{_num(row['latency_s']['p50'])} / {_num(row['latency_s']['p95'])} | {row['skipped']} |"
+        )
+    lines += ["", "## Per category (LoCoMo F1, by numeric id)", "",
+              "| system | " + " | ".join(f"{c} {n}" for c, n in CATEGORY_NAMES.items()) + " |",
+              "| --- |" + " --- |" * 5]  # fmt: skip
+    for name, row in report["systems"].items():
+        cells = [f"{_pct(row['per_category'][str(c)]['locomo_f1'])} (n={row['per_category'][str(c)]['n']})"
+                 for c in CATEGORY_NAMES]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for plot in report["plots"]:
+        lines += ["", f"![{plot}]({plot})"]
+    if report["training"]:
+        lines += ["", "## Training", ""]
+        for name, steps in report["training"].items():
+            last = steps[-1] if steps else {}
+            lines.append(
+                f"- {name}: {len(steps)} steps; last reward {_num(last.get('reward_mean'), 3)} "
+                f"(std {_num(last.get('reward_std'), 3)}); terminations {last.get('termination')}"
+            )
+    published = report.get("published")
+    if published:
+        lines += ["", "## Beside published numbers", "", published["note"], "",
+                  "| system | protocol | J | F1 | BLEU-1 | answer model | source |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for row in published["rows"]:
+            lines.append(
+                f"| {row['system']} | {row['protocol']} | {row.get('j', '–')} | {row.get('f1', '–')} | "
+                f"{row.get('bleu1', '–')} | {row['answer_model']} | {row['source']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _html(markdown: str) -> str:
+    """A self-contained page: the markdown tables as HTML tables, images inline by file name."""
+    body, table = [], []
+
+    def flush():
+        if table:
+            rows = [r for r in table if not set(r.replace("|", "").strip()) <= {"-", " "}]
+            cells = [[html.escape(c.strip()) for c in r.strip().strip("|").split("|")] for r in rows]
+            head = "".join(f"<th>{c}</th>" for c in cells[0])
+            rest = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in cells[1:])
+            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rest}</tbody></table>")
+            table.clear()
+
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        flush()
+        if line.startswith("# "):
+            body.append(f"<h1>{html.escape(line[2:])}</h1>")
+        elif line.startswith("## "):
+            body.append(f"<h2>{html.escape(line[3:])}</h2>")
+        elif line.startswith("!["):
+            src = line[line.index("(") + 1 : -1]
+            body.append(f'<img src="{html.escape(src)}" alt="{html.escape(src)}">')
+        elif line.strip():
+            body.append(f"<p>{html.escape(line)}</p>")
+    flush()
+    style = "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}" \
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}img{max-width:100%}"
+    return f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{''.join(body)}</body></html>\n"
+
+
+def build_report(
+    out_dir: str | Path,
+    predictions: Mapping[str, str | Path],
+    *,
+    experiment: str,
+    settings: Mapping[str, Any],
+    judge: str | None = None,
+    training_metrics: Mapping[str, str | Path] | None = None,
+    published: str | Path | None = None,
+) -> dict[str, Any]:
+    """Write ``report.json``, ``report.md``, ``report.html`` and the plots into ``out_dir``; return the report."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    systems, conversations, questions = {}, set(), 0
+    for name, path in predictions.items():
+        records = load_jsonl(path)
+        systems[name] = summarize(records)
+        conversations |= {r["sample_id"] for r in records}
+        questions = max(questions, len(records))
+    report: dict[str, Any] = {
+        "experiment": experiment,
+        "questions": questions,
+        "conversations": sorted(conversations),
+        "settings": dict(settings),
+        "judge": judge,
+        "systems": systems,
+        "training": training_curves(training_metrics or {}),
+    }
+    if published:
+        report["published"] = yaml.safe_load(Path(published).read_text(encoding="utf-8"))
+    report["plots"] = _plots(report, out_dir)
+    markdown = _markdown(report)
+    write_text_atomic(out_dir / "report.md", markdown)
+    write_text_atomic(out_dir / "report.html", _html(markdown))
+    # Last: report.json is the rule's output, so it exists only once everything else does.
+    write_json_atomic(out_dir / "report.json", report)
+    return report

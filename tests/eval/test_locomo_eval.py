@@ -1,0 +1,129 @@
+"""LoCoMo evaluation without servers: question selection, the category-5 choice, resumable predictions,
+and a report whose every number is recomputed here from the saved predictions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memupdate import metrics
+from memupdate.eval import locomo, report
+
+
+def test_rows_are_drawn_per_conversation_with_a_seed(locomo_rows):
+    a = locomo.select_rows(locomo_rows["test"], 3, seed=0)
+    b = locomo.select_rows(locomo_rows["test"], 3, seed=0)
+    c = locomo.select_rows(locomo_rows["test"], 3, seed=1)
+    assert [r["extra_info"]["namespace"] for r in a] == [r["extra_info"]["namespace"] for r in b]
+    assert {r["extra_info"]["namespace"] for r in a} != {r["extra_info"]["namespace"] for r in c}
+    assert len(a) == 3 and {r["extra_info"]["sample_id"] for r in a} == {"conv-30"}
+    assert len(locomo.select_rows(locomo_rows["test"], None, seed=0)) > 3
+
+
+def test_category_5_is_asked_as_a_two_way_choice_in_the_prompt_too(locomo_rows):
+    rows = [r for r in locomo.select_rows(locomo_rows["test"], None, 0) if r["extra_info"]["category"] == 5]
+    asked = locomo.ask_rows(rows, seed=0)
+    orders = set()
+    for before, after in zip(rows, asked, strict=True):
+        question = after["extra_info"]["question"]
+        assert question.startswith(before["extra_info"]["question"] + " Select the correct answer: (a) ")
+        assert locomo.NOT_MENTIONED in question and before["extra_info"]["adversarial_answer"] in question
+        # The agent sees the same question as the scorer.
+        assert question in after["prompt"][-1]["content"]
+        orders.add(question.index(locomo.NOT_MENTIONED) < question.index("(b)"))
+    assert orders == {True, False}  # the order is shuffled per question
+
+
+def test_torn_last_line_is_redone(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"namespace": "a", "prediction": "x"}) + "\n" + '{"namespace": "b", "pred')
+    assert list(locomo.read_predictions(path)) == ["a"]
+    # The torn line is gone, so the next append starts on a line of its own.
+    assert path.read_text().endswith("\n") and path.read_text().count("\n") == 1
+    (tmp_path / "bad.jsonl").write_text('{"broken\n' + json.dumps({"namespace": "c"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1 is not valid JSON"):
+        locomo.read_predictions(tmp_path / "bad.jsonl")
+
+
+def test_predictions_of_other_models_are_moved_aside(tmp_path):
+    path = tmp_path / "s.jsonl"
+    locomo._invalidate_if_changed(path, {"models": 1})
+    path.write_text(json.dumps({"namespace": "a"}) + "\n")
+    locomo._invalidate_if_changed(path, {"models": 1})
+    assert path.exists()
+    locomo._invalidate_if_changed(path, {"models": 2})
+    assert not path.exists() and (tmp_path / "s.stale.jsonl").exists()
+
+
+PREDICTIONS = [
+    {"namespace": "q1", "sample_id": "conv-48", "category": 1, "question": "Which hobbies?", "answer": "painting, running",
+     "prediction": "running and painting", "evidence": ["D1:2"], "evidence_recall": 1.0, "context_tokens": 120,
+     "latency_s": 0.5, "judge": 1.0, "termination_reason": "done"},
+    {"namespace": "q2", "sample_id": "conv-48", "category": 2, "question": "When?", "answer": "7 May 2023",
+     "prediction": "May 2023", "evidence": ["D2:1", "D2:3"], "evidence_recall": 0.5, "context_tokens": 100,
+     "latency_s": 1.5, "judge": 0.0, "termination_reason": "no_tool_call"},
+    {"namespace": "q3", "sample_id": "conv-49", "category": 5, "question": "Snakes?", "answer": None,
+     "prediction": "(a) Not mentioned in the conversation", "evidence": [], "evidence_recall": None,
+     "context_tokens": 80, "latency_s": 1.0, "termination_reason": "done"},
+    {"namespace": "q4", "sample_id": "conv-49", "category": 4, "question": "Where?", "answer": "Paris",
+     "prediction": None, "skipped": "30000 prompt tokens > 4064", "evidence": ["D3:1"], "context_tokens": 30000},
+]  # fmt: skip
+
+
+def test_report_numbers_are_recomputed_from_the_saved_predictions(tmp_path):
+    predictions = tmp_path / "predictions" / "stage1+qa_base.jsonl"
+    predictions.parent.mkdir()
+    predictions.write_text("".join(json.dumps(r) + "\n" for r in PREDICTIONS))
+    metrics_file = tmp_path / "metrics.jsonl"
+    metrics_file.write_text(
+        "".join(json.dumps({"step": i, "reward_mean": 0.1 * i, "reward_std": 0.05, "num_turns_mean": 2.0,
+                            "memories_final_mean": 300 + i, "termination": {"done": 2}}) + "\n" for i in (1, 2))
+    )  # fmt: skip
+    out = report.build_report(
+        tmp_path, {"stage1+qa_base": predictions}, experiment="exp", settings={"top_k": 5}, judge="exp-qa-base",
+        training_metrics={"stage1": metrics_file, "stage2": tmp_path / "absent.jsonl"},
+    )  # fmt: skip
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved == json.loads(json.dumps(out))
+    row = saved["systems"]["stage1+qa_base"]
+    answered = [r for r in PREDICTIONS if r["prediction"] is not None]
+    locomo_f1 = [metrics.locomo_f1(r["prediction"], r["answer"] or "", r["category"]) for r in answered]
+    assert row["locomo"] == {"f1": round(sum(locomo_f1) / 3, 4), "n": 3}
+    assert locomo_f1[2] == 1.0  # category 5: the model abstained
+    mem0 = [r for r in answered if r["category"] != 5]
+    assert row["mem0"]["f1"] == round(sum(metrics.mem0_f1(r["prediction"], r["answer"]) for r in mem0) / 2, 4)
+    assert row["mem0"]["bleu1"] == round(sum(metrics.bleu1(r["prediction"], r["answer"]) for r in mem0) / 2, 4)
+    assert row["mem0"]["j"] == 0.5 and row["mem0"]["n"] == 2
+    assert row["per_category"]["2"] == {
+        "name": "temporal", "n": 1, "locomo_f1": round(metrics.locomo_f1("May 2023", "7 May 2023", 2), 4),
+        "mem0_f1": round(metrics.mem0_f1("May 2023", "7 May 2023"), 4),
+        "bleu1": round(metrics.bleu1("May 2023", "7 May 2023"), 4), "j": 0.0,
+    }  # fmt: skip
+    assert row["evidence_recall_at_k"] == 0.75
+    assert row["latency_s"] == {"p50": 1.0, "p95": 1.45}
+    assert row["skipped"] == 1 and row["skip_reasons"] == ["30000 prompt tokens > 4064"]
+    assert row["context_tokens_mean"] == round((120 + 100 + 80 + 30000) / 4, 4)
+    assert row["termination"] == {"done": 2, "no_tool_call": 1}
+    assert [s["reward_mean"] for s in saved["training"]["stage1"]] == [0.1, 0.2]
+    assert "stage2" not in saved["training"]
+    assert saved["plots"] == ["per_category.png", "training.png"]
+    for name in ("per_category.png", "training.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (tmp_path / "report.md").read_text()
+    assert "| stage1+qa_base |" in md and "judge: exp-qa-base" in md and "![training.png](training.png)" in md
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("<table>") == 2 and '<img src="per_category.png"' in page
+
+
+def test_published_numbers_sit_beside_ours(tmp_path, repo_root):
+    predictions = tmp_path / "no_update.jsonl"
+    predictions.write_text(json.dumps(PREDICTIONS[0]) + "\n")
+    out = report.build_report(
+        tmp_path, {"no_update": predictions}, experiment="exp", settings={"top_k": 5},
+        published=repo_root / "config" / "published_locomo.yaml",
+    )  # fmt: skip
+    assert any(r["system"] == "Mem0" and r["j"] == 66.88 for r in out["published"]["rows"])
+    md = (tmp_path / "report.md").read_text()
+    assert "## Beside published numbers" in md and "Not comparable one to one" in md
+    assert "judge: none (J not computed)" in md

@@ -1,0 +1,45 @@
+"""A real single-machine Slurm cluster for the ``slurm`` tests: started once per session by the project's
+own tests/slurm/slurm-up.sh and stopped by slurm-down.sh (by PID files), also when tests fail."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+WORKFLOW_PARTS = ["Snakefile", "rules", "workflow", "config", "profiles"]
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip("the Slurm tests install and run Slurm from Debian's packages: they need root and apt-get")
+    up = subprocess.run(["bash", str(HERE / "slurm-up.sh")], capture_output=True, text=True, timeout=900)
+    try:
+        assert up.returncode == 0, f"slurm-up.sh failed:\n{up.stdout}\n{up.stderr}"
+        yield
+    finally:
+        subprocess.run(["bash", str(HERE / "slurm-down.sh")], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def slurm_workdir(tmp_path, repo_root, shared_data_dir):
+    """A copy of the workflow with ../shared/data beside it (as in a fresh clone on CI)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for part in WORKFLOW_PARTS:
+        src = repo_root / part
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, repo / part)
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "data").symlink_to(shared_data_dir)
+    return repo
+
+
+@pytest.fixture
+def run_name() -> str:
+    return f"mu{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,191 @@
+"""The workflow on a real Slurm cluster (tests/slurm/slurm-up.sh): the Slurm profile, multi-node Ray
+start-up across two Slurm nodes, and how failures surface."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from memupdate.training.ray_cluster import cluster_command
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
+HERE = Path(__file__).resolve().parent
+
+
+def jobs_since(start: float, prefix: str) -> list[dict[str, str]]:
+    """Accounting records (one per job) of the jobs whose name starts with ``prefix``, submitted after ``start``."""
+    fields = ["JobID", "JobName", "State", "AllocTRES", "Comment", "NNodes"]
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start - 5))
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-S", since, "-o", ",".join(fields)], capture_output=True, text=True, check=True
+    )
+    rows = [dict(zip(fields, line.split("|"), strict=True)) for line in out.stdout.splitlines() if line]
+    return [r for r in rows if r["JobName"].startswith(prefix)]
+
+
+def snakemake(workdir, *args, timeout=1500):
+    # SIGINT, not TERM, on timeout: it makes the plugin cancel its jobs (TERM can leave them, and hang).
+    return subprocess.run(
+        ["timeout", "-s", "INT", "-k", "60", str(timeout), SNAKEMAKE, *args],
+        cwd=workdir, capture_output=True, text=True,
+    )  # fmt: skip
+
+
+SLURM_SERVING = """
+serving:
+  slurm: {time: 30, mem_mb: 3000, cpus_per_task: 2}
+"""
+
+
+def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
+    slurm_cluster, slurm_workdir, vllm_python, run_name, monkeypatch
+):
+    """Data, embeddings, model, a served model (its own sbatch job) and a 2-node training job."""
+    monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(vllm_python.parent.parent))
+    (slurm_workdir / "slurm-ci.yaml").write_text(SLURM_SERVING)
+    start = time.time()
+    args = ["--profile", "profiles/slurm", "results/tiny/stage1/ckpt", "--slurm-init-seconds-before-status-checks",
+            "2", "--slurm-jobname-prefix", run_name, "--configfile", "config/experiments/tiny.yaml", "slurm-ci.yaml"]  # fmt: skip
+    result = snakemake(slurm_workdir, *args)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-5000:]
+    jobs = {r["Comment"]: r for r in jobs_since(start, run_name)}
+    expected = {"rule_fetch_data_name_locomo10", "rule_preprocess_locomo", "rule_embed_memories",
+                "rule_prepare_model_model_tiny-random", "rule_serve_model_exp_tiny_purpose_train_served_qa-base",
+                "rule_train_stage1_exp_tiny"}  # fmt: skip
+    assert expected <= set(jobs), sorted(jobs)
+    assert all(jobs[c]["State"] == "COMPLETED" for c in expected), jobs
+    train = jobs["rule_train_stage1_exp_tiny"]
+    # profiles/slurm: 2 nodes, gres gpu:2 on each (4 fake GPUs in all).
+    assert train["NNodes"] == "2" and "gres/gpu=4" in train["AllocTRES"], train
+    # The served model ran as its own job and was cancelled when the run ended.
+    servers = jobs_since(start, "memupdate-serve-tiny-qa-base")
+    assert len(servers) == 1 and servers[0]["State"] == "CANCELLED", servers
+    assert "stopped the tiny-qa-base server" in log
+    manifest = json.loads((slurm_workdir / "results/tiny/stage1/ckpt/manifest.json").read_text())
+    assert manifest["step"] == 1
+    rerun = snakemake(slurm_workdir, *args)
+    assert "Nothing to be done" in rerun.stdout + rerun.stderr
+
+
+CHECK = textwrap.dedent(
+    """
+    import json, os, sys
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray.init(address="auto", logging_level="WARNING")
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+
+    @ray.remote(num_cpus=1)
+    def where():
+        return os.environ.get("SLURMD_NODENAME"), ray.get_runtime_context().get_node_id()
+
+    ran = ray.get([
+        where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+        for n in nodes
+    ])
+    json.dump({"nodes": len(nodes), "gpus": sum(n["Resources"].get("GPU", 0) for n in nodes),
+               "ran": sorted(r[0] or "" for r in ran), "ids_match": [r[1] for r in ran] == [n["NodeID"] for n in nodes]},
+              open(sys.argv[1], "w"))
+    """
+)
+
+
+def test_two_slurm_nodes_join_one_ray_cluster(slurm_cluster, tmp_path):
+    """The training launcher's start-up path, minus the GPUs: one task per node, Ray head on the first."""
+    temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
+    result = tmp_path / "result.json"
+    (tmp_path / "check.py").write_text(CHECK)
+    command = cluster_command(
+        [sys.executable, str(tmp_path / "check.py"), str(result)], shared_dir=tmp_path / "shared",
+        node_ip="127.0.0.1", num_cpus=1, num_gpus=2, object_store_memory=100 * 1024 * 1024,
+        temp_root=temp_root, timeout=120,
+    )  # fmt: skip
+    try:
+        run = subprocess.run(
+            ["srun", "-N2", "--ntasks-per-node=1", "--gres=gpu:2", "--mem=3000", "-t", "5", *command],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        # Both Slurm nodes joined before the task ran, and a task ran on each (Ray sees the fake GPUs).
+        assert json.loads(result.read_text()) == {"nodes": 2, "gpus": 4, "ran": ["n1", "n2"], "ids_match": True}
+        stopped = {p.name for p in (tmp_path / "shared").iterdir()}
+        assert any(name.endswith(".rank1.stopped") for name in stopped), stopped
+    finally:
+        shutil.rmtree(temp_root, ignore_errors=True)
+
+
+@pytest.fixture
+def failures_workdir(tmp_path, repo_root):
+    work = tmp_path / "failures"
+    shutil.copytree(HERE / "failures", work)
+    shutil.copytree(repo_root / "profiles", work / "profiles")
+    return work
+
+
+def test_failing_rule_reports_state_and_log_and_leaves_no_output(slurm_cluster, failures_workdir, run_name):
+    result = snakemake(failures_workdir, "--profile", "profiles/slurm", "out/fail.txt",
+                       "--slurm-init-seconds-before-status-checks", "2", "--slurm-jobname-prefix", run_name, timeout=300)  # fmt: skip
+    log = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "SLURM status is: 'FAILED'" in log, log[-3000:]
+    # The Slurm log path is reported, and exists.
+    slurm_logs = list((failures_workdir / ".snakemake/slurm_logs/rule_fail").glob("*.log"))
+    assert slurm_logs and any(str(p.relative_to(failures_workdir)) in log or p.name in log for p in slurm_logs)
+    # The partial output of the failed job was removed: nothing looks complete.
+    assert not (failures_workdir / "out/fail.txt").exists()
+
+
+def test_impossible_request_fails_at_submission_with_slurms_message(slurm_cluster, failures_workdir, run_name):
+    start = time.monotonic()
+    result = snakemake(failures_workdir, "--profile", "profiles/slurm", "out/impossible.txt",
+                       "--slurm-jobname-prefix", run_name, timeout=300)  # fmt: skip
+    assert result.returncode != 0
+    assert "Requested node configuration is not available" in result.stdout + result.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_sigint_cancels_the_runs_slurm_jobs(slurm_cluster, failures_workdir, run_name):
+    start = time.time()
+    proc = subprocess.Popen(
+        [SNAKEMAKE, "--profile", "profiles/slurm", "out/sleeper.txt", "--slurm-init-seconds-before-status-checks",
+         "2", "--slurm-jobname-prefix", run_name], cwd=failures_workdir, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            running = [j for j in jobs_since(start, run_name) if j["State"] == "RUNNING"]
+            if running:
+                break
+            time.sleep(1)
+        assert running, "the sleeper job never started"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = {j["State"].split()[0] for j in jobs_since(start, run_name)}
+        if states == {"CANCELLED"}:
+            break
+        time.sleep(1)
+    assert states == {"CANCELLED"}, states
+    queue = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True, check=True).stdout
+    assert run_name not in queue
+    assert not (failures_workdir / "out/sleeper.txt").exists()
+    assert os.path.isdir(failures_workdir)

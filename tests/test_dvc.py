@@ -1,0 +1,89 @@
+"""DVC round trip on the real pipeline (tiny experiment): dvc repro, dvc push, a fresh clone, dvc pull,
+a clean dvc status, and an edit of the evaluation code that re-runs evaluation only."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+BIN = Path(sys.executable).parent
+PARTS = ["Snakefile", "rules", "workflow", "config", "profiles", "dvc.yaml", "params.yaml", ".dvcignore", "src"]
+
+
+def run(cwd, *cmd, timeout=1800):
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return result.stdout + result.stderr
+
+
+def stages_run(output: str) -> set[str]:
+    return set(re.findall(r"Running stage '([\w@.-]+)'", output))
+
+
+@pytest.fixture
+def dvc_repo(tmp_path, repo_root, shared_data_dir, vllm_python, monkeypatch):
+    """A git + DVC repository holding the workflow, set to the tiny experiment, with a local remote."""
+    monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(vllm_python.parent.parent))
+    # dvc and snakemake from this environment, as the stages' commands name them.
+    monkeypatch.setenv("PATH", f"{BIN}:{os.environ['PATH']}")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for part in PARTS:
+        src = repo_root / part
+        if src.is_dir():
+            shutil.copytree(src, repo / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy(src, repo / part)
+    (repo / ".dvc").mkdir()
+    shutil.copy(repo_root / ".dvc" / "config", repo / ".dvc" / "config")
+    shutil.copy(repo_root / ".dvc" / ".gitignore", repo / ".dvc" / ".gitignore")
+    shutil.copy(repo_root / ".gitignore", repo / ".gitignore")
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params.update(exp="tiny", policy="tiny-random", qa_model="tiny-random", configfile="config/experiments/tiny.yaml")
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "data").symlink_to(shared_data_dir)
+    store = tmp_path / "store"
+    run(repo, "git", "init", "-q")
+    run(repo, BIN / "dvc", "remote", "modify", "local", "url", str(store))
+    run(repo, "git", "add", "-A")
+    run(repo, "git", "-c", "user.name=ci", "-c", "user.email=ci@localhost", "commit", "-qm", "workflow")
+    return repo
+
+
+def test_repro_push_clone_pull_and_only_evaluation_reruns(dvc_repo, tmp_path):
+    first = run(dvc_repo, BIN / "dvc", "repro")
+    assert stages_run(first) == {"data", "embeddings", "models", "stage1", "stage2", "eval"}
+    assert "Nothing to be done" not in first.split("Running stage 'eval'")[1]
+    run(dvc_repo, BIN / "dvc", "push")
+    run(dvc_repo, "git", "add", "-A")
+    run(dvc_repo, "git", "-c", "user.name=ci", "-c", "user.email=ci@localhost", "commit", "-qm", "results")
+
+    clone = tmp_path / "clone"
+    run(tmp_path, "git", "clone", "-q", str(dvc_repo), str(clone))
+    # The clone shares nothing but the remote: no cache, no results.
+    assert not (clone / "results").exists() and not (clone / ".dvc" / "cache").exists()
+    run(clone, BIN / "dvc", "pull")
+    status = run(clone, BIN / "dvc", "status")
+    assert "Data and pipelines are up to date" in status, status
+    for path in ("results/tiny/stage1/ckpt/model.safetensors", "results/tiny/stage2/ckpt/model.safetensors",
+                 "results/tiny/eval/report.json", "results/data/locomo/train.parquet"):  # fmt: skip
+        assert (clone / path).read_bytes() == (dvc_repo / path).read_bytes(), path
+
+    # Editing the evaluation code invalidates the evaluation stage and nothing upstream of it.
+    script = clone / "workflow" / "scripts" / "eval_locomo.py"
+    script.write_text(script.read_text() + "# the report wording changed\n")
+    again = run(clone, BIN / "dvc", "repro")
+    assert stages_run(again) == {"eval"}, again[-3000:]
+    for stage in ("data", "embeddings", "models", "stage1", "stage2"):
+        assert f"Stage '{stage}' didn't change, skipping" in again
+    assert "Data and pipelines are up to date" in run(clone, BIN / "dvc", "status")

@@ -1,0 +1,20 @@
+from memupdate.eval.locomo import evaluate_locomo
+from memupdate.utils.logging import setup_logging
+
+setup_logging(snakemake.log[0])
+inputs, params = snakemake.input, snakemake.params
+markers = {name: inputs.get(key) for name, key in (("qa-base", "qa_base"), ("stage1", "stage1"), ("stage2", "stage2"))}
+evaluate_locomo(
+    experiment=snakemake.wildcards.exp,
+    test_file=inputs.test,
+    memories=inputs.memories,
+    embeddings=inputs.embeddings,
+    embedding_model=params.embedding_model,
+    tool_config=params.tool_config,
+    conversations=inputs.conversations,
+    markers={name: marker for name, marker in markers.items() if marker},
+    out_dir=params.out_dir,
+    settings=params.settings,
+    training_metrics=params.training_metrics,
+    published=params.published,
+)
