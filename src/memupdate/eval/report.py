@@ -180,7 +180,8 @@ def _plots(report: Mapping[str, Any], out_dir: Path) -> list[str]:
         plots.append("per_category.png")
     curves = report["training"]
     if curves:
-        fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+        fig, axes = plt.subplots(1, 4, figsize=(15, 3.2))
+        reasons = sorted({r for steps in curves.values() for s in steps for r in (s["termination"] or {})})
         for name, steps in curves.items():
             x = [s["step"] for s in steps]
             mean = np.array([s["reward_mean"] or 0.0 for s in steps])
@@ -189,9 +190,16 @@ def _plots(report: Mapping[str, Any], out_dir: Path) -> list[str]:
             axes[0].fill_between(x, mean - std, mean + std, alpha=0.2)
             axes[1].plot(x, [s["num_turns_mean"] or 0 for s in steps], marker="o", label=name)
             axes[2].plot(x, [s["memories_final_mean"] or 0 for s in steps], marker="o", label=name)
-        for ax, title in zip(axes, ("reward (mean ± std)", "turns per episode", "memories at the end"), strict=True):
+            # Share of episodes per termination reason, one line per (stage, reason).
+            for reason in reasons:
+                shares = [(s["termination"] or {}).get(reason, 0) / max(1, sum((s["termination"] or {}).values()))
+                          for s in steps]  # fmt: skip
+                axes[3].plot(x, shares, marker=".", label=f"{name}: {reason}")
+        titles = ("reward (mean ± std)", "turns per episode", "memories at the end", "termination reasons (share)")
+        for ax, title in zip(axes, titles, strict=True):
             ax.set_title(title)
             ax.set_xlabel("step")
+        axes[3].legend(fontsize=7)
         axes[0].legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out_dir / "training.png", dpi=110)

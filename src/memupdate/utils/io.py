@@ -13,10 +13,10 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 @contextlib.contextmanager
@@ -53,6 +53,9 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 def write_parquet_atomic(path: str | os.PathLike, table: pa.Table) -> None:
     """Write a parquet file deterministically (no timestamps in metadata) and atomically."""
+    # Imported here: the Snakefile's hooks use this module, and pyarrow costs a second to import.
+    import pyarrow.parquet as pq
+
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
 
