@@ -140,6 +140,21 @@ def tiny_models(tmp_path_factory) -> Path:
     return root
 
 
+# vLLM's CPU attention kernels take head sizes of 32 and up (64, 80, 96, ...), not the default tiny
+# model's 16: two heads of 64. Still about 100k parameters.
+TINY_VLLM_SPEC = {"kind": "tiny_random", "seed": 0, "hidden_size": 128, "heads": 2, "kv_heads": 2}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random model vLLM can serve (tests/models overrides it with the default tiny model)."""
+    from memupdate.models.prepare import prepare_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    prepare_model(TINY_VLLM_SPEC, path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def locomo_rows(locomo_path, tmp_path_factory) -> dict[str, Path]:
     """LoCoMo rows of conv-26 (train) and conv-30 (test), as preprocess_locomo writes them."""

@@ -19,6 +19,9 @@ COMMANDS = [
     ["bench"],
     ["bench", "memory"],
     ["bench", "rollout"],
+    ["eval"],
+    ["eval", "locomo"],
+    ["eval", "report"],
     ["score"],
 ]
 
@@ -59,3 +62,17 @@ def test_score_command(capsys):
     # Category 1 splits on commas: gold "painting and running" is one part, best matched by
     # "running" or "painting" alone (P=1, R=1/2), so 2/3.
     assert scores["locomo_f1"] == pytest.approx(2 / 3)
+
+
+def test_eval_report_rebuilds_from_predictions_and_names_a_missing_folder(tmp_path, capsys):
+    from memupdate.cli import main
+
+    with pytest.raises(FileNotFoundError, match="no predictions in"):
+        main(["eval", "report", str(tmp_path), "--experiment", "exp"])
+    (tmp_path / "predictions").mkdir()
+    record = {"namespace": "q1", "sample_id": "conv-48", "category": 4, "question": "Where?", "answer": "Paris",
+              "prediction": "Paris", "evidence": []}
+    (tmp_path / "predictions" / "no_update.jsonl").write_text(json.dumps(record) + "\n")
+    main(["eval", "report", str(tmp_path), "--experiment", "exp", "--published", ""])
+    assert "| no_update |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "report.json").read_text())["systems"]["no_update"]["locomo"]["f1"] == 1.0

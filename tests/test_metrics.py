@@ -100,6 +100,23 @@ def test_locomo_category_5_rewards_abstention_and_ignores_answer(prediction, exp
     assert locomo_f1(prediction, "", 5) == expected
 
 
+@pytest.mark.parametrize(
+    ("prediction", "expected"),
+    [
+        ("a", 1.0),
+        (" B\n", 0.0),
+        ("(a)", 1.0),
+        ("(b)", 0.0),
+        ("x", 0.0),  # LoCoMo's rule: one character without an "a" is (b)
+        ("(b) Not mentioned in the conversation", 1.0),  # a longer reply is scored as written
+        ("b) Caroline", 0.0),
+    ],
+)
+def test_locomo_choice_answer_maps_a_bare_letter_to_its_option(prediction, expected):
+    options = {"a": "Not mentioned in the conversation", "b": "Caroline"}
+    assert locomo_f1(metrics.locomo_choice_answer(prediction, options), "", 5) == expected
+
+
 @pytest.mark.parametrize("category", [0, 6, -1])
 def test_locomo_invalid_category_raises(category):
     with pytest.raises(ValueError, match=str(category)):

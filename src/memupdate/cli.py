@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from memupdate.utils.logging import setup_logging
 
@@ -91,6 +92,42 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens, output=args.output,
     )
     sys.stdout.write(format_rollout_bench(result) + "\n")
+
+
+def _pairs(items: Sequence[str], what: str) -> dict[str, str]:
+    """``NAME=VALUE`` arguments as a dict."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise SystemExit(f"{what} must be NAME=VALUE, got {item!r}")
+        out[name] = value
+    return out
+
+
+def _cmd_eval_locomo(args: argparse.Namespace) -> None:
+    import yaml
+
+    from memupdate.eval.locomo import evaluate_locomo
+
+    settings = {k: yaml.safe_load(v) for k, v in _pairs(args.set, "--set").items()}
+    evaluate_locomo(
+        experiment=args.experiment, test_file=args.test, memories=args.memories, embeddings=args.embeddings,
+        embedding_model=args.embedding_model, tool_config=args.tool_config, conversations=args.conversations,
+        markers=_pairs(args.marker, "--marker"), out_dir=args.out_dir, settings=settings,
+        training_metrics=_pairs(args.training_metrics, "--training-metrics"), published=args.published,
+    )  # fmt: skip
+    sys.stdout.write((Path(args.out_dir) / "report.md").read_text(encoding="utf-8"))
+
+
+def _cmd_eval_report(args: argparse.Namespace) -> None:
+    from memupdate.eval.report import rebuild_report
+
+    rebuild_report(
+        args.out_dir, experiment=args.experiment,
+        training_metrics=_pairs(args.training_metrics, "--training-metrics"), published=args.published,
+    )  # fmt: skip
+    sys.stdout.write((Path(args.out_dir) / "report.md").read_text(encoding="utf-8"))
 
 
 def _cmd_score(args: argparse.Namespace) -> None:
@@ -180,6 +217,31 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--max-tokens", type=int, default=48, help="tokens per assistant turn")
     roll.add_argument("--output", default="results/bench/rollout.json")
     roll.set_defaults(func=_cmd_bench_rollout)
+
+    ev = sub.add_parser("eval", help="evaluations and their reports")
+    ev_sub = ev.add_subparsers(dest="evaluation", required=True, metavar="EVALUATION")
+    evl = ev_sub.add_parser("locomo", help="LoCoMo test questions with every served system -> report.{json,md,html}")
+    evl.add_argument("--experiment", required=True, help="experiment name (the report's title)")
+    evl.add_argument("--marker", action="append", default=[], metavar="NAME=PATH",
+                     help="readiness marker of a served model: qa-base (required), stage1, stage2")  # fmt: skip
+    evl.add_argument("--out-dir", required=True, help="report folder; predictions/ in it make reruns resume")
+    evl.add_argument("--test", default="results/data/locomo/test.parquet")
+    evl.add_argument("--memories", default="results/data/locomo/memories.parquet")
+    evl.add_argument("--embeddings", default="results/embeddings/all-MiniLM-L6-v2/memories")
+    evl.add_argument("--embedding-model", default="all-MiniLM-L6-v2")
+    evl.add_argument("--tool-config", default="config/tools/memory_tools.yaml")
+    evl.add_argument("--conversations", help="locomo10.json, for the full-context system")
+    evl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="an eval setting (memupdate.eval.locomo.LocomoEvalSettings), e.g. questions_per_conversation=3")  # fmt: skip
+    evl.add_argument("--training-metrics", action="append", default=[], metavar="STAGE=PATH")
+    evl.add_argument("--published", default="config/published_locomo.yaml")
+    evl.set_defaults(func=_cmd_eval_locomo)
+    evr = ev_sub.add_parser("report", help="rebuild report.{json,md,html} from saved predictions only")
+    evr.add_argument("out_dir", help="the evaluation folder (holds predictions/)")
+    evr.add_argument("--experiment", required=True)
+    evr.add_argument("--training-metrics", action="append", default=[], metavar="STAGE=PATH")
+    evr.add_argument("--published", default="config/published_locomo.yaml")
+    evr.set_defaults(func=_cmd_eval_report)
 
     score = sub.add_parser("score", help="score one prediction against one gold answer")
     score.add_argument("prediction")

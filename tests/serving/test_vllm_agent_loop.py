@@ -11,19 +11,17 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from memupdate.agents.memory_loop import TERMINATION_REASONS
 from memupdate.serving.client import Endpoint
 from memupdate.serving.vllm import VLLMTokenClient, start_vllm_server
-from memupdate.training.local import LocalGRPOConfig, run_config
-from memupdate.training.workers import in_process_workers
+from memupdate.training.workers import LOOP_MAX_MODEL_LEN, in_process_workers, vllm_loop_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def long_context_server(vllm_python, tiny_model_dir, tmp_path_factory):
-    # LoCoMo prompts with six tool schemas are ~2.2k tokens with the tiny tokenizer.
     log = tmp_path_factory.mktemp("vllm-loop") / "server.log"
     server = start_vllm_server(
         tiny_model_dir, served_model_name="tiny", python=vllm_python, dtype="float32", log_path=log,
-        max_model_len=4096,
+        max_model_len=LOOP_MAX_MODEL_LEN,
     )
     try:
         server.wait_until_ready(timeout_s=300)
@@ -37,20 +35,17 @@ def test_agent_loop_worker_with_our_loop_against_vllm(
     long_context_server, tiny_model_dir, locomo_rows, cache_dir, repo_root, monkeypatch, tmp_path
 ):
     monkeypatch.chdir(repo_root)
-    cfg = LocalGRPOConfig(
-        model_path=str(tiny_model_dir), train_files=[str(locomo_rows["train"])], run_dir=str(tmp_path),
-        tool_config="config/tools/memory_tools.yaml", memories=str(locomo_rows["memories"]),
-        embeddings=str(cache_dir), rollout_n=2, prompt_length=3072, response_length=512, max_assistant_turns=2,
-        reward={"efficiency": {"max_total_memories": None}},
-    )
     for name in ("MEMUPDATE_MEMORIES", "MEMUPDATE_EMBEDDINGS", "MEMUPDATE_EMBEDDING_MODEL"):
-        monkeypatch.setenv(name, "")  # run_config sets them; monkeypatch undoes it after the test
-    config = run_config(cfg)
+        monkeypatch.setenv(name, "")  # vllm_loop_config sets them; monkeypatch undoes it after the test
+    config = vllm_loop_config(
+        tiny_model_dir, locomo_rows["train"], locomo_rows["memories"], cache_dir, tmp_path,
+        rollout_n=2, max_assistant_turns=2, response_length=512,
+    )
     client = VLLMTokenClient(Endpoint(long_context_server.base_url, "tiny"), max_tokens=32)
 
     async def main():
         worker = in_process_workers(config, client)
-        dataset = RLHFDataset(cfg.train_files, worker.tokenizer, config.data, max_samples=2)
+        dataset = RLHFDataset([str(locomo_rows["train"])], worker.tokenizer, config.data, max_samples=2)
         batch = DataProto.from_single_dict(collate_fn([dataset[0], dataset[1]]))
         batch = batch.repeat(repeat_times=2, interleave=True)
         return await worker.generate_sequences(batch), worker.tokenizer

@@ -25,8 +25,7 @@ from memupdate.bench.report import format_table, save_report
 from memupdate.models.prepare import prepare_model
 from memupdate.serving.client import Endpoint
 from memupdate.serving.vllm import VLLMTokenClient, ensure_vllm_env, start_vllm_server
-from memupdate.training.local import LocalGRPOConfig, run_config
-from memupdate.training.workers import in_process_workers
+from memupdate.training.workers import LOOP_MAX_MODEL_LEN, in_process_workers, vllm_loop_config
 
 logger = logging.getLogger(__name__)
 
@@ -90,15 +89,12 @@ def run_rollout_bench(
     model_dir = work / "model"
     if not model_dir.exists():
         prepare_model(BENCH_MODEL, model_dir)
-    cfg = LocalGRPOConfig(
-        model_path=str(model_dir), train_files=[train_file], run_dir=str(work), tool_config="config/tools/memory_tools.yaml",
-        memories=memories, embeddings=embeddings, rollout_n=n, prompt_length=3072, response_length=768,
-        max_assistant_turns=max_assistant_turns, reward={"efficiency": {"max_total_memories": None}},
+    config = vllm_loop_config(
+        model_dir, train_file, memories, embeddings, work, rollout_n=n, max_assistant_turns=max_assistant_turns
     )
-    config = run_config(cfg)
     python = ensure_vllm_env()
     with start_vllm_server(model_dir, served_model_name="bench", python=python, dtype="float32",
-                           max_model_len=4096, log_path=work / "server.log") as server:
+                           max_model_len=LOOP_MAX_MODEL_LEN, log_path=work / "server.log") as server:
         startup = server.wait_until_ready(timeout_s=600)
         client = VLLMTokenClient(Endpoint(server.base_url, "bench"), max_tokens=max_tokens)
         recorder = RecordingClient(client)

@@ -112,16 +112,26 @@ def select_rows(test_file: str | Path, per_conversation: int | None, seed: int) 
     return chosen
 
 
+def choice_options(info: Mapping[str, Any], seed: int) -> dict[str, str]:
+    """The two options of a category-5 question, ``{"a": ..., "b": ...}``, in an order drawn per question.
+
+    >>> sorted(choice_options({"adversarial_answer": "Bo", "namespace": "n"}, 0).values())
+    ['Bo', 'Not mentioned in the conversation']
+    """
+    options = [NOT_MENTIONED, str(info.get("adversarial_answer") or "")]
+    random.Random(f"{seed}:{info['namespace']}").shuffle(options)
+    return {"a": options[0], "b": options[1]}
+
+
 def choice_question(info: Mapping[str, Any], seed: int) -> str:
-    """Category 5 as the LoCoMo paper asks it: a two-way choice, the order drawn per question.
+    """Category 5 as the LoCoMo paper asks it: a two-way choice (:func:`choice_options`).
 
     >>> q = choice_question({"question": "Who?", "adversarial_answer": "Bo", "namespace": "n"}, 0)
     >>> q.startswith("Who? Select the correct answer: (a)") and "Bo" in q and "Not mentioned" in q
     True
     """
-    options = [NOT_MENTIONED, str(info.get("adversarial_answer") or "")]
-    random.Random(f"{seed}:{info['namespace']}").shuffle(options)
-    return CHOICE_PROMPT.format(question=info["question"], first=options[0], second=options[1])
+    options = choice_options(info, seed)
+    return CHOICE_PROMPT.format(question=info["question"], first=options["a"], second=options["b"])
 
 
 def asked_question(info: Mapping[str, Any], seed: int) -> str:
@@ -174,9 +184,11 @@ def _append(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
         fh.flush()
 
 
-def _base_record(row: Mapping[str, Any], system: str) -> dict[str, Any]:
+def _base_record(row: Mapping[str, Any], system: str, seed: int) -> dict[str, Any]:
+    """What every prediction records about its question (``row`` is an asked row, :func:`ask_rows`);
+    a category-5 record keeps the two options, so a bare "a"/"b" reply can be scored."""
     info = row["extra_info"]
-    return {
+    record = {
         "system": system,
         "namespace": info["namespace"],
         "sample_id": info["sample_id"],
@@ -186,6 +198,9 @@ def _base_record(row: Mapping[str, Any], system: str) -> dict[str, Any]:
         "adversarial_answer": info.get("adversarial_answer"),
         "evidence": list(info.get("evidence") or []),
     }
+    if record["category"] == 5:
+        record["choices"] = choice_options(info, seed)
+    return record
 
 
 # ----------------------------------------------------------------------------------- evaluation
@@ -254,7 +269,7 @@ class LocomoEvaluator:
                 chunk = todo[start : start + self.settings.batch_size]
 
                 async def one(row):
-                    record = _base_record(row, system.name)
+                    record = _base_record(row, system.name, self.settings.seed)
                     record.update(await self._retrieval_fields(record, None, tokenizer))
                     prompt = QA_PROMPT.format(memories=record.pop("context"), question=record["question"])
                     record["prediction"], record["latency_s"] = await self._qa(client, prompt)
@@ -273,12 +288,12 @@ class LocomoEvaluator:
         async with OpenAIClient(endpoint) as client:
             records = []
             for row in todo:
-                record = _base_record(row, system.name)
+                record = _base_record(row, system.name, self.settings.seed)
                 sample = samples.get(record["sample_id"])
                 if sample is None:
                     raise ValueError(f"{self.conversations} has no conversation {record['sample_id']!r}")
                 prompt = QA_PROMPT.format(memories=conversation_text(sample), question=record["question"])
-                tokens = len(tokenizer(prompt)["input_ids"])
+                tokens = _chat_tokens(tokenizer, prompt)
                 record["context_tokens"] = tokens
                 if tokens > limit:
                     record.update(prediction=None, skipped=f"{tokens} prompt tokens > {limit} the QA model can take")
@@ -328,7 +343,7 @@ class LocomoEvaluator:
             timing = out.meta_info.get("metrics") or [{}] * len(index)
             records = []
             for j, i in enumerate(index):
-                record = _base_record(todo[i], system.name)
+                record = _base_record(todo[i], system.name, s.seed)
                 delta = extra[DELTA_KEY][j]
                 record.update(await self._retrieval_fields(record, delta, tokenizer))
                 record.pop("context")
@@ -356,7 +371,9 @@ class LocomoEvaluator:
                 manifests = [folder / n for n in ("manifest.json", "memupdate_model.json", "config.json")]
                 found = next((m for m in manifests if m.is_file()), None)
                 models[role] = {"path": str(folder), "manifest": sha256_file(found) if found else None}
-        return {"kind": system.kind, "models": models, "settings": asdict(self.settings),
+        # The judge scores predictions after the fact; changing it re-judges, it does not re-predict.
+        settings = {k: v for k, v in asdict(self.settings).items() if k != "judge"}
+        return {"kind": system.kind, "models": models, "settings": settings,
                 "test_file": sha256_file(self.test_file)}  # fmt: skip
 
     async def run(self, systems: Sequence[System]) -> dict[str, Path]:
@@ -388,6 +405,12 @@ def _invalidate_if_changed(path: Path, fingerprint: dict[str, Any]) -> None:
         path.rename(stale)
         logger.warning("%s was made by other models or settings; moved to %s and predicting afresh", path, stale)
     write_json_atomic(meta, fingerprint)
+
+
+def _chat_tokens(tokenizer: Any, prompt: str) -> int:
+    """Tokens of ``prompt`` as one user message with the chat template, as the server counts it."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 
 def _plain(value: Any) -> Any:

@@ -37,12 +37,17 @@ def score_prediction(record: Mapping[str, Any]) -> dict[str, float | None]:
 
     >>> score_prediction({"prediction": "7 May 2023", "answer": "7 May 2023", "category": 2})["locomo_f1"]
     1.0
+    >>> choices = {"a": "Bo", "b": "Not mentioned in the conversation"}
+    >>> score_prediction({"prediction": "(b)", "category": 5, "choices": choices})["locomo_f1"]
+    1.0
     """
     prediction, category = record.get("prediction"), int(record["category"])
     if prediction is None:
         return {"locomo_f1": None, "mem0_f1": None, "bleu1": None}
     prediction = str(prediction)
     if category == 5:
+        if record.get("choices"):
+            prediction = metrics.locomo_choice_answer(prediction, record["choices"])
         return {"locomo_f1": metrics.locomo_f1(prediction, "", 5), "mem0_f1": None, "bleu1": None}
     answer = str(record["answer"])
     return {
@@ -97,7 +102,18 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "latency_s": {"p50": _percentile([r.get("latency_s") for r in answered], 50),
                       "p95": _percentile([r.get("latency_s") for r in answered], 95)},
         "termination": _counts(r.get("termination_reason") for r in answered if r.get("termination_reason")),
+        "memory": _memory_stats([r["memory_stats"] for r in scored if r.get("memory_stats")]),
     }  # fmt: skip
+
+
+MEMORY_STATS = ("initial_count", "final_count", "created", "updated", "deleted", "merged", "split")
+
+
+def _memory_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, float | None] | None:
+    """Mean store size and edits per episode of a memory system (None for the systems without episodes)."""
+    if not stats:
+        return None
+    return {f"{k}_mean": _mean([s.get(k) for s in stats]) for k in MEMORY_STATS}
 
 
 def _counts(values) -> dict[str, int]:
@@ -114,18 +130,19 @@ def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 async def judge_predictions(path: str | Path, judge: Any, judge_name: str, max_tokens: int = 64) -> None:
     """Add Mem0's J (``judge``: 1 CORRECT / 0 WRONG, from an :class:`OpenAIClient`) to the category 1-4
-    predictions in ``path`` that have none yet, and rewrite the file atomically."""
+    predictions in ``path`` not yet judged by ``judge_name``, and rewrite the file atomically."""
     from memupdate.rewards.scorers import JUDGE_PROMPT, parse_judge_label
 
     records = load_jsonl(path)
 
     async def one(record):
-        if record.get("judge") is not None or record.get("prediction") is None:
+        if record.get("judge_model") == judge_name or record.get("prediction") is None:
             return
         if record["category"] not in MEM0_CATEGORIES:
             return
         prompt = JUDGE_PROMPT.format(question=record["question"], answer=record["answer"], prediction=record["prediction"])
         reply = await judge.chat([{"role": "user", "content": prompt}], temperature=0.0, max_tokens=max_tokens)
+        record.pop("judge_unparsed", None)
         try:
             record["judge"] = parse_judge_label(reply)
         except ValueError:
@@ -143,7 +160,8 @@ async def judge_predictions(path: str | Path, judge: Any, judge_name: str, max_t
 def training_curves(metrics_files: Mapping[str, str | Path]) -> dict[str, list[dict[str, Any]]]:
     """Each training stage's per-step metrics (reward mean and spread, memories, turns, terminations)."""
     keep = ("step", "reward_mean", "reward_std", "reward_min", "reward_max", "num_turns_mean",
-            "memories_final_mean", "response_tokens_mean", "termination")  # fmt: skip
+            "memories_final_mean", "ops_created_mean", "ops_updated_mean", "ops_deleted_mean",
+            "qa_initial_mean", "qa_final_mean", "response_tokens_mean", "termination")  # fmt: skip
     curves = {}
     for name, path in metrics_files.items():
         if Path(path).is_file():
@@ -180,7 +198,7 @@ def _plots(report: Mapping[str, Any], out_dir: Path) -> list[str]:
         plots.append("per_category.png")
     curves = report["training"]
     if curves:
-        fig, axes = plt.subplots(1, 4, figsize=(15, 3.2))
+        fig, axes = plt.subplots(1, 5, figsize=(19, 3.4))
         reasons = sorted({r for steps in curves.values() for s in steps for r in (s["termination"] or {})})
         for name, steps in curves.items():
             x = [s["step"] for s in steps]
@@ -190,16 +208,21 @@ def _plots(report: Mapping[str, Any], out_dir: Path) -> list[str]:
             axes[0].fill_between(x, mean - std, mean + std, alpha=0.2)
             axes[1].plot(x, [s["num_turns_mean"] or 0 for s in steps], marker="o", label=name)
             axes[2].plot(x, [s["memories_final_mean"] or 0 for s in steps], marker="o", label=name)
+            for op, style in (("created", "-"), ("updated", "--"), ("deleted", ":")):
+                values = [s.get(f"ops_{op}_mean") or 0 for s in steps]
+                axes[3].plot(x, values, style, marker=".", label=f"{name}: {op}")
             # Share of episodes per termination reason, one line per (stage, reason).
             for reason in reasons:
                 shares = [(s["termination"] or {}).get(reason, 0) / max(1, sum((s["termination"] or {}).values()))
                           for s in steps]  # fmt: skip
-                axes[3].plot(x, shares, marker=".", label=f"{name}: {reason}")
-        titles = ("reward (mean ± std)", "turns per episode", "memories at the end", "termination reasons (share)")
+                axes[4].plot(x, shares, marker=".", label=f"{name}: {reason}")
+        titles = ("reward (mean ± std)", "turns per episode", "memories at the end", "edits per episode",
+                  "termination reasons (share)")  # fmt: skip
         for ax, title in zip(axes, titles, strict=True):
             ax.set_title(title)
             ax.set_xlabel("step")
         axes[3].legend(fontsize=7)
+        axes[4].legend(fontsize=7)
         axes[0].legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out_dir / "training.png", dpi=110)
@@ -220,29 +243,95 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def _models(row: Mapping[str, Any]) -> str:
+    """``memory: <folder> / qa: <folder>`` from the checkpoint folders a system's predictions were made with."""
+    models = row.get("models") or {}
+    return " / ".join(f"{role}: {Path(m['path']).name}" for role, m in sorted(models.items())) or "–"
+
+
+def _published_markdown(report: Mapping[str, Any]) -> list[str]:
+    """Our rows beside the published ones, one table per protocol, and what differs between them."""
+    published = report["published"]
+    ours = report["systems"]
+    models = "; ".join(f"{name}: {_models(row)}" for name, row in ours.items())
+    lines = ["", "## Beside published numbers", "",
+             f"Ours: {report['questions']} questions of the test conversations {', '.join(report['conversations'])} "
+             f"(a seeded sample of {report['settings'].get('questions_per_conversation') or 'all'} per conversation), "
+             f"top-{report['settings'].get('top_k')} retrieval; models {models}; judge "
+             f"{report['judge'] or 'none'}.", "", published["note"]]  # fmt: skip
+    locomo = published.get("locomo")
+    if locomo:
+        lines += ["", f"Official LoCoMo protocol: F1 in %, categories by numeric id ({locomo['source']}).", "",
+                  "| system | answer model | overall | " + " | ".join(f"{c} {n}" for c, n in CATEGORY_NAMES.items())
+                  + " |", "| --- | --- | --- |" + " --- |" * 5]  # fmt: skip
+        for name, row in ours.items():
+            cells = [_pct(row["per_category"][str(c)]["locomo_f1"]) for c in CATEGORY_NAMES]
+            lines.append(f"| ours: {name} | {_models(row)} | {_pct(row['locomo']['f1'])} | " + " | ".join(cells) + " |")
+        for row in locomo["rows"]:
+            cells = [str(row["per_category"].get(c, "–")) for c in CATEGORY_NAMES]
+            lines.append(f"| {row['system']} | {row['answer_model']} | {row['f1']} | " + " | ".join(cells) + " |")
+    mem0 = published.get("mem0")
+    if mem0:
+        lines += ["", "Mem0 protocol: categories 1-4, scores in %.", "",
+                  "| system | protocol | J | F1 | BLEU-1 | answer model | source |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for name, row in ours.items():
+            lines.append(
+                f"| ours: {name} | Mem0 (cat 1-4), {row['mem0']['n']} q | {_pct(row['mem0']['j'])} | "
+                f"{_pct(row['mem0']['f1'])} | {_pct(row['mem0']['bleu1'])} | {_models(row)} | this run |"
+            )
+        for row in mem0["rows"]:
+            lines.append(
+                f"| {row['system']} | {row['protocol']} | {row.get('j', '–')} | {row.get('f1', '–')} | "
+                f"{row.get('bleu1', '–')} | {row['answer_model']} | {row['source']} |"
+            )
+    return lines
+
+
 def _markdown(report: Mapping[str, Any]) -> str:
+    systems = report["systems"]
     lines = [f"# LoCoMo evaluation: {report['experiment']}", ""]
     lines += [
         f"{report['questions']} test questions from {', '.join(report['conversations'])} "
-        f"(top-k {report['settings']['top_k']}); judge: {report['judge'] or 'none (J not computed)'}. "
-        "Scores in %, context in tokens per question, latency in seconds per question.", "",
-        "| system | LoCoMo F1 (cat 1-5) | Mem0 F1 (1-4) | BLEU-1 (1-4) | J (1-4) | evidence recall@k | "
+        f"(top-k {report['settings'].get('top_k')}); judge: {report['judge'] or 'none (J not computed)'}. "
+        "Scores in %, context in retrieved tokens per question (the whole conversation for full_context), "
+        "latency in seconds per question (for a memory system: its whole episode, memory edits and answer).", "",
+        "| system | models | LoCoMo F1 (cat 1-5) | Mem0 F1 (1-4) | BLEU-1 (1-4) | J (1-4) | evidence recall@k | "
         "context tokens | latency p50 / p95 s | skipped |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
-    for name, row in report["systems"].items():
+    for name, row in systems.items():
         lines.append(
-            f"| {name} | {_pct(row['locomo']['f1'])} | {_pct(row['mem0']['f1'])} | {_pct(row['mem0']['bleu1'])} | "
-            f"{_pct(row['mem0']['j'])} | {_pct(row['evidence_recall_at_k'])} | {_num(row['context_tokens_mean'], 0)} | "
-            f"{_num(row['latency_s']['p50'])} / {_num(row['latency_s']['p95'])} | {row['skipped']} |"
+            f"| {name} | {_models(row)} | {_pct(row['locomo']['f1'])} | {_pct(row['mem0']['f1'])} | "
+            f"{_pct(row['mem0']['bleu1'])} | {_pct(row['mem0']['j'])} | {_pct(row['evidence_recall_at_k'])} | "
+            f"{_num(row['context_tokens_mean'], 0)} | {_num(row['latency_s']['p50'])} / {_num(row['latency_s']['p95'])} | "
+            f"{row['skipped']} |"
         )
-    lines += ["", "## Per category (LoCoMo F1, by numeric id)", "",
-              "| system | " + " | ".join(f"{c} {n}" for c, n in CATEGORY_NAMES.items()) + " |",
+    for name, row in systems.items():
+        if row["skipped"]:
+            lines += ["", f"{name}: {row['skipped']} questions skipped ({'; '.join(row['skip_reasons'])})."]
+    header = "| system | " + " | ".join(f"{c} {n}" for c, n in CATEGORY_NAMES.items()) + " |"
+    lines += ["", "## Per category (by numeric id)", "", "LoCoMo F1 (n = questions answered):", "", header,
               "| --- |" + " --- |" * 5]  # fmt: skip
-    for name, row in report["systems"].items():
+    for name, row in systems.items():
         cells = [f"{_pct(row['per_category'][str(c)]['locomo_f1'])} (n={row['per_category'][str(c)]['n']})"
                  for c in CATEGORY_NAMES]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Mem0 protocol, J / F1 / BLEU-1 (category 5 is not part of it):", "", header, "| --- |" + " --- |" * 5]
+    for name, row in systems.items():
+        cells = [" / ".join(_pct(row["per_category"][str(c)][k]) for k in ("j", "mem0_f1", "bleu1"))
+                 for c in CATEGORY_NAMES]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    episodes = {name: row for name, row in systems.items() if row.get("memory")}
+    if episodes:
+        lines += ["", "## Memory episodes", "",
+                  "| system | memories before | after | created | updated | deleted | merged | split | terminations |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for name, row in episodes.items():
+            m = row["memory"]
+            cells = [_num(m[f"{k}_mean"], 1) for k in MEMORY_STATS]
+            terminations = ", ".join(f"{k} {v}" for k, v in sorted(row["termination"].items()))
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {terminations} |")
     for plot in report["plots"]:
         lines += ["", f"![{plot}]({plot})"]
     if report["training"]:
@@ -253,15 +342,8 @@ def _markdown(report: Mapping[str, Any]) -> str:
                 f"- {name}: {len(steps)} steps; last reward {_num(last.get('reward_mean'), 3)} "
                 f"(std {_num(last.get('reward_std'), 3)}); terminations {last.get('termination')}"
             )
-    published = report.get("published")
-    if published:
-        lines += ["", "## Beside published numbers", "", published["note"], "",
-                  "| system | protocol | J | F1 | BLEU-1 | answer model | source |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-        for row in published["rows"]:
-            lines.append(
-                f"| {row['system']} | {row['protocol']} | {row.get('j', '–')} | {row.get('f1', '–')} | "
-                f"{row.get('bleu1', '–')} | {row['answer_model']} | {row['source']} |"
-            )
+    if report.get("published"):
+        lines += _published_markdown(report)
     return "\n".join(lines) + "\n"
 
 
@@ -315,6 +397,10 @@ def build_report(
     for name, path in predictions.items():
         records = load_jsonl(path)
         systems[name] = summarize(records)
+        # The checkpoints the predictions were made with (the evaluator's fingerprint beside them).
+        meta = Path(path).with_suffix(".meta.json")
+        if meta.is_file():
+            systems[name]["models"] = json.loads(meta.read_text(encoding="utf-8")).get("models")
         conversations |= {r["sample_id"] for r in records}
         questions = max(questions, len(records))
     report: dict[str, Any] = {
@@ -335,3 +421,37 @@ def build_report(
     # Last: report.json is the rule's output, so it exists only once everything else does.
     write_json_atomic(out_dir / "report.json", report)
     return report
+
+
+#: Report rows in this order (any other system afterwards, by name).
+SYSTEM_ORDER = ("no_update", "full_context", "stage1+qa_base", "stage1+stage2")
+
+
+def rebuild_report(
+    out_dir: str | Path,
+    *,
+    experiment: str,
+    training_metrics: Mapping[str, str | Path] | None = None,
+    published: str | Path | None = None,
+) -> dict[str, Any]:
+    """The report again from ``out_dir/predictions`` alone (``memupdate eval report``): the settings come
+    from the predictions' fingerprints, the judge's name from the judged records."""
+    folder = Path(out_dir) / "predictions"
+    files = {p.name[: -len(".jsonl")]: p for p in folder.glob("*.jsonl") if not p.name.endswith(".stale.jsonl")}
+    if not files:
+        raise FileNotFoundError(f"no predictions in {folder}: run `memupdate eval locomo` (or the eval_locomo rule)")
+    rank = {name: i for i, name in enumerate(SYSTEM_ORDER)}
+    predictions = {name: files[name] for name in sorted(files, key=lambda n: (rank.get(n, len(rank)), n))}
+    settings: dict[str, Any] = {}
+    judges = set()
+    for path in predictions.values():
+        meta = path.with_suffix(".meta.json")
+        if meta.is_file() and not settings:
+            settings = json.loads(meta.read_text(encoding="utf-8")).get("settings", {})
+        judges |= {r["judge_model"] for r in load_jsonl(path) if r.get("judge_model")}
+    if len(judges) > 1:
+        raise ValueError(f"predictions in {folder} were judged by different judges {sorted(judges)}; rerun the evaluation")
+    return build_report(
+        out_dir, predictions, experiment=experiment, settings=settings, judge=next(iter(judges), None),
+        training_metrics=training_metrics, published=published,
+    )  # fmt: skip
