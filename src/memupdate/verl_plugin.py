@@ -14,7 +14,12 @@ import logging
 logger = logging.getLogger(__name__)
 
 # Modules whose import registers something with verl (agent loops, reward managers).
-REGISTRATION_MODULES: tuple[str, ...] = ("memupdate.agents.memory_loop", "memupdate.rewards.manager")
+REGISTRATION_MODULES: tuple[str, ...] = (
+    "memupdate.agents.memory_loop",
+    "memupdate.agents.memagent",
+    "memupdate.rewards.manager",
+    "memupdate.rewards.memagent",
+)
 
 for _module in REGISTRATION_MODULES:
     try:

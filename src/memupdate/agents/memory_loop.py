@@ -56,6 +56,13 @@ def reset_request_ids(prefix: str) -> None:
     _ids["prefix"], _ids["counter"] = prefix, itertools.count()
 
 
+def next_request_id() -> str:
+    """The next deterministic request id: 8 hex digits of a per-process counter (unique prefixes, as trial
+    namespaces need), then a hash of the prefix :func:`reset_request_ids` set and the counter."""
+    n = next(_ids["counter"])
+    return f"{n:08x}" + hashlib.sha256(f"{_ids['prefix']}:{n}".encode()).hexdigest()[:24]
+
+
 def fixed_client(spec: Any, max_tokens: int) -> Any:
     """The fixed model's client: an object with verl's ``generate`` is used as is; an endpoint mapping
     (``{base_url, model, ...}``, as agent_loops.yaml gives it) becomes a :class:`VLLMTokenClient`. The
@@ -139,8 +146,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
             return super()._make_request_id(priority, False)
         # verl's own deterministic id ("det-<priority>") is the same for every trajectory of a batch,
         # which would put them all in one trial store; a per-process counter keeps them apart.
-        n = next(_ids["counter"])
-        return f"{n:08x}" + hashlib.sha256(f"{_ids['prefix']}:{n}".encode()).hexdigest()[:24]
+        return next_request_id()
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         self._sampling_params = sampling_params

@@ -38,18 +38,14 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl import DataProto
-from verl.trainer.ppo.core_algos import (
-    agg_loss,
-    compute_grpo_outcome_advantage,
-    get_policy_loss_fn,
-    kl_penalty,
-)
+from verl.trainer.ppo.core_algos import AdvantageEstimator, agg_loss, get_policy_loss_fn, kl_penalty
+from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from verl.workers.config import ActorConfig
 
 from memupdate.agents import memory_loop
 from memupdate.serving.hf_server import HFGenerateServer
-from memupdate.training.workers import in_process_workers
+from memupdate.training.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, TURN_INDEX_KEY, in_process_workers
 from memupdate.utils.io import sha256_file, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -62,12 +58,16 @@ class LocalGRPOConfig:
     model_path: str
     train_files: list[str]
     run_dir: str
-    tool_config: str
-    memories: str
-    embeddings: str
+    #: The memory tools and the base store (MemoryUpdate; a MemAgent run has neither).
+    tool_config: str | None = None
+    memories: str | None = None
+    embeddings: str | None = None
     embedding_model: str = "all-MiniLM-L6-v2"
+    #: The agent loop (a key of AGENT_LOOPS), and settings passed to it (MemAgent's chunk_size, ...).
     agent_name: str = "memupdate_agent"
-    #: Reward manager registered with verl's reward loop (``memupdate_memory`` for MemoryUpdate).
+    agent: dict[str, Any] = field(default_factory=dict)
+    #: Reward manager registered with verl's reward loop (``memupdate_memory`` for MemoryUpdate,
+    #: ``memupdate_memagent`` for MemAgent).
     reward_manager: str = "memupdate_memory"
     steps: int = 4
     prompts_per_step: int = 2
@@ -78,6 +78,7 @@ class LocalGRPOConfig:
     max_grad_norm: float = 1.0
     clip_ratio: float = 0.2
     kl_coef: float = 0.001
+    #: GRPO's division by the group's reward std (MemAgent and Dr.GRPO turn it off).
     norm_adv_by_std: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
@@ -139,15 +140,34 @@ def verl_config(cfg: LocalGRPOConfig, agent_loop_config: Path):
         "reward.reward_manager.source": "register",
         "reward.reward_manager.name": cfg.reward_manager,
         "reward.custom_reward_function.reward_kwargs": {
-            "memories": cfg.memories,
-            "embeddings": cfg.embeddings,
-            "embedding_model": cfg.embedding_model,
+            **({"memories": cfg.memories, "embeddings": cfg.embeddings, "embedding_model": cfg.embedding_model}
+               if cfg.memories else {}),
             **cfg.reward,
         },
-    }
+    }  # fmt: skip
     for key, value in overrides.items():
         OmegaConf.update(conf, key, value, force_add=True)
     return conf
+
+
+#: The agent loops a local run can use, by the rows' ``agent_name``.
+AGENT_LOOPS = {
+    "memupdate_agent": "memupdate.agents.memory_loop.MemoryUpdateAgentLoop",
+    "memagent": "memupdate.agents.memagent.MemAgentLoop",
+}
+
+
+def agent_loop_entry(cfg: LocalGRPOConfig) -> dict[str, Any]:
+    """The run's entry of verl's agent-loop config (``agent_loops.yaml``)."""
+    if cfg.agent_name not in AGENT_LOOPS:
+        raise ValueError(f"unknown agent_name {cfg.agent_name!r}; known: {sorted(AGENT_LOOPS)}")
+    entry = {"name": cfg.agent_name, "_target_": AGENT_LOOPS[cfg.agent_name], "deterministic_ids": True}
+    if cfg.agent_name == "memupdate_agent":
+        # The served role's turns get the same per-turn cap as the policy's.
+        fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.max_new_tokens}
+        entry.update(training_stage=cfg.training_stage, qa_phase=cfg.qa_phase, fixed_model=fixed_model,
+                     qa_top_k=cfg.qa_top_k, qa_max_tokens=cfg.qa_max_tokens)  # fmt: skip
+    return {**entry, **cfg.agent}
 
 
 def run_config(cfg: LocalGRPOConfig):
@@ -156,20 +176,13 @@ def run_config(cfg: LocalGRPOConfig):
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     agent_loop_config = run_dir / "agent_loops.yaml"
-    # The served role's turns get the same per-turn cap as the policy's.
-    fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.max_new_tokens}
-    agent_loop_config.write_text(
-        OmegaConf.to_yaml(
-            [{"name": cfg.agent_name, "_target_": "memupdate.agents.memory_loop.MemoryUpdateAgentLoop",
-              "deterministic_ids": True, "training_stage": cfg.training_stage, "qa_phase": cfg.qa_phase,
-              "fixed_model": fixed_model, "qa_top_k": cfg.qa_top_k, "qa_max_tokens": cfg.qa_max_tokens}]
-        )
-    )
-    # One tools YAML serves every run: it reads the memory paths from the environment.
-    os.environ.update(
-        {"MEMUPDATE_MEMORIES": cfg.memories, "MEMUPDATE_EMBEDDINGS": cfg.embeddings,
-         "MEMUPDATE_EMBEDDING_MODEL": cfg.embedding_model}
-    )
+    agent_loop_config.write_text(OmegaConf.to_yaml([agent_loop_entry(cfg)]))
+    if cfg.memories:
+        # One tools YAML serves every run: it reads the memory paths from the environment.
+        os.environ.update(
+            {"MEMUPDATE_MEMORIES": cfg.memories, "MEMUPDATE_EMBEDDINGS": cfg.embeddings or "",
+             "MEMUPDATE_EMBEDDING_MODEL": cfg.embedding_model}
+        )  # fmt: skip
     return verl_config(cfg, agent_loop_config)
 
 
@@ -298,13 +311,22 @@ class LocalGRPOTrainer:
         batch.meta_info["global_steps"] = self.step
         return batch
 
+    def _advantages(self, batch: DataProto) -> torch.Tensor:
+        """GRPO per trajectory, given to every row of it: verl's V1 function for multi-output trajectories,
+        fed the ``{uid}_{trajectory}_{turn}`` keys its TransferQueue rows carry. Only each trajectory's final
+        row enters the group statistics, so a trajectory counts once however many turns it has."""
+        extra = batch.non_tensor_batch
+        keys = [f"{u}_{t}_{i}" for u, t, i in zip(extra["uid"], extra[TRAJECTORY_KEY], extra[TURN_INDEX_KEY], strict=True)]
+        data = DataProto(batch=batch.batch.select("response_mask").clone(), non_tensor_batch={"uid": extra["uid"]})
+        data.batch["token_level_rewards"] = batch.batch["rm_scores"]
+        data = compute_advantage_for_multi_trajectories(
+            data, keys, AdvantageEstimator.GRPO, norm_adv_by_std_in_grpo=self.cfg.norm_adv_by_std
+        )
+        return data.batch["advantages"]
+
     def _update(self, batch: DataProto) -> dict[str, float]:
         mask = batch.batch["response_mask"].float()
-        rewards = batch.batch["rm_scores"]
-        advantages, _ = compute_grpo_outcome_advantage(
-            rewards, mask, batch.non_tensor_batch["uid"], norm_adv_by_std_in_grpo=self.cfg.norm_adv_by_std
-        )
-        batch.batch["advantages"] = advantages
+        batch.batch["advantages"] = self._advantages(batch)
         if self.cfg.kl_coef:
             ref = [response_log_probs(self.reference, mb, False) for mb in batch.split(self.cfg.micro_batch_size)]
             batch.batch["ref_log_prob"] = torch.cat(ref)
@@ -355,8 +377,9 @@ class LocalGRPOTrainer:
                 memory_loop.reset_request_ids(f"{cfg.seed}:{self.step}")
                 prompts = self._prompts()
                 batch = await worker.generate_sequences(prompts)
-                # The worker returns rollouts in prompt order but not the grouping key.
-                batch.non_tensor_batch["uid"] = prompts.non_tensor_batch["uid"]
+                # The worker returns rollouts in prompt order (a trajectory's turns together) but not the
+                # grouping key.
+                batch.non_tensor_batch["uid"] = prompts.non_tensor_batch["uid"][batch.non_tensor_batch[TRAJECTORY_KEY]]
                 rollout_seconds = time.perf_counter() - start
                 start = time.perf_counter()
                 update = self._update(batch)
@@ -380,11 +403,16 @@ class LocalGRPOTrainer:
         return metrics
 
     def _metrics(self, batch, update, rollout_s, update_s, tokens, generation_s) -> dict[str, Any]:
-        scores = batch.batch["rm_scores"].sum(-1).numpy()
-        extra = batch.non_tensor_batch
-        reasons = Counter(str(r) for r in extra.get("termination_reason", []))
+        rows = batch.batch["rm_scores"].size(0)
+        # Per trajectory: its final row (a MemAgent trajectory has one row per turn, all with its score).
+        final = batch.non_tensor_batch[FINAL_MASK_KEY]
+        scores = batch.batch["rm_scores"].sum(-1).numpy()[final]
+        extra = {k: v[final] for k, v in batch.non_tensor_batch.items() if len(v) == rows}
+        reasons = Counter(str(r) for r in extra.get("termination_reason", []) if r is not None)
         out = {
             "step": self.step,
+            "trajectories": int(final.sum()),
+            "rows": rows,
             "reward_mean": float(scores.mean()),
             "reward_std": float(scores.std()),
             "reward_min": float(scores.min()),
@@ -402,7 +430,8 @@ class LocalGRPOTrainer:
             },
             **update,
         }
-        for key in ("qa_initial", "qa_final", "efficiency", "memories_final", "ops_created", "ops_updated", "ops_deleted"):
+        for key in ("qa_initial", "qa_final", "efficiency", "memories_final", "ops_created", "ops_updated", "ops_deleted",
+                    "exact_match", "sub_em", "f1", "boxed", "chunks", "memory_truncations"):  # fmt: skip
             if key in extra:
                 out[f"{key}_mean"] = float(np.mean(extra[key].astype(float)))
         return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
@@ -40,20 +41,59 @@ class InProcessRewardHandle:
         self.compute_score = _Remote(timed)
 
 
+#: Non-tensor columns the multi-output worker adds: the input row a turn came from, its place in the
+#: trajectory, and whether it is the trajectory's last (scored) turn.
+TRAJECTORY_KEY, TURN_INDEX_KEY, FINAL_MASK_KEY = "trajectory", "turn_index", "final_mask"
+
+
+class MultiOutputAgentLoopWorker(AgentLoopWorker):
+    """verl's ``AgentLoopWorker`` for loops whose trajectory is several conversations (MemAgent returns one
+    :class:`AgentLoopOutput` per turn). verl 0.9.1's V1 trainer takes such lists through its TransferQueue
+    worker; this worker gives the in-process paths (local backend, evaluation, benchmark) the same: each
+    turn becomes a row, scored once from the whole trajectory (the reward sees every turn, the final one
+    last) with that score copied to every turn, as the V1 worker does. Rows carry ``trajectory`` (the
+    input row), ``turn_index`` and ``final_mask``. A loop returning a single output gives exactly the rows
+    ``AgentLoopWorker`` would, plus those three columns."""
+
+    async def _agent_loop_postprocess(self, output, validate, **kwargs):
+        if not isinstance(output, list):
+            return await super()._agent_loop_postprocess(output, validate, **kwargs)
+        if not output:
+            raise ValueError(f"agent loop {kwargs.get('agent_name')!r} returned no output for one row")
+        await self._compute_score(output, kwargs=kwargs)
+        final = output[-1]
+        for turn in output[:-1]:
+            turn.reward_score = final.reward_score
+            turn.extra_fields["reward_extra_info"] = final.extra_fields.get("reward_extra_info", {})
+        return [await super(MultiOutputAgentLoopWorker, self)._agent_loop_postprocess(o, validate, **kwargs) for o in output]
+
+    def _postprocess(self, inputs, input_non_tensor_batch=None, validate=False):
+        groups = [item if isinstance(item, list) else [item] for item in inputs]
+        rows = [turn for group in groups for turn in group]
+        trajectory = np.array([i for i, group in enumerate(groups) for _ in group], dtype=np.int64)
+        turn_index = np.array([j for group in groups for j in range(len(group))], dtype=np.int64)
+        final = np.array([j == len(group) - 1 for group in groups for j in range(len(group))], dtype=bool)
+        if input_non_tensor_batch:
+            input_non_tensor_batch = {k: v[trajectory] for k, v in input_non_tensor_batch.items()}
+        out = super()._postprocess(rows, input_non_tensor_batch=input_non_tensor_batch, validate=validate)
+        out.non_tensor_batch.update({TRAJECTORY_KEY: trajectory, TURN_INDEX_KEY: turn_index, FINAL_MASK_KEY: final})
+        return out
+
+
 def in_process_workers(
     config: Any, llm_client: Any, timer: dict[str, float] | None = None, *, reward: bool = True
-) -> AgentLoopWorker:
+) -> MultiOutputAgentLoopWorker:
     """An ``AgentLoopWorker`` for ``config`` that generates with ``llm_client`` (anything with verl's
     ``generate``: the HF server, a :class:`~memupdate.serving.vllm.VLLMTokenClient`) and scores with an
     in-process ``RewardLoopWorker``. Pass ``timer`` (a dict with a ``"reward"`` key) to time the reward;
     ``reward=False`` runs the episodes only (evaluation scores its own way, and asks questions without a
     gold answer, which the training reward refuses)."""
     if not reward:
-        return AgentLoopWorker(config, llm_client=llm_client, reward_loop_worker_handles=None)
+        return MultiOutputAgentLoopWorker(config, llm_client=llm_client, reward_loop_worker_handles=None)
     timer = timer if timer is not None else {"reward": 0.0}
     timer.setdefault("reward", 0.0)
     scorer = RewardLoopWorker(config)
-    return AgentLoopWorker(
+    return MultiOutputAgentLoopWorker(
         config, llm_client=llm_client, reward_loop_worker_handles=[InProcessRewardHandle(scorer, timer)]
     )
 
