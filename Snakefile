@@ -4,12 +4,15 @@
 #   data/locomo/{train,val,test}.parquet   verl rows, one per LoCoMo QA pair (preprocess_locomo)
 #   data/locomo/memories.parquet           initial memories per conversation (preprocess_locomo)
 #   data/hotpotqa/{split}-{ndocs}.parquet  MemAgent haystacks (preprocess_hotpotqa)
+#   data/hotpotqa/{split}-{ndocs}.{train,test}.parquet  held-out split by question id (split_hotpotqa)
 #   embeddings/<model>/memories/           vectors of the initial memories (embed_memories)
 #   models/<name>/                         HF checkpoints of the policy and fixed models (prepare_model)
 #   <exp>/serve/<served>.ready.json         readiness marker of a running vLLM server (serve_model, temp)
 #   <exp>/stage1/ckpt/                     stage-1 checkpoint + manifest (train_stage1)
 #   <exp>/stage2/ckpt/                     stage-2 checkpoint + manifest (train_stage2)
 #   <exp>/eval/report.{json,md,html}       LoCoMo evaluation report + plots, predictions/ (eval_locomo)
+#   <exp>/memagent/ckpt/                   MemAgent checkpoint + manifest (train_memagent)
+#   <exp>/memagent_eval/report.{json,md}   MemAgent accuracy vs. context length, length_curve.png (eval_memagent)
 # resources/data/{name}.json               verified copies of public data files (fetch_data)
 # logs/<rule>/..., benchmarks/<rule>/...   one log and one benchmark per job
 
@@ -32,6 +35,7 @@ include: "rules/models.smk"
 include: "rules/serve.smk"
 include: "rules/train.smk"
 include: "rules/eval.smk"
+include: "rules/memagent.smk"
 
 
 onsuccess:

@@ -205,9 +205,78 @@ def get_eval_dir(wildcards):
     return f"results/{wildcards.exp}/eval"
 
 
+def is_memagent(name):
+    return config["experiments"][name].get("kind", "memupdate") == "memagent"
+
+
+def get_memagent_experiment(wildcards):
+    experiment = get_experiment(wildcards)
+    if not is_memagent(wildcards.exp):
+        raise ValueError(
+            f"experiment {wildcards.exp!r} is not a MemAgent experiment (kind: memagent)"
+        )
+    return experiment
+
+
+def hotpotqa_rows(ndocs, part):
+    split = next(iter(config["data"]["hotpotqa"]["splits"]))
+    return f"results/data/hotpotqa/{split}-{ndocs}.{part}.parquet"
+
+
+def get_memagent_train_inputs(wildcards):
+    experiment = get_memagent_experiment(wildcards)
+    return {
+        "model": f"results/models/{experiment['policy']}",
+        "train": hotpotqa_rows(experiment["train"]["num_docs"], "train"),
+    }
+
+
+def get_memagent_train_settings(wildcards):
+    train = dict(get_memagent_experiment(wildcards)["train"])
+    train.pop("num_docs")
+    return train
+
+
+def get_memagent_loop(wildcards):
+    return get_memagent_experiment(wildcards)["loop"]
+
+
+def get_memagent_run_dir(wildcards):
+    return f"results/{wildcards.exp}/memagent"
+
+
+def get_memagent_eval_inputs(wildcards):
+    experiment = get_memagent_experiment(wildcards)
+    inputs = {
+        "base": f"results/models/{experiment['policy']}",
+        "trained": f"results/{wildcards.exp}/memagent/ckpt",
+    }
+    for ndocs in experiment["eval"]["num_docs"]:
+        inputs[f"test_{ndocs}"] = hotpotqa_rows(ndocs, "test")
+    return inputs
+
+
+def get_memagent_eval_settings(wildcards):
+    experiment = get_memagent_experiment(wildcards)
+    settings = {k: v for k, v in experiment["eval"].items() if k != "num_docs"}
+    prompt_length = experiment["train"].get("prompt_length")
+    return {
+        **experiment["loop"],
+        **({"prompt_length": prompt_length} if prompt_length else {}),
+        **settings,
+    }
+
+
+def get_memagent_eval_dir(wildcards):
+    return f"results/{wildcards.exp}/memagent_eval"
+
+
 def get_final_outputs():
     outputs = [*get_locomo_outputs(), *get_hotpotqa_outputs(), f"{EMBEDDINGS}/memories"]
     for name in SCALE["experiments"]:
+        if is_memagent(name):
+            outputs.append(f"results/{name}/memagent_eval/report.json")
+            continue
         outputs.append(f"results/{name}/stage1/ckpt")
         if "stage2" in config["experiments"][name]:
             outputs.append(f"results/{name}/stage2/ckpt")

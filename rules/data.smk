@@ -63,3 +63,23 @@ rule preprocess_hotpotqa:
         limit=SCALE["hotpotqa_limit"],
     script:
         "../workflow/scripts/preprocess_hotpotqa.py"
+
+
+rule split_hotpotqa:
+    input:
+        rows="results/data/hotpotqa/{split}-{ndocs}.parquet",
+    output:
+        train="results/data/hotpotqa/{split}-{ndocs}.train.parquet",
+        test="results/data/hotpotqa/{split}-{ndocs}.test.parquet",
+    log:
+        "logs/split_hotpotqa/{split}-{ndocs}.log",
+    benchmark:
+        "benchmarks/split_hotpotqa/{split}-{ndocs}.tsv"
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    resources:
+        runtime=10,
+    params:
+        test_percent=config["data"]["hotpotqa"]["test_percent"],
+    script:
+        "../workflow/scripts/split_hotpotqa.py"

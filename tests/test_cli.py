@@ -19,6 +19,7 @@ COMMANDS = [
     ["bench"],
     ["bench", "memory"],
     ["bench", "rollout"],
+    ["bench", "memagent"],
     ["eval"],
     ["eval", "locomo"],
     ["eval", "report"],

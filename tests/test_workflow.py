@@ -121,6 +121,17 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
     assert report["systems"]["full_context"]["skipped"] == 6
     for name in ("per_category.png", "training.png", "report.md", "report.html"):
         assert (workdir / "results/tiny/eval" / name).is_file()
+    # MemAgent: trained on the train questions only, evaluated (base and trained) on the held-out ones.
+    parts = {part: pq.read_table(workdir / f"results/data/hotpotqa/dev-10.{part}.parquet").column("extra_info")
+             .combine_chunks().field("id").to_pylist() for part in ("train", "test")}  # fmt: skip
+    assert len(parts["train"]) + len(parts["test"]) == 5 and not set(parts["train"]) & set(parts["test"])
+    run = workdir / "results/tiny_memagent/memagent"
+    assert json.loads((run / "ckpt" / "manifest.json").read_text())["step"] == 1
+    (step,) = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert step["trajectories"] == 2 and step["rows"] == 2 * 3 and step["chunks_mean"] == 2
+    curve = json.loads((workdir / "results/tiny_memagent/memagent_eval/report.json").read_text())
+    assert set(curve["results"]) == {"base", "trained"} and curve["results"]["trained"]["10"]["n"] == 2
+    assert (workdir / "results/tiny_memagent/memagent_eval/length_curve.png").is_file()
     # Servers were stopped when the run ended; their markers (temp) are gone with them.
     for served in ("qa-base", "stage1", "eval-qa-base", "eval-stage1", "eval-stage2"):
         assert f"stopped the tiny-{served} server" in log

@@ -94,6 +94,16 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> None:
     sys.stdout.write(format_rollout_bench(result) + "\n")
 
 
+def _cmd_bench_memagent(args: argparse.Namespace) -> None:
+    from memupdate.bench.memagent import format_memagent_bench, run_memagent_bench
+
+    result = run_memagent_bench(
+        args.hotpotqa, model=args.model, chunks=args.chunks, chunk_size=args.chunk_size, questions=args.questions,
+        memory_tokens=args.memory_tokens, final_tokens=args.final_tokens, work_dir=args.work_dir, output=args.output,
+    )  # fmt: skip
+    sys.stdout.write(format_memagent_bench(result) + "\n")
+
+
 def _pairs(items: Sequence[str], what: str) -> dict[str, str]:
     """``NAME=VALUE`` arguments as a dict."""
     out = {}
@@ -217,6 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--max-tokens", type=int, default=48, help="tokens per assistant turn")
     roll.add_argument("--output", default="results/bench/rollout.json")
     roll.set_defaults(func=_cmd_bench_rollout)
+
+    ma = bench_sub.add_parser("memagent", help="MemAgent evaluation time and peak memory at 1-16 chunks")
+    ma.add_argument("--hotpotqa", default="../shared/data/hotpotqa_dev_distractor_first100.json",
+                     help="a HotpotQA file (the workflow fetches one to results/data/raw/)")  # fmt: skip
+    ma.add_argument("--model", help="model folder (default: a tiny random model built into --work-dir)")
+    ma.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ma.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
+    ma.add_argument("--questions", type=int, default=4)
+    ma.add_argument("--memory-tokens", type=int, default=32)
+    ma.add_argument("--final-tokens", type=int, default=16)
+    ma.add_argument("--work-dir", default="results/bench/memagent")
+    ma.add_argument("--output", default="results/bench/memagent.json")
+    ma.set_defaults(func=_cmd_bench_memagent)
 
     ev = sub.add_parser("eval", help="evaluations and their reports")
     ev_sub = ev.add_subparsers(dest="evaluation", required=True, metavar="EVALUATION")

@@ -297,3 +297,21 @@ def test_tokenizer_is_loaded_from_local_files_and_counts_tokens(tmp_path):
         len(tok(row["context"], add_special_tokens=False).input_ids) for row in rows
     ]
     assert all(row["num_tokens"] <= 200 for row in rows)
+
+
+def test_split_rows_holds_out_the_same_questions_at_every_length(hotpotqa_path, tmp_path):
+    from memupdate.data.hotpotqa import preprocess_hotpotqa, question_part, split_rows
+
+    parts = {}
+    for ndocs in (3, 6):
+        rows = tmp_path / f"rows-{ndocs}.parquet"
+        preprocess_hotpotqa(hotpotqa_path, rows, num_docs=ndocs, limit=20)
+        outputs = {part: tmp_path / f"rows-{ndocs}.{part}.parquet" for part in ("train", "test")}
+        counts = split_rows(rows, outputs, test_percent=20)
+        ids = {p: pq.read_table(f).column("extra_info").combine_chunks().field("id").to_pylist() for p, f in outputs.items()}
+        assert counts == {p: len(v) for p, v in ids.items()} and sum(counts.values()) == 20
+        assert all(question_part(i, 20) == p for p, v in ids.items() for i in v)
+        parts[ndocs] = ids
+    assert parts[3] == parts[6]
+    with pytest.raises(ValueError, match="no test rows"):
+        split_rows(tmp_path / "rows-3.parquet", {"train": tmp_path / "a", "test": tmp_path / "b"}, test_percent=1)

@@ -278,3 +278,32 @@ def test_prepare_writes_nothing_when_validation_fails(run):
 def test_agent_loop_template_defaults_to_single_stage_memory():
     (entry,) = OmegaConf.load(vl.CONFIG_DIR / "agent_loops.yaml")
     assert (entry.name, entry.training_stage, entry.fixed_model) == ("memupdate_agent", "memory", None)
+
+
+LOOP = {"chunk_size": 5000, "max_chunks": 8, "max_memory_tokens": 1024, "max_final_tokens": 256}
+
+
+def test_memagent_config_composes_into_a_v1_grpo_run_over_turn_rows(tmp_path):
+    run_dir = tmp_path / "results" / "exp" / "memagent"
+    argv = vl.prepare_memagent_ppo(
+        model_path=tmp_path, train_files=tmp_path / "train.parquet", val_files=tmp_path / "test.parquet", loop=LOOP,
+        n_gpus_per_node=8, nnodes=2, experiment_dir=run_dir,
+    )  # fmt: skip
+    assert argv[argv.index("--config-name") + 1] == "grpo_memagent"
+    resolved = OmegaConf.load(run_dir / "resolved_config.yaml")
+    # verl's V1 trainer is what takes a list of outputs per trajectory, and only its GRPO path computes
+    # the advantage per trajectory (final rows) and gives it to every turn.
+    assert resolved.trainer.use_v1 is True and resolved.algorithm.adv_estimator == "grpo"
+    assert resolved.algorithm.norm_adv_by_std_in_grpo is False
+    assert resolved.reward.reward_manager.name == "memupdate_memagent"
+    assert resolved.actor_rollout_ref.rollout.prompt_length == 5000 + 1024 + 1024
+    assert resolved.actor_rollout_ref.rollout.response_length == 1024 == resolved.data.max_response_length
+    (entry,) = OmegaConf.load(run_dir / "agent_loops.yaml")
+    assert entry._target_ == "memupdate.agents.memagent.MemAgentLoop" and entry.chunk_size == 5000
+    assert resolved.actor_rollout_ref.rollout.agent.default_agent_loop == entry.name == "memagent"
+
+
+def test_memagent_rejects_an_unknown_loop_setting(tmp_path):
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        vl.memagent_overrides(model_path=tmp_path, train_files=tmp_path, val_files=tmp_path, loop={"chunk_tokens": 5},
+                              n_gpus_per_node=1, nnodes=1, experiment_dir=tmp_path)  # fmt: skip

@@ -596,3 +596,38 @@ def preprocess_hotpotqa(
         output_path,
     )
     return summary
+
+
+def question_part(question_id: str, test_percent: int) -> str:
+    """``"test"`` or ``"train"`` for a question, from a hash of its id alone: a question lands in the same part
+    at every context length and whatever else is in the file, so no test question is ever trained on.
+
+    >>> question_part("5a8b57f25542995d1e6f1371", 20), question_part("5a8b57f25542995d1e6f1371", 100)
+    ('train', 'test')
+    """
+    if not 0 <= test_percent <= 100:
+        raise ValueError(f"test_percent must be within 0-100, got {test_percent!r}")
+    bucket = int(hashlib.sha256(question_id.encode()).hexdigest()[:8], 16) % 100
+    return "test" if bucket < test_percent else "train"
+
+
+def split_rows(rows: str | Path, outputs: dict[str, str | Path], test_percent: int) -> dict[str, int]:
+    """Write the rows of ``rows`` (from :func:`preprocess_hotpotqa`) into ``outputs["train"]`` and
+    ``outputs["test"]`` by :func:`question_part`; returns the row count of each (both must be non-empty)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(rows)
+    ids = table.column("extra_info").combine_chunks().field("id").to_pylist()
+    parts = [question_part(i, test_percent) for i in ids]
+    counts = {}
+    for part in ("train", "test"):
+        keep = pa.array([p == part for p in parts])
+        counts[part] = int(sum(p == part for p in parts))
+        if not counts[part]:
+            raise ValueError(
+                f"{rows}: no {part} rows with test_percent={test_percent} among {len(ids)} questions; "
+                "use more questions (scales.<scale>.hotpotqa_limit) or another test_percent"
+            )
+        write_parquet_atomic(outputs[part], table.filter(keep))
+    logger.info("%s: %d train / %d test questions", rows, counts["train"], counts["test"])
+    return counts

@@ -115,6 +115,44 @@ def train_stage(
     )  # fmt: skip
 
 
+def train_memagent(
+    *, backend: str, settings: Mapping[str, Any], loop: Mapping[str, Any], model: str, train_files: list[str],
+    run_dir: str, verl: Mapping[str, Any] | None = None,
+) -> Path:  # fmt: skip
+    """Train a MemAgent policy (the ``memagent`` loop, ``memupdate_memagent`` reward) and return ``<run_dir>/ckpt``.
+
+    ``loop`` holds the loop's budgets (chunk_size, max_chunks, max_memory_tokens, max_final_tokens);
+    ``settings`` are :class:`~memupdate.training.local.LocalGRPOConfig` keys (local) or verl keys (verl).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "local":
+        from memupdate.training.local import local_config, train_local
+
+        cfg = local_config(
+            dict(settings), model_path=model, train_files=train_files, run_dir=run_dir, agent_name="memagent",
+            agent=dict(loop), reward_manager="memupdate_memagent",
+        )  # fmt: skip
+        train_local(cfg)
+        return Path(run_dir) / "ckpt"
+    from memupdate.training.ray_cluster import cluster_command
+    from memupdate.training.verl_launcher import prepare_memagent_ppo
+
+    nnodes, gpus = slurm_layout()
+    if gpus < 1:
+        raise RuntimeError("the verl backend needs GPUs: run train_memagent through profiles/slurm, or use backend local")
+    argv = prepare_memagent_ppo(
+        model_path=model, train_files=train_files, val_files=(verl or {}).get("val_files") or train_files,
+        loop=loop, n_gpus_per_node=gpus, nnodes=nnodes, experiment_dir=run_dir, extra=dict(settings),
+    )  # fmt: skip
+    command = cluster_command(argv, shared_dir=Path(run_dir) / "ray", num_gpus=gpus)
+    if os.environ.get("SLURM_JOB_ID"):
+        command = ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", *command]
+    logger.info("running %s", " ".join(command))
+    subprocess.run(command, check=True)
+    return export_verl_checkpoint(Path(run_dir), model)
+
+
 def slurm_layout(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
     """``(nnodes, gpus_per_node)`` of the current Slurm allocation (1 node, its visible GPUs outside Slurm)."""
     nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)

@@ -240,8 +240,9 @@ def compose_overrides(
 
 
 def main_ppo_argv(
-    overrides: Sequence[str], *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR
-) -> list[str]:
+    overrides: Sequence[str], *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR,
+    config_name: str = CONFIG_NAME,
+) -> list[str]:  # fmt: skip
     return [
         python,
         "-m",
@@ -249,7 +250,7 @@ def main_ppo_argv(
         "--config-path",
         _abs(config_dir),
         "--config-name",
-        CONFIG_NAME,
+        config_name,
         *overrides,
     ]
 
@@ -434,3 +435,68 @@ def prepare_main_ppo(
     write_resolved_config(run_dir / RESOLVED_CONFIG, config)
     logger.info("verl run prepared in %s (stage %s, %d overrides)", run_dir, stage, len(overrides))
     return main_ppo_argv(overrides, python=python, config_dir=config_dir), _run_env(run)
+
+
+MEMAGENT_CONFIG_NAME = "grpo_memagent"
+MEMAGENT_LOOP_KEYS = ("chunk_size", "max_chunks", "max_memory_tokens", "max_final_tokens")
+
+
+def memagent_overrides(
+    *,
+    model_path: PathLike,
+    train_files: PathLike | Sequence[PathLike],
+    val_files: PathLike | Sequence[PathLike],
+    loop: Mapping[str, Any],
+    n_gpus_per_node: int,
+    nnodes: int,
+    experiment_dir: PathLike,
+    extra: Mapping[str, Any] | Sequence[str] = (),
+) -> list[str]:
+    """Hydra overrides for ``main_ppo --config-name grpo_memagent``: paths, layout, and the turn budgets the
+    loop's ``loop`` settings imply (a turn's prompt holds a chunk and a memory; a reply is at most a memory or
+    the answer), so verl pads to what the loop produces."""
+    unknown = sorted(set(loop) - set(MEMAGENT_LOOP_KEYS))
+    if unknown:
+        raise ValueError(f"unknown MemAgent loop settings {unknown}; known: {list(MEMAGENT_LOOP_KEYS)}")
+    if n_gpus_per_node < 1 or nnodes < 1:
+        raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
+    run_dir = Path(_abs(experiment_dir))
+    overrides = [
+        f"actor_rollout_ref.model.path={hydra_value(_model_path(model_path))}",
+        f"data.train_files={hydra_value(_files(train_files))}",
+        f"data.val_files={hydra_value(_files(val_files))}",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={hydra_value(run_dir / AGENT_LOOPS_FILE)}",
+        f"trainer.n_gpus_per_node={int(n_gpus_per_node)}",
+        f"trainer.nnodes={int(nnodes)}",
+        f"trainer.experiment_name={hydra_value('-'.join(run_dir.parts[-2:]))}",
+        f"trainer.default_local_dir={hydra_value(run_dir / CHECKPOINT_DIR)}",
+        f"trainer.validation_data_dir={hydra_value(run_dir / VALIDATION_DIR)}",
+        f"hydra.run.dir={hydra_value(run_dir / HYDRA_DIR)}",
+    ]
+    if loop:
+        reply = max(int(loop.get("max_memory_tokens", 1024)), int(loop.get("max_final_tokens", 256)))
+        # The template and question take well under 1024 tokens.
+        turn = int(loop.get("chunk_size", 5000)) + int(loop.get("max_memory_tokens", 1024)) + 1024
+        overrides += [f"actor_rollout_ref.rollout.response_length={reply}", f"data.max_response_length={reply}",
+                      f"actor_rollout_ref.rollout.prompt_length={turn}"]  # fmt: skip
+    if isinstance(extra, Mapping):
+        overrides += [f"{key}={hydra_value(value)}" for key, value in extra.items()]
+    else:
+        overrides += list(extra)
+    return overrides
+
+
+def prepare_memagent_ppo(
+    *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, loop: Mapping[str, Any], **run: Any
+) -> list[str]:
+    """Compose and validate ``grpo_memagent`` with :func:`memagent_overrides`, write the run's
+    ``agent_loops.yaml`` (the ``memagent`` loop with ``loop``'s budgets) and ``resolved_config.yaml``, and
+    return ``main_ppo``'s argv. Nothing is written when validation fails."""
+    overrides = memagent_overrides(loop=loop, **run)
+    config = validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides)
+    run_dir = Path(_abs(run["experiment_dir"]))
+    entry = {"name": "memagent", "_target_": "memupdate.agents.memagent.MemAgentLoop", **dict(loop)}
+    header = f"# Written for this run by {__name__}.\n"
+    write_text_atomic(run_dir / AGENT_LOOPS_FILE, header + OmegaConf.to_yaml([entry]))
+    write_resolved_config(run_dir / RESOLVED_CONFIG, config)
+    return main_ppo_argv(overrides, python=python, config_dir=config_dir, config_name=MEMAGENT_CONFIG_NAME)

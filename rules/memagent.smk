@@ -1,0 +1,48 @@
+# MemAgent: one policy trained with trajectory-level GRPO to read HotpotQA haystacks chunk by chunk, then
+# evaluated against its base model on held-out questions at every haystack length.
+
+
+rule train_memagent:
+    input:
+        unpack(get_memagent_train_inputs),
+    output:
+        ckpt=directory("results/{exp}/memagent/ckpt"),
+    log:
+        "logs/train_memagent/{exp}.log",
+    benchmark:
+        "benchmarks/train_memagent/{exp}.tsv"
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    threads: 2
+    resources:
+        runtime=120,
+        mem_mb=8000,
+    params:
+        backend=get_backend,
+        settings=get_memagent_train_settings,
+        loop=get_memagent_loop,
+        run_dir=get_memagent_run_dir,
+    script:
+        "../workflow/scripts/train_memagent.py"
+
+
+rule eval_memagent:
+    input:
+        unpack(get_memagent_eval_inputs),
+    output:
+        report="results/{exp}/memagent_eval/report.json",
+    log:
+        "logs/eval_memagent/{exp}.log",
+    benchmark:
+        "benchmarks/eval_memagent/{exp}.tsv"
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    threads: 2
+    resources:
+        runtime=120,
+        mem_mb=8000,
+    params:
+        settings=get_memagent_eval_settings,
+        out_dir=get_memagent_eval_dir,
+    script:
+        "../workflow/scripts/eval_memagent.py"

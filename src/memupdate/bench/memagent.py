@@ -1,0 +1,159 @@
+"""``memupdate bench memagent``: MemAgent evaluation's cost against context length.
+
+The same model evaluates the same questions with contexts of 1, 2, 4, 8 and 16 chunks (each context is
+longer than 16 chunks and centre-truncated to exactly ``k``). Each length runs in its own process, so its
+peak resident memory is its own. The recurrent memory keeps every turn's prompt bounded, so wall time
+should grow linearly with the number of chunks and peak memory should not grow at all.
+
+Targets: a linear fit of time against chunks with R^2 >= 0.98; peak memory within 10% across lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memupdate.bench.report import format_table, save_report
+
+logger = logging.getLogger(__name__)
+
+TARGETS = {"r2": 0.98, "peak_memory_spread": 0.10}
+#: A model every machine can build offline: tiny random Qwen2 weights with heads vLLM's CPU kernels take.
+DEFAULT_MODEL = {"kind": "tiny_random", "seed": 0, "hidden_size": 128, "heads": 2, "kv_heads": 2}
+
+
+def linear_fit(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
+    """Least-squares line through (x, y) and its R^2.
+
+    >>> linear_fit([1, 2, 4], [3, 5, 9])
+    {'slope': 2.0, 'intercept': 1.0, 'r2': 1.0}
+    """
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = float(((y - (slope * x + intercept)) ** 2).sum())
+    total = float(((y - y.mean()) ** 2).sum())
+    return {"slope": round(float(slope), 6), "intercept": round(float(intercept), 6),
+            "r2": round(1.0 - residual / total if total else 1.0, 6)}  # fmt: skip
+
+
+def _one_length(args: argparse.Namespace) -> None:
+    """Child process: evaluate ``args.rows`` with at most ``args.chunks`` chunks; print a JSON line."""
+    from memupdate.eval.memagent import MemAgentEvalSettings, MemAgentEvaluator
+
+    settings = MemAgentEvalSettings(
+        chunk_size=args.chunk_size, max_chunks=args.chunks, max_memory_tokens=args.memory_tokens,
+        max_final_tokens=args.final_tokens, prompt_length=args.prompt_length, batch_size=args.batch_size,
+    )  # fmt: skip
+    evaluator = MemAgentEvaluator(args.model, settings, Path(args.work) / f"chunks-{args.chunks}")
+    if args.warmup:  # the first requests pay one-off costs (allocator growth, lazy imports)
+        evaluator.evaluate(args.rows, label="warm-up")
+    start = time.perf_counter()
+    summary = evaluator.evaluate(args.rows, label=f"{args.chunks} chunks")
+    seconds = time.perf_counter() - start
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    sys.stdout.write(json.dumps({"chunks": args.chunks, "seconds": round(seconds, 4), "peak_rss_mb": round(peak_mb, 1),
+                                 "generated_tokens": evaluator.server.generated_tokens, **summary}) + "\n")  # fmt: skip
+
+
+def run_memagent_bench(
+    hotpotqa: str | Path,
+    *,
+    model: str | Path | None = None,
+    chunks: Sequence[int] = (1, 2, 4, 8, 16),
+    chunk_size: int = 256,
+    questions: int = 4,
+    memory_tokens: int = 32,
+    final_tokens: int = 16,
+    work_dir: str | Path = "results/bench/memagent",
+    output: str | None = "results/bench/memagent.json",
+) -> dict[str, Any]:
+    """Run every length in a child process and fit time and memory against chunks."""
+    from memupdate.data.hotpotqa import load_hotpotqa, load_token_counter, preprocess_hotpotqa
+    from memupdate.models.prepare import prepare_model
+
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    if model is None:
+        model = work / "model"
+        if not (model / "config.json").exists():
+            prepare_model(DEFAULT_MODEL, model)
+    # Contexts longer than the longest length, so every length is exactly `k` chunks after truncation.
+    need = int(max(chunks) * chunk_size * 1.2)
+    rows = work / f"rows-{need}.parquet"
+    if not rows.exists():
+        preprocess_hotpotqa(hotpotqa, rows, max_tokens=need, limit=questions, tokenizer=str(model))
+    logger.info("%d questions from %s (%d in the file)", questions, hotpotqa, len(load_hotpotqa(hotpotqa)))
+    shortest = min(map(load_token_counter(str(model)), _contexts(rows)))
+    if shortest < max(chunks) * chunk_size:
+        raise ValueError(f"{rows}: a context has only {shortest} tokens, fewer than {max(chunks)} chunks of {chunk_size}")
+    prompt_length = chunk_size + memory_tokens + 512  # the template, the question and the cut marker
+    results = []
+    for k in chunks:
+        argv = [sys.executable, "-m", "memupdate.bench.memagent", "--model", str(model), "--rows", str(rows),
+                "--chunks", str(k), "--chunk-size", str(chunk_size), "--memory-tokens", str(memory_tokens),
+                "--final-tokens", str(final_tokens), "--prompt-length", str(prompt_length), "--work", str(work),
+                "--batch-size", str(questions), "--warmup"]  # fmt: skip
+        logger.info("memagent bench: %d chunks", k)
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"memagent bench at {k} chunks failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        if result["chunks"] != k:
+            raise RuntimeError(f"asked for {k} chunks per question, the loop read {result['chunks']}")
+        results.append(result)
+    fit = linear_fit([r["chunks"] for r in results], [r["seconds"] for r in results])
+    peaks = [r["peak_rss_mb"] for r in results]
+    spread = (max(peaks) - min(peaks)) / min(peaks)
+    report = {
+        "model": str(model), "questions": questions, "chunk_size": chunk_size, "memory_tokens": memory_tokens,
+        "final_tokens": final_tokens, "lengths": results, "time_fit": fit,
+        "peak_memory_spread": round(spread, 4), "targets": TARGETS,
+        "pass": {"r2": fit["r2"] >= TARGETS["r2"], "peak_memory_spread": spread <= TARGETS["peak_memory_spread"]},
+    }  # fmt: skip
+    save_report(report, output)
+    return report
+
+
+def _contexts(rows: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(rows, columns=["context"]).column("context").to_pylist()
+
+
+def format_memagent_bench(report: dict[str, Any]) -> str:
+    rows = [[r["chunks"], r["chunks"] * report["chunk_size"], r["seconds"], r["seconds"] / report["questions"],
+             r["peak_rss_mb"], r["generated_tokens"]] for r in report["lengths"]]  # fmt: skip
+    table = format_table(rows, ["chunks", "tokens read", "eval s", "s / question", "peak RSS MB", "tokens out"])
+    fit = report["time_fit"]
+    return (
+        f"{table}\n\ntime = {fit['slope']:.3f} s/chunk x chunks + {fit['intercept']:.3f} s; R^2 = {fit['r2']:.4f} "
+        f"(target >= {TARGETS['r2']}: {'pass' if report['pass']['r2'] else 'FAIL'})\n"
+        f"peak memory spread {100 * report['peak_memory_spread']:.1f}% "
+        f"(target <= {100 * TARGETS['peak_memory_spread']:.0f}%: {'pass' if report['pass']['peak_memory_spread'] else 'FAIL'})"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one length of `memupdate bench memagent` (a child process)")
+    for name in ("--model", "--rows", "--work"):
+        parser.add_argument(name, required=True)
+    for name in ("--chunks", "--chunk-size", "--memory-tokens", "--final-tokens", "--prompt-length", "--batch-size"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--warmup", action="store_true", help="evaluate once before the timed run")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _one_length(args)
+
+
+if __name__ == "__main__":
+    main()
