@@ -12,9 +12,12 @@ def test_rollout_bench_measures_loop_and_raw_throughput(locomo_rows, cache_dir, 
     out = tmp_path / "rollout.json"
     result = run_rollout_bench(
         str(locomo_rows["train"]), str(locomo_rows["memories"]), str(cache_dir),
-        work_dir=str(tmp_path / "work"), prompts=1, n=2, max_tokens=16, output=str(out),
+        work_dir=str(tmp_path / "work"), prompts=1, n=2, max_tokens=16, repeats=2, output=str(out),
     )
     assert json.loads(out.read_text()) == result
     assert result["episodes"] == 2 and result["requests"] >= 2 and result["generated_tokens"] > 0
     assert result["agent_loop_seconds"] > 0 and result["raw_seconds"] > 0 and result["ratio"] > 0
+    # Each round pairs one loop step with the replay of exactly its requests.
+    assert len(result["rounds"]) == 2 == len(result["ratio_per_round"])
+    assert all(r["requests"] >= 2 and r["loop_seconds"] > 0 and r["raw_seconds"] > 0 for r in result["rounds"])
     assert "ratio (target >= 0.8)" in format_rollout_bench(result)

@@ -7,13 +7,14 @@ to the server's raw throughput for the same work.
 2. The same requests are replayed straight to the server (same prompts, same number of tokens with
    ``ignore_eos``, same concurrency), with no loop, tools or reward: the raw limit.
 3. ratio = loop tokens/s / raw tokens/s (target >= 0.8): what the loop's tokenisation, tool calls and
-   reward cost on top of generation.
+   reward cost on top of generation. Steps 1 and 2 alternate for ``repeats`` rounds; rates are medians.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -46,20 +47,6 @@ class RecordingClient:
         return out
 
 
-async def _agent_loop(config, client: RecordingClient, train_file: str, prompts: int, n: int) -> float:
-    worker = in_process_workers(config, client)
-    dataset = RLHFDataset([train_file], worker.tokenizer, config.data, max_samples=prompts)
-    batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
-    batch = batch.repeat(repeat_times=n, interleave=True)
-    # Warm-up batch: loading the embedding model, base stores and caches happens once per worker, not
-    # per step, so it is left out of the steady-state measurement.
-    await worker.generate_sequences(batch)
-    client.calls.clear()
-    start = time.perf_counter()
-    await worker.generate_sequences(batch)
-    return time.perf_counter() - start
-
-
 async def _replay(client: VLLMTokenClient, calls: list[tuple[list[int], int]], concurrency: int) -> float:
     semaphore = asyncio.Semaphore(concurrency)
 
@@ -73,6 +60,34 @@ async def _replay(client: VLLMTokenClient, calls: list[tuple[list[int], int]], c
     return time.perf_counter() - start
 
 
+async def _measure(config, recorder: RecordingClient, client: VLLMTokenClient, train_file: str, prompts: int,
+                   n: int, repeats: int) -> list[dict[str, float]]:
+    """``repeats`` rounds of (one agent-loop step, then the same requests replayed raw), after a warm-up step.
+
+    The two measurements alternate so both see the same machine state: on a shared 2-core machine a
+    single sub-second sample of either swings by +-50%, which one round would turn into the ratio.
+    """
+    worker = in_process_workers(config, recorder)
+    dataset = RLHFDataset([train_file], worker.tokenizer, config.data, max_samples=prompts)
+    batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
+    batch = batch.repeat(repeat_times=n, interleave=True)
+    # Warm-up step: loading the embedding model, base stores and caches happens once per worker, not
+    # per step, so it is left out of the steady-state measurement.
+    await worker.generate_sequences(batch)
+    rounds = []
+    for _ in range(repeats):
+        recorder.calls.clear()
+        start = time.perf_counter()
+        await worker.generate_sequences(batch)
+        loop_seconds = time.perf_counter() - start
+        calls = list(recorder.calls)
+        raw_seconds = await _replay(client, calls, concurrency=prompts * n)
+        rounds.append({"loop_seconds": loop_seconds, "raw_seconds": raw_seconds, "requests": len(calls),
+                       "generated_tokens": sum(t for _, t in calls),
+                       "prompt_tokens": sum(len(p) for p, _ in calls)})  # fmt: skip
+    return rounds
+
+
 def run_rollout_bench(
     train_file: str,
     memories: str,
@@ -83,6 +98,7 @@ def run_rollout_bench(
     n: int = 4,
     max_tokens: int = 48,
     max_assistant_turns: int = 3,
+    repeats: int = 5,
     output: str | None = None,
 ) -> dict[str, Any]:
     work = Path(work_dir)
@@ -97,23 +113,27 @@ def run_rollout_bench(
                            max_model_len=LOOP_MAX_MODEL_LEN, log_path=work / "server.log") as server:
         startup = server.wait_until_ready(timeout_s=600)
         client = VLLMTokenClient(Endpoint(server.base_url, "bench"), max_tokens=max_tokens)
-        recorder = RecordingClient(client)
-        loop_seconds = asyncio.run(_agent_loop(config, recorder, train_file, prompts, n))
-        raw_seconds = asyncio.run(_replay(client, recorder.calls, concurrency=prompts * n))
-    tokens = sum(t for _, t in recorder.calls)
+        rounds = asyncio.run(_measure(config, RecordingClient(client), client, train_file, prompts, n, repeats))
+    # Medians of each round's rates: a round's rate pairs its own tokens with its own seconds.
+    loop_rate = statistics.median(r["generated_tokens"] / r["loop_seconds"] for r in rounds)
+    raw_rate = statistics.median(r["generated_tokens"] / r["raw_seconds"] for r in rounds)
+    loop_seconds = statistics.median(r["loop_seconds"] for r in rounds)
     result = {
         "episodes": prompts * n,
-        "requests": len(recorder.calls),
-        "generated_tokens": tokens,
-        "prompt_tokens": sum(len(p) for p, _ in recorder.calls),
+        "repeats": repeats,
+        "requests": statistics.median(r["requests"] for r in rounds),
+        "generated_tokens": statistics.median(r["generated_tokens"] for r in rounds),
+        "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rounds),
         "server_startup_seconds": round(startup, 1),
         "agent_loop_seconds": round(loop_seconds, 3),
-        "raw_seconds": round(raw_seconds, 3),
+        "raw_seconds": round(statistics.median(r["raw_seconds"] for r in rounds), 3),
         "episodes_per_second": round(prompts * n / loop_seconds, 3),
-        "agent_loop_tokens_per_second": round(tokens / loop_seconds, 1),
-        "raw_tokens_per_second": round(tokens / raw_seconds, 1),
-        "ratio": round(raw_seconds / loop_seconds, 3),
+        "agent_loop_tokens_per_second": round(loop_rate, 1),
+        "raw_tokens_per_second": round(raw_rate, 1),
+        "ratio": round(loop_rate / raw_rate, 3),
+        "ratio_per_round": [round(r["raw_seconds"] / r["loop_seconds"], 3) for r in rounds],
         "target_ratio": 0.8,
+        "rounds": rounds,
     }
     save_report(result, output)
     return result
@@ -125,5 +145,6 @@ def format_rollout_bench(r: dict[str, Any]) -> str:
         ["raw server, same requests", "-", f"{r['raw_tokens_per_second']} tok/s"],
         ["ratio (target >= 0.8)", "-", str(r["ratio"])],
     ]
-    context = f"{r['episodes']} episodes, {r['requests']} requests, {r['generated_tokens']} generated tokens"
+    context = (f"{r['episodes']} episodes, {r['requests']} requests, {r['generated_tokens']} generated tokens per round; "
+               f"medians of {r['repeats']} rounds (ratio per round: {r['ratio_per_round']})")  # fmt: skip
     return format_table(rows, ["measure", "episodes", "tokens"]) + f"\n\n{context}"
