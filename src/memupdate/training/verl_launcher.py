@@ -182,6 +182,29 @@ def tool_env(
     }
 
 
+def run_overrides(
+    model_path: PathLike, train_files: PathLike | Sequence[PathLike], val_files: PathLike | Sequence[PathLike],
+    n_gpus_per_node: int, nnodes: int, experiment_dir: PathLike,
+) -> list[str]:  # fmt: skip
+    """The overrides every run has: model, data, layout, and where the run's files go (all absolute, since
+    Ray workers on other nodes do not share the driver's working directory)."""
+    run_dir = Path(_abs(experiment_dir))
+    return [
+        f"actor_rollout_ref.model.path={hydra_value(_model_path(model_path))}",
+        f"data.train_files={hydra_value(_files(train_files))}",
+        f"data.val_files={hydra_value(_files(val_files))}",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={hydra_value(run_dir / AGENT_LOOPS_FILE)}",
+        f"trainer.n_gpus_per_node={int(n_gpus_per_node)}",
+        f"trainer.nnodes={int(nnodes)}",
+        # "<experiment>-<stage dir>": tells runs apart in trackers and rollout traces.
+        f"trainer.experiment_name={hydra_value('-'.join(run_dir.parts[-2:]))}",
+        f"trainer.default_local_dir={hydra_value(run_dir / CHECKPOINT_DIR)}",
+        f"trainer.validation_data_dir={hydra_value(run_dir / VALIDATION_DIR)}",
+        # main_ppo is a @hydra.main app; without this it writes outputs/<date>/ into the working dir.
+        f"hydra.run.dir={hydra_value(run_dir / HYDRA_DIR)}",
+    ]
+
+
 def compose_overrides(
     stage: str,
     *,
@@ -211,22 +234,8 @@ def compose_overrides(
     _fixed_model(stage, fixed_model_endpoint)
     if n_gpus_per_node < 1 or nnodes < 1:
         raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
-    run_dir = Path(_abs(experiment_dir))
-    overrides = [
-        f"actor_rollout_ref.model.path={hydra_value(_model_path(model_path))}",
-        f"data.train_files={hydra_value(_files(train_files))}",
-        f"data.val_files={hydra_value(_files(val_files))}",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={hydra_value(_abs(tool_config))}",
-        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={hydra_value(run_dir / AGENT_LOOPS_FILE)}",
-        f"trainer.n_gpus_per_node={int(n_gpus_per_node)}",
-        f"trainer.nnodes={int(nnodes)}",
-        # "<experiment>-<stage dir>": tells runs apart in trackers and rollout traces.
-        f"trainer.experiment_name={hydra_value('-'.join(run_dir.parts[-2:]))}",
-        f"trainer.default_local_dir={hydra_value(run_dir / CHECKPOINT_DIR)}",
-        f"trainer.validation_data_dir={hydra_value(run_dir / VALIDATION_DIR)}",
-        # main_ppo is a @hydra.main app; without this it writes outputs/<date>/ into the working dir.
-        f"hydra.run.dir={hydra_value(run_dir / HYDRA_DIR)}",
-    ]
+    overrides = run_overrides(model_path, train_files, val_files, n_gpus_per_node, nnodes, experiment_dir)
+    overrides.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path={hydra_value(_abs(tool_config))}")
     # The reward settings are our manager's own namespace, not verl's schema, so they are added or
     # replaced (++) leaf by leaf; the manager rejects an unknown setting when it starts.
     overrides += [f"++{key}={hydra_value(value)}" for key, value in _flatten(REWARD_KWARGS, reward or {})]
@@ -460,19 +469,7 @@ def memagent_overrides(
         raise ValueError(f"unknown MemAgent loop settings {unknown}; known: {list(MEMAGENT_LOOP_KEYS)}")
     if n_gpus_per_node < 1 or nnodes < 1:
         raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
-    run_dir = Path(_abs(experiment_dir))
-    overrides = [
-        f"actor_rollout_ref.model.path={hydra_value(_model_path(model_path))}",
-        f"data.train_files={hydra_value(_files(train_files))}",
-        f"data.val_files={hydra_value(_files(val_files))}",
-        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={hydra_value(run_dir / AGENT_LOOPS_FILE)}",
-        f"trainer.n_gpus_per_node={int(n_gpus_per_node)}",
-        f"trainer.nnodes={int(nnodes)}",
-        f"trainer.experiment_name={hydra_value('-'.join(run_dir.parts[-2:]))}",
-        f"trainer.default_local_dir={hydra_value(run_dir / CHECKPOINT_DIR)}",
-        f"trainer.validation_data_dir={hydra_value(run_dir / VALIDATION_DIR)}",
-        f"hydra.run.dir={hydra_value(run_dir / HYDRA_DIR)}",
-    ]
+    overrides = run_overrides(model_path, train_files, val_files, n_gpus_per_node, nnodes, experiment_dir)
     if loop:
         reply = max(int(loop.get("max_memory_tokens", 1024)), int(loop.get("max_final_tokens", 256)))
         # The template and question take well under 1024 tokens.
