@@ -78,7 +78,9 @@ def run_memagent_bench(
     output: str | None = "results/bench/memagent.json",
 ) -> dict[str, Any]:
     """Run every length in a child process and fit time and memory against chunks."""
-    from memupdate.data.hotpotqa import load_hotpotqa, load_token_counter, preprocess_hotpotqa
+    import pyarrow.parquet as pq
+
+    from memupdate.data.hotpotqa import preprocess_hotpotqa
     from memupdate.models.prepare import prepare_model
 
     work = Path(work_dir)
@@ -92,8 +94,8 @@ def run_memagent_bench(
     rows = work / f"rows-{need}.parquet"
     if not rows.exists():
         preprocess_hotpotqa(hotpotqa, rows, max_tokens=need, limit=questions, tokenizer=str(model))
-    logger.info("%d questions from %s (%d in the file)", questions, hotpotqa, len(load_hotpotqa(hotpotqa)))
-    shortest = min(map(load_token_counter(str(model)), _contexts(rows)))
+    # preprocess_hotpotqa counted each context with the model's own tokenizer, as the loop does.
+    shortest = min(pq.read_table(rows, columns=["num_tokens"]).column("num_tokens").to_pylist())
     if shortest < max(chunks) * chunk_size:
         raise ValueError(f"{rows}: a context has only {shortest} tokens, fewer than {max(chunks)} chunks of {chunk_size}")
     prompt_length = chunk_size + memory_tokens + 512  # the template, the question and the cut marker
@@ -122,12 +124,6 @@ def run_memagent_bench(
     }  # fmt: skip
     save_report(report, output)
     return report
-
-
-def _contexts(rows: Path) -> list[str]:
-    import pyarrow.parquet as pq
-
-    return pq.read_table(rows, columns=["context"]).column("context").to_pylist()
 
 
 def format_memagent_bench(report: dict[str, Any]) -> str:

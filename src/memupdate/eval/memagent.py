@@ -1,6 +1,6 @@
 """MemAgent evaluation: the trained loop (same prompts as training) on held-out HotpotQA rows, greedy.
 
-:func:`evaluate_memagent` runs one model on one row file and writes a prediction per question (the reply,
+:meth:`MemAgentEvaluator.evaluate` runs one model on one row file and writes a prediction per question (the reply,
 its boxed answer, EM / sub-EM / F1, chunks read, seconds); :func:`memagent_length_curve` does it for the
 same questions at several context lengths and models, and plots accuracy against context length, the
 curve MemAgent is known for. Generation is in-process (Hugging Face, one request at a time): the

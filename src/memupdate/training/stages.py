@@ -135,22 +135,14 @@ def train_memagent(
         )  # fmt: skip
         train_local(cfg)
         return Path(run_dir) / "ckpt"
-    from memupdate.training.ray_cluster import cluster_command
     from memupdate.training.verl_launcher import prepare_memagent_ppo
 
-    nnodes, gpus = slurm_layout()
-    if gpus < 1:
-        raise RuntimeError("the verl backend needs GPUs: run train_memagent through profiles/slurm, or use backend local")
+    nnodes, gpus = verl_layout()
     argv = prepare_memagent_ppo(
         model_path=model, train_files=train_files, val_files=(verl or {}).get("val_files") or train_files,
         loop=loop, n_gpus_per_node=gpus, nnodes=nnodes, experiment_dir=run_dir, extra=dict(settings),
     )  # fmt: skip
-    command = cluster_command(argv, shared_dir=Path(run_dir) / "ray", num_gpus=gpus)
-    if os.environ.get("SLURM_JOB_ID"):
-        command = ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", *command]
-    logger.info("running %s", " ".join(command))
-    subprocess.run(command, check=True)
-    return export_verl_checkpoint(Path(run_dir), model)
+    return run_verl(allocation_command(argv, run_dir, nnodes, gpus), {}, run_dir, model)
 
 
 def slurm_layout(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
@@ -171,33 +163,52 @@ def verl_commands(
     """The command that starts Ray on every node of the allocation and runs ``main_ppo`` on the head,
     and its environment. ``settings`` are verl config keys (``trainer.total_training_steps: 100``);
     ``verl`` holds ``val_files`` and launcher options."""
-    from memupdate.training.ray_cluster import cluster_command
     from memupdate.training.verl_launcher import prepare_main_ppo
 
-    nnodes, gpus = slurm_layout(env)
-    if gpus < 1:
-        raise RuntimeError(
-            "the verl backend needs GPUs: run the training rule through profiles/slurm (it asks for "
-            "gres=gpu:G on every node), or set the experiment's backend to local"
-        )
+    nnodes, gpus = verl_layout(env)
     argv, run_env = prepare_main_ppo(
         training_stage, model_path=model, train_files=train_files, val_files=verl.get("val_files") or train_files,
         tool_config=tool_config, memories=memories, embeddings=embeddings, n_gpus_per_node=gpus, nnodes=nnodes,
         experiment_dir=run_dir, fixed_model_endpoint=fixed, embedding_model=embedding_model, reward=reward,
         extra=dict(settings),
     )  # fmt: skip
+    return allocation_command(argv, run_dir, nnodes, gpus, env), run_env
+
+
+def verl_layout(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """:func:`slurm_layout`, refusing an allocation without GPUs (the verl backend needs them)."""
+    nnodes, gpus = slurm_layout(env)
+    if gpus < 1:
+        raise RuntimeError(
+            "the verl backend needs GPUs: run the training rule through profiles/slurm (it asks for "
+            "gres=gpu:G on every node), or set the experiment's backend to local"
+        )
+    return nnodes, gpus
+
+
+def allocation_command(
+    argv: list[str], run_dir: str, nnodes: int, gpus: int, env: Mapping[str, str] = os.environ
+) -> list[str]:
+    """``argv`` (main_ppo) wrapped to start Ray on every node of the allocation and run on the head."""
+    from memupdate.training.ray_cluster import cluster_command
+
     command = cluster_command(argv, shared_dir=Path(run_dir) / "ray", num_gpus=gpus)
     if env.get("SLURM_JOB_ID"):
         # One task per node (the rule asks for tasks=nnodes); each starts its Ray node, rank 0 the trainer.
         command = ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", *command]
-    return command, run_env
+    return command
+
+
+def run_verl(command: list[str], run_env: Mapping[str, str], run_dir: str, model: str) -> Path:
+    """Run a verl training command to its end and export its last checkpoint to ``<run_dir>/ckpt``."""
+    logger.info("running %s", " ".join(command))
+    subprocess.run(command, env={**os.environ, **run_env}, check=True)
+    return export_verl_checkpoint(Path(run_dir), model)
 
 
 def train_verl(*, run_dir: str, model: str, **kwargs: Any) -> Path:
     command, run_env = verl_commands(run_dir=run_dir, model=model, **kwargs)
-    logger.info("running %s", " ".join(command))
-    subprocess.run(command, env={**os.environ, **run_env}, check=True)
-    return export_verl_checkpoint(Path(run_dir), model)
+    return run_verl(command, run_env, run_dir, model)
 
 
 def export_verl_checkpoint(run_dir: Path, base_model: str) -> Path:
