@@ -35,11 +35,18 @@ def jobs_since(start: float, prefix: str) -> list[dict[str, str]]:
     return [r for r in rows if r["JobName"].startswith(prefix)]
 
 
+def default_sigint() -> None:
+    """Give a child SIGINT back at its default. A process started in the background by a non-interactive
+    shell (``nohup pytest ... &``, some CI runners) inherits SIGINT *ignored*; Python then installs no
+    KeyboardInterrupt handler, and Snakemake would sleep through the interrupt these tests send."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def snakemake(workdir, *args, timeout=1500):
     # SIGINT, not TERM, on timeout: it makes the plugin cancel its jobs (TERM can leave them, and hang).
     return subprocess.run(
         ["timeout", "-s", "INT", "-k", "60", str(timeout), SNAKEMAKE, *args],
-        cwd=workdir, capture_output=True, text=True,
+        cwd=workdir, capture_output=True, text=True, preexec_fn=default_sigint,
     )  # fmt: skip
 
 
@@ -162,10 +169,11 @@ def test_impossible_request_fails_at_submission_with_slurms_message(slurm_cluste
 
 def test_sigint_cancels_the_runs_slurm_jobs(slurm_cluster, failures_workdir, run_name):
     start = time.time()
+    # faulthandler: if Snakemake hangs after SIGINT, SIGABRT makes it print every thread's stack.
     proc = subprocess.Popen(
         [SNAKEMAKE, "--profile", "profiles/slurm", "out/sleeper.txt", "--slurm-init-seconds-before-status-checks",
          "2", "--slurm-jobname-prefix", run_name], cwd=failures_workdir, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"}, preexec_fn=default_sigint,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
@@ -176,7 +184,12 @@ def test_sigint_cancels_the_runs_slurm_jobs(slurm_cluster, failures_workdir, run
             time.sleep(1)
         assert running, "the sleeper job never started"
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            output, _ = proc.communicate(timeout=30)
+            pytest.fail(f"Snakemake still running 120 s after SIGINT; its log and stacks:\n{output[-8000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
