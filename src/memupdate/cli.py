@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--prompts", type=int, default=4)
     roll.add_argument("--n", type=int, default=4, help="rollouts per prompt")
     roll.add_argument("--max-tokens", type=int, default=48, help="tokens per assistant turn")
-    roll.add_argument("--repeats", type=int, default=5, help="rounds of loop step + raw replay (medians reported)")
+    roll.add_argument("--repeats", type=int, default=15, help="rounds of loop step + raw replay (medians reported)")
     roll.add_argument("--output", default="results/bench/rollout.json")
     roll.set_defaults(func=_cmd_bench_rollout)
 

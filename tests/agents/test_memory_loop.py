@@ -105,3 +105,40 @@ def test_fixed_model_from_agent_loops_yaml_becomes_a_vllm_token_client():
         fixed_client({"base_url": "http://127.0.0.1:8011/v1", "model": ""}, 64)
     with pytest.raises(ValueError, match="fixed_model must be an endpoint"):
         fixed_client("qa-model", 64)
+
+
+def test_prompt_ids_are_built_once_per_prompt_and_equal_the_builders(setup, monkeypatch):
+    from memupdate.agents import memory_loop
+
+    config, tokenizer, dataset, tools, policy, fixed = setup
+    monkeypatch.setattr(memory_loop, "_PROMPT_IDS", memory_loop.OrderedDict())
+    built = []
+    original = memory_loop.ToolAgentLoop.ct_build_initial_tokens
+
+    async def counting(self, *args, **kwargs):
+        ids = await original(self, *args, **kwargs)
+        built.append(list(ids))
+        return ids
+
+    monkeypatch.setattr(memory_loop.ToolAgentLoop, "ct_build_initial_tokens", counting)
+
+    async def main():
+        loops = [
+            MemoryUpdateAgentLoop(
+                trainer_config=DictConfigWrap(config), server_manager=policy, tokenizer=tokenizer, processor=None,
+                dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data), tools=ToolListWrap(tools),
+            )  # fmt: skip
+            for _ in range(3)
+        ]
+        messages = list(dataset[0]["raw_prompt"])
+        schemas = loops[0].tool_schemas
+        first = await loops[0].ct_build_initial_tokens(messages, tools=schemas)
+        first.append(-1)  # the caller owns its list: the cache must not change with it
+        again = [await loop.ct_build_initial_tokens(messages, tools=schemas) for loop in loops[1:]]
+        other = await loops[0].ct_build_initial_tokens(list(dataset[1]["raw_prompt"]), tools=schemas)
+        return first, again, other
+
+    first, again, other = asyncio.run(main())
+    assert len(built) == 2  # the first prompt once, the second once
+    assert again == [built[0], built[0]] and first[:-1] == built[0]
+    assert other == built[1] != built[0]

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +48,12 @@ QA_PROMPT = (
     "The memory database is final. Using only the memories below, answer the question in a few words.\n\n"
     "Memories:\n{memories}\n\nQuestion: {question}"
 )
+
+# Initial prompt ids by (template, messages, tools): a GRPO batch holds every prompt n times, and
+# rendering the chat template with six tool schemas and tokenising ~2k tokens is the loop's largest
+# per-episode CPU cost, on the event loop's executor while other episodes wait. Bounded; oldest out first.
+_PROMPT_IDS: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+PROMPT_CACHE_SIZE = 1024
 
 # Deterministic request ids: a prefix the local backend resets each step, and a per-process counter.
 _ids = {"prefix": "", "counter": itertools.count()}
@@ -163,6 +171,23 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         output.extra_fields[STAGE_KEY] = self.training_stage
         output.extra_fields.setdefault(ANSWER_KEY, None)
         return output
+
+    async def ct_build_initial_tokens(self, messages, tools=None, images=None, videos=None, audios=None, mm_inputs_out=None):
+        if images or videos or audios:
+            return await super().ct_build_initial_tokens(messages, tools, images, videos, audios, mm_inputs_out)
+        key = hashlib.sha256(json.dumps(
+            [getattr(self.tokenizer, "name_or_path", ""), getattr(self.tokenizer, "chat_template", None),
+             type(self.continuous_token_builder).__name__, self.apply_chat_template_kwargs,
+             self.rollout_config.prompt_length, messages, tools],
+            sort_keys=True, default=str,
+        ).encode()).hexdigest()  # fmt: skip
+        ids = _PROMPT_IDS.get(key)
+        if ids is None:
+            ids = tuple(await super().ct_build_initial_tokens(messages, tools, mm_inputs_out=mm_inputs_out))
+            _PROMPT_IDS[key] = ids
+            if len(_PROMPT_IDS) > PROMPT_CACHE_SIZE:
+                _PROMPT_IDS.popitem(last=False)
+        return list(ids)
 
     def _export_and_release(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         if self._namespace is None:

@@ -32,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -245,6 +247,19 @@ def error_lines(path: str | os.PathLike, limit: int = 5) -> str:
 
 _ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): .*")
 
+#: Environment that makes vLLM expose its development endpoints (``/collective_rpc``,
+#: ``/reset_prefix_cache``), which :meth:`ServerProcess.reload_weights` needs. They let any client
+#: run worker methods: only for servers bound to loopback, as the local backend starts its rollout server.
+DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def _post(url: str, payload: dict[str, Any], timeout_s: float) -> bytes:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    # A proxy set in the environment must not intercept loopback calls.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=timeout_s) as response:
+        return response.read()
+
 
 @dataclass
 class ServerProcess:
@@ -275,6 +290,36 @@ class ServerProcess:
         wait_until_ready(self.base_url, self.served_model_name, timeout_s, process=self)
         self.ready_after_s = time.monotonic() - self.started_at
         return self.ready_after_s
+
+    def reload_weights(self, weights_dir: str | os.PathLike, timeout_s: float = 600.0) -> float:
+        """Serve the weights in ``weights_dir`` (safetensors of the same architecture, e.g. a
+        ``save_pretrained`` folder) from now on; returns the seconds it took.
+
+        vLLM's own in-place reload (``reload_weights`` on every worker, through ``/collective_rpc``),
+        then ``/reset_prefix_cache``: cached prefixes hold keys and values computed with the old
+        weights, and a prompt that hit them would be continued by a mix of both models. The server
+        must have been started with :data:`DEV_MODE_ENV`.
+        """
+        root = self.base_url.rstrip("/").removesuffix("/v1")
+        path = str(Path(weights_dir).resolve())
+        start = time.perf_counter()
+        try:
+            _post(f"{root}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}, timeout_s)
+            _post(f"{root}/reset_prefix_cache", {}, timeout_s)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                raise RuntimeError(
+                    f"vLLM server {self.base_url} has no weight-update endpoints: start it with "
+                    "env=DEV_MODE_ENV (VLLM_SERVER_DEV_MODE=1)"
+                ) from exc
+            body = exc.read()[:500].decode(errors="replace")
+            raise RuntimeError(
+                f"vLLM server {self.base_url} failed to load weights from {path} ({exc.code}): {body}\n"
+                f"{error_lines(self.log_path)}"
+            ) from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise RuntimeError(f"vLLM server {self.base_url} unreachable while loading {path}: {exc}") from exc
+        return time.perf_counter() - start
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the process group, SIGKILL it after ``timeout_s``, and reap the server.

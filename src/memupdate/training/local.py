@@ -4,7 +4,9 @@ verl's trainer needs GPUs and a vLLM/SGLang rollout (``verl-0.9.1.md`` §3), so 
 verl's own pieces directly instead:
 
 1. verl's ``AgentLoopWorker`` runs our agent loop and tools on each prompt ``n`` times, against an HF
-   generation server (:class:`~memupdate.serving.hf_server.HFGenerateServer`) holding the policy, and
+   generation server (:class:`~memupdate.serving.hf_server.HFGenerateServer`) holding the policy
+   (``rollout: hf``, deterministic), or against a vLLM server of the policy that gets the new weights
+   after every update (``rollout: vllm``, :mod:`memupdate.training.vllm_rollout`: batched), and
    streams every finished trajectory to verl's ``RewardLoopWorker`` with our reward manager — both
    in-process, no Ray;
 2. verl's ``compute_grpo_outcome_advantage`` turns the rewards into advantages per prompt group;
@@ -45,10 +47,15 @@ from verl.workers.config import ActorConfig
 
 from memupdate.agents import memory_loop
 from memupdate.serving.hf_server import HFGenerateServer
+from memupdate.serving.launch import ServeSettings
+from memupdate.training.vllm_rollout import VLLMRollout
 from memupdate.training.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, TURN_INDEX_KEY, in_process_workers
 from memupdate.utils.io import sha256_file, write_json_atomic
 
 logger = logging.getLogger(__name__)
+
+
+ROLLOUTS = ("hf", "vllm")
 
 
 @dataclass
@@ -100,6 +107,15 @@ class LocalGRPOConfig:
     fixed_model: dict[str, Any] | None = None
     qa_top_k: int = 5
     qa_max_tokens: int = 32
+    #: Who generates: ``hf`` (the trained model itself, one request at a time, deterministic) or ``vllm``
+    #: (a vLLM server of the policy, batched, weights replaced after every update; not seeded per request).
+    rollout: str = "hf"
+    #: ``rollout: vllm``'s server: ``serving`` keys (python, dtype, extra_args, env, startup_timeout_s).
+    rollout_server: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.rollout not in ROLLOUTS:
+            raise ValueError(f"rollout must be one of {ROLLOUTS}, got {self.rollout!r}")
 
     def digest(self) -> str:
         """Names the run: everything that shapes a step, but not how many steps (extending a run resumes it)."""
@@ -227,6 +243,8 @@ class LocalGRPOTrainer:
         write_json_atomic(self.run_dir / "resolved_config.json", {
             "memupdate": asdict(cfg), "verl": OmegaConf.to_container(self.config, resolve=True)
         })
+        # rollout: vllm starts its server when training starts (train()), not for a trainer only inspected.
+        self.rollout: VLLMRollout | None = None
         self.server = HFGenerateServer(self.policy, self.tokenizer, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
         self.timer: dict[str, float] = {"reward": 0.0}
         self.dataset = RLHFDataset(cfg.train_files, self.tokenizer, self.config.data, max_samples=cfg.max_rows or -1)
@@ -360,9 +378,29 @@ class LocalGRPOTrainer:
         self.optimizer.step()
         return {**stats, "grad_norm": float(grad_norm)}
 
+    def _start_vllm_rollout(self) -> VLLMRollout:
+        cfg = self.cfg
+        # The policy trains in float32; a server in bfloat16 would sample from a visibly different model.
+        settings = ServeSettings.from_dict({"dtype": "float32", **cfg.rollout_server})
+        # A whole episode, as far as the model's positions reach (vLLM refuses a longer context).
+        context = cfg.prompt_length + cfg.response_length
+        context = min(context, getattr(self.policy.config, "max_position_embeddings", None) or context)
+        return VLLMRollout(
+            self.policy, self.tokenizer, self.run_dir, settings=settings, step=self.step, max_model_len=context,
+            max_new_tokens=cfg.max_new_tokens,
+        )  # fmt: skip
+
     def train(self) -> dict[str, Any]:
+        if self.cfg.rollout == "vllm" and self.step < self.cfg.steps:
+            self.rollout = self._start_vllm_rollout()
+            self.server = self.rollout.client
         # One event loop for the whole run: the embedder's request queue and HTTP clients belong to it.
-        return asyncio.run(self._train())
+        try:
+            return asyncio.run(self._train())
+        finally:
+            if self.rollout is not None:
+                self.rollout.stop()
+                self.rollout = None
 
     async def _train(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -385,6 +423,9 @@ class LocalGRPOTrainer:
                 update = self._update(batch)
                 update_seconds = time.perf_counter() - start
                 self.step += 1
+                # The next rollout samples from the updated policy.
+                sync = self.rollout is not None and self.step < cfg.steps
+                sync_seconds = self.rollout.load(self.policy, self.step) if sync else 0.0
                 metrics = self._metrics(
                     batch,
                     update,
@@ -392,6 +433,7 @@ class LocalGRPOTrainer:
                     update_seconds,
                     self.server.generated_tokens - tokens_before,
                     self.server.seconds - generation_before,
+                    sync_seconds,
                 )
                 with metrics_path.open("a") as fh:
                     fh.write(json.dumps(metrics) + "\n")
@@ -402,7 +444,7 @@ class LocalGRPOTrainer:
         self.export(metrics)
         return metrics
 
-    def _metrics(self, batch, update, rollout_s, update_s, tokens, generation_s) -> dict[str, Any]:
+    def _metrics(self, batch, update, rollout_s, update_s, tokens, generation_s, sync_s) -> dict[str, Any]:
         rows = batch.batch["rm_scores"].size(0)
         # Per trajectory: its final row (a MemAgent trajectory has one row per turn, all with its score).
         final = batch.non_tensor_batch[FINAL_MASK_KEY]
@@ -427,6 +469,7 @@ class LocalGRPOTrainer:
                 "reward": round(self.timer["reward"], 3),
                 "tools_and_other": round(max(0.0, rollout_s - generation_s - self.timer["reward"]), 3),
                 "update": round(update_s, 3),
+                "weight_sync": round(sync_s, 3),
             },
             **update,
         }

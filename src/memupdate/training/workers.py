@@ -11,10 +11,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import hydra
 import numpy as np
+import torch
 from omegaconf import DictConfig
-from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+from verl.experimental.agent_loop.agent_loop import (
+    AgentLoopWorker,
+    DictConfigWrap,
+    ToolListWrap,
+    _agent_loop_registry,
+)
 from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+from verl.utils.rollout_trace import rollout_trace_attr
 
 
 class _Remote:
@@ -53,7 +61,62 @@ class MultiOutputAgentLoopWorker(AgentLoopWorker):
     turn becomes a row, scored once from the whole trajectory (the reward sees every turn, the final one
     last) with that score copied to every turn, as the V1 worker does. Rows carry ``trajectory`` (the
     input row), ``turn_index`` and ``final_mask``. A loop returning a single output gives exactly the rows
-    ``AgentLoopWorker`` would, plus those three columns."""
+    ``AgentLoopWorker`` would, plus those three columns.
+
+    It also takes two per-trajectory costs off the event loop, where they delay every other episode's
+    requests (``memupdate bench rollout`` measures the loop against the raw server): verl builds each
+    trajectory's agent loop with ``hydra.utils.instantiate`` (about 8 ms of OmegaConf merging and copying
+    per episode, for the same resolved constructor every time), and pads every output with
+    ``tokenizer.pad`` (a generic Python path). Here the constructor is resolved once per agent name, and
+    padding is two tensor writes with the same result."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._agent_loop_factories: dict[str, Any] = {}
+
+    def _new_agent_loop(self, agent_name: str) -> Any:
+        """A fresh agent loop for one trajectory, built as verl builds it, from a constructor resolved once."""
+        factory = self._agent_loop_factories.get(agent_name)
+        if factory is None:
+            if agent_name not in _agent_loop_registry:
+                raise ValueError(f"agent loop {agent_name!r} is not registered; registered: {sorted(_agent_loop_registry)}")
+            factory = hydra.utils.instantiate(
+                config=_agent_loop_registry[agent_name],
+                _partial_=True,
+                trainer_config=DictConfigWrap(config=self.config),
+                server_manager=self.llm_client,
+                tokenizer=self.tokenizer,
+                processor=self.processor,
+                hf_model_type=self.hf_model_type,
+                dataset_cls=self.dataset_cls,
+                data_config=DictConfigWrap(self.config.data),
+                tools=ToolListWrap(self.tools),
+            )
+            self._agent_loop_factories[agent_name] = factory
+        return factory()
+
+    async def _run_agent_loop(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):
+        with rollout_trace_attr(
+            step=trajectory["step"], sample_index=trajectory["sample_index"], rollout_n=trajectory["rollout_n"],
+            validate=trajectory["validate"], name="agent_loop", trace=trace,
+        ):  # fmt: skip
+            output = await self._new_agent_loop(agent_name).run(sampling_params, **kwargs)
+            return await self._agent_loop_postprocess(output, trajectory["validate"], **kwargs)
+
+    def _pad_token_ids(
+        self, tokens: list[int], *, max_length: int, padding_side: str, return_attention_mask: bool
+    ) -> dict[str, torch.Tensor]:
+        """``tokens`` padded to ``(1, max_length)`` on ``padding_side``, as verl's ``tokenizer.pad`` call does
+        (a longer list is kept whole, not truncated)."""
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        length = max(max_length, len(tokens))
+        ids = torch.full((1, length), pad_id, dtype=torch.long)
+        mask = torch.zeros((1, length), dtype=torch.long)
+        if tokens:
+            span = slice(length - len(tokens), length) if padding_side == "left" else slice(0, len(tokens))
+            ids[0, span] = torch.tensor(tokens, dtype=torch.long)
+            mask[0, span] = 1
+        return {"input_ids": ids, "attention_mask": mask} if return_attention_mask else {"input_ids": ids}
 
     async def _agent_loop_postprocess(self, output, validate, **kwargs):
         if not isinstance(output, list):
