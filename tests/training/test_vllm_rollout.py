@@ -3,6 +3,9 @@ every update, so GRPO stays on-policy."""
 
 import asyncio
 import json
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -11,9 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from memupdate.serving.launch import ServeSettings
 from memupdate.training.local import train_local
-from memupdate.training.vllm_rollout import VLLMRollout
-
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+from memupdate.training.vllm_rollout import VLLMRollout, exit_on_sigterm
 
 PROMPT = [1, 5, 9, 30, 44, 12, 7, 3]
 
@@ -33,6 +34,8 @@ def policy_log_probs(model, tokens: list[int]) -> list[float]:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_the_server_samples_from_the_weights_it_was_last_given(tiny_model_dir, vllm_python, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -58,6 +61,8 @@ def test_the_server_samples_from_the_weights_it_was_last_given(tiny_model_dir, v
     assert not rollout.server.alive() and not (tmp_path / "rollout").exists()
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_grpo_with_the_vllm_rollout_learns_the_toy_reward(tmp_path, tiny_model_dir, vllm_python, grpo_config, memory_env):
     """Only an on-policy rollout learns: without the weight updates the server would keep sampling from
     the initial model and the reward would not move."""
@@ -77,3 +82,17 @@ def test_grpo_with_the_vllm_rollout_learns_the_toy_reward(tmp_path, tiny_model_d
     after = load_file(tmp_path / "run" / "ckpt" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert not (tmp_path / "run" / "rollout").exists()
+
+
+def test_sigterm_unwinds_the_run_so_the_server_is_stopped():
+    stopped = []
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exc:
+        with exit_on_sigterm():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler runs before this returns
+            finally:
+                stopped.append(True)
+    assert exc.value.code == 143 and stopped == [True]
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -48,7 +48,7 @@ from verl.workers.config import ActorConfig
 from memupdate.agents import memory_loop
 from memupdate.serving.hf_server import HFGenerateServer
 from memupdate.serving.launch import ServeSettings
-from memupdate.training.vllm_rollout import VLLMRollout
+from memupdate.training.vllm_rollout import VLLMRollout, exit_on_sigterm
 from memupdate.training.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, TURN_INDEX_KEY, in_process_workers
 from memupdate.utils.io import sha256_file, write_json_atomic
 
@@ -391,14 +391,15 @@ class LocalGRPOTrainer:
         )  # fmt: skip
 
     def train(self) -> dict[str, Any]:
-        if self.cfg.rollout == "vllm" and self.step < self.cfg.steps:
+        # One event loop for the whole run: the embedder's request queue and HTTP clients belong to it.
+        if self.cfg.rollout != "vllm" or self.step >= self.cfg.steps:
+            return asyncio.run(self._train())
+        with exit_on_sigterm():
             self.rollout = self._start_vllm_rollout()
             self.server = self.rollout.client
-        # One event loop for the whole run: the embedder's request queue and HTTP clients belong to it.
-        try:
-            return asyncio.run(self._train())
-        finally:
-            if self.rollout is not None:
+            try:
+                return asyncio.run(self._train())
+            finally:
                 self.rollout.stop()
                 self.rollout = None
 

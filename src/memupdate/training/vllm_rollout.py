@@ -11,9 +11,12 @@ second per 100M parameters, small next to a rollout.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -124,3 +127,21 @@ class VLLMRollout:
         self.server.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
+
+@contextlib.contextmanager
+def exit_on_sigterm():
+    """Within the block, SIGTERM (Snakemake stopping a job, ``scancel``) raises ``SystemExit(143)``, so
+    ``finally`` clauses run and the rollout server is stopped; left to the default, Python exits at once
+    and the server, in its own session, keeps serving. Only in the main thread (signals are delivered there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
