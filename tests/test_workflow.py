@@ -108,6 +108,8 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
         assert manifest["step"] == 1 and manifest["base_model"] == f"results/models/{base}"
         steps = [json.loads(line) for line in (workdir / "results/tiny" / stage / "metrics.jsonl").open()]
         assert [s["step"] for s in steps] == [1]
+        # The served fixed role's turns are timed apart from the policy's (stage 1: QA, stage 2: memory).
+        assert steps[0]["seconds"]["fixed_model"] > 0 and steps[0]["seconds"]["generation"] > 0
         assert AutoModelForCausalLM.from_pretrained(ckpt).num_parameters() > 0
     # Each stage's fixed role was a served model: stage 1 the base QA model, stage 2 the stage-1 model.
     loops = {s: (workdir / "results/tiny" / s / "agent_loops.yaml").read_text() for s in ("stage1", "stage2")}

@@ -93,14 +93,21 @@ def test_memory_stage_without_qa_phase_needs_no_fixed_model_and_qa_stage_does(se
         run_episode(setup, training_stage="qa", fixed_model=None)
 
 
-def test_fixed_model_from_agent_loops_yaml_becomes_a_vllm_token_client():
+def test_fixed_model_from_agent_loops_yaml_becomes_one_metered_vllm_token_client():
     from omegaconf import OmegaConf
 
-    from memupdate.agents.memory_loop import fixed_client
-    from memupdate.serving.vllm import VLLMTokenClient
+    from memupdate.agents.memory_loop import fixed_client, fixed_clients
+    from memupdate.serving.vllm import GenerationMeter, VLLMTokenClient
 
-    client = fixed_client(OmegaConf.create({"base_url": "http://127.0.0.1:8011/v1", "model": "qa"}), 64)
-    assert isinstance(client, VLLMTokenClient) and client.endpoint.model == "qa" and client.max_tokens == 64
+    spec = {"base_url": "http://127.0.0.1:8011/v1", "model": "qa"}
+    client = fixed_client(OmegaConf.create(spec), 64)
+    assert isinstance(client, GenerationMeter) and isinstance(client.client, VLLMTokenClient)
+    assert client.client.endpoint.model == "qa" and client.client.max_tokens == 64
+    # Every trajectory's loop gets the same client (one HTTP session, one context-length lookup) ...
+    assert fixed_client(dict(spec), 64) is client and client in fixed_clients()
+    # ... unless it asks for another endpoint or cap.
+    assert fixed_client({**spec, "max_tokens": 8}, 64) is not client
+    assert fixed_client(spec, 32) is not client
     with pytest.raises(ValueError, match="no model name"):
         fixed_client({"base_url": "http://127.0.0.1:8011/v1", "model": ""}, 64)
     with pytest.raises(ValueError, match="fixed_model must be an endpoint"):

