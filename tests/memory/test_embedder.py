@@ -20,6 +20,23 @@ def test_encode_gives_unit_float32_rows(embedder):
         embedder.encode("one text")
 
 
+def test_a_text_longer_than_the_model_input_is_reported_once_and_counted(embedder, caplog):
+    before = embedder.truncated
+    long = "Caroline told Melanie about the adoption agency and the counselling course. " * 40
+    with caplog.at_level("WARNING", logger="memupdate.memory.embedder"):
+        embedder.encode(["short memory", "x" * 200])
+        assert embedder.truncated == before and not caplog.records
+        embedder.encode(["short memory", long, long])
+    assert embedder.truncated == before + 2
+    if before == 0:
+        (record,) = [r for r in caplog.records if r.name == "memupdate.memory.embedder"]
+        assert "at most 256 word pieces" in record.getMessage() and "2 text(s)" in record.getMessage()
+    # What the model embeds of a cut text is its beginning: the same vector as the text cut short.
+    tokenizer = embedder._loaded.model.tokenizer
+    head = tokenizer.decode(tokenizer(long, verbose=False)["input_ids"][1:255])
+    np.testing.assert_allclose(embedder.encode([long]), embedder.encode([head]), atol=1e-4)
+
+
 def test_model_is_loaded_once_per_process_and_aliases_agree(embedder):
     other = Embedder("sentence-transformers/all-MiniLM-L6-v2", batch_size=8)
     assert other.model_name == embedder.model_name

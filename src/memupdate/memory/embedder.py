@@ -59,13 +59,15 @@ def resolve_model_path(model_name: str) -> str:
     return model_name
 
 
-@dataclass(frozen=True)
+@dataclass
 class _LoadedModel:
     model: SentenceTransformer
     dim: int
     # Fast tokenizers are not safe to call from two threads at once ("Already borrowed"), and on a
     # small CPU parallel encodes only compete for the same cores, so encodes of one model take turns.
     lock: threading.Lock
+    #: Texts longer than the model's input so far (it embeds only their first max_seq_length word pieces).
+    truncated: int = 0
 
 
 _MODELS: dict[tuple[str, str], _LoadedModel] = {}
@@ -136,6 +138,7 @@ class Embedder:
         if len(texts) == 0:
             return np.empty((0, self.dim), dtype=np.float32)
         with self._loaded.lock:
+            self._check_length(texts)
             vectors = self._loaded.model.encode(
                 list(texts),
                 batch_size=batch_size or self.batch_size,
@@ -144,6 +147,36 @@ class Embedder:
                 show_progress_bar=False,
             )
         return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    @property
+    def truncated(self) -> int:
+        """How many texts this process embedded only in part, being longer than the model's input."""
+        return self._loaded.truncated
+
+    def _check_length(self, texts: Sequence[str]) -> None:
+        """Count the texts the model will cut at ``max_seq_length`` word pieces (all-MiniLM-L6-v2: 256),
+        and say so the first time: a long memory is then found by its beginning only. Called under the
+        model's lock (the tokenizer is not thread-safe)."""
+        model = self._loaded.model
+        limit = model.max_seq_length
+        # A word piece covers at least one character, so only texts longer than the limit can be cut:
+        # the memories of LoCoMo (a sentence each) are never tokenised twice.
+        long = [t for t in texts if len(t) > limit - 2]
+        if not limit or not long:
+            return
+        # verbose=False: counting is the point here, transformers' "longer than the maximum" is noise.
+        lengths = [len(ids) for ids in model.tokenizer(long, add_special_tokens=True, verbose=False)["input_ids"]]
+        cut = [(n, t) for n, t in zip(lengths, long, strict=True) if n > limit]
+        if not cut:
+            return
+        if self._loaded.truncated == 0:
+            n, text = max(cut)
+            logger.warning(
+                "%s embeds at most %d word pieces; %d text(s) here are longer and are embedded by their "
+                "beginning only (longest: %d word pieces, %r...). Later cuts are counted, not logged.",
+                self.model_name, limit, len(cut), n, text[:80],
+            )  # fmt: skip
+        self._loaded.truncated += len(cut)
 
     async def aencode(self, texts: Sequence[str], batch_size: int | None = None) -> np.ndarray:
         """:meth:`encode` in a worker thread, coalesced with the other coroutines' pending requests.
