@@ -18,7 +18,7 @@ wildcard_constraints:
     ndocs=r"\d+",
     model="|".join(config["models"]),
     exp="|".join(config["experiments"]),
-    served="qa-base|stage1|stage2",
+    served="qa-base|base|stage1|stage2|memagent",
     purpose="train|eval",
 
 
@@ -55,6 +55,16 @@ def get_hotpotqa_outputs():
         "results/data/hotpotqa/{split}-{ndocs}.parquet",
         split=config["data"]["hotpotqa"]["splits"],
         ndocs=SCALE["hotpotqa_num_docs"],
+    )
+
+
+def get_hotpotqa_data():
+    """Every haystack of the scale and its train/test split (the hotpotqa_data target, a DVC stage)."""
+    return get_hotpotqa_outputs() + expand(
+        "results/data/hotpotqa/{split}-{ndocs}.{part}.parquet",
+        split=config["data"]["hotpotqa"]["splits"],
+        ndocs=SCALE["hotpotqa_num_docs"],
+        part=["train", "test"],
     )
 
 
@@ -159,9 +169,13 @@ def get_stage2_run_dir(wildcards):
 
 
 def get_served_model(wildcards):
-    """The checkpoint folder a served name stands for."""
+    """The checkpoint folder a served name stands for: qa-base (the experiment's QA model), base (its
+    policy before training) or a trained run of the experiment (stage1, stage2, memagent).
+    """
     if wildcards.served == "qa-base":
         return f"results/models/{get_qa_model(wildcards)}"
+    if wildcards.served == "base":
+        return f"results/models/{get_experiment(wildcards)['policy']}"
     return f"results/{wildcards.exp}/{wildcards.served}/ckpt"
 
 
@@ -246,10 +260,11 @@ def get_memagent_run_dir(wildcards):
 
 
 def get_memagent_eval_inputs(wildcards):
+    """The base policy and the trained one, each served for the evaluation."""
     experiment = get_memagent_experiment(wildcards)
     inputs = {
-        "base": f"results/models/{experiment['policy']}",
-        "trained": f"results/{wildcards.exp}/memagent/ckpt",
+        "base": serve_marker(wildcards.exp, "base", "eval"),
+        "trained": serve_marker(wildcards.exp, "memagent", "eval"),
     }
     for ndocs in experiment["eval"]["num_docs"]:
         inputs[f"test_{ndocs}"] = hotpotqa_rows(ndocs, "test")

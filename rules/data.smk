@@ -83,3 +83,9 @@ rule split_hotpotqa:
         test_percent=config["data"]["hotpotqa"]["test_percent"],
     script:
         "../workflow/scripts/split_hotpotqa.py"
+
+
+rule hotpotqa_data:
+    # Target only: every MemAgent haystack of the scale, split into train and test questions.
+    input:
+        get_hotpotqa_data(),

@@ -1,5 +1,5 @@
 # MemAgent: one policy trained with trajectory-level GRPO to read HotpotQA haystacks chunk by chunk, then
-# evaluated against its base model on held-out questions at every haystack length.
+# evaluated against its base model on held-out questions at every haystack length, both served.
 
 
 rule train_memagent:
@@ -40,7 +40,8 @@ rule eval_memagent:
     threads: 2
     resources:
         runtime=120,
-        mem_mb=8000,
+        # The models are served (serve_model); this job holds tokenizers and the agent loop only.
+        mem_mb=4000,
     params:
         settings=get_memagent_eval_settings,
         out_dir=get_memagent_eval_dir,

@@ -1,5 +1,5 @@
-"""DVC round trip on the real pipeline (tiny experiment): dvc repro, dvc push, a fresh clone, dvc pull,
-a clean dvc status, and an edit of the evaluation code that re-runs evaluation only."""
+"""DVC round trip on the real pipeline (the tiny two-stage and MemAgent experiments): dvc repro, dvc push, a
+fresh clone, dvc pull, a clean dvc status, and an edit of the evaluation code that re-runs evaluation only."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import yaml
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 BIN = Path(sys.executable).parent
+STAGES = ("data", "embeddings", "models", "stage1", "stage2", "eval", "hotpotqa", "memagent", "memagent_eval")
 PARTS = ["Snakefile", "rules", "workflow", "config", "profiles", "dvc.yaml", "params.yaml", ".dvcignore", "src"]
 
 
@@ -48,7 +49,8 @@ def dvc_repo(tmp_path, repo_root, shared_data_dir, vllm_python, monkeypatch):
     shutil.copy(repo_root / ".dvc" / ".gitignore", repo / ".dvc" / ".gitignore")
     shutil.copy(repo_root / ".gitignore", repo / ".gitignore")
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    params.update(exp="tiny", policy="tiny-random", qa_model="tiny-random", configfile="config/experiments/tiny.yaml")
+    params.update(exp="tiny", policy="tiny-random", qa_model="tiny-random", memagent_exp="tiny_memagent",
+                  memagent_policy="tiny-random", configfile="config/experiments/tiny.yaml")  # fmt: skip
     (repo / "params.yaml").write_text(yaml.safe_dump(params))
     (tmp_path / "shared").mkdir()
     (tmp_path / "shared" / "data").symlink_to(shared_data_dir)
@@ -62,7 +64,7 @@ def dvc_repo(tmp_path, repo_root, shared_data_dir, vllm_python, monkeypatch):
 
 def test_repro_push_clone_pull_and_only_evaluation_reruns(dvc_repo, tmp_path):
     first = run(dvc_repo, BIN / "dvc", "repro")
-    assert stages_run(first) == {"data", "embeddings", "models", "stage1", "stage2", "eval"}
+    assert stages_run(first) == set(STAGES)
     assert "Nothing to be done" not in first.split("Running stage 'eval'")[1]
     run(dvc_repo, BIN / "dvc", "push")
     run(dvc_repo, "git", "add", "-A")
@@ -76,7 +78,9 @@ def test_repro_push_clone_pull_and_only_evaluation_reruns(dvc_repo, tmp_path):
     status = run(clone, BIN / "dvc", "status")
     assert "Data and pipelines are up to date" in status, status
     for path in ("results/tiny/stage1/ckpt/model.safetensors", "results/tiny/stage2/ckpt/model.safetensors",
-                 "results/tiny/eval/report.json", "results/data/locomo/train.parquet"):  # fmt: skip
+                 "results/tiny/eval/report.json", "results/data/locomo/train.parquet",
+                 "results/tiny_memagent/memagent/ckpt/model.safetensors",
+                 "results/tiny_memagent/memagent_eval/report.json", "results/data/hotpotqa/dev-10.test.parquet"):  # fmt: skip
         assert (clone / path).read_bytes() == (dvc_repo / path).read_bytes(), path
 
     # Editing the evaluation code invalidates the evaluation stage and nothing upstream of it.
@@ -84,6 +88,6 @@ def test_repro_push_clone_pull_and_only_evaluation_reruns(dvc_repo, tmp_path):
     script.write_text(script.read_text() + "# the report wording changed\n")
     again = run(clone, BIN / "dvc", "repro")
     assert stages_run(again) == {"eval"}, again[-3000:]
-    for stage in ("data", "embeddings", "models", "stage1", "stage2"):
+    for stage in set(STAGES) - {"eval"}:
         assert f"Stage '{stage}' didn't change, skipping" in again
     assert "Data and pipelines are up to date" in run(clone, BIN / "dvc", "status")

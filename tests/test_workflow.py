@@ -134,10 +134,19 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
     curve = json.loads((workdir / "results/tiny_memagent/memagent_eval/report.json").read_text())
     assert set(curve["results"]) == {"base", "trained"} and curve["results"]["trained"]["10"]["n"] == 2
     assert (workdir / "results/tiny_memagent/memagent_eval/length_curve.png").is_file()
+    # Both MemAgent models were served for the evaluation: the base policy and the trained checkpoint.
+    assert curve["models"] == {
+        "base": {"path": str((workdir / "results/models/tiny-random").resolve()), "served_as": "tiny_memagent-eval-base"},
+        "trained": {"path": str((workdir / "results/tiny_memagent/memagent/ckpt").resolve()),
+                    "served_as": "tiny_memagent-eval-memagent"},
+    }  # fmt: skip
     # Servers were stopped when the run ended; their markers (temp) are gone with them.
     for served in ("qa-base", "stage1", "eval-qa-base", "eval-stage1", "eval-stage2"):
         assert f"stopped the tiny-{served} server" in log
+    for served in ("eval-base", "eval-memagent"):
+        assert f"stopped the tiny_memagent-{served} server" in log
     assert not list((workdir / "results/tiny/serve").rglob("*.json"))
+    assert not list((workdir / "results/tiny_memagent/serve").rglob("*.json"))
     assert not list((workdir / "logs/serve_model/running").glob("*.json"))
     assert not _supervisors(workdir)
 

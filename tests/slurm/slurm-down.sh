@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stop the cluster slurm-up.sh started: cancel its jobs, stop each slurmd, slurmctld and slurmdbd by its
-# pid file (TERM, then KILL after 15 s), and MariaDB and munged only if slurm-up.sh started them.
+# pid file (TERM, then KILL after 15 s), remove its slurm.conf, and stop MariaDB and munged only if
+# slurm-up.sh started them.
 # `--purge` also removes $SLURM_CI_STATE. Safe to run when nothing is running.
 set -uo pipefail
 
@@ -41,6 +42,14 @@ if [[ -d $STATE/run ]]; then
     done
     stop "$STATE/run/slurmctld.pid" slurmctld
     stop "$STATE/run/slurmdbd.pid" slurmdbd
+fi
+
+# Our slurm.conf goes with the daemons (slurm-up.sh writes it anew). Left in place, it names a controller
+# that is gone, and every Slurm client call waits ~9 s for it: `scontrol show config`, which the Snakemake
+# Slurm plugin runs at import, so every snakemake start on this machine, local profile included.
+if grep -qx 'ClusterName=memupdate-ci' /etc/slurm/slurm.conf 2>/dev/null; then
+    rm -f /etc/slurm/slurm.conf
+    log "removed /etc/slurm/slurm.conf (memupdate-ci)"
 fi
 
 if [[ -e $STATE/markers/mariadb ]]; then

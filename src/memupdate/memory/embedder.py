@@ -161,8 +161,8 @@ class Embedder:
         limit = model.max_seq_length
         # A word piece covers at least one character, so only texts longer than the limit can be cut:
         # the memories of LoCoMo (a sentence each) are never tokenised twice.
-        long = [t for t in texts if len(t) > limit - 2]
-        if not limit or not long:
+        long = [t for t in texts if len(t) > limit - 2] if limit else []
+        if not long:
             return
         # verbose=False: counting is the point here, transformers' "longer than the maximum" is noise.
         lengths = [len(ids) for ids in model.tokenizer(long, add_special_tokens=True, verbose=False)["input_ids"]]
