@@ -8,6 +8,8 @@ DATA_FILES = config["data"]["files"]
 LOCOMO_SPLITS = ["train", "val", "test"]
 # One folder per embedding model, named by the model's last path component.
 EMBEDDING_MODEL = config["memory"]["embedding_model"]
+# Cap on a memory text the agent writes; reaches the memory tools like the embedding model does.
+MAX_CONTENT_CHARS = config["memory"]["max_content_chars"]
 EMBEDDING_TAG = Path(EMBEDDING_MODEL).name
 EMBEDDINGS = f"results/embeddings/{EMBEDDING_TAG}"
 
@@ -126,13 +128,68 @@ def get_qa_model(wildcards):
     return experiment["qa_model"]
 
 
+# Scorers of the memory reward that ask served models (memupdate.rewards.manager).
+SERVED_SCORERS = ("reader", "judge")
+
+
+def get_reward_scorer(wildcards):
+    """reward.scorer for an experiment: auto is reader when it has a QA model (two-stage), else the
+    offline answer_recall. A served scorer without a QA model fails here, before any job runs.
+    """
+    experiment = get_experiment(wildcards)
+    scorer = config["reward"]["scorer"]
+    if scorer == "auto":
+        return "reader" if "qa_model" in experiment else "answer_recall"
+    if scorer in SERVED_SCORERS and "qa_model" not in experiment:
+        raise ValueError(
+            f"reward.scorer {scorer!r} needs the served QA model as its reader, but experiment "
+            f"{wildcards.exp!r} has no qa_model in config/config.yaml: add one, or set reward.scorer "
+            "to auto, answer_recall or evidence_recall"
+        )
+    return scorer
+
+
+def get_reward_markers(wildcards):
+    """Readiness markers of the models the stage-1 reward asks: the reader is the served qa-base (the
+    fixed QA role, whose QA-phase answers it scores), the judge the served reward.judge.
+    """
+    scorer = get_reward_scorer(wildcards)
+    if scorer not in SERVED_SCORERS:
+        return {}
+    markers = {"reader": serve_marker(wildcards.exp, "qa-base", "train")}
+    if scorer == "judge":
+        markers["judge"] = serve_marker(
+            wildcards.exp, config["reward"]["judge"], "train"
+        )
+    return markers
+
+
+def get_stage1_reward(wildcards):
+    """The reward manager's settings for stage 1: config's reward section, the scorer resolved and the
+    served models' marker paths (listed as inputs too, so their servers run)."""
+    reward = {k: v for k, v in config["reward"].items() if k != "judge"}
+    reward["scorer"] = get_reward_scorer(wildcards)
+    for role, marker in get_reward_markers(wildcards).items():
+        reward[f"{role}_marker"] = marker
+    return reward
+
+
+def get_stage2_reward(wildcards):
+    """Stage 2 is rewarded by its answer's F1; a served scorer has no reader there (qa-base is not
+    served for it), so only an offline one adds the memory reward's components to the log.
+    """
+    reward = {k: v for k, v in config["reward"].items() if k != "judge"}
+    reward["scorer"] = get_reward_scorer(wildcards)
+    return reward
+
+
 def get_stage1_inputs(wildcards):
     experiment = get_experiment(wildcards)
     inputs = {"model": f"results/models/{experiment['policy']}", **memory_inputs()}
     # Without a QA model stage 1 is single-stage MemoryUpdate: no QA phase, nothing served.
     if "qa_model" in experiment:
         inputs["fixed"] = serve_marker(wildcards.exp, "qa-base", "train")
-    return inputs
+    return {**inputs, **get_reward_markers(wildcards)}
 
 
 def get_stage2_inputs(wildcards):
@@ -205,7 +262,13 @@ def get_eval_inputs(wildcards):
 
 
 def get_eval_settings(wildcards):
-    return get_experiment(wildcards).get("eval", {})
+    # Evaluation retrieves and caps memories as training is rewarded, unless the experiment says otherwise.
+    defaults = {
+        "context_chars": config["reward"]["context_chars"],
+        "top_k": config["reward"]["top_k"],
+        "max_content_chars": MAX_CONTENT_CHARS,
+    }
+    return {**defaults, **get_experiment(wildcards).get("eval", {})}
 
 
 def get_training_metrics(wildcards):
@@ -272,11 +335,14 @@ def get_memagent_eval_inputs(wildcards):
 
 
 def get_memagent_eval_settings(wildcards):
+    """The loop's budgets as trained, except max_chunks: evaluation reads every chunk of a haystack
+    (as MemAgent's does) unless its own settings ask for truncate_chunks."""
     experiment = get_memagent_experiment(wildcards)
     settings = {k: v for k, v in experiment["eval"].items() if k != "num_docs"}
+    loop = {k: v for k, v in experiment["loop"].items() if k != "max_chunks"}
     prompt_length = experiment["train"].get("prompt_length")
     return {
-        **experiment["loop"],
+        **loop,
         **({"prompt_length": prompt_length} if prompt_length else {}),
         **settings,
     }

@@ -61,6 +61,8 @@ rule preprocess_hotpotqa:
         seed=config["data"]["hotpotqa"]["seed"],
         tokenizer=config["data"]["hotpotqa"]["tokenizer"],
         limit=SCALE["hotpotqa_limit"],
+        # Each part of split_hotpotqa draws its haystacks from its own paragraph pool.
+        test_percent=config["data"]["hotpotqa"]["test_percent"],
     script:
         "../workflow/scripts/preprocess_hotpotqa.py"
 

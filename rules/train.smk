@@ -23,7 +23,8 @@ rule train_stage1:
         run_dir=get_stage1_run_dir,
         tool_config="config/tools/memory_tools.yaml",
         embedding_model=EMBEDDING_MODEL,
-        reward=config["reward"],
+        max_content_chars=MAX_CONTENT_CHARS,
+        reward=get_stage1_reward,
     script:
         "../workflow/scripts/train_stage1.py"
 
@@ -49,6 +50,7 @@ rule train_stage2:
         run_dir=get_stage2_run_dir,
         tool_config="config/tools/memory_tools.yaml",
         embedding_model=EMBEDDING_MODEL,
-        reward=config["reward"],
+        max_content_chars=MAX_CONTENT_CHARS,
+        reward=get_stage2_reward,
     script:
         "../workflow/scripts/train_stage2.py"

@@ -72,8 +72,18 @@ def test_eval_report_rebuilds_from_predictions_and_names_a_missing_folder(tmp_pa
         main(["eval", "report", str(tmp_path), "--experiment", "exp"])
     (tmp_path / "predictions").mkdir()
     record = {"namespace": "q1", "sample_id": "conv-48", "category": 4, "question": "Where?", "answer": "Paris",
-              "prediction": "Paris", "evidence": []}
+              "predictions": {"locomo": "Paris"}, "evidence": []}
     (tmp_path / "predictions" / "no_update.jsonl").write_text(json.dumps(record) + "\n")
     main(["eval", "report", str(tmp_path), "--experiment", "exp", "--published", ""])
     assert "| no_update |" in capsys.readouterr().out
     assert json.loads((tmp_path / "report.json").read_text())["systems"]["no_update"]["locomo"]["f1"] == 1.0
+
+
+def test_preprocess_hotpotqa_with_a_pool_per_part_from_the_command_line(hotpotqa_path, tmp_path):
+    out = tmp_path / "dev-10.parquet"
+    cmd = [*memupdate_exe(), "preprocess", "hotpotqa", str(hotpotqa_path), str(out), "--num-docs", "10",
+           "--limit", "10", "--test-percent", "20"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    parts = {info["part"] for info in pq.read_table(out).column("extra_info").to_pylist()}
+    assert parts <= {"train", "test"} and parts

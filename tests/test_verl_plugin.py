@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bare_import_verl_loads_the_memupdate_plugin():
     # A fresh interpreter stands in for a Ray worker: it only ever runs `import verl`.
@@ -28,3 +30,31 @@ def test_plugin_discovery_can_be_disabled():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+FIRST_IMPORTS = [
+    "memupdate.verl_plugin",
+    "memupdate.agents.memory_loop",
+    "memupdate.agents.memagent",
+    "memupdate.tools.memory_tools",
+    "memupdate.rewards.manager",
+    "memupdate.rewards.memagent",
+]
+
+
+@pytest.mark.parametrize("module", FIRST_IMPORTS)
+def test_every_loop_and_reward_manager_registers_whichever_module_a_process_imports_first(module):
+    """The first of our modules to import verl is still half-initialised while verl loads our plugin; no
+    registration may then depend on a name from it (the eval_locomo log once showed the MemAgent loop
+    missing after "cannot import name 'next_request_id' from partially initialized module")."""
+    code = (
+        f"import importlib, logging; logging.basicConfig(level=logging.ERROR); importlib.import_module({module!r})\n"
+        "from verl.experimental.agent_loop.agent_loop import _agent_loop_registry\n"
+        "from verl.experimental.reward_loop.reward_manager.registry import get_reward_manager_cls\n"
+        "print(sorted(k for k in _agent_loop_registry if k in ('memupdate_agent', 'memagent')),\n"
+        "      get_reward_manager_cls('memupdate_memory').__name__, get_reward_manager_cls('memupdate_memagent').__name__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "failed" not in result.stderr and "partially initialized" not in result.stderr, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "['memagent', 'memupdate_agent'] MemoryRewardManager MemAgentRewardManager"

@@ -121,6 +121,18 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
     assert report["questions"] == 6 and report["judge"].startswith("tiny-eval-qa-base")
     # LoCoMo conversations (13k-25k tokens) do not fit the tiny model's 8k context: skipped, with why.
     assert report["systems"]["full_context"]["skipped"] == 6
+    # Every other system answered every question; a memory system whose policy edited nothing was asked
+    # exactly what no_update was asked, and (greedy) answered the same, question for question.
+    saved = {name: {r["namespace"]: r for r in map(json.loads, (workdir / f"results/tiny/eval/predictions/{name}.jsonl").open())}
+             for name in ("no_update", "stage1+qa_base")}  # fmt: skip
+    assert all(report["systems"][name]["unanswered"] == 0 for name in ("no_update", "stage1+qa_base", "stage1+stage2"))
+    unedited = [ns for ns, r in saved["stage1+qa_base"].items() if r["memory_stats"]["final_count"] == r["memory_stats"]["initial_count"]
+                and not any(r["memory_stats"].get(k) for k in ("created", "updated", "deleted", "merged", "split"))]  # fmt: skip
+    assert unedited, "the tiny random memory model was expected to edit nothing"
+    for ns in unedited:
+        ours, baseline = saved["stage1+qa_base"][ns], saved["no_update"][ns]
+        assert ours["predictions"] == baseline["predictions"] and ours["context_tokens"] == baseline["context_tokens"]
+        assert ours["retrieved_ids"] == baseline["retrieved_ids"]
     for name in ("per_category.png", "training.png", "report.md", "report.html"):
         assert (workdir / "results/tiny/eval" / name).is_file()
     # MemAgent: trained on the train questions only, evaluated (base and trained) on the held-out ones.

@@ -50,6 +50,7 @@ def _cmd_preprocess_hotpotqa(args: argparse.Namespace) -> None:
         seed=args.seed,
         limit=args.limit,
         tokenizer=args.tokenizer,
+        test_percent=args.test_percent,
     )
     json.dump(summary, sys.stdout, indent=2)
     sys.stdout.write("\n")
@@ -192,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     hot.add_argument("--seed", type=int, default=0)
     hot.add_argument("--limit", type=int, help="number of questions")
     hot.add_argument("--tokenizer", help="HF tokenizer name or path for token counts")
+    hot.add_argument(
+        "--test-percent", type=int,
+        help="hold out this share of questions (by id hash, as split_hotpotqa does); each part's haystacks draw "
+        "distractors from that part's own pool (data.hotpotqa.test_percent in the workflow)",
+    )  # fmt: skip
     hot.set_defaults(func=_cmd_preprocess_hotpotqa)
 
     embed = sub.add_parser("embed", help="embed the memories table into an embedding cache")

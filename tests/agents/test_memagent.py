@@ -19,8 +19,13 @@ CHUNK, MAX_CHUNKS = 48, 3  # as the memagent_config fixture sets them
 
 def test_split_chunks_keeps_head_and_tail_of_an_overlong_context():
     chunks, cut = split_chunks(list(range(10)), 2, 3)
-    assert cut and chunks == [[0, 1], [2, 7], [8, 9]]
-    assert split_chunks([], 4, 2) == ([[]], False)
+    assert cut == 4 and chunks == [[0, 1], [2, 7], [8, 9]]
+    assert split_chunks([], 4, 2) == ([[]], 0)
+
+
+def test_split_chunks_without_a_budget_reads_everything():
+    chunks, cut = split_chunks(list(range(10)), 3, None)
+    assert cut == 0 and chunks == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
 
 
 def test_memagent_reward_scores_the_boxed_answer_only():

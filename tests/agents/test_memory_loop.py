@@ -10,9 +10,13 @@ from verl.experimental.agent_loop.tool_agent_loop import ToolListWrap
 from verl.tools.tool_registry import load_all_tools
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
-from memupdate.agents.memory_loop import ANSWER_KEY, STAGE_KEY, TERMINATION_KEY, MemoryUpdateAgentLoop
+from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, QA_CONTEXT_KEY, STAGE_KEY, TERMINATION_KEY
+from memupdate.agents.memory_loop import MemoryUpdateAgentLoop
+from memupdate.memory.manager import manager_from_config
+from memupdate.memory.store import TrialStore, within_budget
+from memupdate.prompts import qa_messages
+from memupdate.rewards.memory import MemoryRewardConfig
 from memupdate.serving.hf_server import HFGenerateServer
-from memupdate.tools.memory_tools import DELTA_KEY
 from memupdate.training.local import LocalGRPOConfig, verl_config
 
 
@@ -64,25 +68,77 @@ def segments(mask):
     return [tuple(r) for r in runs]
 
 
-def test_memory_stage_trains_memory_tokens_and_masks_the_fixed_qa_answer(setup):
-    output, policy, fixed = run_episode(setup, training_stage="memory", qa_phase=True)
-    runs = segments(output.response_mask)
-    # Policy memory turn(s) (1), then the QA prompt and the fixed model's answer (0).
-    assert runs[0][0] == 1 and runs[-1][0] == 0
+class Recording:
+    """A generator that remembers what it was asked (prompt ids, sampling params) and answers as ``server``."""
+
+    def __init__(self, server):
+        self.server, self.calls = server, []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        self.calls.append((list(prompt_ids), dict(sampling_params)))
+        return await self.server.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+
+
+def no_update_prompt_ids(setup, row, tokenizer):
+    """What evaluation's no_update system sends the QA model for ``row``: the QA prompt over the initial
+    store's top-k within the reward's budget, as one user message."""
+    config = setup[0]
+    info = row["extra_info"]
+    reward = MemoryRewardConfig()
+    manager = manager_from_config(config.reward.custom_reward_function.reward_kwargs)
+    store = TrialStore(manager.base(info["sample_id"]))
+    hits = within_budget(store.search(manager.embedder.encode([info["question"]])[0], reward.top_k), reward.context_chars)
+    messages = qa_messages("locomo", info["question"], info["category"], [h.record for h in hits])
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_qa_phase_answers_from_a_fresh_prompt_exactly_as_no_update_does(setup):
+    """The QA model sees the QA prompt over the final store and nothing of the episode: with no edit it is
+    asked exactly what no_update asks, and (greedy) gives the same answer."""
+    config, tokenizer, dataset, tools, policy, fixed = setup
+    recording = Recording(fixed)
+    output, policy, _ = run_episode(setup, training_stage="memory", qa_phase=True, fixed_model=recording)
+    assert not any(output.extra_fields[DELTA_KEY].get(k) for k in ("created", "updated", "deleted"))
+    (prompt_ids, params), = recording.calls
+    expected = list(no_update_prompt_ids(setup, dataset[0], tokenizer))
+    assert prompt_ids == expected and output.extra_fields[QA_CONTEXT_KEY] == len(expected)
+    assert params["temperature"] == 0.0  # the fixed role decodes greedily
+    # The memory transcript holds the policy's turns only: no QA prompt, no answer.
+    assert set(output.response_mask) == {1} or 0 not in output.response_mask[: len(output.response_mask) // 2]
+    assert "Short answer:" not in tokenizer.decode(output.prompt_ids + output.response_ids)
     assert fixed.generated_tokens > 0 and policy.generated_tokens > 0
     assert output.extra_fields[STAGE_KEY] == "memory"
-    assert isinstance(output.extra_fields[ANSWER_KEY], str)
+    direct = HFGenerateServer(fixed.model, tokenizer, max_new_tokens=12, seed=99)
+    answer = asyncio.run(direct.generate("x", prompt_ids=expected, sampling_params={"temperature": 0.0, "max_tokens": 32}))
+    assert output.extra_fields[ANSWER_KEY] == tokenizer.decode(answer.token_ids, skip_special_tokens=True).strip()
     assert output.extra_fields[DELTA_KEY]["sample_id"] == "conv-26"
     assert output.extra_fields[TERMINATION_KEY] in ("no_tool_call", "done", "max_assistant_turns", "response_budget")
 
 
-def test_qa_stage_masks_every_memory_token_and_trains_the_answer(setup):
-    output, policy, fixed = run_episode(setup, training_stage="qa")
-    runs = segments(output.response_mask)
-    # The fixed memory model's turns and the QA prompt are 0; only the answer is 1.
-    assert runs[-1][0] == 1 and all(value == 0 for value, _ in runs[:-1])
-    assert sum(output.response_mask) == policy.generated_tokens
-    assert fixed.generated_tokens > 0
+def test_qa_stage_trains_a_row_of_the_qa_prompt_and_its_answer(setup):
+    config, tokenizer, dataset, tools, policy, fixed = setup
+    recording = Recording(fixed)
+    output, policy, _ = run_episode(setup, training_stage="qa", fixed_model=recording)
+    # The trained row is the fresh QA prompt and the policy's answer, not the memory transcript's tail.
+    assert output.prompt_ids == list(no_update_prompt_ids(setup, dataset[0], tokenizer))
+    assert output.response_mask == [1] * len(output.response_ids) and len(output.response_ids) == policy.generated_tokens
+    assert output.extra_fields[ANSWER_KEY] == tokenizer.decode(output.response_ids, skip_special_tokens=True).strip()
+    # The fixed memory model played its turns greedily, so a GRPO group varies only in the answers.
+    assert recording.calls and all(params["temperature"] == 0.0 for _, params in recording.calls)
+
+
+def test_fixed_temperature_none_samples_the_fixed_role_like_the_policy(setup):
+    recording = Recording(setup[5])
+    run_episode(setup, training_stage="qa", fixed_model=recording, fixed_temperature=None)
+    assert recording.calls and all(params["temperature"] == 1.0 for _, params in recording.calls)
+
+
+def test_joint_stage_returns_the_memory_transcript_and_the_qa_row(setup):
+    outputs, policy, _ = run_episode(setup, training_stage="joint", fixed_model=None)
+    memory, answer = outputs
+    assert 1 in memory.response_mask and answer.response_mask == [1] * len(answer.response_ids)
+    assert memory.extra_fields[ANSWER_KEY] == answer.extra_fields[ANSWER_KEY]
 
 
 def test_memory_stage_without_qa_phase_needs_no_fixed_model_and_qa_stage_does(setup):

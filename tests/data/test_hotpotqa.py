@@ -14,12 +14,16 @@ from memupdate.data.hotpotqa import (
     load_hotpotqa,
     paragraph_pool,
     preprocess_hotpotqa,
+    question_part,
     render_document,
+    split_rows,
 )
 
 HOTPOTQA_SHA256 = "32ed3ffab548f1d57ba65365bd581d17b428980fa7be881ab0c45f79d9fe6827"
-NUM_DOCS = 10
-MAX_TOKENS = 1500
+# Every question of the shared file has 10 paragraphs of its own (one has 2), so 20 documents add 10 or more.
+NUM_DOCS = 20
+# The longest own context of the shared file is 2,580 approximate tokens.
+MAX_TOKENS = 4000
 _HEADER = re.compile(r"(?:^|\n\n)Document (\d+):\n")
 
 
@@ -127,14 +131,19 @@ def test_real_file_loads_in_hf_layout(examples):
     assert len(paragraph_pool(examples)) == 991
 
 
-def test_every_context_holds_its_gold_and_distractors_share_no_gold_title(examples, by_docs, by_tokens):
+def own_documents(example):
+    return [render_document(p.title, p.text) for p in example.own]
+
+
+def test_every_context_holds_its_whole_own_context_and_additions_share_no_gold_title(examples, by_docs, by_tokens):
+    # RULER-HotpotQA / MemAgent: the gold paragraphs *and* their hard distractors, then pool paragraphs.
     for table in (by_docs, by_tokens):
         for example, row in zip(examples, table.to_pylist(), strict=True):
             docs = documents(row["context"])
-            gold = [render_document(p.title, p.text) for p in example.gold]
-            assert all(doc in docs for doc in gold), example.id
-            others = [doc for doc in docs if doc not in gold]
-            assert not {doc.split("\n", 1)[0] for doc in others} & example.gold_titles
+            own = own_documents(example)
+            assert all(doc in docs for doc in own), example.id
+            added = [doc for doc in docs if doc not in own]
+            assert added and not {doc.split("\n", 1)[0] for doc in added} & example.gold_titles
             assert len(set(docs)) == len(docs)
     # The gold documents are shuffled in, not always first.
     first_docs = [documents(row["context"])[0] for row in by_docs.to_pylist()]
@@ -164,16 +173,25 @@ def test_max_tokens_rows_fill_but_stay_within_the_budget(by_tokens):
     for row in rows:
         assert row["num_tokens"] == approx_token_count(row["context"]) <= MAX_TOKENS
         assert row["num_docs"] == len(documents(row["context"]))
-    # Documents are a few hundred tokens at most, so a full context is close to the budget.
-    assert min(row["num_tokens"] for row in rows) > MAX_TOKENS - 500
+    # Filling stops at the first paragraph that does not fit (the file's longest has 1,406 tokens).
+    assert min(row["num_tokens"] for row in rows) > MAX_TOKENS - 1406
     assert len({row["num_docs"] for row in rows}) > 1
 
 
-def test_gold_documents_are_kept_even_over_a_tiny_budget(examples):
+def test_own_context_is_kept_even_over_a_tiny_budget(examples):
     table = build_rows(examples, max_tokens=50, limit=10)
     for example, row in zip(examples[:10], table.to_pylist(), strict=True):
-        assert row["num_docs"] == len(example.gold)
+        assert sorted(documents(row["context"])) == sorted(own_documents(example))
         assert row["num_tokens"] > 50
+
+
+def test_fewer_documents_than_the_own_context_keep_gold_and_some_hard_distractors(examples):
+    table = build_rows(examples, num_docs=5, limit=10)
+    for example, row in zip(examples[:10], table.to_pylist(), strict=True):
+        docs = documents(row["context"])
+        assert len(docs) == min(5, len(example.own))
+        assert set(own_documents(example)) >= set(docs)
+        assert all(render_document(p.title, p.text) in docs for p in example.gold)
 
 
 def test_budget_holds_for_a_counter_that_is_not_additive_over_documents(examples):
@@ -181,14 +199,14 @@ def test_budget_holds_for_a_counter_that_is_not_additive_over_documents(examples
     def count(text):
         return len(text) + 50 * text.count("Document ") ** 2
 
-    table = build_rows(examples, max_tokens=3000, count_tokens=count, limit=10)
+    table = build_rows(examples, max_tokens=30000, count_tokens=count, limit=10)
     for example, row in zip(examples[:10], table.to_pylist(), strict=True):
-        assert row["num_tokens"] == count(row["context"]) <= 3000
-        assert len(example.gold) < row["num_docs"] == len(documents(row["context"]))
+        assert row["num_tokens"] == count(row["context"]) <= 30000
+        assert len(example.own) < row["num_docs"] == len(documents(row["context"]))
 
 
 def test_two_runs_write_identical_rows_and_summaries(hotpotqa_file, tmp_path):
-    outputs = [tmp_path / f"run{i}" / "dev-10.parquet" for i in (1, 2)]
+    outputs = [tmp_path / f"run{i}" / "dev-20.parquet" for i in (1, 2)]
     summaries = [preprocess_hotpotqa(hotpotqa_file, out, num_docs=NUM_DOCS, seed=3) for out in outputs]
     first, second = (pq.read_table(out) for out in outputs)
     assert first.num_rows == 100
@@ -200,6 +218,7 @@ def test_two_runs_write_identical_rows_and_summaries(hotpotqa_file, tmp_path):
     assert written["rows_by_type"] == {"bridge": 79, "comparison": 21}
     assert written["num_docs"] == {"mean": NUM_DOCS, "min": NUM_DOCS, "max": NUM_DOCS}
     assert written["arguments"]["seed"] == 3 and written["pool_paragraphs"] == 991
+    assert written["pool_paragraphs_by_part"] == {"all": 991}
     # Another seed draws other haystacks.
     other = build_rows(load_hotpotqa(hotpotqa_file), num_docs=NUM_DOCS, seed=4)
     assert other.column("context").to_pylist() != first.column("context").to_pylist()
@@ -267,9 +286,9 @@ def test_broken_hf_record_and_repeated_id_are_reported(tmp_path):
 
 def test_pool_too_small_says_how_many_are_available(tmp_path):
     examples = load_hotpotqa(write_json(tmp_path / "official.json", official_records()))
-    # The first question has 2 gold paragraphs; 4 of the 6 pool paragraphs are not gold for it.
+    # The first question has 3 paragraphs of its own; 3 of the 6 pool paragraphs are neither its own nor gold.
     with pytest.raises(
-        PoolTooSmallError, match=r"needs 48 distractors .* only 4 available .*at most num_docs=6"
+        PoolTooSmallError, match=r"needs 47 pool paragraphs besides the 3 .* only 3 available .*at most num_docs=6"
     ):
         build_rows(examples, num_docs=50)
 
@@ -300,18 +319,47 @@ def test_tokenizer_is_loaded_from_local_files_and_counts_tokens(tmp_path):
 
 
 def test_split_rows_holds_out_the_same_questions_at_every_length(hotpotqa_path, tmp_path):
-    from memupdate.data.hotpotqa import preprocess_hotpotqa, question_part, split_rows
-
     parts = {}
-    for ndocs in (3, 6):
+    for ndocs in (3, 16):
         rows = tmp_path / f"rows-{ndocs}.parquet"
-        preprocess_hotpotqa(hotpotqa_path, rows, num_docs=ndocs, limit=20)
+        preprocess_hotpotqa(hotpotqa_path, rows, num_docs=ndocs, limit=20, test_percent=20)
         outputs = {part: tmp_path / f"rows-{ndocs}.{part}.parquet" for part in ("train", "test")}
         counts = split_rows(rows, outputs, test_percent=20)
         ids = {p: pq.read_table(f).column("extra_info").combine_chunks().field("id").to_pylist() for p, f in outputs.items()}
         assert counts == {p: len(v) for p, v in ids.items()} and sum(counts.values()) == 20
         assert all(question_part(i, 20) == p for p, v in ids.items() for i in v)
         parts[ndocs] = ids
-    assert parts[3] == parts[6]
+    assert parts[3] == parts[16]
+    preprocess_hotpotqa(hotpotqa_path, tmp_path / "rows-1.parquet", num_docs=3, limit=20, test_percent=1)
     with pytest.raises(ValueError, match="no test rows"):
-        split_rows(tmp_path / "rows-3.parquet", {"train": tmp_path / "a", "test": tmp_path / "b"}, test_percent=1)
+        split_rows(tmp_path / "rows-1.parquet", {"train": tmp_path / "a", "test": tmp_path / "b"}, test_percent=1)
+
+
+def test_each_part_draws_from_its_own_pool(examples, tmp_path):
+    """No train haystack holds a paragraph of a test question, and no test haystack one of a train question."""
+    table = build_rows(examples, num_docs=60, seed=0, test_percent=20)
+    part = {e.id: question_part(e.id, 20) for e in examples}
+    paragraphs = {"train": set(), "test": set()}
+    for e in examples:
+        paragraphs[part[e.id]].update(own_documents(e))
+    assert paragraphs["train"].isdisjoint(paragraphs["test"])  # true of this file: the test below is strict
+    for example, row in zip(examples, table.to_pylist(), strict=True):
+        assert row["extra_info"]["part"] == part[example.id]
+        docs = set(documents(row["context"]))
+        other = "test" if part[example.id] == "train" else "train"
+        assert docs >= set(own_documents(example)) and docs.isdisjoint(paragraphs[other]), example.id
+    # With one pool (no test_percent), train haystacks do draw test questions' paragraphs.
+    mixed = build_rows(examples, num_docs=60, seed=0).to_pylist()
+    assert any(
+        set(documents(row["context"])) & paragraphs["test"] for e, row in zip(examples, mixed, strict=True)
+        if part[e.id] == "train"
+    )
+
+
+def test_split_rows_refuses_rows_built_with_one_pool(hotpotqa_path, tmp_path):
+    rows = tmp_path / "rows.parquet"
+    preprocess_hotpotqa(hotpotqa_path, rows, num_docs=12, limit=20)
+    outputs = {part: tmp_path / f"rows.{part}.parquet" for part in ("train", "test")}
+    with pytest.raises(ValueError, match=r"row 0 \(id hf-[0-9a-f]+\): field 'extra_info.part' is 'all'.*test_percent=20"):
+        split_rows(rows, outputs, test_percent=20)
+    assert not any(path.exists() for path in outputs.values())

@@ -26,12 +26,13 @@ def test_category_5_is_asked_as_a_two_way_choice_in_the_prompt_too(locomo_rows):
     asked = locomo.ask_rows(rows, seed=0)
     orders = set()
     for before, after in zip(rows, asked, strict=True):
-        question = after["extra_info"]["question"]
-        assert question.startswith(before["extra_info"]["question"] + " Select the correct answer: (a) ")
-        assert locomo.NOT_MENTIONED in question and before["extra_info"]["adversarial_answer"] in question
-        # The agent sees the same question as the scorer.
-        assert question in after["prompt"][-1]["content"]
-        orders.add(question.index(locomo.NOT_MENTIONED) < question.index("(b)"))
+        info = after["extra_info"]
+        # Retrieval and the protocols' prompts start from the dataset's question; the choice travels apart.
+        assert info["question"] == before["extra_info"]["question"]
+        assert sorted(info["choices"].values()) == sorted([locomo.NOT_MENTIONED, before["extra_info"]["adversarial_answer"]])
+        # The memory model sees the question as the QA model will be asked it.
+        assert locomo.choice_question(before["extra_info"], 0) in after["prompt"][-1]["content"]
+        orders.add(info["choices"]["a"] == locomo.NOT_MENTIONED)
     assert orders == {True, False}  # the order is shuffled per question
 
 
@@ -58,16 +59,20 @@ def test_predictions_of_other_models_are_moved_aside(tmp_path):
 
 PREDICTIONS = [
     {"namespace": "q1", "sample_id": "conv-48", "category": 1, "question": "Which hobbies?", "answer": "painting, running",
-     "prediction": "running and painting", "evidence": ["D1:2"], "evidence_recall": 1.0, "context_tokens": 120,
-     "latency_s": 0.5, "judge": 1.0, "termination_reason": "done"},
+     "predictions": {"locomo": "running and painting", "mem0": "painting and running"}, "evidence": ["D1:2"],
+     "evidence_recall": 1.0, "context_tokens": {"locomo": 120, "mem0": 150}, "latency_s": 0.5, "judge": 1.0,
+     "judge_model": "exp-qa-base", "termination_reason": "done"},
     {"namespace": "q2", "sample_id": "conv-48", "category": 2, "question": "When?", "answer": "7 May 2023",
-     "prediction": "May 2023", "evidence": ["D2:1", "D2:3"], "evidence_recall": 0.5, "context_tokens": 100,
-     "latency_s": 1.5, "judge": 0.0, "termination_reason": "no_tool_call"},
+     "predictions": {"locomo": "May 2023", "mem0": "in May 2023"}, "evidence": ["D2:1", "D2:3"],
+     "evidence_recall": 0.5, "context_tokens": {"locomo": 100, "mem0": 130}, "latency_s": 1.5, "judge": None,
+     "judge_unparsed": True, "judge_model": "exp-qa-base", "termination_reason": "no_tool_call"},
     {"namespace": "q3", "sample_id": "conv-49", "category": 5, "question": "Snakes?", "answer": None,
-     "prediction": "(a) Not mentioned in the conversation", "evidence": [], "evidence_recall": None,
-     "context_tokens": 80, "latency_s": 1.0, "termination_reason": "done"},
+     "predictions": {"locomo": "(a) Not mentioned in the conversation"}, "evidence": [], "evidence_recall": None,
+     "context_tokens": {"locomo": 80}, "latency_s": 1.0, "termination_reason": "done"},
     {"namespace": "q4", "sample_id": "conv-49", "category": 4, "question": "Where?", "answer": "Paris",
-     "prediction": None, "skipped": "30000 prompt tokens > 4064", "evidence": ["D3:1"], "context_tokens": 30000},
+     "predictions": {"locomo": None, "mem0": None}, "evidence": ["D3:1"], "evidence_recall": 0.0,
+     "context_tokens": {"locomo": 90, "mem0": 110}, "latency_s": 2.0, "judge_model": "exp-qa-base",
+     "termination_reason": "response_budget"},
 ]  # fmt: skip
 
 
@@ -87,24 +92,26 @@ def test_report_numbers_are_recomputed_from_the_saved_predictions(tmp_path):
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved == json.loads(json.dumps(out))
     row = saved["systems"]["stage1+qa_base"]
-    answered = [r for r in PREDICTIONS if r["prediction"] is not None]
-    locomo_f1 = [metrics.locomo_f1(r["prediction"], r["answer"] or "", r["category"]) for r in answered]
-    assert row["locomo"] == {"f1": round(sum(locomo_f1) / 3, 4), "n": 3}
+    # The unanswered question (q4) scores 0 and stays in every mean: all four questions count.
+    locomo_f1 = [metrics.locomo_f1(r["predictions"]["locomo"], r["answer"] or "", r["category"]) for r in PREDICTIONS[:3]]
+    assert row["locomo"] == {"f1": round(sum(locomo_f1) / 4, 4), "n": 4}
     assert locomo_f1[2] == 1.0  # category 5: the model abstained
-    mem0 = [r for r in answered if r["category"] != 5]
-    assert row["mem0"]["f1"] == round(sum(metrics.mem0_f1(r["prediction"], r["answer"]) for r in mem0) / 2, 4)
-    assert row["mem0"]["bleu1"] == round(sum(metrics.bleu1(r["prediction"], r["answer"]) for r in mem0) / 2, 4)
-    assert row["mem0"]["j"] == 0.5 and row["mem0"]["n"] == 2
+    mem0 = [r for r in PREDICTIONS[:2]]
+    assert row["mem0"]["f1"] == round(sum(metrics.mem0_f1(r["predictions"]["mem0"], r["answer"]) for r in mem0) / 3, 4)
+    assert row["mem0"]["bleu1"] == round(sum(metrics.bleu1(r["predictions"]["mem0"], r["answer"]) for r in mem0) / 3, 4)
+    # J: q1 correct, q2's reply unparsed (not correct, counted), q4 unanswered (0).
+    assert row["mem0"]["j"] == round(1 / 3, 4) and row["mem0"]["n"] == 3 and row["mem0"]["j_unparsed"] == 1
     assert row["per_category"]["2"] == {
         "name": "temporal", "n": 1, "locomo_f1": round(metrics.locomo_f1("May 2023", "7 May 2023", 2), 4),
-        "mem0_f1": round(metrics.mem0_f1("May 2023", "7 May 2023"), 4),
-        "bleu1": round(metrics.bleu1("May 2023", "7 May 2023"), 4), "j": 0.0,
+        "mem0_f1": round(metrics.mem0_f1("in May 2023", "7 May 2023"), 4),
+        "bleu1": round(metrics.bleu1("in May 2023", "7 May 2023"), 4), "j": 0.0,
     }  # fmt: skip
-    assert row["evidence_recall_at_k"] == 0.75
-    assert row["latency_s"] == {"p50": 1.0, "p95": 1.45}
-    assert row["skipped"] == 1 and row["skip_reasons"] == ["30000 prompt tokens > 4064"]
-    assert row["context_tokens_mean"] == round((120 + 100 + 80 + 30000) / 4, 4)
-    assert row["termination"] == {"done": 2, "no_tool_call": 1}
+    assert row["per_category"]["4"]["n"] == 1 and row["per_category"]["4"]["locomo_f1"] == 0.0
+    assert row["evidence_recall_at_k"] == 0.5
+    assert row["latency_s"] == {"p50": 1.25, "p95": 1.925}
+    assert (row["questions"], row["answered"], row["unanswered"], row["skipped"]) == (4, 3, 1, 0)
+    assert row["context_tokens_mean"] == {"locomo": 97.5, "mem0": round((150 + 130 + 110) / 3, 4)}
+    assert row["termination"] == {"done": 2, "no_tool_call": 1, "response_budget": 1}
     assert [s["reward_mean"] for s in saved["training"]["stage1"]] == [0.1, 0.2]
     assert "stage2" not in saved["training"]
     assert saved["plots"] == ["per_category.png", "training.png"]
@@ -112,16 +119,42 @@ def test_report_numbers_are_recomputed_from_the_saved_predictions(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (tmp_path / "report.md").read_text()
     assert "| stage1+qa_base |" in md and "judge: exp-qa-base" in md and "![training.png](training.png)" in md
+    assert "question-conditioned" in md and "could not be parsed for 1 questions" in md
     page = (tmp_path / "report.html").read_text()
-    # main table, LoCoMo F1 per category, Mem0 protocol per category
+    # main table, LoCoMo F1 per category, Mem0 protocol per category, memory episodes
     assert page.count("<table>") == 3 and '<img src="per_category.png"' in page
-    assert "30000 prompt tokens > 4064" in md
+
+
+def test_only_full_context_may_skip_and_it_is_reported_apart(tmp_path):
+    """A memory system's missing answer is a 0, never a question left out of its means; full_context's
+    too-long questions are left out and its row says it was scored on fewer questions."""
+    skipped = dict(PREDICTIONS[3], predictions={"locomo": None, "mem0": None}, skipped="30000 prompt tokens > 4064")
+    records = [*PREDICTIONS[:3], skipped]
+    paths = {}
+    for name in ("no_update", "full_context"):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = report.build_report(tmp_path, paths, experiment="exp", settings={"top_k": 5})
+    full, memory = out["systems"]["full_context"], out["systems"]["no_update"]
+    assert (full["scored"], full["skipped"], full["unanswered"]) == (3, 1, 0)
+    assert (memory["scored"], memory["skipped"], memory["unanswered"]) == (4, 0, 1)
+    assert memory["locomo"]["f1"] == round(full["locomo"]["f1"] * 3 / 4, 4)
+    md = (tmp_path / "report.md").read_text()
+    assert "full_context: scored on 3 of 4 questions, not comparable" in md and "no_update: scored on" not in md
+
+
+def test_systems_asked_different_questions_are_refused(tmp_path):
+    paths = {"no_update": tmp_path / "a.jsonl", "stage1+qa_base": tmp_path / "b.jsonl"}
+    paths["no_update"].write_text("".join(json.dumps(r) + "\n" for r in PREDICTIONS))
+    paths["stage1+qa_base"].write_text("".join(json.dumps(r) + "\n" for r in PREDICTIONS[:3]))
+    with pytest.raises(ValueError, match="different questions"):
+        report.build_report(tmp_path, paths, experiment="exp", settings={})
 
 
 def test_rebuilt_report_takes_settings_and_judge_from_the_predictions(tmp_path):
     folder = tmp_path / "predictions"
     folder.mkdir()
-    judged = [dict(r, judge_model="exp-qa-base") for r in PREDICTIONS]
+    judged = PREDICTIONS
     for name in ("stage1+qa_base", "no_update"):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in judged))
         (folder / f"{name}.meta.json").write_text(json.dumps({"settings": {"top_k": 7, "questions_per_conversation": 2},
@@ -137,9 +170,10 @@ def test_rebuilt_report_takes_settings_and_judge_from_the_predictions(tmp_path):
 
 
 def test_a_bare_letter_reply_to_the_category_5_choice_is_scored_as_its_option():
-    record = {"prediction": "a", "category": 5, "choices": {"a": "Not mentioned in the conversation", "b": "Bo"}}
+    record = {"predictions": {"locomo": "a"}, "category": 5,
+              "choices": {"a": "Not mentioned in the conversation", "b": "Bo"}}  # fmt: skip
     assert report.score_prediction(record)["locomo_f1"] == 1.0
-    assert report.score_prediction(dict(record, prediction="b"))["locomo_f1"] == 0.0
+    assert report.score_prediction(dict(record, predictions={"locomo": "b"}))["locomo_f1"] == 0.0
 
 
 def test_published_numbers_sit_beside_ours(tmp_path, repo_root):
@@ -154,3 +188,21 @@ def test_published_numbers_sit_beside_ours(tmp_path, repo_root):
     md = (tmp_path / "report.md").read_text()
     assert "## Beside published numbers" in md and "Not comparable one to one" in md
     assert "judge: none (J not computed)" in md
+
+
+def test_full_context_is_laid_out_as_locomo_lays_it_out():
+    """get_input_context prepends each session to the ones before it, so the newest comes first."""
+    from types import SimpleNamespace as NS
+
+    conv = NS(speaker_a="Ana", speaker_b="Bo", sessions=[
+        NS(date_time="1 May 2023", turns=[NS(speaker="Ana", text="Hi", image_caption=None),
+                                          NS(speaker="Bo", text="Look", image_caption="a cat")]),
+        NS(date_time="2 May 2023", turns=[NS(speaker="Bo", text="Bye", image_caption=None)]),
+    ])  # fmt: skip
+    text = locomo.locomo_full_context(conv, "Between {} and {}.\n\n")
+    assert text == (
+        "Between Ana and Bo.\n\n"
+        'DATE: 2 May 2023\nCONVERSATION:\nBo said, "Bye"\n\n'
+        'DATE: 1 May 2023\nCONVERSATION:\nAna said, "Hi"\n\nBo said, "Look"\n and shared a cat.\n'
+        "\n\n\n\n"
+    )

@@ -1,19 +1,136 @@
-"""MemAgent evaluation of one model in-process and through a served copy: the same greedy replies, the same
-scores, and a report that recomputes from its predictions."""
+"""MemAgent evaluation: every chunk of a haystack is read unless truncation is asked for (and then it is
+recorded), MemAgent's own evaluation style is reported beside ours, and a model in-process and through a
+served copy gives the same greedy replies, scores, and a report that recomputes from its predictions."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
+from omegaconf import OmegaConf
 
-from memupdate.eval.memagent import METRICS, memagent_length_curve, model_source
+from memupdate.eval.memagent import (
+    MEMAGENT_STYLE_METRICS,
+    METRICS,
+    MemAgentEvalSettings,
+    memagent_length_curve,
+    memagent_style_answer,
+    memagent_style_scores,
+    model_source,
+)
 from memupdate.serving.readiness import write_marker
 from memupdate.serving.vllm import start_vllm_server
 
-SETTINGS = {"chunk_size": 48, "max_chunks": 3, "max_memory_tokens": 12, "max_final_tokens": 8,
-            "prompt_length": 768, "batch_size": 3, "limit": 3}  # fmt: skip
+# hotpot_rows' first three haystacks are 720, 735 and 1444 tiny-model tokens: 3, 3 and 6 chunks of 256.
+SETTINGS = {"chunk_size": 256, "max_memory_tokens": 12, "max_final_tokens": 8, "prompt_length": 768,
+            "batch_size": 3, "limit": 3}  # fmt: skip
+
+
+def predictions(out, name, length, style=""):
+    return [json.loads(line) for line in (out / "predictions" / f"{name}-{length}{style}.jsonl").open()]
+
+
+def haystack_tokens(model_dir, rows, n):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    contexts = pq.read_table(rows, columns=["context"]).column("context").to_pylist()[:n]
+    return [len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in contexts]
+
+
+def test_training_budget_is_not_an_evaluation_setting():
+    with pytest.raises(ValueError, match="evaluation reads every chunk.*truncate_chunks"):
+        MemAgentEvalSettings.from_dict({"chunk_size": 256, "max_chunks": 2})
+    assert MemAgentEvalSettings.from_dict({}).truncate_chunks is None
+
+
+@pytest.mark.slow
+def test_evaluation_reads_every_chunk_unless_truncation_is_asked_for(tiny_models, hotpot_rows, tmp_path):
+    model = tiny_models / "policy"
+    lengths = haystack_tokens(model, hotpot_rows, 3)
+    assert max(lengths) > 2 * 256  # longer than the 2-chunk budget below (and than training's 3 x 48)
+    whole = memagent_length_curve({"tiny": model}, {"3": hotpot_rows}, tmp_path / "whole",
+                                  {**SETTINGS, "memagent_style": False})  # fmt: skip
+    for p, n in zip(predictions(tmp_path / "whole", "tiny", 3), lengths, strict=True):
+        assert p["haystack_tokens"] == p["context_tokens"] == n and p["truncated_tokens"] == 0
+        assert p["chunks_read"] == p["chunks_total"] == math.ceil(n / 256)
+    summary = whole["results"]["tiny"]["3"]
+    assert summary["truncated"] == 0.0 and summary["context_tokens"] == summary["haystack_tokens"]
+    assert summary["haystack_tokens"] == pytest.approx(np.mean(lengths), abs=1e-4)
+    assert "every chunk of each haystack is read" in (tmp_path / "whole" / "report.md").read_text()
+
+    cut = memagent_length_curve({"tiny": model}, {"3": hotpot_rows}, tmp_path / "cut",
+                                {**SETTINGS, "truncate_chunks": 2, "memagent_style": False})  # fmt: skip
+    for p, n in zip(predictions(tmp_path / "cut", "tiny", 3), lengths, strict=True):
+        assert p["haystack_tokens"] == n and p["chunks_total"] == math.ceil(n / 256)
+        assert p["chunks_read"] == min(2, p["chunks_total"])
+        assert p["truncated_tokens"] == max(0, n - 512) and p["context_tokens"] == min(n, 512)
+    assert cut["results"]["tiny"]["3"]["truncated"] == pytest.approx(
+        np.mean([n > 512 for n in lengths]), abs=1e-4
+    )
+    assert "centre-truncated to 2 chunks" in (tmp_path / "cut" / "report.md").read_text()
+
+
+def test_memagent_style_answer_follows_upstream_extraction():
+    # taskutils/memory_eval/utils/__init__.py: after </think>, '*' removed, the last "the answer is", dots stripped.
+    assert memagent_style_answer("x. Therefore, the answer is **Ed Wood**.") == "Ed Wood"
+    assert memagent_style_answer("the answer is A, so the answer is B.") == "B"
+    assert memagent_style_answer("<think>the answer is A</think> Therefore, the answer is B") == "B"
+    assert memagent_style_answer(r"\boxed{Paris}") is None
+    assert memagent_style_answer(None) is None
+
+
+def test_memagent_style_scores_use_the_first_gold_answer_and_hotpotqa_f1():
+    scores = memagent_style_scores("so the answer is Paris", ["London", "Paris"])
+    assert (scores["exact_match"], scores["sub_em"], scores["answered"]) == (0.0, 0.0, 1.0)
+    assert memagent_style_scores("so the answer is yes", ["no"])["f1"] == 0.0
+    assert memagent_style_scores("so the answer is no, never", ["no"])["f1"] == 0.0  # yes/no only exactly
+    assert memagent_style_scores("the answer is the Beatles band", ["Beatles"]) == {
+        "pred": "the Beatles band", "exact_match": 0.0, "sub_em": 1.0, "f1": 0.67, "answered": 1.0,
+    }  # fmt: skip
+    # An answer that normalises to nothing is contained in any gold answer: upstream counts it.
+    assert memagent_style_scores("the answer is the", ["Paris"])["sub_em"] == 1.0
+    assert memagent_style_scores("the answer is .", ["Paris"])["answered"] == 1.0
+    assert memagent_style_scores("the answer is .", ["Paris"])["sub_em"] == 0.0
+
+
+@pytest.mark.slow
+def test_memagent_style_is_reported_beside_ours(tiny_models, hotpot_rows, tmp_path):
+    out = tmp_path / "eval"
+    report = memagent_length_curve({"tiny": tiny_models / "policy"}, {"3": hotpot_rows}, out, SETTINGS)
+    style = report["memagent_style"]
+    assert "temperature 0.7 / top-p 0.95" in style["protocol"] and "the answer is" in style["protocol"]
+    # MemAgent's style: its final prompt, the memory turns' token limit, and its sampling.
+    agent = OmegaConf.load(out / "work" / "tiny" / "memagent" / "agent_loops.yaml")[0]
+    assert (agent.final_prompt, agent.max_final_tokens, agent.max_chunks) == ("answer_is", 12, None)
+    ours = OmegaConf.load(out / "work" / "tiny" / "ours" / "agent_loops.yaml")[0]
+    assert (ours.final_prompt, ours.max_final_tokens) == ("boxed", 8)
+    records = predictions(out, "tiny", 3, ".memagent_style")
+    assert len(records) == 3 and len(predictions(out, "tiny", 3)) == 3
+    for r in records:
+        assert {k: r[k] for k in ("pred", *MEMAGENT_STYLE_METRICS)} == memagent_style_scores(
+            r["reply"], r["answers"]
+        )
+        assert r["truncated_tokens"] == 0
+    summary = style["results"]["tiny"]["3"]
+    for key in MEMAGENT_STYLE_METRICS:
+        assert summary[key] == pytest.approx(np.mean([r[key] for r in records]), abs=1e-4)
+    text = (out / "report.md").read_text()
+    assert "## Our evaluation" in text and "## MemAgent's own evaluation style" in text
+
+
+def test_memagent_style_samples_at_upstream_temperature(tiny_models, tmp_path):
+    from memupdate.eval.memagent import MemAgentEvaluator
+
+    evaluator = MemAgentEvaluator(tiny_models / "policy", MemAgentEvalSettings(**SETTINGS), tmp_path)
+    sampling = {
+        style: evaluator.configs[style].actor_rollout_ref.rollout.val_kwargs for style in ("ours", "memagent")
+    }
+    assert (sampling["memagent"].temperature, sampling["memagent"].top_p) == (0.7, 0.95)
+    assert sampling["ours"].temperature == 0  # greedy
 
 
 @pytest.mark.slow
@@ -28,22 +145,20 @@ def test_served_and_in_process_evaluation_agree(tiny_model_dir, hotpot_rows, vll
                      model_path=tiny_model_dir)  # fmt: skip
         assert model_source(marker)[0] == tiny_model_dir.resolve()
         report = memagent_length_curve(
-            {"local": tiny_model_dir, "served": marker}, {"3": hotpot_rows}, tmp_path / "eval", SETTINGS
-        )
+            {"local": tiny_model_dir, "served": marker}, {"3": hotpot_rows}, tmp_path / "eval",
+            {**SETTINGS, "memagent_style": False},
+        )  # fmt: skip
     assert report["models"] == {
         "local": {"path": str(tiny_model_dir), "served_as": None},
         "served": {"path": str(tiny_model_dir.resolve()), "served_as": "tiny-eval"},
     }
-    predictions = {
-        name: [json.loads(line) for line in (tmp_path / "eval" / "predictions" / f"{name}-3.jsonl").open()]
-        for name in ("local", "served")
-    }
+    records = {name: predictions(tmp_path / "eval", name, 3) for name in ("local", "served")}
     # Greedy decoding of one float32 model: the server writes the same memories and answers, chunk by chunk.
-    assert [p["reply"] for p in predictions["served"]] == [p["reply"] for p in predictions["local"]]
-    assert [p["chunks"] for p in predictions["served"]] == [3, 3, 3]
-    for name, records in predictions.items():
+    assert [p["reply"] for p in records["served"]] == [p["reply"] for p in records["local"]]
+    assert [p["chunks_read"] for p in records["served"]] == [p["chunks_total"] for p in records["local"]]
+    for name, rows in records.items():
         summary = report["results"][name]["3"]
         assert summary["n"] == 3
         for key in METRICS:
-            assert summary[key] == pytest.approx(np.mean([r[key] for r in records]), abs=1e-4)
+            assert summary[key] == pytest.approx(np.mean([r[key] for r in rows]), abs=1e-4)
     assert (tmp_path / "eval" / "length_curve.png").is_file()

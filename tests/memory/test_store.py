@@ -11,10 +11,13 @@ import pytest
 from memupdate.memory.index import normalize_rows
 from memupdate.memory.store import (
     BaseStore,
+    EvidenceNotWritable,
+    Hit,
     InvalidMemoryOperation,
     MemoryRecord,
     TrialStore,
     UnknownMemoryId,
+    within_budget,
 )
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -218,6 +221,76 @@ def test_merge_and_split_are_real_store_operations():
     }
 
 
+def test_evidence_is_provenance_no_write_can_claim_it():
+    trial = TrialStore(toy_base())
+    claim = {"evidence": ["D7:7"]}
+    writes = [
+        lambda: trial.create("Ana keeps goats", claim, vector=vec(1, 0, 0, 0)),
+        lambda: trial.update(0, "Ana keeps three hives", claim, vector=vec(1, 0, 0, 0)),
+        lambda: trial.update(0, metadata=claim),
+        lambda: trial.merge([0, 2], "Ana keeps bees and sells honey", claim, vector=vec(1, 0, 0, 0)),
+        lambda: trial.split(3, ["Ben moved", "Ben lives in Lisbon"], claim, vectors=np.eye(4)[:2]),
+    ]
+    for write in writes:
+        with pytest.raises(EvidenceNotWritable, match="evidence cannot be set"):
+            write()
+    assert trial.export_delta()["created"] == [] and trial.export_delta()["updated"] == []
+
+    assert trial.get(trial.create("Ana keeps goats", vector=vec(1, 0, 0, 0))).evidence == ()
+    assert trial.update(0, "Ana keeps three hives", {"type": "fact"}, vector=vec(1, 0, 0, 0)).evidence == (
+        "D1:1",
+    )
+    assert trial.get(trial.merge([0, 2], "Ana keeps bees, sells honey", vector=vec(1, 0, 0, 0))).evidence == (
+        "D1:1",
+        "D2:1",
+    )
+    parts = trial.split(3, ["Ben moved", "Ben lives in Lisbon"], vectors=np.eye(4)[:2])
+    assert [trial.get(i).evidence for i in parts] == [("D2:4", "D2:5")] * 2
+
+
+@pytest.mark.asyncio
+async def test_async_writes_refuse_claimed_evidence_before_embedding(base, counting_embedder):
+    trial = TrialStore(base, counting_embedder)
+    claim = {"evidence": ["D1:3"]}
+    for write in (
+        trial.acreate("x", claim),
+        trial.aupdate(0, "x", claim),
+        trial.amerge([0, 1], "x", claim),
+        trial.asplit(0, ["x", "y"], claim),
+    ):
+        with pytest.raises(EvidenceNotWritable):
+            await write
+    assert counting_embedder.calls == 0
+
+
+def test_within_budget_keeps_whole_memories_in_rank_order():
+    hits = [
+        Hit(i, 1.0 - i / 10, MemoryRecord(i, text))
+        for i, text in enumerate(["a" * 40, "b" * 50, "c" * 5, "d" * 5])
+    ]
+    assert [h.id for h in within_budget(hits, 100)] == [0, 1, 2, 3]
+    assert [h.id for h in within_budget(hits, 94)] == [0, 1], "stops at the first memory that overflows"
+    assert [h.id for h in within_budget(hits, 40)] == [0]
+    cut = within_budget(hits, 25)
+    assert [(h.id, h.content, h.score) for h in cut] == [(0, "a" * 25, 1.0)], (
+        "the first hit is cut, never dropped"
+    )
+    assert hits[0].content == "a" * 40, "the store's record is not changed"
+    assert within_budget([], 10) == []
+    with pytest.raises(ValueError, match="max_chars must be >= 1"):
+        within_budget(hits, 0)
+
+
+def test_created_lists_the_trials_new_memories_still_held():
+    trial = TrialStore(toy_base())
+    a = trial.create("Ana keeps goats", vector=vec(1, 0, 0, 0))
+    b = trial.create("Ben keeps cats", vector=vec(0, 1, 0, 0))
+    trial.update(0, "Ana keeps three hives", vector=vec(1, 0, 0, 0))
+    merged = trial.merge([b, 1], "Ben keeps cats and plays cello", vector=vec(0, 1, 0, 0))
+    assert [r.id for r in trial.created()] == [a, merged]
+    assert trial.export_delta()["created"] == [r.to_dict() for r in trial.created()]
+
+
 # ---------------------------------------------------------------------------------------------- overlay on a real conversation
 
 
@@ -364,3 +437,15 @@ async def test_delta_round_trip(base, counting_embedder):
         TrialStore.from_delta(toy_base(), delta, counting_embedder)
     with pytest.raises(ValueError, match="inconsistent delta"):
         TrialStore.from_delta(base, {**delta, "deleted": [*delta["deleted"], 10_000]}, counting_embedder)
+
+    # The reward reads evidence from the delta: one claiming ids its memory did not derive from is refused.
+    merged = next(r for r in delta["created"] if r["evidence"])
+    assert set(merged["evidence"]) == set(base.get(8).evidence) | set(base.get(9).evidence)
+    forged_created = {
+        **delta,
+        "created": [{**r, "evidence": [*r["evidence"], "D1:3"]} for r in delta["created"]],
+    }
+    forged_updated = {**delta, "updated": [{**r, "evidence": ["D1:3"]} for r in delta["updated"]]}
+    for forged in (forged_created, forged_updated):
+        with pytest.raises(ValueError, match=r"cites evidence \['D1:3'\] that no memory it derives from has"):
+            TrialStore.from_delta(base, forged, counting_embedder)

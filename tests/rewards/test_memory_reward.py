@@ -3,7 +3,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from memupdate.memory.store import TrialStore
+from memupdate.memory.store import EvidenceNotWritable, TrialStore
 from memupdate.rewards.efficiency import EfficiencyConfig, efficiency_factor
 from memupdate.rewards.memory import (
     MemoryRewardComputer,
@@ -13,6 +13,7 @@ from memupdate.rewards.memory import (
     select_questions,
 )
 from memupdate.rewards.scorers import AnswerRecallScorer, EvidenceRecallScorer, QAItem
+from memupdate.tools.memory_tools import DEFAULT_MAX_CONTENT_CHARS
 
 TARGET = QAItem("When did Caroline go to the LGBTQ support group?", "7 May 2023", 2, ("D1:3",))
 # Tie the reward to what retrieval returns, not to the efficiency factor.
@@ -27,7 +28,7 @@ def reward(initial, final, items, embedder, scorer, config=NEUTRAL):
 def improved_trial(base, embedder):
     trial = TrialStore(base, embedder)
     text = "Caroline went to the LGBTQ support group on 7 May 2023."
-    trial.create(text, {"speaker": "Caroline", "evidence": ["D1:3"]}, vector=embedder.encode([text])[0])
+    trial.create(text, {"speaker": "Caroline"}, vector=embedder.encode([text])[0])
     return trial
 
 
@@ -116,3 +117,180 @@ def test_config_from_dict():
 def test_query_vectors_must_match_items(base):
     with pytest.raises(ValueError, match="one query vector per question"):
         asyncio.run(memory_reward(TrialStore(base), TrialStore(base), [TARGET], np.zeros((2, 384)), AnswerRecallScorer()))
+
+
+# ------------------------------------------------------------------ issue 14: no reward without better memory
+
+CAP = DEFAULT_MAX_CONTENT_CHARS  # what the writing tools accept (tests/tools show longer text refused)
+
+
+def pasted(question, hits):
+    """Exploit 1 of issue 14: the question followed by the text of its search results."""
+    return " ".join([question, *(h.content for h in hits)])
+
+
+def question_and_hits(cap):
+    def build(trial, item, hits, vec):
+        text = pasted(item.question, hits[:5])[:cap]
+        trial.create(text, vector=vec(text))
+
+    return build
+
+
+def copies(trial, item, hits, vec):
+    text = pasted(item.question, hits[:5])[:CAP]
+    for _ in range(10):
+        trial.create(text, vector=vec(text))
+
+
+def hits_text(trial, item, hits, vec):
+    text = " ".join(h.content for h in hits[:5])[:CAP]  # long content within the cap
+    trial.create(text, vector=vec(text))
+
+
+def question_alone(trial, item, hits, vec):
+    trial.create(item.question, vector=vec(item.question))
+
+
+def merge_unrelated(trial, item, hits, vec):
+    # The five memories least like the question, merged under the question's words to collect their evidence.
+    trial.merge([h.id for h in hits[-5:]], item.question, vector=vec(item.question))
+
+
+def split_top_hit(trial, item, hits, vec):
+    parts = [item.question, f"{item.question}?"]  # no word beyond the question
+    trial.split(hits[0].id, parts, vectors=np.stack([vec(p) for p in parts]))
+
+
+EXPLOITS = {
+    "question and its search results, capped": question_and_hits(CAP),
+    "question and its search results, uncapped": question_and_hits(10_000),
+    "ten copies of it": copies,
+    "search results' text within the cap": hits_text,
+    "the question pasted alone": question_alone,
+    "merge of unrelated memories": merge_unrelated,
+    "split of the top hit into the question": split_top_hit,
+}
+
+
+@pytest.fixture(scope="module")
+def exploit_setting(base, embedder, locomo_conversations):
+    """Every answerable question of conv-26, its ranked memories (top 5, and the 5 least similar) and the
+    vectors of every text the exploits write, embedded in one batch."""
+    items = [QAItem(q.question, q.answer, q.category, q.evidence) for q in locomo_conversations["conv-26"].qa if q.answer]
+    queries = embedder.encode([i.question for i in items])
+    ranked = []
+    for query in queries:
+        everything = TrialStore(base).search(query, len(base))
+        ranked.append([*everything[:5], *everything[-5:]])
+    texts = {
+        text
+        for item, hits in zip(items, ranked, strict=True)
+        for text in (
+            item.question,
+            f"{item.question}?",
+            pasted(item.question, hits[:5]),
+            pasted(item.question, hits[:5])[:CAP],
+            " ".join(h.content for h in hits[:5])[:CAP],
+        )
+    }
+    texts = sorted(texts)
+    vectors = dict(zip(texts, embedder.encode(texts), strict=True))
+    return items, queries, ranked, vectors
+
+
+@pytest.mark.parametrize("scorer", [AnswerRecallScorer(), EvidenceRecallScorer()], ids=lambda s: s.name)
+@pytest.mark.parametrize("exploit", list(EXPLOITS))
+def test_no_exploit_earns_a_positive_reward_on_any_conv26_question(base, exploit_setting, exploit, scorer):
+    items, queries, ranked, vectors = exploit_setting
+    config = MemoryRewardConfig(efficiency=EfficiencyConfig(max_total_memories=None))
+    paid = []
+    for item, query, hits in zip(items, queries, ranked, strict=True):
+        trial = TrialStore(base)
+        EXPLOITS[exploit](trial, item, hits, vectors.__getitem__)
+        out = asyncio.run(memory_reward(TrialStore(base), trial, [item], query[None], scorer, config))
+        assert out["context_chars_final"] <= config.context_chars
+        if out["score"] > 0:
+            paid.append((round(out["score"], 3), item.question, item.answer))
+    assert not paid, f"{exploit} paid on {len(paid)} of {len(items)} questions: {paid[:3]}"
+
+
+def test_cited_evidence_cannot_be_written_so_it_cannot_be_rewarded(base, embedder):
+    """Exploit 2 of issue 14: a memory citing the gold dialogue ids. The store refuses the claim (the tools
+    word it for the model); the same memory without it earns nothing from evidence_recall."""
+    trial = TrialStore(base, embedder)
+    vector = embedder.encode([TARGET.question])[0]
+    with pytest.raises(EvidenceNotWritable):
+        trial.create(TARGET.question, {"evidence": list(TARGET.evidence)}, vector=vector)
+    trial.create(TARGET.question, vector=vector)
+    out = reward(TrialStore(base), trial, [TARGET], embedder, EvidenceRecallScorer())
+    assert out["qa_initial"] == 1.0 and out["score"] <= 0
+
+
+def test_s_reads_a_fixed_budget_of_text_however_long_the_memories(base, embedder):
+    long_text = " ".join(r.content for r in base.records[:40])  # ~3,800 characters, past any cap
+    trial = TrialStore(base, embedder)
+    trial.create(f"{TARGET.question} {long_text}", vector=embedder.encode([TARGET.question])[0])
+    out = reward(TrialStore(base), trial, [TARGET], embedder, AnswerRecallScorer())
+    assert out["context_chars_final"] == NEUTRAL.context_chars == 500, "the one hit is cut to the budget"
+    assert 0 < out["context_chars_initial"] <= 500
+
+
+def test_components_log_what_the_trajectory_wrote(base, embedder):
+    texts = ["Caroline went to the LGBTQ support group on 7 May 2023.", "Melanie ran a charity race.", "x" * 250]
+    trial = TrialStore(base, embedder)
+    for text, vector in zip(texts, embedder.encode(texts), strict=True):
+        trial.create(text, vector=vector)
+    out = reward(TrialStore(base), trial, [TARGET], embedder, AnswerRecallScorer())
+    lengths = [len(t) for t in texts]
+    assert out["created_count"] == 3 and out["created_chars_max"] == 250
+    assert out["created_chars_mean"] == pytest.approx(sum(lengths) / 3)
+    unchanged = reward(TrialStore(base), TrialStore(base), [TARGET], embedder, AnswerRecallScorer())
+    assert unchanged["created_count"] == 0 and unchanged["context_chars_final"] == unchanged["context_chars_initial"] > 0
+
+
+# ------------------------------------------------------------------ issue 14 item 5: E scales gains only
+
+ALWAYS = MemoryRewardConfig(efficiency=EfficiencyConfig(max_total_memories=None, apply_to="always"))
+
+
+def test_a_harmful_edit_that_bloats_the_store_is_punished_at_least_as_much(base, embedder):
+    harmful, bloated = TrialStore(base), TrialStore(base)
+    harmful.delete(0)  # the only memory citing the gold evidence D1:3
+    bloated.delete(0)
+    junk = [f"Shopping list {i}: milk, eggs, flour and {i} apples." for i in range(40)]
+    for text, vector in zip(junk, embedder.encode(junk), strict=True):
+        bloated.create(text, vector=vector)
+    small = reward(TrialStore(base), harmful, [TARGET], embedder, EvidenceRecallScorer())
+    big = reward(TrialStore(base), bloated, [TARGET], embedder, EvidenceRecallScorer())
+    assert big["qa_delta"] == small["qa_delta"] == -1.0 and big["efficiency"] < small["efficiency"]
+    assert big["score"] <= small["score"] and big["score"] == small["score"] == -1.0
+    # Upstream's product, kept behind apply_to: always, punished the bloated store less.
+    small_always = reward(TrialStore(base), harmful, [TARGET], embedder, EvidenceRecallScorer(), ALWAYS)
+    big_always = reward(TrialStore(base), bloated, [TARGET], embedder, EvidenceRecallScorer(), ALWAYS)
+    assert big_always["score"] > small_always["score"]
+
+
+def test_a_gain_is_still_scaled_by_efficiency(base, embedder):
+    config = MemoryRewardConfig(efficiency=EfficiencyConfig(max_total_memories=100))  # size factor < 1
+    out = reward(TrialStore(base), improved_trial(base, embedder), [TARGET], embedder, AnswerRecallScorer(), config)
+    assert out["qa_delta"] > 0 and out["efficiency"] < 1 and out["score"] == pytest.approx(out["qa_delta"] * out["efficiency"])
+
+
+def test_an_emptied_store_has_density_zero(base, embedder):
+    emptied = TrialStore(base)
+    for record in base.records:
+        emptied.delete(record.id)
+    out = reward(TrialStore(base), emptied, [TARGET], embedder, EvidenceRecallScorer())
+    assert out["memories_final"] == 0 and out["context_chars_final"] == 0
+    assert out["density_factor"] == 0.0 and out["efficiency"] == EfficiencyConfig().min_factor
+    assert out["score"] == out["qa_delta"] == -1.0
+    assert reward(TrialStore(base), emptied, [TARGET], embedder, EvidenceRecallScorer(), ALWAYS)["score"] == pytest.approx(-0.1)
+
+
+def test_apply_to_is_validated():
+    assert MemoryRewardConfig.from_dict({"efficiency": {"apply_to": "always"}}).efficiency.apply_to == "always"
+    with pytest.raises(ValueError, match="apply_to must be one of"):
+        EfficiencyConfig(apply_to="sometimes")
+    with pytest.raises(ValueError, match="context_chars must be >= 1"):
+        MemoryRewardConfig(context_chars=0)

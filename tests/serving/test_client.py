@@ -113,10 +113,12 @@ def test_reader_and_judge_scorers_speak_the_protocol():
                 reader = ReaderScorer(rc, metric="locomo_f1")
                 f1 = await reader.score([item, item], [with_answer, without])
                 judged = await JudgeScorer(reader, jc).score([item, item], [with_answer, without])
-            return f1, judged, reader_server.requests
+            return f1, judged, reader_server.requests, judge_server.requests
 
-    f1, judged, requests = run(main())
+    f1, judged, requests, judge_requests = run(main())
     assert f1 == [1.0, 0.0] and judged == [1.0, 0.0]
     prompt = requests[0]["messages"][0]["content"]
-    assert "- [8 May 2023] Caroline: Caroline went to the support group on 7 May 2023." in prompt
+    # Mem0's ANSWER_PROMPT (the reader's default protocol): each speaker's memories as a JSON list.
+    assert 'Memories for user Caroline:\n\n    [\n    "8 May 2023: Caroline went to the support group on 7 May 2023."\n]' in prompt
     assert requests[0]["temperature"] == 0.0 and requests[0]["max_tokens"] == 32
+    assert all(r["response_format"] == {"type": "json_object"} for r in judge_requests)

@@ -6,9 +6,11 @@ from verl.tools.tool_registry import initialize_tools_from_config
 
 from memupdate.data.locomo import MEMORY_TOOLS
 from memupdate.tools.memory_tools import (
+    DEFAULT_MAX_CONTENT_CHARS,
     DELTA_KEY,
     NAMESPACE_KEY,
     TOOL_CLASSES,
+    ManageMemoryTool,
     agent_data_for,
     format_record,
     manager_from_config,
@@ -90,7 +92,7 @@ def test_create_update_delete_change_the_store_and_the_delta(tools):
     agent = new_agent_data()
     text, ok = call(
         tools, agent, "manage_memory", operation="create", content="Caroline went to an LGBTQ support group on 7 May 2023.",
-        metadata={"speaker": "Caroline", "evidence": ["D1:3"]},
+        metadata={"speaker": "Caroline"},
     )
     assert ok and text.startswith("Created memory [184] (Caroline)")
     assert agent.extra_fields[NAMESPACE_KEY] == f"{BASE_NS}-{agent.request_id[:8]}"
@@ -202,3 +204,105 @@ def test_format_record_truncates_long_content():
 
     record = MemoryRecord(3, "x" * 400, speaker="Ana")
     assert format_record(record) == "[3] (Ana) " + "x" * 300 + "..."
+
+
+# ----------------------------------------------------------------------------------- issue 14: honest writes
+
+WRITING_TOOLS = ("manage_memory", "merge_memory", "split_memory")
+
+
+def store_of(tools, agent):
+    return manager_from_config(tools["search_memory"].config).get(agent.extra_fields[NAMESPACE_KEY])
+
+
+def test_the_content_cap_comes_from_the_shipped_yaml_and_is_stated_in_every_writing_schema(repo_root, tool_config, monkeypatch):
+    monkeypatch.setenv("MEMUPDATE_MEMORIES", tool_config["memories"])
+    monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", tool_config["embeddings"])
+    path = str(repo_root / "config/tools/memory_tools.yaml")
+    default = {t.name: t for t in initialize_tools_from_config(path)}
+    assert all(default[name].max_content_chars == DEFAULT_MAX_CONTENT_CHARS == 300 for name in WRITING_TOOLS)
+    monkeypatch.setenv("MEMUPDATE_MAX_CONTENT_CHARS", "120")
+    loaded = {t.name: t for t in initialize_tools_from_config(path)}
+    for name in WRITING_TOOLS:
+        schema = json.dumps(loaded[name].get_openai_tool_schema().model_dump())
+        assert loaded[name].max_content_chars == 120 and "at most 120 characters" in schema, name
+        assert "{max_content_chars}" not in schema
+
+
+@pytest.mark.parametrize("value", [0, -5, "many", 2.5, True])
+def test_a_bad_content_cap_fails_at_construction_naming_the_key(tool_config, value):
+    with pytest.raises(ValueError, match="max_content_chars must be a positive integer"):
+        ManageMemoryTool({**tool_config, "max_content_chars": value})
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("manage_memory", {"operation": "create", "content": "x" * 301},
+         "content is 301 characters; the limit is 300: write one short fact."),
+        ("manage_memory", {"operation": "update", "memory_id": 0, "content": "y" * 1234},
+         "content is 1,234 characters; the limit is 300: write one short fact."),
+        ("merge_memory", {"memory_ids": [0, 1], "content": "z" * 400},
+         "content is 400 characters; the limit is 300: keep only the facts that matter, or merge fewer memories."),
+        ("split_memory", {"memory_id": 0, "parts": ["short fact", "w" * 350]},
+         "part 2 is 350 characters; the limit is 300: write one short fact per part."),
+    ],
+)
+def test_over_long_content_is_refused_with_an_instruction(tools, name, params, message):
+    agent = new_agent_data()
+    text, ok = call(tools, agent, name, **params)
+    assert not ok and text == message
+    assert DELTA_KEY not in agent.extra_fields and len(store_of(tools, agent)) == 184
+
+
+def test_content_at_the_cap_is_accepted(tools):
+    agent = new_agent_data()
+    text, ok = call(tools, agent, "manage_memory", operation="create", content="c" * 300)
+    assert ok and len(store_of(tools, agent).get(184).content) == 300
+
+
+def test_evidence_comes_only_from_the_memories_a_memory_derives_from(tools):
+    """No writing tool takes evidence ids from its arguments, in metadata or anywhere else."""
+    agent = new_agent_data()
+    store_for = lambda: store_of(tools, agent)  # noqa: E731
+    cited = ["D1:3", "D99:1", "D98:7"]  # the last two cited by no observation
+    text, ok = call(tools, agent, "manage_memory", operation="create", content="Caroline likes tea.", metadata={"evidence": cited})
+    assert not ok and text.startswith("metadata 'evidence' cannot be set") and "Remove it and try again" in text
+    # An argument the schema does not have is not read.
+    _, ok = call(tools, agent, "manage_memory", operation="create", content="Caroline likes tea.", evidence=cited)
+    assert ok and store_for().get(184).evidence == ()
+
+    original = store_for().get(0).evidence
+    assert original == ("D1:3",)
+    text, ok = call(tools, agent, "manage_memory", operation="update", memory_id=0, metadata={"evidence": cited})
+    assert not ok and text.startswith("metadata 'evidence' cannot be set")
+    _, ok = call(tools, agent, "manage_memory", operation="update", memory_id=0, content="Caroline went to a group.", evidence=cited)
+    assert ok and store_for().get(0).evidence == original, "update keeps the original's evidence"
+
+    _, ok = call(tools, agent, "merge_memory", memory_ids=[0, 1], content="Caroline's group gave her courage.",
+                 evidence=cited, metadata={"evidence": cited})  # fmt: skip
+    assert ok and store_for().get(185).evidence == ("D1:3", "D1:7"), "merge: the union of its sources' evidence"
+    _, ok = call(tools, agent, "split_memory", memory_id=185, parts=["Caroline went to a group.", "It gave her courage."],
+                 evidence=cited, metadata={"evidence": cited})  # fmt: skip
+    assert ok and [store_for().get(i).evidence for i in (186, 187)] == [("D1:3", "D1:7")] * 2
+    assert all(not set(cited[1:]) & set(r.evidence) for r in store_for().records())
+
+
+def test_the_cap_reaches_the_tools_from_the_training_config(repo_root, tool_config, tmp_path, monkeypatch):
+    """memory.max_content_chars -> train_stage -> the local backend's config (or the verl launcher's Ray
+    environment) -> MEMUPDATE_MAX_CONTENT_CHARS -> the shipped tools YAML, as the embedding model goes."""
+    from memupdate.training.local import LocalGRPOConfig, run_config
+    from memupdate.training.verl_launcher import tool_env
+
+    for name in ("MEMUPDATE_MEMORIES", "MEMUPDATE_EMBEDDINGS", "MEMUPDATE_EMBEDDING_MODEL", "MEMUPDATE_MAX_CONTENT_CHARS"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test: run_config sets them
+    yaml = str(repo_root / "config/tools/memory_tools.yaml")
+    common = dict(model_path="unused", train_files=[], run_dir=str(tmp_path), tool_config=yaml,
+                  memories=tool_config["memories"], embeddings=tool_config["embeddings"])  # fmt: skip
+    run_config(LocalGRPOConfig(**common, max_content_chars=120))
+    assert {t.name: t.max_content_chars for t in initialize_tools_from_config(yaml)}["manage_memory"] == 120
+    run_config(LocalGRPOConfig(**common))  # a later run without a cap does not inherit 120
+    assert {t.name: t.max_content_chars for t in initialize_tools_from_config(yaml)}["manage_memory"] == 300
+
+    assert tool_env("m", "e", max_content_chars=120)["MEMUPDATE_MAX_CONTENT_CHARS"] == "120"
+    assert "MEMUPDATE_MAX_CONTENT_CHARS" not in tool_env("m", "e")

@@ -79,3 +79,27 @@ def test_same_seed_gives_the_same_weights(tmp_path, tiny_model, grpo_config, mem
         train_local(cfg)
         runs.append(load_file(tmp_path / name / "run" / "ckpt" / "model.safetensors"))
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+def test_log_probs_are_those_of_the_policy_that_sampled_at_the_rollout_temperature(tiny_model):
+    """Tokens drawn at temperature T come from softmax(logits / T); the loss and the KL must use that policy."""
+    from transformers import AutoModelForCausalLM
+    from verl import DataProto
+
+    from memupdate.training.local import response_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompt, response = torch.tensor([[5, 9, 14, 3]]), torch.tensor([[7, 2, 11]])
+    ids = torch.cat([prompt, response], dim=1)
+    batch = DataProto.from_single_dict({
+        "input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(ids.size(1))[None],
+        "responses": response,
+    })  # fmt: skip
+    logits = model(input_ids=ids).logits[0, prompt.size(1) - 1 : -1].float()
+    for temperature in (1.0, 0.7, 2.0):
+        expected = torch.log_softmax(logits / temperature, dim=-1).gather(-1, response[0, :, None]).squeeze(-1)
+        got = response_log_probs(model, batch, False, temperature)[0]
+        assert torch.allclose(got, expected, atol=1e-5), temperature
+    assert not torch.allclose(response_log_probs(model, batch, False, 2.0), response_log_probs(model, batch, False, 1.0))
+    with pytest.raises(ValueError, match="positive sampling temperature"):
+        response_log_probs(model, batch, False, 0.0)

@@ -3,6 +3,7 @@ config, and the files a run writes. Nothing here needs a GPU; main_ppo itself is
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import sys
@@ -265,7 +266,12 @@ def test_prepare_writes_the_run_files(run):
     (entry,) = OmegaConf.load(run_dir / "agent_loops.yaml")
     assert entry._target_ == "memupdate.agents.memory_loop.MemoryUpdateAgentLoop"
     kwargs = hydra.utils.instantiate({**OmegaConf.to_container(entry), "_target_": "builtins.dict"})
-    assert kwargs == {"name": "memupdate_agent", "training_stage": "qa", "fixed_model": ENDPOINT}
+    assert kwargs == {"name": "memupdate_agent", "training_stage": "qa", "fixed_model": ENDPOINT,
+                      "fixed_temperature": 0.0, "qa_max_tokens": 32}  # fmt: skip
+    # ... and the loop takes each of them (verl passes `name` through **kwargs to its base class).
+    from memupdate.agents.memory_loop import MemoryUpdateAgentLoop
+
+    assert set(kwargs) - {"name"} <= set(inspect.signature(MemoryUpdateAgentLoop.__init__).parameters)
     assert argv == vl.build_main_ppo_command("qa", fixed_model_endpoint=ENDPOINT, **run)[0]
 
 

@@ -35,7 +35,7 @@ def test_agent_loop_constructor_is_resolved_once_and_every_trajectory_gets_a_fre
     cfg = LocalGRPOConfig(
         model_path=str(tiny_models / "policy"), train_files=[str(locomo_rows["train"])], run_dir=str(tmp_path),
         tool_config="config/tools/memory_tools.yaml", memories=str(locomo_rows["memories"]),
-        embeddings=str(cache_dir), qa_top_k=3,
+        embeddings=str(cache_dir), qa_max_tokens=7, reward={"top_k": 3},
     )  # fmt: skip
     config = run_config(cfg)
     tokenizer = AutoTokenizer.from_pretrained(tiny_models / "policy")
@@ -48,7 +48,9 @@ def test_agent_loop_constructor_is_resolved_once_and_every_trajectory_gets_a_fre
     assert len(calls) == 1 and calls[0]["_partial_"] is True
     assert type(first) is type(second) is MemoryUpdateAgentLoop and first is not second
     # Settings from the run's agent_loops.yaml reach every loop, and per-trajectory state is not shared.
-    assert first.qa_top_k == second.qa_top_k == 3 and first.deterministic_ids
+    assert first.qa_max_tokens == second.qa_max_tokens == 7 and first.deterministic_ids
+    # The QA phase retrieves as the reward does: its top_k is the reward's, read from verl's config.
+    assert first.qa_top_k == second.qa_top_k == 3
     assert first.server_manager is server and first._namespace is None
     with pytest.raises(ValueError, match="not registered"):
         worker._new_agent_loop("no_such_loop")

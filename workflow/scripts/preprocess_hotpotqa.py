@@ -10,4 +10,5 @@ preprocess_hotpotqa(
     limit=snakemake.params.limit,
     tokenizer=snakemake.params.tokenizer,
     summary_path=snakemake.output.summary,
+    test_percent=snakemake.params.test_percent,
 )

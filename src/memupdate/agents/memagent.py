@@ -25,7 +25,17 @@ from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
-from memupdate.agents.memory_loop import next_request_id
+from memupdate.agents.fields import (
+    CHUNKS_KEY,
+    CHUNKS_TOTAL_KEY,
+    CONTEXT_KEY,
+    FINAL_KEY,
+    TRUNCATED_TOKENS_KEY,
+    TRUNCATIONS_KEY,
+    TURN_KEY,
+    next_request_id,
+)
+from memupdate.agents.fields import MEMAGENT_ANSWER_KEY as ANSWER_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -42,29 +52,36 @@ FINAL_PROMPT = (
     "memory and put the answer in \\boxed{{}}.\n\n"
     "<problem>\n{question}\n</problem>\n\n<memory>\n{memory}\n</memory>\n\nYour answer:"
 )
+#: The final prompt of MemAgent's own evaluation (``TEMPLATE_FINAL`` of ``taskutils/memory_eval/utils/recurrent.py``,
+#: BytedTsinghua-SIA/MemAgent@76b7a658988e4ea53d7388a62de6c0ce79084146): its instruction verbatim, in this
+#: module's layout (upstream adds a space after ``<problem>`` and a newline after ``Your answer:``).
+ANSWER_IS_PROMPT = (
+    "You are presented with a problem and a previous memory. Please answer the problem based on the previous "
+    'memory and format your response as follows "Therefore, the answer is (insert answer here)".\n\n'
+    "<problem>\n{question}\n</problem>\n\n<memory>\n{memory}\n</memory>\n\nYour answer:"
+)
+#: ``final_prompt`` choices: ``boxed`` (training's, and our evaluation's) or ``answer_is`` (MemAgent's evaluation).
+FINAL_PROMPTS = {"boxed": FINAL_PROMPT, "answer_is": ANSWER_IS_PROMPT}
 NO_MEMORY = "No previous memory"
 TRUNCATION_MARK = " [memory cut at {limit} tokens]"
 
-#: extra_fields keys every turn carries (verl batches rows by key).
-TURN_KEY, FINAL_KEY, CHUNKS_KEY = "memagent_turn", "memagent_final", "memagent_chunks"
-ANSWER_KEY, TRUNCATIONS_KEY, CONTEXT_KEY = "memagent_answer", "memagent_memory_truncations", "memagent_context_tokens"
 
 
-def split_chunks(ids: list[int], chunk_size: int, max_chunks: int) -> tuple[list[list[int]], bool]:
-    """``ids`` cut into chunks of ``chunk_size`` tokens, at most ``max_chunks`` of them; a longer context loses
-    its middle (MemAgent's centre truncation: the head and the tail are where documents start and end).
-    Returns the chunks and whether anything was cut.
+def split_chunks(ids: list[int], chunk_size: int, max_chunks: int | None) -> tuple[list[list[int]], int]:
+    """``ids`` cut into chunks of ``chunk_size`` tokens, at most ``max_chunks`` of them (None: all of them); a
+    longer context loses its middle (MemAgent's centre truncation: the head and the tail are where documents
+    start and end). Returns the chunks and how many tokens were cut.
 
     >>> split_chunks(list(range(7)), 3, 2)
-    ([[0, 1, 2], [4, 5, 6]], True)
-    >>> split_chunks(list(range(4)), 3, 2)
-    ([[0, 1, 2], [3]], False)
+    ([[0, 1, 2], [4, 5, 6]], 1)
+    >>> split_chunks(list(range(7)), 3, None)
+    ([[0, 1, 2], [3, 4, 5], [6]], 0)
     """
-    budget = chunk_size * max_chunks
-    truncated = len(ids) > budget
-    if truncated:
+    budget = len(ids) if max_chunks is None else chunk_size * max_chunks
+    cut = max(0, len(ids) - budget)
+    if cut:
         ids = ids[: budget // 2] + ids[len(ids) - (budget - budget // 2) :]
-    return [ids[i : i + chunk_size] for i in range(0, len(ids), chunk_size)] or [[]], truncated
+    return [ids[i : i + chunk_size] for i in range(0, len(ids), chunk_size)] or [[]], cut
 
 
 def memory_text(text: str, finished: bool, limit: int) -> str:
@@ -86,21 +103,29 @@ class MemAgentLoop(AgentLoopBase):
         self,
         *args,
         chunk_size: int = 5000,
-        max_chunks: int = 8,
+        max_chunks: int | None = 8,
         max_memory_tokens: int = 1024,
         max_final_tokens: int = 256,
+        final_prompt: str = "boxed",
         context_key: str = "context",
         deterministic_ids: bool = False,
         **kwargs,
     ):
-        """Defaults are MemAgent's (5000-token chunks, 8 chunks, 1024-token memory), except the final answer's
-        limit: a boxed short answer needs far fewer than the memory's 1024 tokens."""
+        """Defaults are MemAgent's training budgets (5000-token chunks, 8 chunks, 1024-token memory), except the
+        final answer's limit: a boxed short answer needs far fewer than the memory's 1024 tokens.
+        ``max_chunks`` None reads every chunk (MemAgent's evaluation); ``final_prompt`` is a key of
+        :data:`FINAL_PROMPTS`."""
         super().__init__(*args, **kwargs)
-        for name, value in (("chunk_size", chunk_size), ("max_chunks", max_chunks),
-                            ("max_memory_tokens", max_memory_tokens), ("max_final_tokens", max_final_tokens)):  # fmt: skip
-            if int(value) < 1:
+        budgets = {"chunk_size": chunk_size, "max_chunks": 1 if max_chunks is None else max_chunks,
+                   "max_memory_tokens": max_memory_tokens, "max_final_tokens": max_final_tokens}  # fmt: skip
+        for name, value in budgets.items():
+            if value is None or int(value) < 1:
                 raise ValueError(f"memagent: {name} must be a positive integer, got {value!r}")
-        self.chunk_size, self.max_chunks = int(chunk_size), int(max_chunks)
+        if final_prompt not in FINAL_PROMPTS:
+            raise ValueError(f"memagent: final_prompt must be one of {sorted(FINAL_PROMPTS)}, got {final_prompt!r}")
+        self.final_prompt = FINAL_PROMPTS[final_prompt]
+        self.chunk_size = int(chunk_size)
+        self.max_chunks = None if max_chunks is None else int(max_chunks)
         self.max_memory_tokens, self.max_final_tokens = int(max_memory_tokens), int(max_final_tokens)
         self.context_key = context_key
         self.deterministic_ids = deterministic_ids
@@ -155,7 +180,8 @@ class MemAgentLoop(AgentLoopBase):
         context_ids = await self.loop.run_in_executor(
             None, lambda: self.tokenizer(str(context), add_special_tokens=False, verbose=False)["input_ids"]
         )
-        chunks, truncated = split_chunks(list(context_ids), self.chunk_size, self.max_chunks)
+        chunks, dropped = split_chunks(list(context_ids), self.chunk_size, self.max_chunks)
+        chunks_total = max(1, -(-len(context_ids) // self.chunk_size))
         memory, cut = NO_MEMORY, 0
         turns: list[tuple[list[int], list[int], list[float] | None, float]] = []
         for i, chunk in enumerate(chunks):
@@ -168,7 +194,7 @@ class MemAgentLoop(AgentLoopBase):
             cut += not finished
             memory = memory_text(self.tokenizer.decode(ids, skip_special_tokens=True), finished, self.max_memory_tokens)
             turns.append((prompt_ids, ids, logprobs, seconds))
-        content = FINAL_PROMPT.format(question=question, memory=memory)
+        content = self.final_prompt.format(question=question, memory=memory)
         final = await self._turn(request_id, content, sampling_params, self.max_final_tokens, len(chunks))
         turns.append(final)
         answer = self.tokenizer.decode(final[1], skip_special_tokens=True).strip()
@@ -181,7 +207,7 @@ class MemAgentLoop(AgentLoopBase):
                     num_turns=2, metrics=AgentLoopMetrics(generate_sequences=seconds),
                     extra_fields={
                         TURN_KEY: i, FINAL_KEY: last, CHUNKS_KEY: len(chunks), CONTEXT_KEY: len(context_ids),
-                        "memagent_context_truncated": truncated, TRUNCATIONS_KEY: cut,
+                        CHUNKS_TOTAL_KEY: chunks_total, TRUNCATED_TOKENS_KEY: dropped, TRUNCATIONS_KEY: cut,
                         ANSWER_KEY: answer if last else None,
                     },
                 )

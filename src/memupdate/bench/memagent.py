@@ -50,9 +50,11 @@ def _one_length(args: argparse.Namespace) -> None:
     """Child process: evaluate ``args.rows`` with at most ``args.chunks`` chunks; print a JSON line."""
     from memupdate.eval.memagent import MemAgentEvalSettings, MemAgentEvaluator
 
+    # Truncation is what sets the length here; our style alone (greedy) keeps the timing deterministic.
     settings = MemAgentEvalSettings(
-        chunk_size=args.chunk_size, max_chunks=args.chunks, max_memory_tokens=args.memory_tokens,
+        chunk_size=args.chunk_size, truncate_chunks=args.chunks, max_memory_tokens=args.memory_tokens,
         max_final_tokens=args.final_tokens, prompt_length=args.prompt_length, batch_size=args.batch_size,
+        memagent_style=False,
     )  # fmt: skip
     evaluator = MemAgentEvaluator(args.model, settings, Path(args.work) / f"chunks-{args.chunks}")
     if args.warmup:  # the first requests pay one-off costs (allocator growth, lazy imports)
@@ -110,8 +112,8 @@ def run_memagent_bench(
         if done.returncode:
             raise RuntimeError(f"memagent bench at {k} chunks failed ({done.returncode}):\n{done.stderr[-3000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        if result["chunks"] != k:
-            raise RuntimeError(f"asked for {k} chunks per question, the loop read {result['chunks']}")
+        if result["chunks_read"] != k:
+            raise RuntimeError(f"asked for {k} chunks per question, the loop read {result['chunks_read']}")
         results.append(result)
     fit = linear_fit([r["chunks"] for r in results], [r["seconds"] for r in results])
     peaks = [r["peak_rss_mb"] for r in results]

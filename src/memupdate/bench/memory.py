@@ -1,5 +1,6 @@
 """``memupdate bench memory``: the memory environment's speed and memory targets on a real LoCoMo
-conversation.
+conversation, with the tools' content cap (new memory texts are the conversation's dialogue turns that
+fit it) and the reward's fixed retrieval budget (``context_chars``).
 
 1. Tool latency p50/p99 of search, create, update and delete, through the tools' ``execute`` path,
    excluding the embedding of new text (vectors are computed with the real model beforehand), and for
@@ -35,7 +36,7 @@ from memupdate.memory.manager import MemoryStoreManager
 from memupdate.memory.store import BaseStore, TrialStore
 from memupdate.rewards.memory import MemoryRewardComputer, MemoryRewardConfig, RewardRequest
 from memupdate.rewards.scorers import AnswerRecallScorer, QAItem
-from memupdate.tools.memory_tools import TOOL_CLASSES, MemoryTool, agent_data_for
+from memupdate.tools.memory_tools import DEFAULT_MAX_CONTENT_CHARS, TOOL_CLASSES, MemoryTool, agent_data_for
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +65,19 @@ class Conversation:
     new_texts: list[str]  # realistic new memory texts: the conversation's own dialogue turns
 
 
-def load_conversation(locomo_path: str, sample_id: str) -> Conversation:
+def load_conversation(locomo_path: str, sample_id: str, max_chars: int = DEFAULT_MAX_CONTENT_CHARS) -> Conversation:
+    """The conversation's questions, and its dialogue turns that fit the content cap as new memory texts
+    (the tools refuse longer ones, and a trial in training holds only texts that fit)."""
     conv = next((c for c in load_locomo(locomo_path) if c.sample_id == sample_id), None)
     if conv is None:
         raise ValueError(f"{locomo_path}: no conversation {sample_id!r}")
     questions = [QAItem(q.question, q.answer, q.category, q.evidence) for q in conv.qa if q.answer]
     turns = [f"{t.speaker} said on {s.date_time}: {t.text.strip()}" for s in conv.sessions for t in s.turns]
-    return Conversation(sample_id, questions, turns)
+    # Room for the " (trial 123)" the throughput measure appends to keep texts distinct.
+    fitting = [t for t in turns if len(t) <= max_chars - 16]
+    if not fitting:
+        raise ValueError(f"{locomo_path}: no dialogue turn of {sample_id!r} fits {max_chars} characters")
+    return Conversation(sample_id, questions, fitting)
 
 
 def make_tools(manager: MemoryStoreManager) -> dict[str, MemoryTool]:
@@ -174,6 +181,10 @@ async def reward_throughput(
         "embedding_bound_trials_per_second": round(n_trials / embed_seconds, 2),
         "ratio": round(embed_seconds / reward_seconds, 3),
         "mean_reward": round(float(np.mean([r["score"] for r in rewards])), 4),
+        "mean_new_text_chars": round(float(np.mean([len(t) for t in new_texts])), 1),
+        "max_new_text_chars": max(len(t) for t in new_texts),
+        "mean_context_chars": round(float(np.mean([r["context_chars_final"] for r in rewards])), 1),
+        "context_chars_budget": computer.config.context_chars,
     }
 
 
@@ -259,6 +270,7 @@ def run_memory_bench(
     result: dict[str, Any] = {
         "sample_id": sample_id,
         "base_memories": len(base),
+        "max_content_chars": DEFAULT_MAX_CONTENT_CHARS,
         "model": embedder.model_name,
         "tool_latency_excluding_embedding": asyncio.run(tool_latency(exact, conv, n_ops, seed)),
         "tool_latency_including_embedding": timed_with_embedding,
@@ -285,6 +297,7 @@ def format_memory_bench(result: dict[str, Any]) -> str:
         rows.append([f"tool {op}", f"{stats['p50_ms']:.3f} / {stats['p99_ms']:.3f} ms", f"{full['p50_ms']:.2f} / {full['p99_ms']:.2f} ms", "p99 < 5 ms"])
     rt = result["reward_throughput"]
     rows.append(["reward throughput", f"{rt['trials_per_second']} trials/s", f"limit {rt['embedding_bound_trials_per_second']}/s, ratio {rt['ratio']}", "ratio >= 0.8"])
+    rows.append(["memory texts / context", f"max {rt['max_new_text_chars']} chars", f"mean retrieved context {rt['mean_context_chars']} chars", f"cap {result['max_content_chars']}, budget {rt['context_chars_budget']}"])
     mem = result["memory"]
     rows.append(["memory per 1000 trials", f"{mem['mb_per_1000_trials']} MB", f"{mem['trials']} trials x {mem['changes_per_trial']} changes", "< 50 MB"])
     lag = result["event_loop_lag"]

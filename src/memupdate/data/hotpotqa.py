@@ -1,16 +1,27 @@
 """HotpotQA: load and validate a HotpotQA file and build MemAgent long-context rows for verl.
 
-MemAgent (BytedTsinghua-SIA/MemAgent, ``taskutils/memory_data/processing.py``) trains its recurrent
-memory agent on HotpotQA questions whose gold paragraphs are hidden among distractor paragraphs drawn
-from the pool of every paragraph in the file. This module builds the same contexts: a document is
-``"{title}\\n{sentences joined with ''}"`` (HotpotQA sentences carry their own leading spaces), and a
-context is ``"Document {i}:\\n{document}"`` blocks, ``i`` from 1, joined by blank lines.
+MemAgent trains and evaluates its recurrent memory agent on RULER-HotpotQA haystacks, built by
+``generate_input_output`` in ``taskutils/memory_data/processing.py`` and ``different_docs_eval.py`` of
+BytedTsinghua-SIA/MemAgent (commit 76b7a658988e4ea53d7388a62de6c0ce79084146), which follow
+``scripts/data/synthetic/qa.py`` of NVIDIA/RULER (commit c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a):
+a haystack starts from *all* paragraphs of the question's own context (its gold paragraphs and their
+hard distractors, ten in the distractor setting) and adds paragraphs drawn at random from the pool of
+every paragraph of the data file, skipping the question's own; the documents are shuffled. Upstream's
+pool is per split because its train and dev haystacks come from separate files; here one file is split
+by question id (:func:`question_part`), so with ``test_percent`` each part draws from its own pool and
+no train haystack holds a paragraph of a test question, or the reverse. A document is
+``"{title}\n{sentences joined with ''}"`` (HotpotQA sentences carry their own leading spaces), and a
+context is ``"Document {i}:\n{document}"`` blocks, ``i`` from 1, joined by blank lines.
 
-Fixes over the upstream preprocessing: each question has its own ``random.Random`` seeded from the run
-seed and the question id (upstream shared one global RNG), so a row does not depend on the other rows or
-on ``limit``; the pool is sorted, so rows do not depend on record order either; sizes are arguments, not
-magic numbers; every record is validated with an error that names the file, record and field; nested
-columns are native parquet structs and lists, not JSON strings.
+Differences from upstream: upstream fails (``random.sample`` of a negative count) when ``num_docs`` is
+below the size of the question's own context; here such a haystack keeps the gold paragraphs and a random
+subset of the question's own distractors (the rule RULER applies to SQuAD's ``more_context``). Pool
+paragraphs that share a title with a gold paragraph are skipped (another version of a gold article would
+be a second copy of the evidence, not a distractor). Each question has its own ``random.Random`` seeded
+from the run seed and the question id (upstream shared one global RNG and shuffled every haystack with
+``Random(4)``), so a row does not depend on the other rows or on ``limit``; the pool is sorted, so rows do
+not depend on record order either; sizes are arguments, not magic numbers; every record is validated with
+an error that names the file, record and field; nested columns are native parquet structs and lists.
 
 Both layouts of the data are accepted: the official HotpotQA JSON (``_id``, ``supporting_facts`` as
 ``[title, sent_id]`` pairs, ``context`` as ``[title, sentences]`` pairs) and the Hugging Face
@@ -73,6 +84,8 @@ ROW_SCHEMA = pa.schema(
                     ("num_tokens", pa.int64()),
                     ("type", pa.string()),
                     ("level", pa.string()),
+                    # The question's part ("train" / "test") whose pool its haystack drew from, or "all".
+                    ("part", pa.string()),
                 ]
             ),
         ),
@@ -88,6 +101,10 @@ class HotpotQAFormatError(ValueError):
 
 class PoolTooSmallError(ValueError):
     """The paragraph pool has fewer distractors than ``num_docs`` needs for some question."""
+
+
+#: The part of every question when the whole file is one split (one pool).
+ONE_POOL = "all"
 
 
 @dataclass(frozen=True)
@@ -124,13 +141,22 @@ class HotpotExample:
         return frozenset(title for title, _ in self.supporting_facts)
 
     @property
-    def gold(self) -> tuple[Paragraph, ...]:
-        """Context paragraphs whose title is a supporting-fact title, in context order, without repeats."""
+    def own(self) -> tuple[Paragraph, ...]:
+        """The question's own context paragraphs (gold and hard distractors), in context order, without repeats."""
         seen: dict[tuple[str, str], Paragraph] = {}
         for paragraph in self.context:
-            if paragraph.title in self.gold_titles:
-                seen.setdefault(paragraph.key, paragraph)
+            seen.setdefault(paragraph.key, paragraph)
         return tuple(seen.values())
+
+    @property
+    def gold(self) -> tuple[Paragraph, ...]:
+        """Context paragraphs whose title is a supporting-fact title, in context order, without repeats."""
+        return tuple(p for p in self.own if p.title in self.gold_titles)
+
+    @property
+    def hard_distractors(self) -> tuple[Paragraph, ...]:
+        """The question's own context paragraphs that are not gold (HotpotQA's retrieved distractors)."""
+        return tuple(p for p in self.own if p.title not in self.gold_titles)
 
 
 def render_document(title: str, text: str) -> str:
@@ -334,6 +360,28 @@ def paragraph_pool(examples: Sequence[HotpotExample]) -> list[tuple[str, str]]:
     return sorted({p.key for e in examples for p in e.context})
 
 
+def question_parts(examples: Sequence[HotpotExample], test_percent: int | None) -> dict[str, str]:
+    """Each question's part by :func:`question_part` (``"train"`` / ``"test"``), or ``"all"`` when
+    ``test_percent`` is None (the file is one split)."""
+    if test_percent is None:
+        return {e.id: ONE_POOL for e in examples}
+    return {e.id: question_part(e.id, test_percent) for e in examples}
+
+
+def part_pools(examples: Sequence[HotpotExample], parts: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
+    """One sorted paragraph pool per part: the paragraphs of that part's questions, without any paragraph
+    that a question of another part also has, so no haystack can draw another part's evidence."""
+    owners: dict[tuple[str, str], set[str]] = {}
+    for e in examples:
+        for p in e.context:
+            owners.setdefault(p.key, set()).add(parts[e.id])
+    pools: dict[str, list[tuple[str, str]]] = {part: [] for part in sorted(set(parts.values()))}
+    for key in sorted(owners):
+        if len(owners[key]) == 1:
+            pools[next(iter(owners[key]))].append(key)
+    return pools
+
+
 def _lazy_permutation(rng: random.Random, n: int) -> Iterator[int]:
     """Yield ``range(n)`` in random order, one at a time.
 
@@ -367,7 +415,7 @@ def _check_arguments(num_docs: int | None, max_tokens: int | None, limit: int | 
 
 
 class _Builder:
-    """Select, shuffle and render the documents of one question against a shared paragraph pool."""
+    """Select, shuffle and render the documents of one question: its own context, then pool paragraphs."""
 
     def __init__(
         self,
@@ -378,6 +426,7 @@ class _Builder:
         count_tokens: Callable[[str], int],
     ):
         self.pool = pool
+        self.pool_keys = frozenset(pool)
         self.seed = seed
         self.num_docs = num_docs
         self.max_tokens = max_tokens
@@ -394,64 +443,79 @@ class _Builder:
         header = self.count(f"Document {position}:\n")
         return self.separator_tokens + header + self.doc_tokens[doc]
 
-    def _distractors(self, rng: random.Random, gold_titles: frozenset[str]) -> Iterator[str]:
-        # Paragraphs sharing a gold title are skipped too: another version of a gold article would be
-        # a second copy of the evidence, not a distractor.
+    def _additions(self, rng: random.Random, example: HotpotExample) -> Iterator[str]:
+        """Pool paragraphs in random order, without the question's own ones (upstream skips those by
+        identity) and without other versions of its gold articles (a second copy of the evidence)."""
+        own = {p.key for p in example.own}
         for j in _lazy_permutation(rng, len(self.pool)):
             title, text = self.pool[j]
-            if title not in gold_titles:
+            if (title, text) not in own and title not in example.gold_titles:
                 yield render_document(title, text)
+
+    def _available(self, example: HotpotExample) -> int:
+        """How many pool paragraphs :meth:`_additions` can yield for ``example``."""
+        gold_titled = sum(self.title_counts[t] for t in example.gold_titles)
+        own_in_pool = sum(p.key in self.pool_keys for p in example.hard_distractors)
+        return len(self.pool) - gold_titled - own_in_pool
 
     def context(self, example: HotpotExample) -> tuple[str, int, int]:
         """Return one question's rendered context, its number of documents and its token count."""
         rng = _question_rng(self.seed, example.id)
         gold = [render_document(p.title, p.text) for p in example.gold]
-        candidates = self._distractors(rng, example.gold_titles)
+        hard = [render_document(p.title, p.text) for p in example.hard_distractors]
         if self.max_tokens is None:
-            distractors = self._take_count(example, gold, candidates, self.num_docs)
+            kept, added = self._take_count(example, rng, gold, hard, self.num_docs)
         else:
-            distractors = self._take_budget(gold, candidates, self.max_tokens)
-        docs = gold + distractors
+            kept, added = (
+                gold + hard,
+                self._take_budget(gold + hard, self._additions(rng, example), self.max_tokens),
+            )
+        docs = kept + added
         rng.shuffle(docs)
         context = render_context(docs)
         num_tokens = self.count(context)
-        # A real tokenizer is not exactly additive over documents, so drop the latest distractors
-        # until the exact count fits; with the approximate counter this loop never runs.
-        while self.max_tokens is not None and num_tokens > self.max_tokens and distractors:
-            docs.remove(distractors.pop())
+        # A real tokenizer is not exactly additive over documents, so drop the latest additions until
+        # the exact count fits; with the approximate counter this loop never runs.
+        while self.max_tokens is not None and num_tokens > self.max_tokens and added:
+            docs.remove(added.pop())
             context = render_context(docs)
             num_tokens = self.count(context)
         return context, len(docs), num_tokens
 
     def _take_count(
-        self, example: HotpotExample, gold: list[str], candidates: Iterator[str], num_docs: int
-    ) -> list[str]:
-        needed = num_docs - len(gold)
-        if needed < 0:
+        self, example: HotpotExample, rng: random.Random, gold: list[str], hard: list[str], num_docs: int
+    ) -> tuple[list[str], list[str]]:
+        """``(kept own documents, added pool documents)`` for ``num_docs`` documents in all."""
+        if num_docs < len(gold):
             raise ValueError(
                 f"question {example.id} has {len(gold)} gold paragraphs, more than num_docs={num_docs}"
             )
-        available = len(self.pool) - sum(self.title_counts[t] for t in example.gold_titles)
+        if num_docs <= len(gold) + len(hard):
+            # Fewer documents than the question's own context: gold plus some of its hard distractors.
+            return gold + rng.sample(hard, num_docs - len(gold)), []
+        needed = num_docs - len(gold) - len(hard)
+        available = self._available(example)
         if available < needed:
             raise PoolTooSmallError(
-                f"num_docs={num_docs} needs {needed} distractors for question {example.id}, but the "
-                f"pool of {len(self.pool)} unique paragraphs has only {available} available besides its "
-                f"gold ones (at most num_docs={available + len(gold)}); lower num_docs or use a larger file"
+                f"num_docs={num_docs} needs {needed} pool paragraphs besides the {len(gold) + len(hard)} of "
+                f"question {example.id}'s own context, but its pool of {len(self.pool)} unique paragraphs has "
+                f"only {available} available (at most num_docs={available + len(gold) + len(hard)}); lower "
+                "num_docs or use a larger file"
             )
-        return list(islice(candidates, needed))
+        return gold + hard, list(islice(self._additions(rng, example), needed))
 
-    def _take_budget(self, gold: list[str], candidates: Iterator[str], max_tokens: int) -> list[str]:
-        # Gold documents are always kept, even when they alone exceed the budget.
-        used = self.count(render_context(gold))
-        distractors: list[str] = []
+    def _take_budget(self, own: list[str], candidates: Iterator[str], max_tokens: int) -> list[str]:
+        # The question's own context is always kept, even when it alone exceeds the budget.
+        used = self.count(render_context(own))
+        added: list[str] = []
         for doc in candidates:
-            cost = self._doc_cost(doc, len(gold) + len(distractors) + 1)
+            cost = self._doc_cost(doc, len(own) + len(added) + 1)
             if used + cost > max_tokens:
-                return distractors
-            distractors.append(doc)
+                return added
+            added.append(doc)
             used += cost
         self.pool_exhausted += 1
-        return distractors
+        return added
 
 
 def build_rows(
@@ -462,26 +526,30 @@ def build_rows(
     seed: int = 0,
     count_tokens: Callable[[str], int] | None = None,
     limit: int | None = None,
+    test_percent: int | None = None,
 ) -> pa.Table:
     """One MemAgent row per question (the first ``limit`` ones), in verl's ``RLHFDataset`` layout.
 
-    Each context holds the question's gold paragraphs plus distractors drawn from every paragraph of
-    ``examples``: either ``num_docs`` documents in all, or as many as fit in ``max_tokens`` tokens
-    counted with ``count_tokens`` (default :func:`approx_token_count`; pass e.g.
-    ``lambda s: len(tok(s).input_ids)`` for a model's tokenizer). The pool always comes from all of
-    ``examples`` and each question has its own RNG, so a row is the same whatever ``limit`` is.
-    Raises :class:`PoolTooSmallError` if the pool cannot supply ``num_docs`` documents.
+    Each context holds the question's own context paragraphs plus paragraphs drawn from the pool: either
+    ``num_docs`` documents in all, or as many as fit in ``max_tokens`` tokens counted with ``count_tokens``
+    (default :func:`approx_token_count`; pass e.g. ``lambda s: len(tok(s).input_ids)`` for a model's
+    tokenizer). With ``test_percent`` the questions are parted by :func:`question_part` and each part
+    draws from its own pool (:func:`part_pools`); without it the whole file is one pool. Pools always come
+    from all of ``examples`` and each question has its own RNG, so a row is the same whatever ``limit`` is.
+    Raises :class:`PoolTooSmallError` if a pool cannot supply ``num_docs`` documents.
     """
     _check_arguments(num_docs, max_tokens, limit)
     count = count_tokens or approx_token_count
-    pool = paragraph_pool(examples)
+    parts = question_parts(examples, test_percent)
+    pools = part_pools(examples, parts)
     chosen = examples if limit is None else examples[:limit]
     if limit is not None and limit > len(examples):
         logger.warning("limit=%d but the file has only %d questions; using all of them", limit, len(examples))
-    builder = _Builder(pool, seed, num_docs, max_tokens, count)
+    builders = {part: _Builder(pool, seed, num_docs, max_tokens, count) for part, pool in pools.items()}
     rows = []
     for index, example in enumerate(tqdm(chosen, desc="hotpotqa rows", unit="question")):
-        context, n_docs, num_tokens = builder.context(example)
+        part = parts[example.id]
+        context, n_docs, num_tokens = builders[part].context(example)
         rows.append(
             {
                 "data_source": DATA_SOURCE,
@@ -498,18 +566,21 @@ def build_rows(
                     "num_tokens": num_tokens,
                     "type": example.type,
                     "level": example.level,
+                    "part": part,
                 },
                 "num_docs": n_docs,
                 "num_tokens": num_tokens,
             }
         )
-    if builder.pool_exhausted:
-        logger.warning(
-            "%d questions used the whole pool of %d paragraphs and stay below max_tokens=%d",
-            builder.pool_exhausted,
-            len(pool),
-            max_tokens,
-        )
+    for part, builder in builders.items():
+        if builder.pool_exhausted:
+            logger.warning(
+                "%d %s questions used the whole pool of %d paragraphs and stay below max_tokens=%d",
+                builder.pool_exhausted,
+                part,
+                len(builder.pool),
+                max_tokens,
+            )
     return pa.Table.from_pylist(rows, schema=ROW_SCHEMA)
 
 
@@ -543,18 +614,27 @@ def preprocess_hotpotqa(
     limit: int | None = None,
     tokenizer: str | None = None,
     summary_path: str | Path | None = None,
+    test_percent: int | None = None,
 ) -> dict:
     """Load a HotpotQA file, build MemAgent rows and write them as parquet with a JSON summary.
 
-    The one entry point for the Snakemake script and the CLI. Both files are written atomically; the
-    summary (counts, token and document spreads, input sha256, arguments) goes to ``summary_path``,
-    by default the output path with its suffix replaced by ``.summary.json``. Returns the summary.
+    The one entry point for the Snakemake script and the CLI. ``test_percent`` gives each part of the
+    later :func:`split_rows` its own paragraph pool (None: the file is one split). Both files are written
+    atomically; the summary (counts, token and document spreads, pool sizes, input sha256, arguments) goes
+    to ``summary_path``, by default the output path with its suffix replaced by ``.summary.json``.
+    Returns the summary.
     """
     _check_arguments(num_docs, max_tokens, limit)
     examples = load_hotpotqa(input_path)
     count_tokens = load_token_counter(tokenizer) if tokenizer is not None else None
     table = build_rows(
-        examples, num_docs=num_docs, max_tokens=max_tokens, seed=seed, count_tokens=count_tokens, limit=limit
+        examples,
+        num_docs=num_docs,
+        max_tokens=max_tokens,
+        seed=seed,
+        count_tokens=count_tokens,
+        limit=limit,
+        test_percent=test_percent,
     )
     write_parquet_atomic(output_path, table)
 
@@ -571,10 +651,15 @@ def preprocess_hotpotqa(
             "seed": seed,
             "limit": limit,
             "tokenizer": tokenizer,
+            "test_percent": test_percent,
         },
         "token_counter": tokenizer if tokenizer is not None else APPROX_TOKENIZER,
         "questions_in_file": len(examples),
         "pool_paragraphs": len(paragraph_pool(examples)),
+        "pool_paragraphs_by_part": {
+            part: len(pool)
+            for part, pool in part_pools(examples, question_parts(examples, test_percent)).items()
+        },
         "rows": table.num_rows,
         "rows_by_type": dict(sorted(types.items())),
         "rows_over_budget": sum(t > max_tokens for t in tokens) if max_tokens is not None else None,
@@ -612,13 +697,24 @@ def question_part(question_id: str, test_percent: int) -> str:
 
 
 def split_rows(rows: str | Path, outputs: dict[str, str | Path], test_percent: int) -> dict[str, int]:
-    """Write the rows of ``rows`` (from :func:`preprocess_hotpotqa`) into ``outputs["train"]`` and
-    ``outputs["test"]`` by :func:`question_part`; returns the row count of each (both must be non-empty)."""
+    """Write the rows of ``rows`` (from :func:`preprocess_hotpotqa` with the same ``test_percent``) into
+    ``outputs["train"]`` and ``outputs["test"]`` by :func:`question_part`; returns the row count of each (both
+    must be non-empty). Rows whose haystack drew from another part's pool (built with one pool, or with
+    another ``test_percent``) are refused: their distractors would leak paragraphs across the split."""
     import pyarrow.parquet as pq
 
     table = pq.read_table(rows)
-    ids = table.column("extra_info").combine_chunks().field("id").to_pylist()
+    info = table.column("extra_info").combine_chunks()
+    ids = info.field("id").to_pylist()
+    built = info.field("part").to_pylist() if "part" in {f.name for f in info.type} else [None] * len(ids)
     parts = [question_part(i, test_percent) for i in ids]
+    for index, (question, part, pool) in enumerate(zip(ids, parts, built, strict=True)):
+        if pool != part:
+            raise ValueError(
+                f"{rows}: row {index} (id {question}): field 'extra_info.part' is {pool!r}, but with "
+                f"test_percent={test_percent} the question is in {part!r}; rebuild the rows with "
+                f"preprocess_hotpotqa(..., test_percent={test_percent}) so each part draws from its own pool"
+            )
     counts = {}
     for part in ("train", "test"):
         keep = pa.array([p == part for p in parts])

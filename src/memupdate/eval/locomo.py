@@ -4,16 +4,24 @@ Systems (one predictions file each, ``predictions/<system>.jsonl``):
 
 - ``no_update``: the QA model answers from the top-k of the *initial* memories;
 - a memory model + a QA model (``stage1+qa_base``, ``stage1+stage2``): the memory model edits the
-  question's trial store with the tools and the QA model answers from the top-k of the *final* store.
-  This is the training episode itself: verl's ``AgentLoopWorker`` runs the ``memupdate_agent`` loop
-  (``training_stage=memory`` with its QA phase) against the two served models, greedy, so training and
-  evaluation share every prompt;
+  question's trial store with the tools (the training episode itself: verl's ``AgentLoopWorker`` runs the
+  ``memupdate_agent`` loop against the served memory model, greedy), then the QA model answers from the
+  top-k of the *final* store, through the very code that answers for ``no_update``: the same prompt,
+  retrieval and decoding, nothing of the episode's transcript. A memory model that edits nothing
+  therefore scores exactly as ``no_update`` does;
 - ``full_context``: the QA model reads the whole conversation, when it fits its context; otherwise the
   system is recorded as skipped, with the token count that did not fit.
 
-Category 5 (adversarial, no gold answer) is asked as the LoCoMo paper's two-way choice between
-"Not mentioned in the conversation" and the adversarial answer, in a seeded order; the official
-LoCoMo F1 scores it 1 when the model abstains.
+Every question is answered once per protocol (``protocols``): with LoCoMo's QA prompt (scored with the
+official LoCoMo F1, categories 1-5) and with Mem0's ANSWER_PROMPT (Mem0's F1, BLEU-1 and J, categories
+1-4), both verbatim (:mod:`memupdate.prompts`). Retrieval is the top-k memories within a fixed text
+budget (``context_chars``), as the reward retrieves. Category 5 (adversarial, no gold answer) is asked
+as the LoCoMo paper's two-way choice between "Not mentioned in the conversation" and the adversarial
+answer, in a seeded order; the official LoCoMo F1 scores it 1 when the model abstains.
+
+The setting is question-conditioned (MemoryUpdate's): the memory model sees the test question while it
+edits that question's copy of the store. Mem0, Memory-R1 and the LoCoMo paper build memory without the
+questions, so their published numbers are context, not a like-for-like comparison.
 
 Predictions are appended to the JSONL file as each batch finishes; a rerun skips questions already
 there (a torn last line from a killed run is dropped and redone). Scores are computed from the
@@ -36,11 +44,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from memupdate.agents.memory_loop import ANSWER_KEY, QA_PROMPT, STATS_KEY, TERMINATION_KEY
-from memupdate.memory.store import TrialStore
+from memupdate.agents.fields import DELTA_KEY, STATS_KEY, TERMINATION_KEY
+from memupdate.eval.report import MEM0_CATEGORIES
+from memupdate.memory.manager import manager_from_config
+from memupdate.memory.store import Hit, TrialStore, within_budget
+from memupdate.prompts import PROTOCOLS, load_prompts, qa_messages
+from memupdate.rewards.memory import MemoryRewardConfig
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.readiness import load_marker, read_marker
-from memupdate.tools.memory_tools import DELTA_KEY, format_record, manager_from_config
 from memupdate.utils.io import sha256_file, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -55,7 +66,14 @@ class LocomoEvalSettings:
 
     #: Questions per test conversation (null = all), drawn with ``seed``; smoke runs use a few.
     questions_per_conversation: int | None = None
+    #: Retrieval for the QA model: the top-k memories within ``context_chars`` characters of memory text
+    #: (null = the reward's budget, so evaluation retrieves as training is rewarded).
     top_k: int = 5
+    context_chars: int | None = None
+    #: Longest memory text the memory model's tools accept (null = the tools' default): training's cap.
+    max_content_chars: int | None = None
+    #: Protocols whose verbatim QA prompt answers every question (memupdate.prompts.PROTOCOLS).
+    protocols: list[str] = field(default_factory=lambda: list(PROTOCOLS))
     seed: int = 0
     #: Per-turn cap of the memory model and the answer cap of the QA model.
     max_new_tokens: int = 64
@@ -68,6 +86,13 @@ class LocomoEvalSettings:
     #: Served model that judges answers for Mem0's J (a serve name such as qa-base), or null for no J.
     #: A small open judge is only a proxy for the GPT-4o-mini judge of published numbers.
     judge: str | None = "qa-base"
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.protocols) - set(PROTOCOLS))
+        if unknown or not self.protocols:
+            raise ValueError(f"eval.protocols must be a non-empty subset of {list(PROTOCOLS)}, got {self.protocols}")
+        if self.context_chars is None:
+            self.context_chars = MemoryRewardConfig().context_chars
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any] | None) -> LocomoEvalSettings:
@@ -139,7 +164,9 @@ def asked_question(info: Mapping[str, Any], seed: int) -> str:
 
 
 def ask_rows(rows: Sequence[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
-    """Rows whose question (in ``extra_info`` and in the prompt) is the one asked at evaluation."""
+    """Rows whose prompt asks the question as evaluation asks it (category 5: the two-way choice), so the
+    memory model edits for the question the QA model will get. ``extra_info`` keeps the dataset's question
+    (retrieval and the protocols' prompts start from it) and gains ``choices`` for category 5."""
     asked = []
     for row in rows:
         info = dict(row["extra_info"])
@@ -148,7 +175,9 @@ def ask_rows(rows: Sequence[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
             {**m, "content": m["content"].replace(info["question"], question)} if m["role"] == "user" else m
             for m in row["prompt"]
         ]
-        asked.append({**row, "prompt": prompt, "extra_info": {**info, "question": question}})
+        if int(info["category"]) == 5:
+            info["choices"] = choice_options(info, seed)
+        asked.append({**row, "prompt": prompt, "extra_info": info})
     return asked
 
 
@@ -230,36 +259,66 @@ class LocomoEvaluator:
             self._tokenizers[path] = AutoTokenizer.from_pretrained(path)
         return self._tokenizers[path]
 
-    async def retrieve(self, sample_id: str, question: str, delta: Mapping[str, Any] | None):
-        """Top-k of the initial store, or of initial + ``delta`` (the final store of an episode)."""
+    async def retrieve(self, sample_id: str, question: str, delta: Mapping[str, Any] | None) -> list[Hit]:
+        """The memories the QA model reads: the top-k of the initial store, or of initial + ``delta`` (the
+        final store of an episode), within the text budget."""
         base = self.manager.base(sample_id)
         texts = TrialStore.delta_texts(base, delta) if delta else []
         # One batched encode for the question and the episode's new memory texts.
         vectors = await self.manager.embedder.aencode([question, *texts])
         store = TrialStore.from_delta_vectors(base, delta, list(vectors[1:])) if delta else TrialStore(base)
-        return store.search(vectors[0], self.settings.top_k)
+        return within_budget(store.search(vectors[0], self.settings.top_k), self.settings.context_chars)
 
-    async def _retrieval_fields(self, record: dict[str, Any], delta, tokenizer) -> dict[str, Any]:
-        hits = await self.retrieve(record["sample_id"], record["question"], delta)
-        context = "\n".join(format_record(h.record) for h in hits) or "(no memories found)"
+    def _retrieval_fields(self, record: dict[str, Any], hits: Sequence[Hit]) -> dict[str, Any]:
         found = {e for h in hits for e in h.record.evidence}
         gold = set(record["evidence"])
         return {
             "retrieved_ids": [h.id for h in hits],
             "retrieved_evidence": sorted(found),
             "evidence_recall": len(gold & found) / len(gold) if gold else None,
-            "context_tokens": len(tokenizer(context)["input_ids"]),
-            "context": context,
+            "context_chars": sum(len(h.record.content) for h in hits),
         }
 
-    # ------------------------------------------------------------------ no update / full context
+    def _protocols(self, record: Mapping[str, Any]) -> list[str]:
+        """The protocols that ask this question: Mem0's leaves out category 5."""
+        return [p for p in self.settings.protocols if p != "mem0" or record["category"] in MEM0_CATEGORIES]
 
-    async def _qa(self, client: OpenAIClient, prompt: str) -> tuple[str, float]:
-        start = time.perf_counter()
-        answer = await client.chat(
-            [{"role": "user", "content": prompt}], temperature=0.0, max_tokens=self.settings.qa_max_tokens
-        )
-        return answer.strip(), time.perf_counter() - start
+    async def answer(
+        self, client: OpenAIClient, tokenizer: Any, record: dict[str, Any], memories: Sequence[Any] = (),
+        conversation: str | None = None, limit: int | None = None,
+    ) -> None:  # fmt: skip
+        """The QA model's answers to ``record``'s question from ``memories`` (or the whole ``conversation``),
+        one per protocol, greedy: ``predictions``, ``context_tokens`` (the prompt the QA model saw, chat
+        template included) and ``latency_s``. Every system answers through this one method. A prompt over
+        ``limit`` tokens is not sent: its prediction is None and ``skipped`` says why."""
+        asked = self._protocols(record)
+        if conversation is not None:
+            # The whole conversation in LoCoMo's own prompt; Mem0's answers from memories only.
+            asked = [p for p in asked if p == "locomo"]
+            prompts = {}
+            for p in asked:
+                layout = load_prompts(p)
+                content = layout.render_context(conversation, record["question"], record["category"], record.get("choices"))
+                prompts[p] = [{"role": layout.message_role, "content": content}]
+        else:
+            prompts = {p: qa_messages(p, record["question"], record["category"], memories, record.get("choices")) for p in asked}
+        tokens = {p: _chat_tokens(tokenizer, prompt) for p, prompt in prompts.items()}
+        over = {p: n for p, n in tokens.items() if limit is not None and n > limit}
+        began = time.perf_counter()
+
+        async def one(protocol: str) -> str | None:
+            if protocol in over:
+                return None
+            reply = await client.chat(prompts[protocol], temperature=0.0, max_tokens=self.settings.qa_max_tokens)
+            return reply.strip()
+
+        answers = await asyncio.gather(*(one(p) for p in asked))
+        record.update(predictions=dict(zip(asked, answers, strict=True)), context_tokens=tokens)
+        record["latency_s"] = record.get("latency_s", 0.0) + time.perf_counter() - began
+        if over:
+            record["skipped"] = "; ".join(f"{p}: {n} prompt tokens > {limit} the QA model can take" for p, n in over.items())
+
+    # ------------------------------------------------------------------ no update / full context
 
     async def run_no_update(self, system: System, todo: list[dict[str, Any]], path: Path, bar) -> None:
         endpoint = read_marker(system.qa, timeout_s=30.0)
@@ -270,16 +329,16 @@ class LocomoEvaluator:
 
                 async def one(row):
                     record = _base_record(row, system.name, self.settings.seed)
-                    record.update(await self._retrieval_fields(record, None, tokenizer))
-                    prompt = QA_PROMPT.format(memories=record.pop("context"), question=record["question"])
-                    record["prediction"], record["latency_s"] = await self._qa(client, prompt)
+                    hits = await self.retrieve(record["sample_id"], record["question"], None)
+                    record.update(self._retrieval_fields(record, hits))
+                    await self.answer(client, tokenizer, record, [h.record for h in hits])
                     return record
 
                 _append(path, await asyncio.gather(*(one(r) for r in chunk)))
                 bar.update(len(chunk))
 
     async def run_full_context(self, system: System, todo: list[dict[str, Any]], path: Path, bar) -> None:
-        from memupdate.data.locomo import conversation_text, load_locomo
+        from memupdate.data.locomo import load_locomo
 
         endpoint = read_marker(system.qa, timeout_s=30.0)
         tokenizer = self.tokenizer(system.qa)
@@ -292,13 +351,8 @@ class LocomoEvaluator:
                 sample = samples.get(record["sample_id"])
                 if sample is None:
                     raise ValueError(f"{self.conversations} has no conversation {record['sample_id']!r}")
-                prompt = QA_PROMPT.format(memories=conversation_text(sample), question=record["question"])
-                tokens = _chat_tokens(tokenizer, prompt)
-                record["context_tokens"] = tokens
-                if tokens > limit:
-                    record.update(prediction=None, skipped=f"{tokens} prompt tokens > {limit} the QA model can take")
-                else:
-                    record["prediction"], record["latency_s"] = await self._qa(client, prompt)
+                conversation = locomo_full_context(sample, load_prompts("locomo").text("conversation_start"))
+                await self.answer(client, tokenizer, record, conversation=conversation, limit=limit)
                 records.append(record)
                 bar.update(1)
             _append(path, records)
@@ -320,45 +374,51 @@ class LocomoEvaluator:
         run_dir.mkdir(parents=True, exist_ok=True)
         rows_file = run_dir / "rows.parquet"
         pq.write_table(pa.Table.from_pylist(todo), rows_file)
+        # The memory episodes only: the QA model answers below, as it answers for no_update.
         cfg = LocalGRPOConfig(
             model_path=load_marker(system.memory)["model_path"], train_files=[str(rows_file)], run_dir=str(run_dir),
             tool_config=self.tool_config, memories=self.memories, embeddings=self.embeddings,
             embedding_model=self.embedding_model, rollout_n=1, temperature=0.0, max_new_tokens=s.max_new_tokens,
             prompt_length=s.prompt_length, response_length=s.response_length,
-            max_assistant_turns=s.max_assistant_turns, training_stage="memory", qa_phase=True,
-            fixed_model={"base_url": qa.base_url, "model": qa.model}, qa_top_k=s.top_k,
-            qa_max_tokens=s.qa_max_tokens, seed=s.seed,
+            max_assistant_turns=s.max_assistant_turns, training_stage="memory", qa_phase=False, seed=s.seed,
+            max_content_chars=s.max_content_chars,
         )  # fmt: skip
         config = run_config(cfg)
         worker = in_process_workers(config, VLLMTokenClient(memory, max_tokens=s.max_new_tokens), reward=False)
         dataset = RLHFDataset([str(rows_file)], worker.tokenizer, config.data)
         tokenizer = self.tokenizer(system.qa)
-        for start in range(0, len(dataset), s.batch_size):
-            index = list(range(start, min(start + s.batch_size, len(dataset))))
-            batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in index]))
-            began = time.perf_counter()
-            out = await worker.generate_sequences(batch)
-            seconds = time.perf_counter() - began
-            extra = out.non_tensor_batch
-            timing = out.meta_info.get("metrics") or [{}] * len(index)
-            records = []
-            for j, i in enumerate(index):
-                record = _base_record(todo[i], system.name, s.seed)
-                delta = extra[DELTA_KEY][j]
-                record.update(await self._retrieval_fields(record, delta, tokenizer))
-                record.pop("context")
-                episode = timing[j] if j < len(timing) else {}
-                record.update(
-                    prediction=extra[ANSWER_KEY][j],
-                    termination_reason=str(extra[TERMINATION_KEY][j]),
-                    memory_stats=_plain(extra[STATS_KEY][j]),
-                    # The episode's own time (its generations and tool calls), not the batch's.
-                    latency_s=float(episode.get("generate_sequences", 0.0) + episode.get("tool_calls", 0.0))
-                    or seconds,
-                )
-                records.append(record)
-            _append(path, records)
-            bar.update(len(index))
+        async with OpenAIClient(qa) as client:
+            for start in range(0, len(dataset), s.batch_size):
+                index = list(range(start, min(start + s.batch_size, len(dataset))))
+                batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in index]))
+                began = time.perf_counter()
+                out = await worker.generate_sequences(batch)
+                seconds = time.perf_counter() - began
+                extra = out.non_tensor_batch
+                timing = out.meta_info.get("metrics") or [{}] * len(index)
+
+                episodes = []
+                for j, i in enumerate(index):
+                    episode = timing[j] if j < len(timing) else {}
+                    record = _base_record(todo[i], system.name, s.seed)
+                    record.update(
+                        termination_reason=str(extra[TERMINATION_KEY][j]),
+                        memory_stats=_plain(extra[STATS_KEY][j]),
+                        # The episode's own time (its generations and tool calls), not the batch's; the
+                        # answer's time is added by answer().
+                        latency_s=float(episode.get("generate_sequences", 0.0) + episode.get("tool_calls", 0.0))
+                        or seconds,
+                    )  # fmt: skip
+                    episodes.append((record, extra[DELTA_KEY][j]))
+
+                async def one(record: dict[str, Any], delta: Mapping[str, Any] | None) -> dict[str, Any]:
+                    hits = await self.retrieve(record["sample_id"], record["question"], delta)
+                    record.update(self._retrieval_fields(record, hits))
+                    await self.answer(client, tokenizer, record, [h.record for h in hits])
+                    return record
+
+                _append(path, await asyncio.gather(*(one(r, d) for r, d in episodes)))
+                bar.update(len(index))
 
     # ------------------------------------------------------------------ all systems
 
@@ -407,9 +467,30 @@ def _invalidate_if_changed(path: Path, fingerprint: dict[str, Any]) -> None:
     write_json_atomic(meta, fingerprint)
 
 
-def _chat_tokens(tokenizer: Any, prompt: str) -> int:
-    """Tokens of ``prompt`` as one user message with the chat template, as the server counts it."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+def locomo_full_context(conv: Any, start_prompt: str) -> str:
+    """The whole conversation as LoCoMo's full-context evaluation lays it out (``get_input_context`` and
+    ``get_gpt_answers`` in snap-research/LoCoMo ``task_eval/gpt_utils.py``, commit in
+    config/prompts/locomo.yaml), without its token budget (a prompt that does not fit is skipped instead):
+    ``CONV_START_PROMPT`` with the two speakers, then each session prepended to the ones before it as
+    ``DATE: <date>\nCONVERSATION:\n`` and ``<speaker> said, "<text>"\n`` per turn (an image turn adds
+    `` and shared <caption>.``), each turn followed by a blank line. Upstream names the speakers in the
+    order of a Python set; here speaker_a then speaker_b."""
+    query = ""
+    for session in conv.sessions:
+        query += "\n\n"
+        turns = ""
+        for turn in session.turns:
+            line = turn.speaker + ' said, "' + turn.text + '"' + "\n"
+            if turn.image_caption:
+                line += f" and shared {turn.image_caption}."
+            turns += line + "\n"
+        query = "DATE: " + str(session.date_time) + "\n" + "CONVERSATION:\n" + turns + query
+    return start_prompt.format(conv.speaker_a, conv.speaker_b) + query
+
+
+def _chat_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+    """Tokens of ``messages`` with the chat template, as the server counts them."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 

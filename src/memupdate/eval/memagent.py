@@ -1,9 +1,29 @@
-"""MemAgent evaluation: the trained loop (same prompts as training) on held-out HotpotQA rows, greedy.
+"""MemAgent evaluation: the trained loop on held-out HotpotQA rows, scored our way and MemAgent's way.
 
-:meth:`MemAgentEvaluator.evaluate` runs one model on one row file and writes a prediction per question (the reply,
-its boxed answer, EM / sub-EM / F1, chunks read, seconds); :func:`memagent_length_curve` does it for the
-same questions at several context lengths and models, and plots accuracy against context length, the
-curve MemAgent is known for.
+:meth:`MemAgentEvaluator.evaluate` runs one model on one row file and writes a prediction per question;
+:func:`memagent_length_curve` does it for the same questions at several context lengths and models, and
+plots accuracy against context length, the curve MemAgent is known for.
+
+The loop reads **every chunk** of each haystack, as MemAgent's own evaluation does
+(``RECURRENT_MAX_CONTEXT_LEN=1e11`` in ``taskutils/memory_eval/run.py``): training's budget of ``max_chunks``
+chunks is a training budget, and cutting the middle of a longer haystack would measure truncation, not
+memory. Centre truncation stays available as an explicit option (``truncate_chunks``); every prediction
+records how much of its haystack was read (``chunks_read`` of ``chunks_total``, ``context_tokens`` of
+``haystack_tokens``, ``truncated_tokens``) and the report shows the truncation rate per length.
+
+Two styles, each with its own predictions and scores per length:
+
+- ``ours``: training's prompts (the final turn asks for ``\\boxed{}``), greedy; EM of the boxed answer (the
+  training reward), sub-EM and F1 (:func:`memupdate.rewards.memagent.memagent_reward`).
+- ``memagent``: MemAgent's evaluation (``taskutils/memory_eval/ruler_hqa.py``, ``utils/recurrent.py`` and
+  ``utils/__init__.py`` of BytedTsinghua-SIA/MemAgent@76b7a658988e4ea53d7388a62de6c0ce79084146): the final
+  turn asks for "Therefore, the answer is ..." (:data:`~memupdate.agents.memagent.ANSWER_IS_PROMPT`) with
+  the memory turns' token limit (upstream's ``RECURRENT_MAX_NEW`` serves both; the memory turns keep
+  training's prompt, upstream's own text up to whitespace), every turn is sampled at
+  temperature 0.7 / top-p 0.95, the answer is the text after the last "the answer is"
+  (:func:`memagent_style_answer`) and scored against the first gold answer by
+  :func:`memagent_style_scores`. Its sub-EM is the paper's accuracy, so this curve is the one to set
+  beside the paper's.
 
 A model is a checkpoint folder, generated in-process with Hugging Face one request at a time (the
 benchmark's choice: time is a function of the model and the rows only), or a served model's readiness
@@ -16,9 +36,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import string
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,36 +52,61 @@ from memupdate.utils.io import write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
+#: Evaluation styles: ours (training's prompts, greedy) and MemAgent's (its evaluation's prompt and decoding).
+STYLES = ("ours", "memagent")
+#: Scores per prediction, by style.
 METRICS = ("exact_match", "sub_em", "f1", "boxed")
+MEMAGENT_STYLE_METRICS = ("exact_match", "sub_em", "f1", "answered")
+STYLE_METRICS = {"ours": METRICS, "memagent": MEMAGENT_STYLE_METRICS}
+#: How much of its haystack a prediction read, and its cost; averaged per length in the report.
+READ_KEYS = ("chunks_read", "chunks_total", "haystack_tokens", "context_tokens", "truncated_tokens")
+COST_KEYS = ("memory_truncations", "seconds")
 
 
 @dataclass
 class MemAgentEvalSettings:
-    """The loop's budgets (as in training) and how many questions go through the worker at once."""
+    """The loop's budgets (as in training), how much of a haystack to read, and the styles to run."""
 
     chunk_size: int = 5000
-    max_chunks: int = 8
     max_memory_tokens: int = 1024
     max_final_tokens: int = 256
     prompt_length: int = 8192
     batch_size: int = 4
     limit: int | None = None
+    #: Centre-truncate each haystack to this many chunks (training's ``max_chunks``); None reads every chunk.
+    truncate_chunks: int | None = None
+    #: Also evaluate in MemAgent's own style (sampled, "the answer is"), beside ours.
+    memagent_style: bool = True
+    #: MemAgent's evaluation sampling (``ruler_hqa.py``: temperature=0.7, top_p=0.95).
+    memagent_temperature: float = 0.7
+    memagent_top_p: float = 0.95
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> MemAgentEvalSettings:
-        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        known = {f.name for f in fields(cls)}
+        if "max_chunks" in values:
+            raise ValueError(
+                "MemAgent eval settings: max_chunks is training's budget; evaluation reads every chunk of a "
+                "haystack. To cut haystacks anyway, set truncate_chunks (the report then shows the truncation rate)"
+            )
+        unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown MemAgent eval settings {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+            raise ValueError(f"unknown MemAgent eval settings {unknown}; known: {sorted(known)}")
         return cls(**values)
+
+    @property
+    def styles(self) -> tuple[str, ...]:
+        return STYLES if self.memagent_style else ("ours",)
 
 
 class MemAgentEvaluator:
-    """One model, loaded (or reached) once, evaluated on any number of row files.
+    """One model, loaded (or reached) once, evaluated on any number of row files in either style.
 
     ``model`` is a checkpoint folder (generated in-process) or a readiness marker of a served model (its
     tokenizer is read from the checkpoint folder the marker names)."""
 
     def __init__(self, model: str | Path, settings: MemAgentEvalSettings, work_dir: str | Path):
+        from omegaconf import OmegaConf
         from transformers import AutoTokenizer
 
         from memupdate.training.local import LocalGRPOConfig, run_config
@@ -66,14 +114,24 @@ class MemAgentEvaluator:
         self.settings = s = settings
         self.model_path, endpoint = model_source(model)
         response = max(s.max_memory_tokens, s.max_final_tokens)
-        cfg = LocalGRPOConfig(
-            model_path=str(self.model_path), train_files=[], run_dir=str(work_dir), agent_name="memagent",
-            agent={"chunk_size": s.chunk_size, "max_chunks": s.max_chunks, "max_memory_tokens": s.max_memory_tokens,
-                   "max_final_tokens": s.max_final_tokens},
-            reward_manager="memupdate_memagent", prompt_length=s.prompt_length, response_length=response,
-            max_new_tokens=response,
-        )  # fmt: skip
-        self.config = run_config(cfg)
+        loop = {"chunk_size": s.chunk_size, "max_chunks": s.truncate_chunks, "max_memory_tokens": s.max_memory_tokens}
+        agents = {
+            "ours": {**loop, "max_final_tokens": s.max_final_tokens, "final_prompt": "boxed"},
+            # Upstream gives the final turn the memory turns' limit (RECURRENT_MAX_NEW serves both).
+            "memagent": {**loop, "max_final_tokens": s.max_memory_tokens, "final_prompt": "answer_is"},
+        }
+        self.configs = {}
+        for style in s.styles:
+            cfg = LocalGRPOConfig(
+                model_path=str(self.model_path), train_files=[], run_dir=str(Path(work_dir) / style),
+                agent_name="memagent", agent=agents[style], reward_manager="memupdate_memagent",
+                prompt_length=s.prompt_length, response_length=response, max_new_tokens=response,
+            )  # fmt: skip
+            self.configs[style] = run_config(cfg)
+        if "memagent" in self.configs:
+            # Evaluation batches are marked `validate`, so verl decodes them with val_kwargs (greedy by default).
+            for key, value in (("temperature", s.memagent_temperature), ("top_p", s.memagent_top_p)):
+                OmegaConf.update(self.configs["memagent"], f"actor_rollout_ref.rollout.val_kwargs.{key}", value)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.served = endpoint is not None
         if self.served:
@@ -93,46 +151,62 @@ class MemAgentEvaluator:
         """The rows as verl's ``RLHFDataset`` reads them for training (same chat template, same fields)."""
         from verl.utils.dataset.rl_dataset import RLHFDataset
 
-        return RLHFDataset([str(rows_file)], self.tokenizer, self.config.data)
+        return RLHFDataset([str(rows_file)], self.tokenizer, self.configs["ours"].data)
 
-    async def _predict(self, dataset, label: str) -> list[dict[str, Any]]:
+    async def _predict(self, dataset, style: str, label: str) -> list[dict[str, Any]]:
         from verl import DataProto
         from verl.utils.dataset.rl_dataset import collate_fn
 
-        from memupdate.agents.memagent import ANSWER_KEY, CHUNKS_KEY, CONTEXT_KEY, TRUNCATIONS_KEY
+        from memupdate.agents.fields import (
+            CHUNKS_KEY,
+            CHUNKS_TOTAL_KEY,
+            CONTEXT_KEY,
+            TRUNCATED_TOKENS_KEY,
+            TRUNCATIONS_KEY,
+        )
+        from memupdate.agents.fields import MEMAGENT_ANSWER_KEY as ANSWER_KEY
         from memupdate.rewards.memagent import memagent_reward
         from memupdate.training.workers import FINAL_MASK_KEY, in_process_workers
 
-        worker = in_process_workers(self.config, self.server, reward=False)
+        score = memagent_reward if style == "ours" else memagent_style_scores
+        worker = in_process_workers(self.configs[style], self.server, reward=False)
         records = []
         count = min(len(dataset), self.settings.limit or len(dataset))
         for start in tqdm(range(0, count, self.settings.batch_size), desc=label, unit="batch", disable=None):
             chunk = [dataset[i] for i in range(start, min(count, start + self.settings.batch_size))]
             batch = DataProto.from_single_dict(collate_fn(chunk))
-            batch.meta_info["validate"] = True  # verl's val_kwargs: greedy
+            batch.meta_info["validate"] = True  # decoded with val_kwargs: greedy (ours) or MemAgent's sampling
             began = time.perf_counter()
             out = await worker.generate_sequences(batch)
             seconds = (time.perf_counter() - began) / len(chunk)
-            fields = out.non_tensor_batch
-            finals = np.flatnonzero(fields[FINAL_MASK_KEY])
+            values = out.non_tensor_batch
+            finals = np.flatnonzero(values[FINAL_MASK_KEY])
             for row, i in zip(chunk, finals, strict=True):
                 extra = row["extra_info"]
-                reply = fields[ANSWER_KEY][i]
+                reply = values[ANSWER_KEY][i]
                 answers = [str(a) for a in row["reward_model"]["ground_truth"]]
+                haystack, dropped = int(values[CONTEXT_KEY][i]), int(values[TRUNCATED_TOKENS_KEY][i])
                 records.append({
                     "id": extra["id"], "question": extra["question"], "answers": answers, "reply": reply,
-                    **memagent_reward(reply, answers), "chunks": int(fields[CHUNKS_KEY][i]),
-                    "context_tokens": int(fields[CONTEXT_KEY][i]),
-                    "memory_truncations": int(fields[TRUNCATIONS_KEY][i] or 0), "seconds": round(seconds, 4),
+                    **score(reply, answers), "chunks_read": int(values[CHUNKS_KEY][i]),
+                    "chunks_total": int(values[CHUNKS_TOTAL_KEY][i]), "haystack_tokens": haystack,
+                    "context_tokens": haystack - dropped, "truncated_tokens": dropped,
+                    "memory_truncations": int(values[TRUNCATIONS_KEY][i] or 0), "seconds": round(seconds, 4),
                 })  # fmt: skip
         return records
 
-    def evaluate(self, rows_file: str | Path, predictions: str | Path | None = None, label: str = "memagent eval"):
-        """Predictions for every row of ``rows_file`` (written as JSONL to ``predictions``) and their summary."""
-        records = asyncio.run(self._predict(self.dataset(rows_file), label))
+    def evaluate(
+        self, rows_file: str | Path, predictions: str | Path | None = None, label: str = "memagent eval",
+        style: str = "ours",
+    ) -> dict[str, Any]:  # fmt: skip
+        """Predictions for every row of ``rows_file`` in ``style`` (written as JSONL to ``predictions``) and
+        their summary."""
+        if style not in self.configs:
+            raise ValueError(f"style {style!r} is not among this evaluator's styles {sorted(self.configs)}")
+        records = asyncio.run(self._predict(self.dataset(rows_file), style, label))
         if predictions:
             write_text_atomic(predictions, "".join(json.dumps(r) + "\n" for r in records))
-        return summarize(records)
+        return summarize(records, style)
 
 
 def model_source(model: str | Path) -> tuple[Path, Any]:
@@ -149,18 +223,102 @@ def model_source(model: str | Path) -> tuple[Path, Any]:
     return Path(load_marker(path)["model_path"]), read_marker(path, timeout_s=30.0)
 
 
-def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Means over questions, in [0, 1] (``n`` questions; ``chunks`` and ``context_tokens`` per question).
+# --- MemAgent's own answer extraction and scoring (taskutils/memory_eval/utils/__init__.py) -----------
 
-    >>> summarize([{"exact_match": 1.0, "sub_em": 1.0, "f1": 1.0, "boxed": 1.0, "chunks": 2,
-    ...             "context_tokens": 90, "memory_truncations": 0, "seconds": 1.0}])["sub_em"]
-    1.0
+_ANSWER_MARKER = "the answer is"
+#: DeepSeek-R1 chat markers upstream strips from an extracted answer.
+_R1_MARKERS = ("<｜Assistant｜>", "<｜end▁of▁sentence｜>")
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def memagent_style_answer(reply: str | None) -> str | None:
+    """The answer MemAgent's evaluation reads from a reply: the text after ``</think>`` if there is one
+    (``extract_solution``; the whole reply if that part is empty), then, with ``*`` removed, the text after the
+    last "the answer is" (case-sensitive, as upstream), stripped of spaces and dots; None without the phrase.
+
+    >>> memagent_style_answer("Paris is in **France**. Therefore, the answer is **Paris**.")
+    'Paris'
+    >>> memagent_style_answer("<think>so the answer is Rome</think>The Answer is Paris") is None
+    True
+    """
+    response = (reply or "").strip()
+    solution = response.split("</think>")[-1].strip() if "</think>" in response else response
+    text = (solution or response).replace("*", "")
+    if _ANSWER_MARKER not in text:
+        return None
+    answer = text.rsplit(_ANSWER_MARKER, 1)[-1].strip()
+    for marker in _R1_MARKERS:
+        answer = answer.replace(marker, "")
+    return answer.strip().strip(".").strip()
+
+
+def _normalize(s: str) -> str:
+    # Upstream's normalize_answer: lower-case, punctuation, articles, whitespace (SQuAD's order).
+    text = "".join(ch for ch in s.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def _f1(prediction: str, gold: str) -> float:
+    pred, truth = _normalize(prediction), _normalize(gold)
+    # HotpotQA's rule: a yes/no/noanswer answer scores only when it matches exactly.
+    if (pred in ("yes", "no", "noanswer") or truth in ("yes", "no", "noanswer")) and pred != truth:
+        return 0.0
+    common = sum((Counter(pred.split()) & Counter(truth.split())).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(pred.split()), common / len(truth.split())
+    return 2 * precision * recall / (precision + recall)
+
+
+def memagent_style_scores(reply: str | None, answers: Sequence[str]) -> dict[str, Any]:
+    """MemAgent's evaluation scores of one reply (``ruler_hqa.py``): the extracted answer
+    (:func:`memagent_style_answer`) against the *first* gold answer: exact match, sub-EM (either normalised
+    string contains the other) and F1 (rounded to 2 digits per question, as upstream's ``calc_metrics``);
+    all 0 when no answer was extracted. ``answered`` says whether one was.
+
+    >>> s = memagent_style_scores("The band formed in 1960, so the answer is The Beatles.", ["Beatles"])
+    >>> s["pred"], s["exact_match"], s["sub_em"], s["f1"], s["answered"]
+    ('The Beatles', 1.0, 1.0, 1.0, 1.0)
+    >>> memagent_style_scores("It is no.", ["no"])["answered"]  # no "the answer is": scores 0
+    0.0
+    """
+    if not answers:
+        raise ValueError("memagent_style_scores needs at least one gold answer")
+    pred = memagent_style_answer(reply)
+    if not pred:
+        return {"pred": pred, "exact_match": 0.0, "sub_em": 0.0, "f1": 0.0, "answered": float(pred is not None)}
+    gold, norm_pred = _normalize(answers[0]), _normalize(pred)
+    return {
+        "pred": pred,
+        "exact_match": float(norm_pred == gold),
+        # Upstream's containment test, which also holds when the prediction normalises to nothing.
+        "sub_em": float(gold in norm_pred or norm_pred in gold),
+        "f1": round(_f1(pred, answers[0]), 2),
+        "answered": 1.0,
+    }
+
+
+# --- summaries and the report ---------------------------------------------------------------------
+
+
+def summarize(records: Sequence[Mapping[str, Any]], style: str = "ours") -> dict[str, Any]:
+    """Means over questions, in [0, 1] (``n`` questions; chunks, tokens and seconds per question);
+    ``truncated`` is the share of questions whose haystack was cut.
+
+    >>> r = {"exact_match": 1.0, "sub_em": 1.0, "f1": 1.0, "boxed": 1.0, "chunks_read": 2, "chunks_total": 3,
+    ...      "haystack_tokens": 90, "context_tokens": 60, "truncated_tokens": 30, "memory_truncations": 0,
+    ...      "seconds": 1.0}
+    >>> s = summarize([r, {**r, "chunks_read": 3, "context_tokens": 90, "truncated_tokens": 0}])
+    >>> s["sub_em"], s["truncated"], s["context_tokens"], s["haystack_tokens"]
+    (1.0, 0.5, 75.0, 90.0)
     """
     if not records:
         raise ValueError("no predictions to summarize")
     out: dict[str, Any] = {"n": len(records)}
-    for key in (*METRICS, "chunks", "context_tokens", "memory_truncations", "seconds"):
+    for key in (*STYLE_METRICS[style], *READ_KEYS, *COST_KEYS):
         out[key] = round(float(np.mean([r[key] for r in records])), 4)
+    out["truncated"] = round(float(np.mean([r["truncated_tokens"] > 0 for r in records])), 4)
     return out
 
 
@@ -173,44 +331,63 @@ def memagent_length_curve(
     experiment: str = "memagent",
 ) -> dict[str, Any]:
     """Every model (a checkpoint folder or a served model's readiness marker) on every row file (one per
-    context length, named by it, e.g. ``{"10": ...}`` documents); writes ``predictions/<model>-<length>.jsonl``,
+    context length, named by it, e.g. ``{"10": ...}`` documents), in every style of ``settings``; writes
+    ``predictions/<model>-<length>.jsonl`` (ours) and ``predictions/<model>-<length>.memagent_style.jsonl``,
     ``report.json``, ``report.md`` and ``length_curve.png`` into ``out_dir`` (``report.json`` last, so its
     presence means everything is there)."""
     settings = settings if isinstance(settings, MemAgentEvalSettings) else MemAgentEvalSettings.from_dict(settings)
     out = Path(out_dir)
     (out / "predictions").mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, dict[str, dict[str, Any]]] = {style: {} for style in settings.styles}
     described: dict[str, dict[str, Any]] = {}
     for name, model in models.items():
         evaluator = MemAgentEvaluator(model, settings, out / "work" / name)
         described[name] = {"path": str(evaluator.model_path),
                            "served_as": evaluator.server.endpoint.model if evaluator.served else None}  # fmt: skip
-        results[name] = {
-            length: evaluator.evaluate(rows, out / "predictions" / f"{name}-{length}.jsonl", f"{name} @ {length}")
-            for length, rows in rows_files.items()
+        for style in settings.styles:
+            suffix = "" if style == "ours" else ".memagent_style"
+            results[style][name] = {
+                length: evaluator.evaluate(
+                    rows, out / "predictions" / f"{name}-{length}{suffix}.jsonl", f"{name} @ {length} ({style})", style
+                )
+                for length, rows in rows_files.items()
+            }
+    report = {"experiment": experiment, "settings": asdict(settings), "models": described, "results": results["ours"]}
+    if "memagent" in results:
+        report["memagent_style"] = {
+            "protocol": (
+                "MemAgent's evaluation (taskutils/memory_eval): final prompt asks for 'Therefore, the answer is "
+                f"...', sampled at temperature {settings.memagent_temperature} / top-p {settings.memagent_top_p}, "
+                "answer after the last 'the answer is', EM / sub-EM / F1 against the first gold answer; sub-EM is "
+                "the paper's accuracy"
+            ),
+            "results": results["memagent"],
         }
-    report = {"experiment": experiment, "settings": asdict(settings), "models": described, "results": results}
-    report["plots"] = _plot(results, out)
+    report["plots"] = _plot(report, out)
     write_text_atomic(out / "report.md", _markdown(report))
     write_json_atomic(out / "report.json", report)
     return report
 
 
-def _plot(results: Mapping[str, Mapping[str, Mapping[str, Any]]], out: Path) -> list[str]:
+def _plot(report: Mapping[str, Any], out: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    curves = [("", report["results"], "-")]
+    if "memagent_style" in report:
+        curves.append((" (MemAgent style)", report["memagent_style"]["results"], "--"))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name, by_length in results.items():
-        points = sorted((r["context_tokens"], r) for r in by_length.values())
-        x = [p[0] for p in points]
-        for ax, key in zip(axes, ("sub_em", "exact_match"), strict=True):
-            ax.plot(x, [100 * p[1][key] for p in points], marker="o", label=name)
-    for ax, title in zip(axes, ("sub-EM (%)", "exact match of the boxed answer (%)"), strict=True):
+    for tag, results, line in curves:
+        for name, by_length in results.items():
+            points = sorted((r["haystack_tokens"], r) for r in by_length.values())
+            x = [p[0] for p in points]
+            for ax, key in zip(axes, ("sub_em", "exact_match"), strict=True):
+                ax.plot(x, [100 * p[1][key] for p in points], line, marker="o", label=f"{name}{tag}")
+    for ax, title in zip(axes, ("sub-EM (%)", "exact match (%)"), strict=True):
         ax.set_title(title)
-        ax.set_xlabel("context tokens (mean per question)")
+        ax.set_xlabel("haystack tokens (mean per question)")
         ax.set_xscale("log")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -220,16 +397,37 @@ def _plot(results: Mapping[str, Mapping[str, Mapping[str, Any]]], out: Path) -> 
 
 
 def _markdown(report: Mapping[str, Any]) -> str:
+    truncate = report["settings"]["truncate_chunks"]
+    reading = ("every chunk of each haystack is read" if truncate is None else
+               f"haystacks are centre-truncated to {truncate} chunks")  # fmt: skip
     lines = [f"# MemAgent evaluation: {report['experiment']}", "",
-             "Scores in % over the same questions at each context length; chunks and tokens are means per question.",
-             "", "| model | length | questions | context tokens | chunks | EM | sub-EM | F1 | boxed | memory cut | s / question |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             f"Scores in % over the same questions at each context length; {reading}. Tokens and chunks are "
+             "means per question; 'truncated' is the share of questions whose haystack was cut.", "",
+             "## Our evaluation (training's boxed prompt, greedy)", "",
+             "| model | length | questions | haystack tokens | tokens read | truncated | chunks read / total | EM | "
+             "sub-EM | F1 | boxed | memory cut | s / question |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, by_length in report["results"].items():
         for length, r in by_length.items():
             lines.append(
-                f"| {name} | {length} | {r['n']} | {r['context_tokens']:.0f} | {r['chunks']:.1f} | "
+                f"| {name} | {length} | {r['n']} | {r['haystack_tokens']:.0f} | {r['context_tokens']:.0f} | "
+                f"{100 * r['truncated']:.0f}% | {r['chunks_read']:.1f} / {r['chunks_total']:.1f} | "
                 f"{100 * r['exact_match']:.1f} | {100 * r['sub_em']:.1f} | {100 * r['f1']:.1f} | "
                 f"{100 * r['boxed']:.1f} | {r['memory_truncations']:.2f} | {r['seconds']:.2f} |"
             )
+    if "memagent_style" in report:
+        style = report["memagent_style"]
+        lines += ["", "## MemAgent's own evaluation style (compare with the paper's numbers)", "",
+                  f"{style['protocol']}.", "",
+                  "| model | length | questions | haystack tokens | tokens read | truncated | sub-EM | EM | F1 | "
+                  "'the answer is' found | s / question |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for name, by_length in style["results"].items():
+            for length, r in by_length.items():
+                lines.append(
+                    f"| {name} | {length} | {r['n']} | {r['haystack_tokens']:.0f} | {r['context_tokens']:.0f} | "
+                    f"{100 * r['truncated']:.0f}% | {100 * r['sub_em']:.1f} | {100 * r['exact_match']:.1f} | "
+                    f"{100 * r['f1']:.1f} | {100 * r['answered']:.1f} | {r['seconds']:.2f} |"
+                )
     lines += ["", *(f"![{p}]({p})" for p in report["plots"])]
     return "\n".join(lines) + "\n"

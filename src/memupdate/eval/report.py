@@ -30,31 +30,47 @@ logger = logging.getLogger(__name__)
 
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 MEM0_CATEGORIES = (1, 2, 3, 4)
+#: Systems that may leave a question out (its prompt does not fit the model); every other system's
+#: unanswered question scores 0.
+MAY_SKIP = ("full_context",)
 
 
 def score_prediction(record: Mapping[str, Any]) -> dict[str, float | None]:
-    """The per-question scores of one saved prediction (None where a protocol does not score it).
+    """The per-question scores of one saved prediction: LoCoMo F1 of the LoCoMo-protocol answer, Mem0 F1,
+    BLEU-1 and J of the Mem0-protocol answer (None where a protocol does not ask the question, or was not
+    run). A question asked but not answered scores 0: :func:`summarize` decides which records those are.
 
-    >>> score_prediction({"prediction": "7 May 2023", "answer": "7 May 2023", "category": 2})["locomo_f1"]
+    >>> score_prediction({"predictions": {"locomo": "7 May 2023"}, "answer": "7 May 2023", "category": 2})["locomo_f1"]
     1.0
     >>> choices = {"a": "Bo", "b": "Not mentioned in the conversation"}
-    >>> score_prediction({"prediction": "(b)", "category": 5, "choices": choices})["locomo_f1"]
+    >>> score_prediction({"predictions": {"locomo": "(b)"}, "category": 5, "choices": choices})["locomo_f1"]
     1.0
+    >>> score_prediction({"predictions": {"locomo": None, "mem0": None}, "answer": "x", "category": 1})
+    {'locomo_f1': 0.0, 'mem0_f1': 0.0, 'bleu1': 0.0, 'j': 0.0}
     """
-    prediction, category = record.get("prediction"), int(record["category"])
-    if prediction is None:
-        return {"locomo_f1": None, "mem0_f1": None, "bleu1": None}
-    prediction = str(prediction)
-    if category == 5:
-        if record.get("choices"):
-            prediction = metrics.locomo_choice_answer(prediction, record["choices"])
-        return {"locomo_f1": metrics.locomo_f1(prediction, "", 5), "mem0_f1": None, "bleu1": None}
-    answer = str(record["answer"])
-    return {
-        "locomo_f1": metrics.locomo_f1(prediction, answer, category),
-        "mem0_f1": metrics.mem0_f1(prediction, answer),
-        "bleu1": metrics.bleu1(prediction, answer),
-    }
+    predictions, category = record.get("predictions") or {}, int(record["category"])
+    scores: dict[str, float | None] = {"locomo_f1": None, "mem0_f1": None, "bleu1": None, "j": None}
+    if "locomo" in predictions:
+        prediction = predictions["locomo"]
+        if prediction is None:
+            scores["locomo_f1"] = 0.0
+        elif category == 5:
+            if record.get("choices"):
+                prediction = metrics.locomo_choice_answer(str(prediction), record["choices"])
+            scores["locomo_f1"] = metrics.locomo_f1(str(prediction), "", 5)
+        else:
+            scores["locomo_f1"] = metrics.locomo_f1(str(prediction), str(record["answer"]), category)
+    if "mem0" in predictions and category in MEM0_CATEGORIES:
+        prediction = predictions["mem0"]
+        if prediction is None:
+            scores.update(mem0_f1=0.0, bleu1=0.0, j=0.0)
+        else:
+            scores["mem0_f1"] = metrics.mem0_f1(str(prediction), str(record["answer"]))
+            scores["bleu1"] = metrics.bleu1(str(prediction), str(record["answer"]))
+            # A judge reply that could not be parsed counts as not correct, and is counted (summarize).
+            judged = record.get("judge_model") is not None
+            scores["j"] = float(record["judge"] or 0.0) if judged else None
+    return scores
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -67,41 +83,56 @@ def _percentile(values: Sequence[float | None], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 4) if values else None
 
 
-def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Every number of one system's row in the report, from its saved predictions."""
-    scored = [{**r, **score_prediction(r)} for r in records]
-    answered = [r for r in scored if r.get("prediction") is not None]
-    mem0 = [r for r in answered if r["category"] in MEM0_CATEGORIES]
+def _answered(record: Mapping[str, Any]) -> bool:
+    predictions = record.get("predictions") or {}
+    return bool(predictions) and all(p is not None for p in predictions.values())
+
+
+def summarize(records: Sequence[Mapping[str, Any]], *, may_skip: bool = False) -> dict[str, Any]:
+    """Every number of one system's row in the report, from its saved predictions.
+
+    Means are over every question asked: a question a memory system left unanswered scores 0 on every
+    metric and is counted in ``unanswered``. Only a system that ``may_skip`` (``full_context``, whose
+    prompt can exceed the model's context) leaves questions out of its means; they are counted in
+    ``skipped``, and its row is reported apart because it is scored on fewer questions."""
+    skipped = [r for r in records if may_skip and r.get("skipped")]
+    scored = [{**r, **score_prediction(r)} for r in records if not (may_skip and r.get("skipped"))]
+    mem0 = [r for r in scored if r["category"] in MEM0_CATEGORIES]
     per_category = {}
     for category, name in CATEGORY_NAMES.items():
-        rows = [r for r in answered if r["category"] == category]
+        rows = [r for r in scored if r["category"] == category]
         per_category[str(category)] = {
             "name": name,
             "n": len(rows),
             "locomo_f1": _mean([r["locomo_f1"] for r in rows]),
             "mem0_f1": _mean([r["mem0_f1"] for r in rows]),
             "bleu1": _mean([r["bleu1"] for r in rows]),
-            "j": _mean([r.get("judge") for r in rows]),
+            "j": _mean([r["j"] for r in rows]),
         }
-    skipped = [r for r in scored if r.get("prediction") is None]
+    protocols = sorted({p for r in scored for p in (r.get("predictions") or {})})
     return {
-        "questions": len(scored),
-        "answered": len(answered),
+        "questions": len(records),
+        "scored": len(scored),
+        "answered": sum(_answered(r) for r in scored),
+        "unanswered": sum(not _answered(r) for r in scored),
         "skipped": len(skipped),
         "skip_reasons": sorted({str(r.get("skipped")) for r in skipped}),
-        "locomo": {"f1": _mean([r["locomo_f1"] for r in answered]), "n": len(answered)},
+        "locomo": {"f1": _mean([r["locomo_f1"] for r in scored]), "n": sum(r["locomo_f1"] is not None for r in scored)},
         "mem0": {
             "f1": _mean([r["mem0_f1"] for r in mem0]),
             "bleu1": _mean([r["bleu1"] for r in mem0]),
-            "j": _mean([r.get("judge") for r in mem0]),
-            "n": len(mem0),
+            "j": _mean([r["j"] for r in mem0]),
+            "j_unparsed": sum(bool(r.get("judge_unparsed")) for r in mem0),
+            "n": sum(r["mem0_f1"] is not None for r in mem0),
         },
         "per_category": per_category,
-        "evidence_recall_at_k": _mean([r.get("evidence_recall") for r in answered]),
-        "context_tokens_mean": _mean([r.get("context_tokens") for r in scored]),
-        "latency_s": {"p50": _percentile([r.get("latency_s") for r in answered], 50),
-                      "p95": _percentile([r.get("latency_s") for r in answered], 95)},
-        "termination": _counts(r.get("termination_reason") for r in answered if r.get("termination_reason")),
+        "evidence_recall_at_k": _mean([r.get("evidence_recall") for r in scored]),
+        "context_chars_mean": _mean([r.get("context_chars") for r in scored]),
+        # The prompt the QA model saw (chat template included), per protocol.
+        "context_tokens_mean": {p: _mean([(r.get("context_tokens") or {}).get(p) for r in records]) for p in protocols},
+        "latency_s": {"p50": _percentile([r.get("latency_s") for r in scored], 50),
+                      "p95": _percentile([r.get("latency_s") for r in scored], 95)},
+        "termination": _counts(r.get("termination_reason") for r in scored if r.get("termination_reason")),
         "memory": _memory_stats([r["memory_stats"] for r in scored if r.get("memory_stats")]),
     }  # fmt: skip
 
@@ -128,30 +159,46 @@ def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-async def judge_predictions(path: str | Path, judge: Any, judge_name: str, max_tokens: int = 64) -> None:
-    """Add Mem0's J (``judge``: 1 CORRECT / 0 WRONG, from an :class:`OpenAIClient`) to the category 1-4
-    predictions in ``path`` not yet judged by ``judge_name``, and rewrite the file atomically."""
-    from memupdate.rewards.scorers import JUDGE_PROMPT, parse_judge_label
+async def judge_predictions(
+    path: str | Path, judge: Any, judge_name: str, max_tokens: int = 256, prompts_dir: str | Path | None = None
+) -> int:
+    """Add Mem0's J to the category 1-4 predictions in ``path`` not yet judged by ``judge_name`` with the
+    current judge prompt, rewrite the file atomically, and return how many replies could not be parsed.
+
+    ``judge`` is an :class:`OpenAIClient`; it gets Mem0's ACCURACY_PROMPT verbatim in JSON mode. Each
+    judged record gets ``judge`` (1.0 CORRECT, 0.0 WRONG, None when the reply has no such label),
+    ``judge_unparsed`` (bool), ``judge_reply`` (the raw reply), ``judge_model`` and ``judge_prompt``
+    (sha256 of the judge template, so a changed prompt re-judges). An unparsed reply is never scored.
+    """
+    from memupdate.prompts import JUDGE_RESPONSE_FORMAT, judge_messages, judge_prompt_sha256, parse_judge
 
     records = load_jsonl(path)
+    prompt_sha = judge_prompt_sha256(prompts_dir)
 
     async def one(record):
-        if record.get("judge_model") == judge_name or record.get("prediction") is None:
+        prediction = (record.get("predictions") or {}).get("mem0")
+        if prediction is None or record["category"] not in MEM0_CATEGORIES:
             return
-        if record["category"] not in MEM0_CATEGORIES:
+        if record.get("judge_model") == judge_name and record.get("judge_prompt") == prompt_sha:
             return
-        prompt = JUDGE_PROMPT.format(question=record["question"], answer=record["answer"], prediction=record["prediction"])
-        reply = await judge.chat([{"role": "user", "content": prompt}], temperature=0.0, max_tokens=max_tokens)
-        record.pop("judge_unparsed", None)
-        try:
-            record["judge"] = parse_judge_label(reply)
-        except ValueError:
-            # A small judge can fail to follow the format; that answer counts as not judged correct.
-            record["judge"], record["judge_unparsed"] = 0.0, reply[:200]
-        record["judge_model"] = judge_name
+        messages = judge_messages(
+            record["question"], record["answer"], prediction, prompts_dir=prompts_dir
+        )
+        reply = await judge.chat(
+            messages, temperature=0.0, max_tokens=max_tokens, response_format=JUDGE_RESPONSE_FORMAT
+        )
+        label = parse_judge(reply)
+        record.update(
+            judge=label, judge_unparsed=label is None, judge_reply=reply, judge_model=judge_name,
+            judge_prompt=prompt_sha,
+        )  # fmt: skip
 
     await asyncio.gather(*(one(r) for r in records))
     write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+    unparsed = sum(bool(r.get("judge_unparsed")) for r in records)
+    if unparsed:
+        logger.warning("%s: %d judge replies without a CORRECT/WRONG label (judge: None)", path, unparsed)
+    return unparsed
 
 
 # --------------------------------------------------------------------------------- training curves
@@ -258,7 +305,7 @@ def _published_markdown(report: Mapping[str, Any]) -> list[str]:
              f"Ours: {report['questions']} questions of the test conversations {', '.join(report['conversations'])} "
              f"(a seeded sample of {report['settings'].get('questions_per_conversation') or 'all'} per conversation), "
              f"top-{report['settings'].get('top_k')} retrieval; models {models}; judge "
-             f"{report['judge'] or 'none'}.", "", published["note"]]  # fmt: skip
+             f"{report['judge'] or 'none'}.", "", SETTING_NOTE, "", published["note"]]  # fmt: skip
     locomo = published.get("locomo")
     if locomo:
         lines += ["", f"Official LoCoMo protocol: F1 in %, categories by numeric id ({locomo['source']}).", "",
@@ -288,28 +335,48 @@ def _published_markdown(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+SETTING_NOTE = (
+    "Setting: question-conditioned (MemoryUpdate's). The memory model sees the test question while it edits "
+    "that question's own copy of the store; Mem0, Memory-R1 and the LoCoMo paper build memory once per "
+    "conversation without seeing the questions, so their published numbers are context, not a like-for-like "
+    "comparison."
+)
+
+
+def _tokens(row: Mapping[str, Any]) -> str:
+    """Mean QA prompt tokens per protocol, ``locomo 812 / mem0 640``."""
+    return " / ".join(f"{p} {_num(v, 0)}" for p, v in (row.get("context_tokens_mean") or {}).items()) or "–"
+
+
 def _markdown(report: Mapping[str, Any]) -> str:
     systems = report["systems"]
     lines = [f"# LoCoMo evaluation: {report['experiment']}", ""]
     lines += [
-        f"{report['questions']} test questions from {', '.join(report['conversations'])} "
-        f"(top-k {report['settings'].get('top_k')}); judge: {report['judge'] or 'none (J not computed)'}. "
-        "Scores in %, context in retrieved tokens per question (the whole conversation for full_context), "
-        "latency in seconds per question (for a memory system: its whole episode, memory edits and answer).", "",
+        f"{report['questions']} test questions from {', '.join(report['conversations'])}, the same questions for "
+        f"every system (top-{report['settings'].get('top_k')} memories within {report['settings'].get('context_chars')} "
+        f"characters); judge: {report['judge'] or 'none (J not computed)'}. Scores in %. A question a system did "
+        "not answer scores 0 (column *unanswered*); only full_context may skip a question whose conversation "
+        "does not fit the model, and is then scored on fewer questions (column *skipped*). Context: the QA "
+        "prompt's tokens per protocol (chat template included). Latency: seconds per question (for a memory "
+        "system, its whole episode and the answers).", "", SETTING_NOTE, "",
         "| system | models | LoCoMo F1 (cat 1-5) | Mem0 F1 (1-4) | BLEU-1 (1-4) | J (1-4) | evidence recall@k | "
-        "context tokens | latency p50 / p95 s | skipped |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "context tokens | latency p50 / p95 s | unanswered | skipped |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
     for name, row in systems.items():
         lines.append(
             f"| {name} | {_models(row)} | {_pct(row['locomo']['f1'])} | {_pct(row['mem0']['f1'])} | "
             f"{_pct(row['mem0']['bleu1'])} | {_pct(row['mem0']['j'])} | {_pct(row['evidence_recall_at_k'])} | "
-            f"{_num(row['context_tokens_mean'], 0)} | {_num(row['latency_s']['p50'])} / {_num(row['latency_s']['p95'])} | "
-            f"{row['skipped']} |"
+            f"{_tokens(row)} | {_num(row['latency_s']['p50'])} / {_num(row['latency_s']['p95'])} | "
+            f"{row['unanswered']} | {row['skipped']} |"
         )
     for name, row in systems.items():
         if row["skipped"]:
-            lines += ["", f"{name}: {row['skipped']} questions skipped ({'; '.join(row['skip_reasons'])})."]
+            lines += ["", f"{name}: scored on {row['scored']} of {row['questions']} questions, not comparable with "
+                      f"the other rows; {row['skipped']} skipped ({'; '.join(row['skip_reasons'])})."]  # fmt: skip
+        if row["mem0"].get("j_unparsed"):
+            lines += ["", f"{name}: the judge's reply could not be parsed for {row['mem0']['j_unparsed']} questions; "
+                      "they count as not correct in J."]  # fmt: skip
     header = "| system | " + " | ".join(f"{c} {n}" for c, n in CATEGORY_NAMES.items()) + " |"
     lines += ["", "## Per category (by numeric id)", "", "LoCoMo F1 (n = questions answered):", "", header,
               "| --- |" + " --- |" * 5]  # fmt: skip
@@ -393,16 +460,23 @@ def build_report(
     """Write ``report.json``, ``report.md``, ``report.html`` and the plots into ``out_dir``; return the report."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    systems, conversations, questions = {}, set(), 0
+    systems, conversations, questions, asked = {}, set(), 0, {}
     for name, path in predictions.items():
         records = load_jsonl(path)
-        systems[name] = summarize(records)
+        asked[name] = {r["namespace"] for r in records}
+        systems[name] = summarize(records, may_skip=name in MAY_SKIP)
         # The checkpoints the predictions were made with (the evaluator's fingerprint beside them).
         meta = Path(path).with_suffix(".meta.json")
         if meta.is_file():
             systems[name]["models"] = json.loads(meta.read_text(encoding="utf-8")).get("models")
         conversations |= {r["sample_id"] for r in records}
         questions = max(questions, len(records))
+    reference = next(iter(asked.values()), set())
+    if any(a != reference for a in asked.values()):
+        raise ValueError(
+            f"systems were asked different questions ({ {n: len(a) for n, a in asked.items()} }); every system must "
+            "answer the same ones: rerun the evaluation (or delete the predictions of the systems that differ)"
+        )
     report: dict[str, Any] = {
         "experiment": experiment,
         "questions": questions,

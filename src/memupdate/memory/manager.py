@@ -21,6 +21,7 @@ number of coroutines of one event loop can use the manager without locks of thei
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -188,3 +189,22 @@ class MemoryStoreManager:
         stats = {"namespace": namespace, "sample_id": trial.base.sample_id, **trial.stats()}
         logger.debug("released %s: %s", namespace, stats)
         return stats
+
+
+@functools.lru_cache(maxsize=8)
+def shared_manager(memories: str, embeddings: str, embedding_model: str) -> MemoryStoreManager:
+    """One manager per worker process and data set, shared by the tools, the agent loop and the rewards.
+
+    Keyed by the paths, so two configurations in one process never share stores by accident.
+    """
+    return MemoryStoreManager(memories, embeddings, Embedder(embedding_model))
+
+
+def manager_from_config(config: dict[str, Any]) -> MemoryStoreManager:
+    missing = [k for k in ("memories", "embeddings", "embedding_model") if not config.get(k)]
+    if missing:
+        raise ValueError(
+            f"memory tool config lacks {missing}: set them in config/tools/memory_tools.yaml "
+            "(the launcher fills them from the workflow's artifacts)"
+        )
+    return shared_manager(str(config["memories"]), str(config["embeddings"]), str(config["embedding_model"]))

@@ -13,6 +13,12 @@
 >>> trial.export_delta()["deleted"]
 [0]
 
+Evidence (the dialogue ids a memory rests on) is provenance, not something a writer may claim: a memory
+written in a trial gets it only from the memories it derives from. ``create`` gives none, ``update``
+keeps the original's, ``merge`` takes the union of its sources', ``split`` gives each part the source's;
+passing ``evidence`` in the metadata of any of them is refused. Otherwise the ``evidence_recall`` reward
+would pay for citing ids at random.
+
 The model sees memories by their short integer ``id`` (``[3] prefers tea``). Sync methods never run the
 embedding model (they take vectors, so a caller can batch); the ``a``-prefixed methods embed text in a
 worker thread through the injected :class:`~memupdate.memory.embedder.Embedder`. Scores are cosine
@@ -65,6 +71,16 @@ class UnknownMemoryId(MemoryStoreError, LookupError):
 
 class InvalidMemoryOperation(MemoryStoreError, ValueError):
     """The operation's arguments are invalid (empty content, unknown metadata key, merge of one id, ...)."""
+
+
+class EvidenceNotWritable(InvalidMemoryOperation):
+    """A write passed ``evidence``: it comes from the memories a memory derives from, never from the writer."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "evidence cannot be set: a memory keeps the evidence of the memories it comes from "
+            "(update keeps it, merge and split carry it over, a new memory has none)"
+        )
 
 
 def _optional_str(key: str, value: Any) -> str | None:
@@ -160,6 +176,14 @@ class MemoryRecord:
         return dataclasses.replace(self, **changes)
 
 
+def _writable_metadata(metadata: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """``metadata`` of a trial write, checked: known keys, and no ``evidence`` (see the module docstring)."""
+    metadata = _check_metadata_keys(metadata)
+    if "evidence" in metadata:
+        raise EvidenceNotWritable()
+    return metadata
+
+
 def _check_metadata_keys(metadata: Mapping[str, Any] | None) -> Mapping[str, Any]:
     if metadata is None:
         return {}
@@ -191,6 +215,36 @@ class Hit:
 
     def to_dict(self) -> dict[str, Any]:
         return {"score": self.score, **self.record.to_dict()}
+
+
+def within_budget(hits: Sequence[Hit], max_chars: int) -> list[Hit]:
+    """The leading ``hits`` (in rank order) whose contents fit in ``max_chars`` characters in total.
+
+    Whole memories are kept until the next one would overflow the budget, so a reader sees a fixed amount
+    of text however the store's memories are cut: one long memory cannot bring more text than several
+    short ones. The first hit is always kept, cut to ``max_chars`` if longer, so a non-empty store never
+    yields an empty context.
+
+    >>> hits = [Hit(i, 1.0, MemoryRecord(i, text)) for i, text in enumerate(["a" * 60, "b" * 30, "c" * 20])]
+    >>> [len(h.content) for h in within_budget(hits, 100)]
+    [60, 30]
+    >>> [len(h.content) for h in within_budget(hits, 50)]
+    [50]
+    """
+    if max_chars < 1:
+        raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+    kept: list[Hit] = []
+    used = 0
+    for hit in hits:
+        size = len(hit.content)
+        if used + size > max_chars:
+            if not kept:
+                cut = dataclasses.replace(hit.record, content=hit.content[:max_chars])
+                kept.append(dataclasses.replace(hit, record=cut))
+            break
+        kept.append(hit)
+        used += size
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------- filters
@@ -419,6 +473,10 @@ class TrialStore:
     def _hidden_base_ids(self) -> set[int]:
         return {i for i in (*self._deleted, *self._overlay) if i in self.base}
 
+    def created(self) -> list[MemoryRecord]:
+        """The memories this trial wrote under new ids (create, merge, split) and still holds, by id."""
+        return [self._overlay[i] for i in sorted(self._overlay) if i not in self.base]
+
     def records(self, filters: Mapping[str, Any] | None = None) -> list[MemoryRecord]:
         """All current records matching ``filters``, by id."""
         f = normalize_filters(filters)
@@ -478,7 +536,7 @@ class TrialStore:
     def _new_record(
         self, content: str, metadata: Mapping[str, Any] | None, defaults: Mapping[str, Any]
     ) -> MemoryRecord:
-        return MemoryRecord(self._next_id, content, **{**defaults, **_check_metadata_keys(metadata)})
+        return MemoryRecord(self._next_id, content, **{**defaults, **_writable_metadata(metadata)})
 
     def create(self, content: str, metadata: Mapping[str, Any] | None = None, *, vector: np.ndarray) -> int:
         """Add a memory (``source`` defaults to ``"agent"``); returns its new id."""
@@ -505,6 +563,7 @@ class TrialStore:
         current = self.get(memory_id)
         if content is None and not metadata:
             raise InvalidMemoryOperation("an update needs new content or metadata")
+        _writable_metadata(metadata)
         record = current.with_changes(content, metadata)
         if record.content != current.content:
             vec = _as_vectors(vector, 1, self.base.dim)[0]
@@ -542,7 +601,7 @@ class TrialStore:
         """Replace several memories by one new memory; returns its id.
 
         The new memory has the union of their evidence, and the speaker, session, date and type they
-        share (``None`` where they differ); ``metadata`` overrides any of these.
+        share (``None`` where they differ); ``metadata`` overrides any of these but the evidence.
         """
         originals = self._check_merge(memory_ids)
 
@@ -577,11 +636,12 @@ class TrialStore:
         vectors: np.ndarray,
     ) -> list[int]:
         """Replace one memory by several; each part keeps the original's metadata (``source="agent"``)
-        unless ``metadata`` overrides it. Returns the new ids, in the order of ``parts``."""
+        unless ``metadata`` overrides it (the evidence always stays the original's). Returns the new ids,
+        in the order of ``parts``."""
         original = self._check_split(memory_id, parts)
         defaults = {**original.metadata, "source": "agent"}
         records = [
-            MemoryRecord(self._next_id + i, part, **{**defaults, **_check_metadata_keys(metadata)})
+            MemoryRecord(self._next_id + i, part, **{**defaults, **_writable_metadata(metadata)})
             for i, part in enumerate(parts)
         ]
         vecs = _as_vectors(vectors, len(parts), self.base.dim)
@@ -621,6 +681,7 @@ class TrialStore:
         self, memory_id: int, content: str | None = None, metadata: Mapping[str, Any] | None = None
     ) -> MemoryRecord:
         current = self.get(memory_id)
+        _writable_metadata(metadata)  # fail before paying for embedding
         vector = None
         if content is not None and current.with_changes(content).content != current.content:
             (vector,) = await self._aembed([content])
@@ -639,6 +700,7 @@ class TrialStore:
         self, memory_id: int, parts: Sequence[str], metadata: Mapping[str, Any] | None = None
     ) -> list[int]:
         self._check_split(memory_id, parts)
+        _writable_metadata(metadata)  # fail before paying for embedding
         vectors = await self._aembed(parts)
         return self.split(memory_id, parts, metadata, vectors=vectors)
 
@@ -667,7 +729,7 @@ class TrialStore:
             "sample_id": self.base.sample_id,
             "namespace": self.namespace,
             "next_id": self._next_id,
-            "created": [self._overlay[i].to_dict() for i in sorted(self._overlay) if i not in self.base],
+            "created": [record.to_dict() for record in self.created()],
             "updated": [self._overlay[i].to_dict() for i in sorted(self._overlay) if i in self.base],
             "deleted": sorted(self._deleted),
             "ops": dict(self._ops),
@@ -685,6 +747,21 @@ class TrialStore:
     def _keeps_base_text(base: BaseStore, record: MemoryRecord) -> bool:
         # Metadata-only updates keep the base text, whose vector is already known.
         return record.id in base and base.get(record.id).content == record.content
+
+    @staticmethod
+    def _check_provenance(base: BaseStore, records: Sequence[MemoryRecord], deleted: set[int]) -> None:
+        """A delta's evidence must be what the trial's operations give: an updated base memory keeps its
+        own, a new memory's comes from base memories the trial removed (merge and split delete their
+        sources). The reward reads evidence from the delta, so a forged one is refused here."""
+        removed = {e for i in deleted if i in base for e in base.get(i).evidence}
+        for record in records:
+            allowed = set(base.get(record.id).evidence) if record.id in base else removed
+            claimed = set(record.evidence) - allowed
+            if claimed:
+                raise ValueError(
+                    f"delta for base {base.sample_id!r}: memory {record.id} cites evidence {sorted(claimed)} that "
+                    "no memory it derives from has (evidence is provenance, never written)"
+                )
 
     @classmethod
     def delta_texts(cls, base: BaseStore, delta: Mapping[str, Any]) -> list[str]:
@@ -723,6 +800,7 @@ class TrialStore:
                 f"inconsistent delta for base {base.sample_id!r} (ids 0..{base.max_id}), next_id {next_id}: "
                 "created ids must be new, updated ids must be base ids, and deleted ids neither"
             )
+        cls._check_provenance(base, records, deleted)
         trial = cls(base, embedder, namespace=delta.get("namespace"))
         rows = iter(matrix)
         for record in records:

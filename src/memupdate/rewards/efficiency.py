@@ -1,7 +1,11 @@
-"""The memory-efficiency factor ``E`` of the MemoryUpdate reward ``r = (S(final) - S(initial)) * E``.
+"""The memory-efficiency factor ``E`` of the MemoryUpdate reward, ``r = ΔS * E`` with ``ΔS = S(final) - S(initial)``.
 
 Upstream (Astera-org/memupdate ``memory_reward.py``) hard-coded the constants below. They are kept as
 defaults so results stay comparable, and every one is a field of :class:`EfficiencyConfig`.
+
+Upstream multiplied every ``ΔS`` by ``E``. With ``E`` in [0.1, 1.5], a harmful trajectory that also
+bloated the store (small ``E``) was then punished *less* than the same harm done compactly. Here ``E``
+scales gains only (``apply_to: positive``); upstream's product is ``apply_to: always``.
 
 One upstream constant is a trap: ``max_total_memories = 100`` is below the size of every LoCoMo
 conversation's observation set (169 to 324), so the size factor already shrinks every reward before the
@@ -13,9 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+APPLY_TO = ("positive", "always")
+
 
 @dataclass(frozen=True)
 class EfficiencyConfig:
+    #: ``positive``: ``E`` scales a gain and a loss is the loss itself; ``always``: upstream's ``ΔS * E``.
+    apply_to: str = "positive"
     #: Store size above which the size factor falls; ``None`` = the initial store's size.
     max_total_memories: int | None = 100
     #: Lowest size factor (upstream 0.1).
@@ -31,6 +39,8 @@ class EfficiencyConfig:
     max_factor: float = 1.5
 
     def __post_init__(self) -> None:
+        if self.apply_to not in APPLY_TO:
+            raise ValueError(f"efficiency apply_to must be one of {list(APPLY_TO)}, got {self.apply_to!r}")
         if self.max_total_memories is not None and self.max_total_memories < 1:
             raise ValueError(f"max_total_memories must be >= 1 or null, got {self.max_total_memories}")
         if not 0 < self.min_factor <= self.max_factor:
@@ -57,13 +67,31 @@ def efficiency_factor(
     >>> f = efficiency_factor(150, 15000, 180, 18000)
     >>> round(f["size_factor"], 3), round(f["change_factor"], 3), round(f["efficiency"], 3)
     (0.2, 0.9, 0.18)
+
+    An emptied store holds no information: density 0 (upstream divides its 0 characters by max(n, 1)).
+
+    >>> efficiency_factor(150, 15000, 0, 0)["density_factor"]
+    0.0
     """
     limit = config.max_total_memories if config.max_total_memories is not None else max(n_initial, 1)
     size = max(config.size_floor, 1.0 - (n_final - limit) / limit) if n_final > limit else 1.0
-    if n_initial > 0 and n_final > 0:
-        density = min(config.density_cap, (chars_final / n_final) / max(chars_initial / n_initial, 1.0))
+    if n_initial > 0:
+        density = min(config.density_cap, (chars_final / max(n_final, 1)) / max(chars_initial / n_initial, 1.0))
     else:
         density = 1.0
     change = max(config.change_floor, 1.0 - config.change_slope * abs(n_final - n_initial) / max(n_initial, 1))
     efficiency = min(config.max_factor, max(config.min_factor, size * density * change))
     return {"efficiency": efficiency, "size_factor": size, "density_factor": density, "change_factor": change}
+
+
+def apply_efficiency(delta: float, efficiency: float, config: EfficiencyConfig = EfficiencyConfig()) -> float:
+    """The reward from ``ΔS`` and ``E``: ``ΔS * E`` for a gain; a loss stays whole unless ``apply_to: always``.
+
+    >>> apply_efficiency(0.5, 0.2), apply_efficiency(-0.5, 0.2)
+    (0.1, -0.5)
+    >>> apply_efficiency(-0.5, 0.2, EfficiencyConfig(apply_to="always"))
+    -0.1
+    """
+    if delta > 0 or config.apply_to == "always":
+        return delta * efficiency
+    return delta

@@ -2,22 +2,38 @@
 
 verl 0.9.1 streams each finished trajectory to a reward worker, which calls :meth:`run_single` with a
 one-row ``DataProto``: the dataset row (``extra_info`` has the target question, answer, evidence and
-category) and ``tool_extra_fields`` (the agent loop's ``extra_fields``: the store delta). The reward
-is :func:`memupdate.rewards.memory.memory_reward` on base vs. base + delta for the memory role, and the
-answer's F1 for the QA role of two-stage training (``training_stage`` from the agent loop); all
-components become ``reward_extra_info`` (logged per sample by verl).
+category) and ``tool_extra_fields`` (the agent loop's ``extra_fields``: the store delta, the QA phase's
+answer). The reward is :func:`memupdate.rewards.memory.memory_reward` on base vs. base + delta for the
+memory role, and the answer's F1 for the QA role of two-stage training (``training_stage`` from the
+agent loop); all components become ``reward_extra_info`` (logged per sample by verl).
 
 Settings come from ``reward.custom_reward_function.reward_kwargs`` (verl's own key), with the memory
 paths falling back to the environment variables the tools read::
 
     memories, embeddings, embedding_model   # as in config/tools/memory_tools.yaml
+    training_stage: memory | qa | joint     # the trained role (default memory)
     scorer: answer_recall | evidence_recall | reader | judge
-    top_k, other_questions, efficiency: {...}, qa_pool: [train.parquet, ...]
-    reader: {base_url, model, ...}, reader_metric: mem0_f1 | locomo_f1, judge: {base_url, model, ...}
+    reader_marker, judge_marker             # readiness markers of the served reader and judge
+    qa_prompt: locomo | mem0, qa_max_tokens, reader_metric: locomo_f1 | mem0_f1
+    top_k, context_chars, other_questions, efficiency: {...}, qa_pool: [train.parquet, ...]
+    answer_metric: mem0_f1 | locomo_f1      # the QA role's reward
+
+``reader`` and ``judge`` ask served models. Their endpoints come from readiness markers, re-probed
+(:func:`memupdate.serving.readiness.read_marker`) when the manager starts, so a missing or dead server,
+an unknown scorer or a served scorer without a marker fails before the first rollout, not at the first
+reward. The reader is the fixed QA model: it asks exactly the QA phase's prompt (``qa_prompt`` over the
+``top_k`` memories within ``context_chars``) with the QA phase's answer cap, greedily. In stage 1 the
+final store's answer to the target question is the one the QA phase already gave (``qa_answer``), and
+the initial store's answer is asked once per question and reused across rollouts. Stage ``qa`` is
+rewarded by its own answer; with a served scorer it computes no memory reward (nothing serves a reader
+there). The HTTP sessions open in the event loop that scores and close with it (``asyncio.run``'s
+shutdown, as in the local backend) or by :meth:`MemoryRewardManager.close`; verl's Ray reward workers
+have no teardown hook, so theirs close when the worker process ends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections import defaultdict
@@ -30,6 +46,9 @@ from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from memupdate import metrics
+from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, STAGE_KEY
+from memupdate.memory.manager import manager_from_config
+from memupdate.prompts import PROTOCOLS
 from memupdate.rewards.memory import MemoryRewardComputer, MemoryRewardConfig, RewardRequest, select_questions
 from memupdate.rewards.scorers import (
     AnswerRecallScorer,
@@ -40,15 +59,23 @@ from memupdate.rewards.scorers import (
     Scorer,
 )
 from memupdate.serving.client import Endpoint, OpenAIClient
-from memupdate.tools.memory_tools import DELTA_KEY, manager_from_config
+from memupdate.serving.readiness import read_marker
 
 logger = logging.getLogger(__name__)
 
 ENV_KEYS = {"memories": "MEMUPDATE_MEMORIES", "embeddings": "MEMUPDATE_EMBEDDINGS", "embedding_model": "MEMUPDATE_EMBEDDING_MODEL"}
 SETTINGS = {
-    *ENV_KEYS, "scorer", "top_k", "other_questions", "efficiency", "qa_pool", "reader", "reader_metric", "judge",
-    "answer_metric",
-}
+    *ENV_KEYS, "training_stage", "scorer", "reader_marker", "judge_marker", "qa_prompt", "qa_max_tokens",
+    "reader_metric", "top_k", "context_chars", "other_questions", "efficiency", "qa_pool", "answer_metric",
+}  # fmt: skip
+SCORERS = ("answer_recall", "evidence_recall", "reader", "judge")
+#: Scorers that ask served models, and the models each asks.
+SERVED_ROLES = {"reader": ("reader",), "judge": ("reader", "judge")}
+TRAINING_STAGES = ("memory", "qa", "joint")
+#: The QA phase's answer cap (``qa_max_tokens``), which the reader shares: it gives the same answers.
+DEFAULT_QA_MAX_TOKENS = 32
+#: Each QA protocol's own F1, the reader's metric unless ``reader_metric`` says otherwise.
+PROTOCOL_METRIC = {"locomo": "locomo_f1", "mem0": "mem0_f1"}
 
 
 def answer_score(answer: str | None, item: QAItem, metric: str) -> float:
@@ -80,6 +107,34 @@ def reward_settings(config: Any) -> dict[str, Any]:
     return kwargs
 
 
+def served_endpoints(settings: Mapping[str, Any]) -> dict[str, Endpoint]:
+    """The served models the settings' scorer asks, ``{"reader": Endpoint, "judge": Endpoint}``, from their
+    readiness markers (re-probed); ``{}`` for an offline scorer, and in stage ``qa`` (rewarded by its own
+    answer). Raises on an unknown scorer or stage, a missing marker setting or file, or a dead server.
+
+    >>> served_endpoints({"scorer": "answer_recall"})
+    {}
+    """
+    scorer = settings.get("scorer") or "answer_recall"
+    if scorer not in SCORERS:
+        raise ValueError(f"unknown reward scorer {scorer!r}; known: {', '.join(SCORERS)}")
+    stage = settings.get("training_stage") or "memory"
+    if stage not in TRAINING_STAGES:
+        raise ValueError(f"reward setting training_stage must be one of {TRAINING_STAGES}, got {stage!r}")
+    if scorer not in SERVED_ROLES or stage == "qa":
+        return {}
+    endpoints = {}
+    for role in SERVED_ROLES[scorer]:
+        marker = settings.get(f"{role}_marker")
+        if not marker:
+            raise ValueError(
+                f"reward scorer {scorer!r} needs the setting {role}_marker: the readiness marker of the served "
+                f"{role} model (the workflow's train_stage1 passes the served qa-base's); none was given"
+            )
+        endpoints[role] = read_marker(marker)
+    return endpoints
+
+
 def qa_pool(files: list[str]) -> dict[str, list[QAItem]]:
     """Answerable questions per conversation, from LoCoMo row files (for ``other_questions``)."""
     pool: dict[str, list[QAItem]] = defaultdict(list)
@@ -102,39 +157,75 @@ def _item(extra_info: Mapping[str, Any]) -> QAItem:
     return QAItem(extra_info["question"], answer, int(extra_info["category"]), tuple(extra_info.get("evidence") or ()))
 
 
+async def _close_at_loop_shutdown(manager: MemoryRewardManager):
+    """Suspended until closed: ``asyncio.run`` closes unfinished async generators before it closes its
+    loop, which closes the manager's sessions without verl having to call anything."""
+    try:
+        yield
+    finally:
+        await manager.close()
+
+
 @register("memupdate_memory")
 class MemoryRewardManager(RewardManagerBase):
     def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None, **kwargs):
         super().__init__(config, tokenizer, compute_score)
         self.settings = reward_settings(config)
         self.reward_config = MemoryRewardConfig.from_dict(
-            {k: self.settings[k] for k in ("top_k", "other_questions", "efficiency") if self.settings.get(k) is not None}
-        )
+            {k: self.settings[k] for k in ("top_k", "context_chars", "other_questions", "efficiency")
+             if self.settings.get(k) is not None}
+        )  # fmt: skip
         self.pool = qa_pool(list(self.settings.get("qa_pool") or [])) if self.reward_config.other_questions else {}
+        # Built and probed now, so a misconfigured scorer fails before any rollout.
+        self._clients = {role: OpenAIClient(endpoint) for role, endpoint in served_endpoints(self.settings).items()}
+        self.scorer = self._make_scorer()
         self._computer: MemoryRewardComputer | None = None
-        self._clients: list[OpenAIClient] = []
+        self._clients_loop: asyncio.AbstractEventLoop | None = None
+        self._closer: Any = None
+        served = {role: f"{c.endpoint.model} at {c.endpoint.base_url}" for role, c in self._clients.items()}
+        logger.info("memory reward: scorer %s %s", self.scorer.name if self.scorer else None, served or "")
 
-    async def _make_scorer(self) -> Scorer:
+    def _make_scorer(self) -> Scorer | None:
+        """The scorer of S(M), or None when this stage computes no memory reward (stage qa, served scorer)."""
         name = self.settings.get("scorer") or "answer_recall"
         if name == "answer_recall":
             return AnswerRecallScorer()
         if name == "evidence_recall":
             return EvidenceRecallScorer()
-        if name not in ("reader", "judge"):
-            raise ValueError(f"unknown reward scorer {name!r}")
-        reader_client = await OpenAIClient(Endpoint.from_dict(dict(self.settings["reader"]))).__aenter__()
-        self._clients.append(reader_client)
-        reader = ReaderScorer(reader_client, metric=self.settings.get("reader_metric") or "mem0_f1")
-        if name == "reader":
-            return reader
-        judge_client = await OpenAIClient(Endpoint.from_dict(dict(self.settings["judge"]))).__aenter__()
-        self._clients.append(judge_client)
-        return JudgeScorer(reader, judge_client)
+        if not self._clients:
+            return None
+        protocol = self.settings.get("qa_prompt") or "locomo"
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"reward setting qa_prompt must be one of {PROTOCOLS}, got {protocol!r}")
+        reader = ReaderScorer(
+            self._clients["reader"], metric=self.settings.get("reader_metric") or PROTOCOL_METRIC[protocol],
+            max_tokens=int(self.settings.get("qa_max_tokens") or DEFAULT_QA_MAX_TOKENS), protocol=protocol,
+        )  # fmt: skip
+        return reader if name == "reader" else JudgeScorer(reader, self._clients["judge"])
+
+    async def _open_clients(self) -> None:
+        """Open the served scorers' sessions in the running loop, once per loop; they close with it."""
+        loop = asyncio.get_running_loop()
+        if not self._clients or self._clients_loop is loop:
+            return
+        # Nothing below suspends, so concurrent rewards cannot open a second session.
+        self._clients_loop = loop
+        for client in self._clients.values():
+            await client.__aenter__()
+        # Held here: the loop keeps only a weak reference, and a collected generator would close early.
+        self._closer = _close_at_loop_shutdown(self)
+        await self._closer.__anext__()
+
+    async def close(self) -> None:
+        """Close the served scorers' HTTP sessions (idempotent; the next reward reopens them)."""
+        for client in self._clients.values():
+            await client.close()
+        self._clients_loop = None
 
     async def computer(self) -> MemoryRewardComputer:
         if self._computer is None:
             manager = manager_from_config(self.settings)
-            self._computer = MemoryRewardComputer(manager.base, manager.embedder, await self._make_scorer(), self.reward_config)
+            self._computer = MemoryRewardComputer(manager.base, manager.embedder, self.scorer, self.reward_config)
         return self._computer
 
     async def run_single(self, data: DataProto) -> dict:
@@ -148,14 +239,27 @@ class MemoryRewardManager(RewardManagerBase):
                 "memupdate_agent loop (or any loop whose tools are memupdate's memory tools)"
             )
         target = _item(extra_info)
+        # Two-stage training: the memory role earns the memory reward, the QA role its answer's score.
+        stage = fields.get(STAGE_KEY) or "memory"
+        answer = answer_score(fields.get(ANSWER_KEY), target, self.settings.get("answer_metric") or "mem0_f1")
+        if self.scorer is None:
+            if stage != "qa":
+                raise ValueError(
+                    f"trajectory of {extra_info.get('namespace')!r} trains the {stage} role, but the reward "
+                    f"settings say training_stage {self.settings.get('training_stage')!r}, which asks no served scorer"
+                )
+            return {"reward_score": answer, "reward_extra_info": {"answer_score": answer, "score": answer}}
         items = [target]
         if self.reward_config.other_questions:
             pool = self.pool.get(extra_info["sample_id"], [])
             items = select_questions(target, pool, self.reward_config.other_questions, extra_info["namespace"])
+        # The fixed QA model answered the target from the final store in the QA phase, with the reader's
+        # prompt: that is S(final)'s answer, not one to ask again. (In stage joint the policy answered.)
+        answers = None
+        if stage == "memory" and self.scorer.name in SERVED_ROLES and fields.get(ANSWER_KEY) is not None:
+            answers = [fields[ANSWER_KEY]] + [None] * (len(items) - 1)
+        await self._open_clients()
         computer = await self.computer()
-        (result,) = await computer.compute([RewardRequest(extra_info["sample_id"], delta, items)])
-        # Two-stage training: the memory role earns the memory reward, the QA role its answer's score.
-        stage = fields.get("training_stage") or "memory"
-        answer = answer_score(fields.get("qa_answer"), target, self.settings.get("answer_metric") or "mem0_f1")
+        (result,) = await computer.compute([RewardRequest(extra_info["sample_id"], delta, items, answers)])
         score = {"memory": result["score"], "qa": answer, "joint": result["score"] + answer}[stage]
         return {"reward_score": score, "reward_extra_info": {**result, "memory_reward": result["score"], "answer_score": answer, "score": score}}

@@ -16,7 +16,8 @@ from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from memupdate import metrics
-from memupdate.agents.memagent import ANSWER_KEY, CHUNKS_KEY, FINAL_KEY, TRUNCATIONS_KEY
+from memupdate.agents.fields import CHUNKS_KEY, FINAL_KEY, TRUNCATIONS_KEY
+from memupdate.agents.fields import MEMAGENT_ANSWER_KEY as ANSWER_KEY
 
 
 def memagent_reward(reply: str | None, answers: Sequence[str]) -> dict[str, float]:

@@ -1,8 +1,12 @@
-"""The MemoryUpdate reward: ``r = (S(final) - S(initial)) * E``.
+"""The MemoryUpdate reward: ``r = ΔS * E`` for a gain, ``r = ΔS`` for a loss, with ``ΔS = S(final) - S(initial)``.
 
 ``S(M)`` is the QA score of the target question (and optionally of ``k`` other questions of the same
-conversation) answered from the top-k memories retrieved from store ``M``; ``E`` is the efficiency
-factor (:mod:`memupdate.rewards.efficiency`). The initial store is the conversation's base memories and
+conversation) answered from the top-k memories retrieved from store ``M``, cut to a fixed budget of
+``context_chars`` characters (:func:`~memupdate.memory.store.within_budget`): a store is scored on how
+much it helps within the same amount of text, so longer memories cannot buy a higher S. ``E`` is the
+efficiency factor (:mod:`memupdate.rewards.efficiency`); it scales gains only, unless
+``efficiency.apply_to: always`` (upstream's product, under which bloating a store softened a
+penalty). The initial store is the conversation's base memories and
 the final store is base + the trajectory's delta: two different objects. Upstream scored one store
 against itself, so its reward was almost always 0 (``upstream-systems.md`` §1h).
 
@@ -26,17 +30,26 @@ from typing import Any
 import numpy as np
 
 from memupdate.memory.embedder import Embedder
-from memupdate.memory.store import BaseStore, Hit, TrialStore
-from memupdate.rewards.efficiency import EfficiencyConfig, efficiency_factor
+from memupdate.memory.store import BaseStore, Hit, TrialStore, within_budget
+from memupdate.rewards.efficiency import EfficiencyConfig, apply_efficiency, efficiency_factor
 from memupdate.rewards.scorers import QAItem, Retrieved, Scorer
 
 logger = logging.getLogger(__name__)
+
+
+#: Characters of retrieved memory text S is scored on: top_k (5) x 100. LoCoMo observations average 88
+#: characters (p90 120, longest 180); the initial top-5 of a question averages 413 characters and fits in
+#: 500 for 91% of the 1,986 answerable questions (answer_recall S: 0.444 within 500, 0.446 unlimited).
+DEFAULT_CONTEXT_CHARS = 500
 
 
 @dataclass(frozen=True)
 class MemoryRewardConfig:
     #: Memories retrieved per question (upstream: 5).
     top_k: int = 5
+    #: Budget of retrieved text per question: the top_k hits are kept in rank order while their contents
+    #: fit (the first always, cut if longer). Also the QA phase's and evaluation's context budget.
+    context_chars: int = DEFAULT_CONTEXT_CHARS
     #: Other questions of the same conversation averaged into S, so memory is rewarded for answering
     #: tomorrow's questions too, not only the target one. 0 = the target question only.
     other_questions: int = 0
@@ -45,6 +58,8 @@ class MemoryRewardConfig:
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.other_questions < 0:
             raise ValueError(f"top_k must be >= 1 and other_questions >= 0, got {self.top_k}, {self.other_questions}")
+        if self.context_chars < 1:
+            raise ValueError(f"context_chars must be >= 1, got {self.context_chars}")
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> MemoryRewardConfig:
@@ -62,12 +77,36 @@ def total_chars(store: TrialStore) -> int:
     return sum(len(record.content) for record in store.records())
 
 
-async def score_store(
-    store: TrialStore, items: Sequence[QAItem], query_vectors: np.ndarray, scorer: Scorer, top_k: int
-) -> list[float]:
-    """``S`` per question: the scorer's score of each question against its top-k memories in ``store``."""
-    retrieved = [[to_retrieved(h) for h in store.search(vector, top_k)] for vector in query_vectors]
-    return await scorer.score(items, retrieved)
+def retrieve(
+    store: TrialStore, query_vectors: np.ndarray, top_k: int, context_chars: int = DEFAULT_CONTEXT_CHARS
+) -> list[list[Retrieved]]:
+    """Per question, what S reads of ``store``: its top-k memories within ``context_chars`` characters."""
+    return [[to_retrieved(h) for h in within_budget(store.search(v, top_k), context_chars)] for v in query_vectors]
+
+
+def context_sizes(retrieved: Sequence[Sequence[Retrieved]]) -> list[int]:
+    """Characters of retrieved memory text, per question."""
+    return [sum(len(r.content) for r in hits) for hits in retrieved]
+
+
+def written_lengths(store: TrialStore) -> dict[str, float]:
+    """Count and length in characters (max, mean) of the memories the trajectory wrote under new ids.
+
+    >>> import numpy as np
+    >>> from memupdate.memory.store import BaseStore
+    >>> trial = TrialStore(BaseStore("s", [], np.empty((0, 2), np.float32)))
+    >>> written_lengths(trial)
+    {'created_count': 0.0, 'created_chars_max': 0.0, 'created_chars_mean': 0.0}
+    >>> _ = trial.create("Ana keeps bees", vector=np.array([1.0, 0.0]))
+    >>> written_lengths(trial)["created_chars_max"]
+    14.0
+    """
+    lengths = [len(record.content) for record in store.created()]
+    return {
+        "created_count": float(len(lengths)),
+        "created_chars_max": float(max(lengths, default=0)),
+        "created_chars_mean": statistics.fmean(lengths) if lengths else 0.0,
+    }
 
 
 async def memory_reward(
@@ -77,24 +116,42 @@ async def memory_reward(
     query_vectors: np.ndarray,
     scorer: Scorer,
     config: MemoryRewardConfig = MemoryRewardConfig(),
+    answers: Sequence[str | None] | None = None,
 ) -> dict[str, float]:
     """The reward of one trajectory and its components. ``items[0]`` is the target question.
 
-    A trajectory that changed nothing scores exactly 0: the two stores retrieve the same memories.
+    ``answers`` are answers already given from the final store, per question (None: the scorer asks), for
+    the scorers that ask a served model (reader, judge): two-stage training's QA phase answered the
+    target there with the reader's model and prompt.
+
+    A question whose retrieved memories are the same in both stores keeps its initial score: the QA model
+    would see the same prompt, so it is neither asked again nor scored on a second sample of the same
+    answer. A trajectory that changed nothing therefore scores exactly 0. Besides S and E, the components
+    log what the trajectory wrote (``created_*``: count and length of its new memories) and how much text
+    S was scored on (``context_chars_*``: mean per question).
     """
     if initial is final:
         raise ValueError("initial and final must be different stores (upstream's always-zero reward bug)")
     if len(items) != len(query_vectors) or not items:
         raise ValueError(f"need one query vector per question, got {len(items)} items, {len(query_vectors)} vectors")
-    before, after = await asyncio.gather(
-        score_store(initial, items, query_vectors, scorer, config.top_k),
-        score_store(final, items, query_vectors, scorer, config.top_k),
-    )
+    if answers is not None and len(answers) != len(items):
+        raise ValueError(f"need one answer (or None) per question, got {len(answers)} for {len(items)} questions")
+    seen_before = retrieve(initial, query_vectors, config.top_k, config.context_chars)
+    seen_after = retrieve(final, query_vectors, config.top_k, config.context_chars)
+    before = await scorer.score(items, seen_before)
+    after = list(before)
+    changed = [i for i, (old, new) in enumerate(zip(seen_before, seen_after, strict=True)) if old != new]
+    if changed:
+        given = {} if answers is None else {"answers": [answers[i] for i in changed]}
+        scores = await scorer.score([items[i] for i in changed], [seen_after[i] for i in changed], **given)
+        for i, score in zip(changed, scores, strict=True):
+            after[i] = score
+    chars_before, chars_after = context_sizes(seen_before), context_sizes(seen_after)
     s_initial, s_final = statistics.fmean(before), statistics.fmean(after)
     factors = efficiency_factor(len(initial), total_chars(initial), len(final), total_chars(final), config.efficiency)
     ops = {f"ops_{name}": float(n) for name, n in final.stats().items() if name not in ("initial_count", "final_count")}
     return {
-        "score": (s_final - s_initial) * factors["efficiency"],
+        "score": apply_efficiency(s_final - s_initial, factors["efficiency"], config.efficiency),
         "qa_initial": s_initial,
         "qa_final": s_final,
         "qa_delta": s_final - s_initial,
@@ -103,6 +160,9 @@ async def memory_reward(
         "n_questions": float(len(items)),
         "memories_initial": float(len(initial)),
         "memories_final": float(len(final)),
+        "context_chars_initial": statistics.fmean(chars_before),
+        "context_chars_final": statistics.fmean(chars_after),
+        **written_lengths(final),
         **factors,
         **ops,
     }
@@ -123,11 +183,13 @@ def select_questions(target: QAItem, pool: Sequence[QAItem], k: int, seed_key: s
 
 @dataclass(frozen=True)
 class RewardRequest:
-    """One trajectory to score: its conversation, its store delta and the questions for S."""
+    """One trajectory to score: its conversation, its store delta, the questions for S and any answers
+    already given from the final store (see :func:`memory_reward`)."""
 
     sample_id: str
     delta: Mapping[str, Any]
     items: Sequence[QAItem]
+    answers: Sequence[str | None] | None = None
 
 
 class MemoryRewardComputer:
@@ -175,7 +237,9 @@ class MemoryRewardComputer:
         async def one(base: BaseStore, request: RewardRequest, texts: list[str]) -> dict[str, float]:
             final = TrialStore.from_delta_vectors(base, request.delta, [vectors[t] for t in texts])
             queries = np.stack([vectors[item.question] for item in request.items])
-            return await memory_reward(TrialStore(base), final, request.items, queries, self.scorer, self.config)
+            return await memory_reward(
+                TrialStore(base), final, request.items, queries, self.scorer, self.config, request.answers
+            )
 
         return list(
             await asyncio.gather(*(one(b, r, t) for b, r, t in zip(bases, requests, new_texts, strict=True)))

@@ -4,13 +4,16 @@ Each scorer takes the questions and, per question, the memories retrieved for it
 in [0, 1] per question. Two are offline proxies, two ask served models:
 
 - ``answer_recall``: share of the gold answer's tokens found in the retrieved text (upstream's proxy,
-  now computed on the right stores; it can be gamed by writing answer-like tokens into memory);
+  now computed on the right stores; answer tokens the question itself contains are not counted, so
+  pasting the question into memory earns nothing; it can still be gamed by writing answer-like tokens
+  into memory);
 - ``evidence_recall``: share of the question's gold evidence dialogue ids covered by the evidence
-  metadata of the retrieved memories (cannot be gamed by text, but agent-written memories only count
-  when they cite evidence);
-- ``reader``: a served QA model answers from the memories with a Mem0-style prompt, scored with
-  ``mem0_f1`` or ``locomo_f1``;
-- ``judge``: the reader's answer judged CORRECT or WRONG by a served judge model (Mem0's J).
+  metadata of the retrieved memories (cannot be gamed by text: a memory the agent writes carries only
+  the evidence of the memories it derives from; but it cannot see whether a rewrite kept their facts);
+- ``reader``: a served QA model answers from the memories with a protocol's verbatim prompt
+  (:mod:`memupdate.prompts`, Mem0's by default), scored with ``mem0_f1`` or ``locomo_f1``;
+- ``judge``: the reader's answer judged CORRECT or WRONG by a served judge model (Mem0's J, its
+  ACCURACY_PROMPT in JSON mode).
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
-from memupdate import metrics
+from memupdate import metrics, prompts
 from memupdate.serving.client import OpenAIClient
 
 logger = logging.getLogger(__name__)
@@ -48,22 +51,35 @@ class Retrieved:
 
 
 class Scorer(Protocol):
+    """Scores per question. The scorers that ask a served model (reader, judge) also take ``answers=``:
+    per question, an answer already given from these memories (None: ask the model)."""
+
     name: str
 
     async def score(self, items: Sequence[QAItem], retrieved: Sequence[Sequence[Retrieved]]) -> list[float]: ...
 
 
-def answer_recall(answer: str, retrieved: Sequence[Retrieved]) -> float:
+def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "") -> float:
     """Share of the answer's normalised tokens (SQuAD normalisation) present in the retrieved text.
+
+    Tokens of the ``question`` do not count: a memory that repeats the question would otherwise supply
+    them ("When did Melanie go camping in June?" gives away "June" of "The week before 27 June 2023").
+    An answer made only of question tokens scores 0 from any store.
 
     >>> answer_recall("7 May 2023", [Retrieved("Caroline went on 7 May"), Retrieved("in 2023")])
     1.0
     >>> answer_recall("painting, running", [Retrieved("she likes running")])
     0.5
+    >>> answer_recall("27 June 2023", [Retrieved("camping in June")], question="Camping in June?")
+    0.0
     """
     gold = metrics.normalize_squad(answer).split()
     if not gold:
         raise ValueError(f"answer {answer!r} has no tokens to recall; rows without an answer cannot be scored")
+    given = set(metrics.normalize_squad(question).split())
+    gold = [token for token in gold if token not in given]
+    if not gold:
+        return 0.0
     seen = set(metrics.normalize_squad(" ".join(r.content for r in retrieved)).split())
     return sum(token in seen for token in gold) / len(gold)
 
@@ -84,7 +100,7 @@ class AnswerRecallScorer:
     name = "answer_recall"
 
     async def score(self, items, retrieved):
-        return [answer_recall(item.answer, hits) for item, hits in zip(items, retrieved, strict=True)]
+        return [answer_recall(item.answer, hits, item.question) for item, hits in zip(items, retrieved, strict=True)]
 
 
 class EvidenceRecallScorer:
@@ -94,101 +110,105 @@ class EvidenceRecallScorer:
         return [evidence_recall(item.evidence, hits) for item, hits in zip(items, retrieved, strict=True)]
 
 
-# Mem0's answer prompt (evaluation/prompts.py ANSWER_PROMPT), shortened; the reader sees only memories.
-READER_PROMPT = """You are an intelligent memory assistant tasked with retrieving accurate information from conversation memories.
-
-Answer the question using only the memories below. Memories carry timestamps; if a memory uses a relative time ("last year", "two months ago"), convert it to a date using the memory's timestamp. If the memories contradict each other, prefer the most recent one. Answer in fewer than 5-6 words.
-
-Memories:
-{memories}
-
-Question: {question}
-Answer:"""
-
-# Mem0's judge prompt (evaluation/metrics/llm_judge.py ACCURACY_PROMPT), shortened.
-JUDGE_PROMPT = """Your task is to label an answer to a question as 'CORRECT' or 'WRONG'. You will be given a question, a gold (ground truth) answer and a generated answer. Be generous with grading: as long as the generated answer touches on the same topic as the gold answer, count it as CORRECT. For time questions, a generated answer that refers to the same date or time period as the gold answer is CORRECT even in another format.
-
-Question: {question}
-Gold answer: {answer}
-Generated answer: {prediction}
-
-Return JSON with one key, "label", whose value is "CORRECT" or "WRONG"."""
-
-
-def format_memories(retrieved: Sequence[Retrieved]) -> str:
-    """One line per memory, with its date and speaker when known."""
-    if not retrieved:
-        return "(no memories found)"
-    lines = []
-    for r in retrieved:
-        parts = (f"[{r.date}]" if r.date else None, f"{r.speaker}:" if r.speaker else None, r.content)
-        lines.append("- " + " ".join(p for p in parts if p))
-    return "\n".join(lines)
-
-
-def parse_judge_label(text: str) -> float:
-    """1.0 for CORRECT, 0.0 for WRONG: the JSON ``label`` if the reply is JSON, else the last bare label.
-
-    >>> parse_judge_label('{"label": "CORRECT"}'), parse_judge_label("reasoning... so: WRONG")
-    (1.0, 0.0)
-    """
-    try:
-        data = json.loads(text)
-        label = str(data.get("label", "")) if isinstance(data, dict) else ""
-    except json.JSONDecodeError:
-        label = ""
-    if label.upper() not in ("CORRECT", "WRONG"):
-        found = re.findall(r"\b(CORRECT|WRONG)\b", text, re.IGNORECASE)
-        if not found:
-            raise ValueError(f"judge reply has no CORRECT/WRONG label: {text[:200]!r}")
-        label = found[-1]
-    return 1.0 if label.upper() == "CORRECT" else 0.0
-
-
 class ReaderScorer:
     """A served QA model answers from the retrieved memories; its answer is scored against the gold."""
 
     name = "reader"
 
-    def __init__(self, client: OpenAIClient, metric: str = "mem0_f1", max_tokens: int = 32):
+    def __init__(
+        self,
+        client: OpenAIClient,
+        metric: str = "mem0_f1",
+        max_tokens: int = 32,
+        protocol: str = "mem0",
+        prompts_dir: str | Path | None = None,
+    ):
         if metric not in ("mem0_f1", "locomo_f1"):
             raise ValueError(f"reader metric must be mem0_f1 or locomo_f1, got {metric!r}")
         self.client = client
         self.metric = metric
         self.max_tokens = max_tokens
+        self.protocol = protocol
+        self.prompts_dir = prompts_dir
+        # Fail at construction, not at the first reward, on an unknown protocol or a missing prompt file.
+        prompts.load_prompts(protocol, prompts_dir)
+        # Requests under way by prompt: the rollouts of a GRPO group ask the initial store's answer to the
+        # same question at about the same time; they share one request (the client caches finished ones).
+        self._pending: dict[str, asyncio.Future[str]] = {}
 
     async def answer(self, item: QAItem, retrieved: Sequence[Retrieved]) -> str:
-        prompt = READER_PROMPT.format(memories=format_memories(retrieved), question=item.question)
-        messages = [{"role": "user", "content": prompt}]
-        return (await self.client.chat(messages, temperature=0.0, max_tokens=self.max_tokens)).strip()
+        """The QA model's answer from exactly the protocol's prompt (:func:`memupdate.prompts.qa_messages`)."""
+        messages = prompts.qa_messages(
+            self.protocol, item.question, item.category, retrieved, prompts_dir=self.prompts_dir
+        )
+        key = json.dumps(messages)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self.client.chat(messages, temperature=0.0, max_tokens=self.max_tokens))
+            self._pending[key] = pending
+            pending.add_done_callback(lambda _: self._pending.pop(key, None))
+        # Shielded: one caller cancelled must not cancel the request the others wait for.
+        return (await asyncio.shield(pending)).strip()
+
+    async def answers(
+        self, items: Sequence[QAItem], retrieved: Sequence[Sequence[Retrieved]], given: Sequence[str | None] | None = None
+    ) -> list[str]:
+        """Per question, the given answer if there is one (already asked from these memories), else the model's."""
+        given = given if given is not None else [None] * len(items)
+
+        async def one(item: QAItem, hits: Sequence[Retrieved], answer: str | None) -> str:
+            return answer if answer is not None else await self.answer(item, hits)
+
+        return list(await asyncio.gather(*(one(i, r, a) for i, r, a in zip(items, retrieved, given, strict=True))))
 
     def _score(self, prediction: str, item: QAItem) -> float:
         if self.metric == "locomo_f1":
             return metrics.locomo_f1(prediction, item.answer, item.category)
         return metrics.mem0_f1(prediction, item.answer)
 
-    async def score(self, items, retrieved):
-        answers = await asyncio.gather(*(self.answer(i, r) for i, r in zip(items, retrieved, strict=True)))
-        return [self._score(a, i) for a, i in zip(answers, items, strict=True)]
+    async def score(self, items, retrieved, answers=None):
+        predictions = await self.answers(items, retrieved, answers)
+        return [self._score(p, i) for p, i in zip(predictions, items, strict=True)]
 
 
 class JudgeScorer:
-    """Mem0's J: the reader answers, a served judge labels the answer CORRECT (1) or WRONG (0)."""
+    """Mem0's J: the reader answers, a served judge labels the answer CORRECT (1) or WRONG (0).
+
+    The judge gets Mem0's ACCURACY_PROMPT verbatim in JSON mode. A reply without a CORRECT/WRONG label
+    scores 0, and is logged and counted in ``unparsed`` (out of ``judged``) so a judge that does not
+    follow the format shows up instead of passing for a strict one.
+    """
 
     name = "judge"
 
-    def __init__(self, reader: ReaderScorer, judge: OpenAIClient, max_tokens: int = 64):
+    # Mem0's judge is unbounded; 256 tokens leave room for a JSON object with a one-sentence reason.
+    def __init__(
+        self, reader: ReaderScorer, judge: OpenAIClient, max_tokens: int = 256, prompts_dir: str | Path | None = None
+    ):
         self.reader = reader
         self.judge = judge
         self.max_tokens = max_tokens
+        self.prompts_dir = prompts_dir
+        self.judged = 0
+        self.unparsed = 0
+        prompts.load_prompts("mem0", prompts_dir)
 
-    async def _judge(self, item: QAItem, hits: Sequence[Retrieved]) -> float:
-        prediction = await self.reader.answer(item, hits)
-        prompt = JUDGE_PROMPT.format(question=item.question, answer=item.answer, prediction=prediction)
+    async def _judge(self, item: QAItem, prediction: str) -> float:
+        messages = prompts.judge_messages(item.question, item.answer, prediction, prompts_dir=self.prompts_dir)
         reply = await self.judge.chat(
-            [{"role": "user", "content": prompt}], temperature=0.0, max_tokens=self.max_tokens
+            messages, temperature=0.0, max_tokens=self.max_tokens, response_format=prompts.JUDGE_RESPONSE_FORMAT
         )
-        return parse_judge_label(reply)
+        self.judged += 1
+        label = prompts.parse_judge(reply)
+        if label is None:
+            self.unparsed += 1
+            logger.warning(
+                "judge reply without a CORRECT/WRONG label scored 0 (%d of %d unparsed so far): %r",
+                self.unparsed, self.judged, reply[:200],
+            )  # fmt: skip
+            return 0.0
+        return label
 
-    async def score(self, items, retrieved):
-        return list(await asyncio.gather(*(self._judge(i, r) for i, r in zip(items, retrieved, strict=True))))
+    async def score(self, items, retrieved, answers=None):
+        predictions = await self.reader.answers(items, retrieved, answers)
+        return list(await asyncio.gather(*(self._judge(i, p) for i, p in zip(items, predictions, strict=True))))

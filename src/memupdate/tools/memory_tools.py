@@ -10,11 +10,15 @@ trajectory to the reward whichever loop ran it.
 
 Bad arguments (unknown id, empty query, wrong types, too many ids) come back to the model as an
 observation that says what to do; only infrastructure failures raise.
+
+Two limits keep the memory reward honest (issue 14): a memory's text is at most ``max_content_chars``
+characters (tool config key, from ``memory.max_content_chars``; the writing tools' schemas state it and
+longer text is refused with an instruction), and a memory's evidence ids are never taken from the
+model's arguments: they come from the memories it derives from (see :mod:`memupdate.memory.store`).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import random
@@ -24,40 +28,24 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentData
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
+from memupdate.agents.fields import DELTA_KEY
 from memupdate.data.locomo import MEMORY_TOOLS
-from memupdate.memory.embedder import Embedder
-from memupdate.memory.manager import MemoryStoreManager
+from memupdate.memory.manager import MemoryStoreManager, manager_from_config
 from memupdate.memory.store import SOURCES, InvalidMemoryOperation, MemoryRecord, TrialStore, UnknownMemoryId
 
 logger = logging.getLogger(__name__)
 
-DELTA_KEY = "memory_delta"
 NAMESPACE_KEY = "memory_namespace"
 MAX_TOP_K = 20
 MAX_SHOWN_CHARS = 300
+#: Longest memory text a tool writes (``memory.max_content_chars``). LoCoMo observations run to 180
+#: characters (mean 88, p99 148 over all ten conversations), so 300 holds any of them, or a merge of
+#: three typical ones, but not a question with the text of its search results pasted after it.
+DEFAULT_MAX_CONTENT_CHARS = 300
 
 
 class ToolArgumentError(ValueError):
     """An argument the model got wrong; the message is shown to the model as the tool's reply."""
-
-
-@functools.lru_cache(maxsize=8)
-def shared_manager(memories: str, embeddings: str, embedding_model: str) -> MemoryStoreManager:
-    """One manager per worker process and data set, shared by all tools and the agent loop.
-
-    Keyed by the paths, so two configurations in one process never share stores by accident.
-    """
-    return MemoryStoreManager(memories, embeddings, Embedder(embedding_model))
-
-
-def manager_from_config(config: dict[str, Any]) -> MemoryStoreManager:
-    missing = [k for k in ("memories", "embeddings", "embedding_model") if not config.get(k)]
-    if missing:
-        raise ValueError(
-            f"memory tool config lacks {missing}: set them in config/tools/memory_tools.yaml "
-            "(the launcher fills them from the workflow's artifacts)"
-        )
-    return shared_manager(str(config["memories"]), str(config["embeddings"]), str(config["embedding_model"]))
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -109,11 +97,39 @@ def _metadata_arg(params: dict) -> dict[str, Any]:
     metadata = params.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise ToolArgumentError("Argument 'metadata' must be an object such as {\"speaker\": \"Caroline\"}.")
-    allowed = {"speaker", "session", "date", "evidence", "type"}
+    if "evidence" in metadata:
+        raise ToolArgumentError(
+            "metadata 'evidence' cannot be set: a memory keeps the evidence of the memories it comes from "
+            "(update keeps it, merge and split carry it over, a new memory has none). Remove it and try again."
+        )
+    allowed = {"speaker", "session", "date", "type"}
     unknown = sorted(set(metadata) - allowed)
     if unknown:
         raise ToolArgumentError(f"Unknown metadata keys {unknown}; allowed: {sorted(allowed)}.")
     return metadata
+
+
+def content_cap(config: dict[str, Any]) -> int:
+    """The tool config's ``max_content_chars`` (default :data:`DEFAULT_MAX_CONTENT_CHARS`)."""
+    value = config.get("max_content_chars")
+    if value is None or value == "":
+        return DEFAULT_MAX_CONTENT_CHARS
+    try:
+        cap = int(value)  # from the environment (oc.env) it arrives as a string
+    except (TypeError, ValueError):
+        cap = 0
+    if cap < 1 or str(cap) != str(value).strip():
+        raise ValueError(
+            f"memory tool config: max_content_chars must be a positive integer, got {value!r} "
+            "(config/tools/memory_tools.yaml, set from memory.max_content_chars)"
+        )
+    return cap
+
+
+def _check_length(text: str, cap: int, what: str, advice: str) -> str:
+    if len(text) > cap:
+        raise ToolArgumentError(f"{what} is {len(text):,} characters; the limit is {cap:,}: {advice}.")
+    return text
 
 
 def agent_data_for(request_id: str, sample_id: str, namespace: str) -> AgentData:
@@ -145,7 +161,8 @@ def format_record(record: MemoryRecord) -> str:
 class MemoryTool(BaseTool):
     """Common plumbing: schema, store lookup, error handling. Subclasses implement :meth:`run`."""
 
-    #: OpenAI function schema (name, description, parameters) of the tool.
+    #: OpenAI function schema (name, description, parameters) of the tool. ``{max_content_chars}`` in a
+    #: description is replaced by the configured cap, so the model reads the limit it is held to.
     SCHEMA: dict[str, Any] = {}
     #: Whether the tool changes the store (then the delta is refreshed after it).
     MUTATES = False
@@ -153,11 +170,25 @@ class MemoryTool(BaseTool):
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None = None):
         # BaseTool.__init__ prints the schema on every construction; set the same fields quietly.
         self.config = config
+        self.max_content_chars = content_cap(config)
         self.tool_schema = tool_schema or OpenAIFunctionToolSchema.model_validate(
-            {"type": "function", "function": self.SCHEMA}
+            {"type": "function", "function": self._filled(self.SCHEMA)}
         )
         self.name = self.tool_schema.function.name
         self._manager: MemoryStoreManager | None = None
+
+    def _filled(self, node: Any) -> Any:
+        if isinstance(node, str):
+            return node.replace("{max_content_chars}", str(self.max_content_chars))
+        if isinstance(node, dict):
+            return {key: self._filled(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [self._filled(value) for value in node]
+        return node
+
+    def _content(self, text: str, what: str = "content", advice: str = "write one short fact") -> str:
+        """``text`` if it fits the cap; else an instruction to the model naming both lengths."""
+        return _check_length(text, self.max_content_chars, what, advice)
 
     def use_manager(self, manager: MemoryStoreManager) -> None:
         """Serve trajectories from this manager instead of the per-process one built from ``config``
@@ -253,16 +284,25 @@ class ManageMemoryTool(MemoryTool):
     MUTATES = True
     SCHEMA = {
         "name": "manage_memory",
-        "description": "Create a new memory, or update the content or details of an existing one by its id.",
+        "description": (
+            "Create a new memory, or update the content or details of an existing one by its id. "
+            "A memory's text is at most {max_content_chars} characters."
+        ),
         "parameters": {
             "type": "object",
             "properties": {
                 "operation": {"type": "string", "enum": ["create", "update"]},
-                "content": {"type": "string", "description": "The memory text: one specific, dated fact."},
+                "content": {
+                    "type": "string",
+                    "description": "The memory text: one specific, dated fact, at most {max_content_chars} characters.",
+                },
                 "memory_id": {"type": "integer", "description": "Id of the memory to update (update only)."},
                 "metadata": {
                     "type": "object",
-                    "description": "Optional details: speaker, session, date, evidence (dialogue ids like D1:3), type.",
+                    "description": (
+                        "Optional details: speaker, session, date, type. Evidence is kept from the memories a "
+                        "memory comes from and cannot be set."
+                    ),
                 },
             },
             "required": ["operation"],
@@ -275,14 +315,14 @@ class ManageMemoryTool(MemoryTool):
         if operation == "create":
             if params.get("memory_id") is not None:
                 raise ToolArgumentError("Do not pass memory_id when creating a memory; omit it and try again.")
-            content = _text_arg(params, "content", "the text of the new memory")
+            content = self._content(_text_arg(params, "content", "the text of the new memory"))
             new_id = await store.acreate(content, metadata)
             return f"Created memory {format_record(store.get(new_id))}"
         if operation == "update":
             memory_id = _int_arg(params, "memory_id")
             content = params.get("content")
             if content is not None:
-                content = _text_arg(params, "content", "the new text of the memory")
+                content = self._content(_text_arg(params, "content", "the new text of the memory"))
             if content is None and not metadata:
                 raise ToolArgumentError("Nothing to update: pass new 'content' and/or 'metadata'.")
             await store.aupdate(memory_id, content=content, metadata=metadata or None)
@@ -316,12 +356,18 @@ class MergeMemoryTool(MemoryTool):
     MUTATES = True
     SCHEMA = {
         "name": "merge_memory",
-        "description": "Replace 2 to 5 related memories by one memory whose text you write.",
+        "description": (
+            "Replace 2 to 5 related memories by one memory whose text you write, at most {max_content_chars} "
+            "characters."
+        ),
         "parameters": {
             "type": "object",
             "properties": {
                 "memory_ids": {"type": "array", "items": {"type": "integer"}, "description": "2 to 5 ids."},
-                "content": {"type": "string", "description": "The merged memory, keeping every fact that matters."},
+                "content": {
+                    "type": "string",
+                    "description": "The merged memory, keeping every fact that matters, at most {max_content_chars} characters.",
+                },
             },
             "required": ["memory_ids", "content"],
         },
@@ -329,7 +375,10 @@ class MergeMemoryTool(MemoryTool):
 
     async def run(self, store, params):
         ids = _id_list(params, "memory_ids", 2, 5)
-        content = _text_arg(params, "content", "the text of the merged memory")
+        content = self._content(
+            _text_arg(params, "content", "the text of the merged memory"),
+            advice="keep only the facts that matter, or merge fewer memories",
+        )
         new_id = await store.amerge(ids, content)
         return f"Merged {', '.join(f'[{i}]' for i in ids)} into {format_record(store.get(new_id))}"
 
@@ -338,12 +387,19 @@ class SplitMemoryTool(MemoryTool):
     MUTATES = True
     SCHEMA = {
         "name": "split_memory",
-        "description": "Replace one memory that mixes several facts by 2 to 5 memories whose texts you write.",
+        "description": (
+            "Replace one memory that mixes several facts by 2 to 5 memories whose texts you write, each at "
+            "most {max_content_chars} characters."
+        ),
         "parameters": {
             "type": "object",
             "properties": {
                 "memory_id": {"type": "integer", "description": "Id of the memory to split."},
-                "parts": {"type": "array", "items": {"type": "string"}, "description": "2 to 5 new memory texts."},
+                "parts": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "description": "2 to 5 new memory texts, each at most {max_content_chars} characters.",
+                },
             },
             "required": ["memory_id", "parts"],
         },
@@ -352,6 +408,8 @@ class SplitMemoryTool(MemoryTool):
     async def run(self, store, params):
         memory_id = _int_arg(params, "memory_id")
         parts = _text_list(params, "parts", 2, 5)
+        for i, part in enumerate(parts, start=1):
+            self._content(part, f"part {i}", "write one short fact per part")
         new_ids = await store.asplit(memory_id, parts)
         return f"Split [{memory_id}] into:\n" + "\n".join(format_record(store.get(i)) for i in new_ids)
 

@@ -45,7 +45,7 @@ from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from verl.workers.config import ActorConfig
 
-from memupdate.agents import memory_loop
+from memupdate.agents import fields, memory_loop
 from memupdate.serving.hf_server import HFGenerateServer
 from memupdate.serving.launch import ServeSettings
 from memupdate.training.vllm_rollout import VLLMRollout, exit_on_sigterm
@@ -70,6 +70,8 @@ class LocalGRPOConfig:
     memories: str | None = None
     embeddings: str | None = None
     embedding_model: str = "all-MiniLM-L6-v2"
+    #: Longest memory text the tools accept (``memory.max_content_chars``; None = the tools' default).
+    max_content_chars: int | None = None
     #: The agent loop (a key of AGENT_LOOPS), and settings passed to it (MemAgent's chunk_size, ...).
     agent_name: str = "memupdate_agent"
     agent: dict[str, Any] = field(default_factory=dict)
@@ -105,7 +107,10 @@ class LocalGRPOConfig:
     qa_phase: bool = False
     #: The served model playing the other role, ``{base_url, model}`` (from its readiness marker).
     fixed_model: dict[str, Any] | None = None
-    qa_top_k: int = 5
+    #: The fixed role's decoding temperature: greedy by default, so a GRPO group's rollouts differ only in
+    #: what is trained (not also in the store or answer the fixed model produced); null = the rollout's.
+    fixed_temperature: float | None = 0.0
+    #: Answer cap of the QA phase (its retrieval and prompt are the reward's: top_k, context_chars, qa_prompt).
     qa_max_tokens: int = 32
     #: Who generates: ``hf`` (the trained model itself, one request at a time, deterministic) or ``vllm``
     #: (a vLLM server of the policy, batched, weights replaced after every update; not seeded per request).
@@ -182,7 +187,7 @@ def agent_loop_entry(cfg: LocalGRPOConfig) -> dict[str, Any]:
         # The served role's turns get the same per-turn cap as the policy's.
         fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.max_new_tokens}
         entry.update(training_stage=cfg.training_stage, qa_phase=cfg.qa_phase, fixed_model=fixed_model,
-                     qa_top_k=cfg.qa_top_k, qa_max_tokens=cfg.qa_max_tokens)  # fmt: skip
+                     fixed_temperature=cfg.fixed_temperature, qa_max_tokens=cfg.qa_max_tokens)  # fmt: skip
     return {**entry, **cfg.agent}
 
 
@@ -199,11 +204,20 @@ def run_config(cfg: LocalGRPOConfig):
             {"MEMUPDATE_MEMORIES": cfg.memories, "MEMUPDATE_EMBEDDINGS": cfg.embeddings or "",
              "MEMUPDATE_EMBEDDING_MODEL": cfg.embedding_model}
         )  # fmt: skip
+        # Set or cleared, so a run never inherits an earlier run's cap in the same process.
+        if cfg.max_content_chars is None:
+            os.environ.pop("MEMUPDATE_MAX_CONTENT_CHARS", None)
+        else:
+            os.environ["MEMUPDATE_MAX_CONTENT_CHARS"] = str(int(cfg.max_content_chars))
     return verl_config(cfg, agent_loop_config)
 
 
-def response_log_probs(model, batch: DataProto, grad: bool) -> torch.Tensor:
-    """Log-probabilities of the response tokens under ``model`` ([B, response_length])."""
+def response_log_probs(model, batch: DataProto, grad: bool, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probabilities of the response tokens under ``model`` sampled at ``temperature`` ([B,
+    response_length]): the rollout drew tokens from ``softmax(logits / temperature)``, so that is the
+    policy being optimised (verl's actor divides its logits the same way)."""
+    if temperature <= 0:
+        raise ValueError(f"log-probs need a positive sampling temperature, got {temperature}")
     input_ids, attention = batch.batch["input_ids"], batch.batch["attention_mask"]
     positions, responses = batch.batch["position_ids"], batch.batch["responses"]
     # Prompts are left-padded to the configured prompt length; skip the columns no row uses.
@@ -214,7 +228,7 @@ def response_log_probs(model, batch: DataProto, grad: bool) -> torch.Tensor:
         logits = model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, logits_to_keep=responses.size(1) + 1
         ).logits
-        logits = logits[:, :-1].float()
+        logits = logits[:, :-1].float() / temperature
         return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
 
 
@@ -346,7 +360,7 @@ class LocalGRPOTrainer:
         mask = batch.batch["response_mask"].float()
         batch.batch["advantages"] = self._advantages(batch)
         if self.cfg.kl_coef:
-            ref = [response_log_probs(self.reference, mb, False) for mb in batch.split(self.cfg.micro_batch_size)]
+            ref = [response_log_probs(self.reference, mb, False, self.cfg.temperature) for mb in batch.split(self.cfg.micro_batch_size)]
             batch.batch["ref_log_prob"] = torch.cat(ref)
         total_tokens = mask.sum().clamp(min=1)
         self.policy.train()
@@ -360,7 +374,7 @@ class LocalGRPOTrainer:
                 # No trained token (e.g. the served role used the whole budget): a token-mean over
                 # nothing is 0/0, and the gradient is zero anyway.
                 continue
-            log_prob = response_log_probs(self.policy, mb, True)
+            log_prob = response_log_probs(self.policy, mb, True, self.cfg.temperature)
             # One on-policy update per rollout: the behaviour policy is the current one, so its
             # log-probs are these, detached (saves a forward pass per step).
             pg_loss, _ = self.policy_loss(
@@ -414,7 +428,7 @@ class LocalGRPOTrainer:
                 tokens_before, generation_before = self.server.generated_tokens, self.server.seconds
                 fixed_before = self._fixed_model_seconds()
                 start = time.perf_counter()
-                memory_loop.reset_request_ids(f"{cfg.seed}:{self.step}")
+                fields.reset_request_ids(f"{cfg.seed}:{self.step}")
                 prompts = self._prompts()
                 batch = await worker.generate_sequences(prompts)
                 # The worker returns rollouts in prompt order (a trajectory's turns together) but not the
@@ -484,8 +498,11 @@ class LocalGRPOTrainer:
             },
             **update,
         }
+        # The created memories' lengths and the retrieved context sizes show whether a rise in reward came
+        # with longer memories or more retrieved text (the budget and the cap bound both).
         for key in ("qa_initial", "qa_final", "efficiency", "memories_final", "ops_created", "ops_updated", "ops_deleted",
-                    "exact_match", "sub_em", "f1", "boxed", "chunks", "memory_truncations"):  # fmt: skip
+                    "created_count", "created_chars_max", "created_chars_mean", "context_chars_initial",
+                    "context_chars_final", "exact_match", "sub_em", "f1", "boxed", "chunks", "memory_truncations"):  # fmt: skip
             if key in extra:
                 out[f"{key}_mean"] = float(np.mean(extra[key].astype(float)))
         return out

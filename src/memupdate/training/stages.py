@@ -5,8 +5,9 @@
 - Stage 2 (``training_stage="qa"``) trains the QA model; the memory role is the served stage-1 model.
 
 The served model comes as a readiness marker, re-probed here (:func:`memupdate.serving.readiness.read_marker`)
-so a dead server fails before the first rollout. Token ids cross between the policy and the served
-model unchanged, so both must share one tokenizer; :func:`check_same_tokenizer` refuses a mismatch.
+so a dead server fails before the first rollout; so does a misconfigured reward (:func:`stage_reward`).
+Token ids cross between the policy and the served model unchanged, so both must share one tokenizer;
+:func:`check_same_tokenizer` refuses a mismatch.
 
 ``backend="local"`` runs :class:`memupdate.training.local.LocalGRPOTrainer` in this process.
 ``backend="verl"`` composes and validates ``main_ppo``'s overrides, starts Ray across the Slurm
@@ -77,6 +78,34 @@ def fixed_model_endpoint(marker: str | os.PathLike | None, policy_dir: str | os.
     return {"base_url": endpoint.base_url, "model": endpoint.model}
 
 
+def stage_reward(
+    reward: Mapping[str, Any], training_stage: str, fixed: Mapping[str, Any] | None, settings: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The reward manager's settings for one stage (``reward.custom_reward_function.reward_kwargs``): the
+    workflow's reward settings with the trained role and the QA answer cap. Checked now, before the model
+    loads: an unknown setting or scorer, a served scorer without its marker, or a dead server fails here,
+    as does a reader that is not the fixed QA model whose QA-phase answers it scores in stage 1."""
+    from memupdate.rewards.manager import DEFAULT_QA_MAX_TOKENS, SETTINGS, served_endpoints
+
+    unknown = sorted(set(reward) - SETTINGS)
+    if unknown:
+        raise ValueError(f"unknown reward settings {unknown}; the reward manager takes {sorted(SETTINGS)}")
+    if "qa_max_tokens" in settings:
+        raise ValueError(
+            "qa_max_tokens is the reward's (reward.qa_max_tokens in config/config.yaml): the QA phase and the "
+            "reader give the same answers, so they share one cap; remove it from the stage settings"
+        )
+    out = {**reward, "training_stage": training_stage}
+    out.setdefault("qa_max_tokens", DEFAULT_QA_MAX_TOKENS)
+    reader = served_endpoints(out).get("reader")
+    if reader and fixed and training_stage == "memory" and (reader.base_url, reader.model) != (fixed["base_url"], fixed["model"]):
+        raise ValueError(
+            f"the reward's reader ({reader.model} at {reader.base_url}, from {out['reader_marker']}) is not the "
+            f"fixed QA model ({fixed['model']} at {fixed['base_url']}) whose QA-phase answers it scores"
+        )
+    return out
+
+
 def train_stage(
     *,
     backend: str,
@@ -92,26 +121,29 @@ def train_stage(
     reward: Mapping[str, Any],
     fixed_marker: str | None = None,
     verl: Mapping[str, Any] | None = None,
+    max_content_chars: int | None = None,
 ) -> Path:
-    """Train one stage and return its ``<run_dir>/ckpt`` folder."""
+    """Train one stage and return its ``<run_dir>/ckpt`` folder. ``max_content_chars`` caps the memory
+    texts the tools accept (``memory.max_content_chars``; None = the tools' default)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     fixed = fixed_model_endpoint(fixed_marker, model)
+    reward = stage_reward(reward, training_stage, fixed, settings)
     if backend == "local":
         from memupdate.training.local import local_config, train_local
 
         cfg = local_config(
             dict(settings), model_path=model, train_files=train_files, memories=memories, embeddings=embeddings,
-            tool_config=tool_config, embedding_model=embedding_model, run_dir=run_dir, reward=dict(reward),
-            training_stage=training_stage, qa_phase=fixed is not None or training_stage != "memory",
-            fixed_model=fixed,
+            tool_config=tool_config, embedding_model=embedding_model, run_dir=run_dir, reward=reward,
+            max_content_chars=max_content_chars, training_stage=training_stage, qa_phase=fixed is not None or training_stage != "memory",
+            fixed_model=fixed, qa_max_tokens=reward["qa_max_tokens"],
         )  # fmt: skip
         train_local(cfg)
         return Path(run_dir) / "ckpt"
     return train_verl(
         training_stage=training_stage, settings=settings, model=model, train_files=train_files, memories=memories,
         embeddings=embeddings, tool_config=tool_config, embedding_model=embedding_model, run_dir=run_dir,
-        reward=reward, fixed=fixed, verl=verl or {},
+        reward=reward, fixed=fixed, verl=verl or {}, max_content_chars=max_content_chars,
     )  # fmt: skip
 
 
@@ -159,6 +191,7 @@ def verl_commands(
     *, training_stage: str, settings: Mapping[str, Any], model: str, train_files: list[str], memories: str,
     embeddings: str, tool_config: str, embedding_model: str, run_dir: str, reward: Mapping[str, Any],
     fixed: Mapping[str, Any] | None, verl: Mapping[str, Any], env: Mapping[str, str] = os.environ,
+    max_content_chars: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:  # fmt: skip
     """The command that starts Ray on every node of the allocation and runs ``main_ppo`` on the head,
     and its environment. ``settings`` are verl config keys (``trainer.total_training_steps: 100``);
@@ -170,7 +203,7 @@ def verl_commands(
         training_stage, model_path=model, train_files=train_files, val_files=verl.get("val_files") or train_files,
         tool_config=tool_config, memories=memories, embeddings=embeddings, n_gpus_per_node=gpus, nnodes=nnodes,
         experiment_dir=run_dir, fixed_model_endpoint=fixed, embedding_model=embedding_model, reward=reward,
-        extra=dict(settings),
+        extra=dict(settings), max_content_chars=max_content_chars,
     )  # fmt: skip
     return allocation_command(argv, run_dir, nnodes, gpus, env), run_env
 

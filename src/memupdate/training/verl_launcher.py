@@ -68,6 +68,7 @@ TOOL_ENV = {
     "memories": "MEMUPDATE_MEMORIES",
     "embeddings": "MEMUPDATE_EMBEDDINGS",
     "embedding_model": "MEMUPDATE_EMBEDDING_MODEL",
+    "max_content_chars": "MEMUPDATE_MAX_CONTENT_CHARS",
 }
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -168,18 +169,22 @@ def _fixed_model(stage: str, endpoint: Mapping[str, Any] | None) -> dict[str, An
 
 
 def tool_env(
-    memories: PathLike, embeddings: PathLike, embedding_model: str = DEFAULT_MODEL
+    memories: PathLike, embeddings: PathLike, embedding_model: str = DEFAULT_MODEL, max_content_chars: int | None = None
 ) -> dict[str, str]:
     """The ``MEMUPDATE_*`` variables ``config/tools/memory_tools.yaml`` and the reward manager read.
 
-    A local embedding model folder becomes absolute; a model name stays a name.
+    A local embedding model folder becomes absolute; a model name stays a name. Without
+    ``max_content_chars`` the tools keep their default cap.
     """
     model = _abs(embedding_model) if os.path.exists(embedding_model) else embedding_model
-    return {
+    env = {
         TOOL_ENV["memories"]: _abs(memories),
         TOOL_ENV["embeddings"]: _abs(embeddings),
         TOOL_ENV["embedding_model"]: model,
     }
+    if max_content_chars is not None:
+        env[TOOL_ENV["max_content_chars"]] = str(int(max_content_chars))
+    return env
 
 
 def run_overrides(
@@ -221,15 +226,18 @@ def compose_overrides(
     embedding_model: str = DEFAULT_MODEL,
     reward: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | Sequence[str] = (),
+    max_content_chars: int | None = None,
 ) -> list[str]:
     """Hydra overrides for ``main_ppo --config-name grpo_memupdate`` for one run.
 
     ``stage`` is a training stage (``memory``, ``qa`` or ``joint``); it and ``fixed_model_endpoint``
     go into the run's ``agent_loops.yaml`` (written by :func:`prepare_main_ppo`). ``reward`` holds our
-    reward manager's settings (``config/config.yaml``'s ``reward`` section: scorer, top_k,
-    other_questions, efficiency, ...). ``extra`` is either a mapping of config keys to values, or
-    override strings passed as they are (e.g. ``"trainer.total_epochs=1"``). Every path becomes
-    absolute, since Ray workers on other nodes do not share the driver's working directory.
+    reward manager's settings (:func:`memupdate.training.stages.stage_reward`: scorer, the served scorers'
+    readiness markers, top_k, other_questions, efficiency, ...); they reach the manager in every reward
+    worker as ``reward.custom_reward_function.reward_kwargs``, and the QA phase reads its retrieval and
+    prompt there too. ``extra`` is either a mapping of config keys to values, or override strings passed
+    as they are (e.g. ``"trainer.total_epochs=1"``). Every path becomes absolute, since Ray workers on
+    other nodes do not share the driver's working directory.
     """
     _fixed_model(stage, fixed_model_endpoint)
     if n_gpus_per_node < 1 or nnodes < 1:
@@ -237,9 +245,11 @@ def compose_overrides(
     overrides = run_overrides(model_path, train_files, val_files, n_gpus_per_node, nnodes, experiment_dir)
     overrides.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path={hydra_value(_abs(tool_config))}")
     # The reward settings are our manager's own namespace, not verl's schema, so they are added or
-    # replaced (++) leaf by leaf; the manager rejects an unknown setting when it starts.
-    overrides += [f"++{key}={hydra_value(value)}" for key, value in _flatten(REWARD_KWARGS, reward or {})]
-    env = tool_env(memories, embeddings, embedding_model)
+    # replaced (++) leaf by leaf; the manager rejects an unknown setting when it starts. The served
+    # scorers' readiness markers are read by reward workers on every node: absolute paths.
+    reward = {k: _abs(v) if k.endswith("_marker") and v else v for k, v in (reward or {}).items()}
+    overrides += [f"++{key}={hydra_value(value)}" for key, value in _flatten(REWARD_KWARGS, reward)]
+    env = tool_env(memories, embeddings, embedding_model, max_content_chars)
     overrides += [f"++{RAY_ENV_VARS}.{name}={hydra_value(value)}" for name, value in env.items()]
     if isinstance(extra, Mapping):
         overrides += [f"{key}={hydra_value(value)}" for key, value in extra.items()]
@@ -276,7 +286,9 @@ def build_main_ppo_command(
 
 
 def _run_env(run: Mapping[str, Any]) -> dict[str, str]:
-    return tool_env(run["memories"], run["embeddings"], run.get("embedding_model", DEFAULT_MODEL))
+    return tool_env(
+        run["memories"], run["embeddings"], run.get("embedding_model", DEFAULT_MODEL), run.get("max_content_chars")
+    )
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -406,9 +418,11 @@ def write_agent_loop_config(
     fixed_model: Mapping[str, Any] | None = None,
     *,
     template: PathLike = CONFIG_DIR / AGENT_LOOP_TEMPLATE,
+    qa_max_tokens: int | None = None,
 ) -> Path:
     """Copy the agent-loop list from ``template`` with ``memupdate_agent``'s ``training_stage`` and
-    ``fixed_model`` set for this run (verl hands them to the loop's constructor)."""
+    ``fixed_model`` set for this run (verl hands them to the loop's constructor), and ``qa_max_tokens``
+    when given (the reward's: its reader gives the QA phase's answers, so both share the cap)."""
     fixed = _fixed_model(training_stage, fixed_model)
     loops = OmegaConf.load(template)
     if not isinstance(loops, ListConfig):
@@ -418,6 +432,8 @@ def write_agent_loop_config(
         raise ValueError(f"{template} has no agent loop named {AGENT_LOOP_NAME!r}")
     entries[0].training_stage = training_stage
     entries[0].fixed_model = fixed
+    if qa_max_tokens is not None:
+        entries[0].qa_max_tokens = int(qa_max_tokens)
     header = f"# Written for this run by {__name__} from {_abs(template)}.\n"
     path = Path(path)
     write_text_atomic(path, header + OmegaConf.to_yaml(loops))
@@ -440,6 +456,7 @@ def prepare_main_ppo(
         stage,
         run.get("fixed_model_endpoint"),
         template=Path(config_dir) / AGENT_LOOP_TEMPLATE,
+        qa_max_tokens=(run.get("reward") or {}).get("qa_max_tokens"),
     )
     write_resolved_config(run_dir / RESOLVED_CONFIG, config)
     logger.info("verl run prepared in %s (stage %s, %d overrides)", run_dir, stage, len(overrides))
