@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from aiohttp import web
 
 from memupdate.data.locomo import MEMORY_SCHEMA, initial_memories, load_locomo
 from memupdate.memory import BaseStore, Embedder, EmbeddingCache, build_embedding_cache
@@ -205,3 +207,46 @@ def vllm_python() -> Path:
             pytest.skip(f"cannot build the vLLM environment {VLLM_ENV}: PyPI is not reachable ({exc})")
         raise
     return python
+
+
+# ----------------------------------------------------------------------------------- HTTP fixtures
+
+
+class ChatServer:
+    """A real OpenAI-compatible endpoint on loopback whose failures we control: answers /v1/chat/completions,
+    fails the first ``fail`` requests with ``status``, then replies
+    ``reply(messages)``; sleeps ``delay`` seconds per request."""
+
+    def __init__(self, reply, fail=0, status=503, delay=0.0):
+        self.reply, self.fail, self.status, self.delay = reply, fail, status, delay
+        self.requests = []
+
+    async def handle(self, request):
+        payload = await request.json()
+        self.requests.append(payload)
+        await asyncio.sleep(self.delay)
+        if len(self.requests) <= self.fail:
+            return web.Response(status=self.status, text="overloaded")
+        text = self.reply(payload["messages"])
+        return web.json_response({"choices": [{"message": {"role": "assistant", "content": text}}]})
+
+    async def __aenter__(self):
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/v1"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+@pytest.fixture()
+def chat_server():
+    """``chat_server(reply, fail=0, status=503, delay=0.0)``: an async context manager serving
+    /v1/chat/completions on loopback (``.url``, ``.requests``); ``reply(messages)`` gives the text."""
+    return ChatServer

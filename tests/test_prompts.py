@@ -11,11 +11,10 @@ import shutil
 
 import pytest
 import yaml
-from aiohttp import web
 
 from memupdate import prompts
 from memupdate.eval.report import judge_predictions, load_jsonl
-from memupdate.prompts import PromptFileError, load_prompts, parse_judge, render_judge, render_qa
+from memupdate.prompts import PromptFileError, load_prompts, parse_judge, qa_messages, render_judge
 from memupdate.rewards.scorers import JudgeScorer, QAItem, ReaderScorer, Retrieved
 from memupdate.serving.client import Endpoint, OpenAIClient
 
@@ -24,6 +23,11 @@ MEMORIES = [
     Retrieved("Melanie painted a sunrise.", date="1:56 pm on 8 May, 2023", speaker="Melanie"),
     Retrieved("A note without a date or speaker."),
 ]
+
+
+def render_qa(*args, **kwargs) -> str:
+    """The QA model's message text (what :func:`qa_messages` sends)."""
+    return qa_messages(*args, **kwargs)[0]["content"]
 
 
 @pytest.fixture(scope="module")
@@ -189,33 +193,7 @@ def test_load_errors_name_the_file(prompts_dir, tmp_path):
         load_prompts("mem0", tmp_path)
 
 
-class ChatServer:
-    """A real OpenAI-compatible endpoint on loopback answering ``reply(last message text)``."""
-
-    def __init__(self, reply):
-        self.reply, self.requests = reply, []
-
-    async def handle(self, request):
-        payload = await request.json()
-        self.requests.append(payload)
-        text = self.reply(payload["messages"][-1]["content"])
-        return web.json_response({"choices": [{"message": {"role": "assistant", "content": text}}]})
-
-    async def __aenter__(self):
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.runner.cleanup()
-
-
-def test_judge_predictions_json_mode_records_unparsed(tmp_path, prompts_dir):
+def test_judge_predictions_json_mode_records_unparsed(tmp_path, prompts_dir, chat_server):
     path = tmp_path / "system.jsonl"
     records = [
         {"question": "When?", "answer": "7 May 2023", "predictions": {"mem0": "7 May"}, "category": 2},
@@ -228,7 +206,7 @@ def test_judge_predictions_json_mode_records_unparsed(tmp_path, prompts_dir):
 
     async def main():
         async with (
-            ChatServer(lambda text: replies[generated(text)]) as server,
+            chat_server(lambda messages: replies[generated(messages[-1]["content"])]) as server,
             OpenAIClient(Endpoint(server.url, "judge")) as client,
         ):
             first = await judge_predictions(path, client, "judge-model", prompts_dir=prompts_dir)
@@ -252,7 +230,7 @@ def generated(judge_prompt: str) -> str:
     return re.search(r"Generated answer: (.*)\n", judge_prompt).group(1)
 
 
-def test_judge_scorer_counts_unparsed_replies(prompts_dir):
+def test_judge_scorer_counts_unparsed_replies(prompts_dir, chat_server):
     answers = {"When?": "7 May", "Who?": "Al"}  # the reader's answer to each question
     verdicts = {"7 May": "CORRECT, clearly", "Al": '{"label": "CORRECT"}'}  # the first has no JSON label
     items = [QAItem("When?", "7 May 2023", 2), QAItem("Who?", "Al", 1)]
@@ -261,7 +239,10 @@ def test_judge_scorer_counts_unparsed_replies(prompts_dir):
         return answers[re.search(r"Question: (\w+\?)", prompt).group(1)]
 
     async def main():
-        async with ChatServer(reader_reply) as rs, ChatServer(lambda text: verdicts[generated(text)]) as js:
+        async with (
+            chat_server(lambda messages: reader_reply(messages[-1]["content"])) as rs,
+            chat_server(lambda messages: verdicts[generated(messages[-1]["content"])]) as js,
+        ):
             async with (
                 OpenAIClient(Endpoint(rs.url, "qa")) as rc,
                 OpenAIClient(Endpoint(js.url, "judge")) as jc,

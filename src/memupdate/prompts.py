@@ -16,7 +16,7 @@ Memories are any objects with ``.content``, ``.date`` and ``.speaker`` (store re
 
 >>> from memupdate.rewards.scorers import Retrieved
 >>> memory = Retrieved("Caroline went to a support group.", date="8 May, 2023", speaker="Caroline")
->>> print(render_qa("locomo", "When did Caroline go?", 2, [memory]))
+>>> print(qa_messages("locomo", "When did Caroline go?", 2, [memory])[0]["content"])
 8 May, 2023: Caroline went to a support group.
 <BLANKLINE>
 <BLANKLINE>
@@ -262,20 +262,6 @@ def _load(path: Path, protocol: str) -> Prompts:
 # ----------------------------------------------------------------------------------- entry points
 
 
-def render_qa(
-    protocol: str,
-    question: str,
-    category: int,
-    memories: Sequence[Any],
-    choices: Mapping[str, str] | None = None,
-    *,
-    speakers: Sequence[str] | None = None,
-    prompts_dir: str | Path | None = None,
-) -> str:
-    """The full user message for the QA model under ``protocol`` (see :meth:`Prompts.render_qa`)."""
-    return load_prompts(protocol, prompts_dir).render_qa(question, category, memories, choices, speakers)
-
-
 def qa_messages(
     protocol: str,
     question: str,
@@ -286,7 +272,8 @@ def qa_messages(
     speakers: Sequence[str] | None = None,
     prompts_dir: str | Path | None = None,
 ) -> list[dict[str, str]]:
-    """:func:`render_qa` as the one chat message the QA model gets, in the file's ``message_role``."""
+    """The one chat message the QA model gets under ``protocol``, in the file's ``message_role``: the full
+    QA prompt (:meth:`Prompts.render_qa`)."""
     prompts = load_prompts(protocol, prompts_dir)
     content = prompts.render_qa(question, category, memories, choices, speakers)
     return [{"role": prompts.message_role, "content": content}]

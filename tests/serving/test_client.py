@@ -4,42 +4,9 @@
 import asyncio
 
 import pytest
-from aiohttp import web
 
 from memupdate.rewards.scorers import JudgeScorer, QAItem, ReaderScorer, Retrieved
 from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
-
-
-class Server:
-    """Answers /v1/chat/completions: fails the first ``fail`` requests with ``status``, then replies
-    ``reply(messages)``; sleeps ``delay`` seconds per request."""
-
-    def __init__(self, reply, fail=0, status=503, delay=0.0):
-        self.reply, self.fail, self.status, self.delay = reply, fail, status, delay
-        self.requests = []
-
-    async def handle(self, request):
-        payload = await request.json()
-        self.requests.append(payload)
-        await asyncio.sleep(self.delay)
-        if len(self.requests) <= self.fail:
-            return web.Response(status=self.status, text="overloaded")
-        text = self.reply(payload["messages"])
-        return web.json_response({"choices": [{"message": {"role": "assistant", "content": text}}]})
-
-    async def __aenter__(self):
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}/v1"
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.runner.cleanup()
 
 
 def run(coro):
@@ -55,9 +22,9 @@ def test_endpoint_validation_says_how_to_fix():
         Endpoint.from_dict({"base_url": "http://h/v1", "model": "m", "temperature": 0})
 
 
-def test_retries_transient_errors_then_caches():
+def test_retries_transient_errors_then_caches(chat_server):
     async def main():
-        async with Server(lambda m: "Paris", fail=2) as server:
+        async with chat_server(lambda m: "Paris", fail=2) as server:
             endpoint = Endpoint(server.url, "qa", max_retries=3)
             async with OpenAIClient(endpoint) as client:
                 first = await client.chat([{"role": "user", "content": "capital?"}], temperature=0.0)
@@ -70,9 +37,9 @@ def test_retries_transient_errors_then_caches():
     assert cache.hits == 1
 
 
-def test_gives_up_after_bounded_retries_and_does_not_retry_client_errors():
+def test_gives_up_after_bounded_retries_and_does_not_retry_client_errors(chat_server):
     async def main(status):
-        async with Server(lambda m: "x", fail=99, status=status) as server:
+        async with chat_server(lambda m: "x", fail=99, status=status) as server:
             async with OpenAIClient(Endpoint(server.url, "qa", max_retries=1)) as client:
                 with pytest.raises(EndpointError) as info:
                     await client.chat([{"role": "user", "content": "q"}])
@@ -84,9 +51,9 @@ def test_gives_up_after_bounded_retries_and_does_not_retry_client_errors():
     assert "returned 400" in message and attempts == 1
 
 
-def test_timeout_is_enforced():
+def test_timeout_is_enforced(chat_server):
     async def main():
-        async with Server(lambda m: "late", delay=2.0) as server:
+        async with chat_server(lambda m: "late", delay=2.0) as server:
             async with OpenAIClient(Endpoint(server.url, "qa", timeout_s=0.2, max_retries=0)) as client:
                 with pytest.raises(EndpointError, match="TimeoutError"):
                     await client.chat([{"role": "user", "content": "q"}])
@@ -94,7 +61,7 @@ def test_timeout_is_enforced():
     run(main())
 
 
-def test_reader_and_judge_scorers_speak_the_protocol():
+def test_reader_and_judge_scorers_speak_the_protocol(chat_server):
     def reader_reply(messages):
         prompt = messages[0]["content"]
         return "7 May 2023" if "7 May 2023" in prompt else "I don't know"
@@ -108,7 +75,7 @@ def test_reader_and_judge_scorers_speak_the_protocol():
     without = [Retrieved("Caroline likes painting.")]
 
     async def main():
-        async with Server(reader_reply) as reader_server, Server(judge_reply) as judge_server:
+        async with chat_server(reader_reply) as reader_server, chat_server(judge_reply) as judge_server:
             async with OpenAIClient(Endpoint(reader_server.url, "qa")) as rc, OpenAIClient(Endpoint(judge_server.url, "judge")) as jc:
                 reader = ReaderScorer(rc, metric="locomo_f1")
                 f1 = await reader.score([item, item], [with_answer, without])
