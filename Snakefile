@@ -17,7 +17,9 @@
 # logs/<rule>/..., benchmarks/<rule>/...   one log and one benchmark per job
 
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
+
+from memupdate.settings import check_config
 
 min_version("9.0")
 
@@ -25,7 +27,8 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-validate(config, "config/schema/config.schema.yaml")
+# Every setting at every depth, and the names one section gives another, checked before any job runs.
+check_config(config, "config/schema/config.schema.yaml")
 
 
 include: "rules/common.smk"

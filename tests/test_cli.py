@@ -69,7 +69,7 @@ def test_eval_report_rebuilds_from_predictions_and_names_a_missing_folder(tmp_pa
     from memupdate.cli import main
 
     with pytest.raises(FileNotFoundError, match="no predictions in"):
-        main(["eval", "report", str(tmp_path), "--experiment", "exp"])
+        main(["eval", "report", str(tmp_path), "--experiment", "exp", "-v"])
     (tmp_path / "predictions").mkdir()
     record = {"namespace": "q1", "sample_id": "conv-48", "category": 4, "question": "Where?", "answer": "Paris",
               "predictions": {"locomo": "Paris"}, "evidence": []}
@@ -77,6 +77,19 @@ def test_eval_report_rebuilds_from_predictions_and_names_a_missing_folder(tmp_pa
     main(["eval", "report", str(tmp_path), "--experiment", "exp", "--published", ""])
     assert "| no_update |" in capsys.readouterr().out
     assert json.loads((tmp_path / "report.json").read_text())["systems"]["no_update"]["locomo"]["f1"] == 1.0
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_failure_prints_one_line_and_the_traceback_only_with_verbose(tmp_path, verbose):
+    cmd = [*memupdate_exe(), *(["-v"] if verbose else []), "eval", "report", str(tmp_path), "--experiment", "exp"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert f"no predictions in {tmp_path}" in result.stderr
+    if verbose:
+        assert "Traceback" in result.stderr
+    else:
+        assert len(lines) == 1 and "FileNotFoundError" in lines[0] and "-v shows the traceback" in lines[0], lines
 
 
 def test_preprocess_hotpotqa_with_a_pool_per_part_from_the_command_line(hotpotqa_path, tmp_path):

@@ -278,13 +278,33 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("answer")
     score.add_argument("--category", type=int, choices=range(1, 6), help="LoCoMo category for locomo_f1")
     score.set_defaults(func=_cmd_score)
+    _add_verbose(parser, top=True)
     return parser
+
+
+def _add_verbose(parser: argparse.ArgumentParser, top: bool = False) -> None:
+    """``-v`` before or after the subcommand (``memupdate -v eval report ...``, ``... report DIR -v``)."""
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
+        help="debug logging, and the traceback of a failure (by default a failure prints one line)",
+    )  # fmt: skip
+    for action in parser._subparsers._group_actions if parser._subparsers else []:
+        for child in action.choices.values():
+            _add_verbose(child)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    setup_logging()
-    args.func(args)
+    setup_logging(level="DEBUG" if args.verbose else None)
+    try:
+        args.func(args)
+    except Exception as err:
+        if args.verbose:
+            raise
+        # Like Snakemake and DVC: the cause in one line; the traceback is for -v.
+        message = str(err) or "(no message)"
+        logger.error("%s: %s  [memupdate %s failed; -v shows the traceback]", type(err).__name__, message, args.command)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -1,3 +1,8 @@
+import logging
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 
 from memupdate.data.fetch import ChecksumMismatch, fetch_file
@@ -41,7 +46,7 @@ def test_checksum_mismatch_names_both_hashes_and_leaves_nothing(published, tmp_p
 
 
 def test_missing_local_file_and_bad_scheme(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nowhere.json: data file not found"):
+    with pytest.raises(FileNotFoundError, match=r"nowhere.json \(data file not found\)"):
         fetch_file(str(tmp_path / "nowhere.json"), tmp_path / "x", sha256=None)
     with pytest.raises(ValueError, match="unsupported URL scheme 'ftp'"):
         fetch_file("ftp://host/file.json", tmp_path / "x", sha256=None)
@@ -52,3 +57,83 @@ def test_real_locomo_checksum(locomo_path, tmp_path):
     info = fetch_file("https://example.invalid/locomo10.json", tmp_path / "l.json", sha256=digest,
                       mirrors=[locomo_path.parent])
     assert info["sha256"] == digest
+
+
+BODY = bytes(range(256)) * 4096  # 1 MiB: more than one read of the downloader
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """``/whole`` sends BODY; ``/half`` announces BODY's length, sends half and closes, like a dropped link."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(BODY)))
+        self.end_headers()
+        self.wfile.write(BODY if self.path.endswith("/whole") else BODY[: len(BODY) // 2])
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()
+
+
+def unreachable_url():
+    # A port that was just free: nothing listens there, so the connection is refused at once.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}/data.json"
+
+
+def test_download_without_hash_is_complete_and_atomic(server, tmp_path):
+    dest = tmp_path / "data.bin"
+    info = fetch_file(f"{server}/whole", dest, sha256=None)
+    assert dest.read_bytes() == BODY and info["origin"] == f"{server}/whole"
+
+
+def test_download_cut_short_without_hash_fails_and_leaves_nothing(server, tmp_path):
+    dest = tmp_path / "data.bin"
+    dest.write_bytes(b"previous copy")
+    with pytest.raises(ConnectionError, match=rf"{server}/half \(download failed: received {len(BODY) // 2} of the "
+                       rf"{len(BODY)} bytes announced \(Content-Length\)\)"):  # fmt: skip
+        fetch_file(f"{server}/half", dest, sha256=None)
+    # The earlier file is untouched and no partial temporary file is left beside it.
+    assert dest.read_bytes() == b"previous copy"
+    assert [p.name for p in tmp_path.iterdir()] == ["data.bin"]
+
+
+def test_every_place_tried_is_named_with_its_reason(published, tmp_path):
+    path, digest = published
+    tampered = tmp_path / "tampered"
+    tampered.mkdir()
+    (tampered / "data.json").write_text("tampered")
+    url = unreachable_url()
+    with pytest.raises(ConnectionError) as info:
+        fetch_file(url, tmp_path / "copy.json", sha256=digest, mirrors=[tampered])
+    message = str(info.value)
+    assert message.startswith(f"could not get data.json (sha256 {digest}); tried: mirror {tampered / 'data.json'}: "
+                              f"sha256 is {sha256_file(tampered / 'data.json')}, expected {digest}; {url} "
+                              "(download failed: <urlopen error")  # fmt: skip
+    assert "Connection refused" in message
+    assert "replace it, or fix the expected sha256" in message
+    # The mirror is already listed: the advice must not be to add it.
+    assert "add a folder" not in message
+
+
+def test_a_mirror_folder_that_does_not_exist_is_reported(published, tmp_path, caplog):
+    path, digest = published
+    missing = tmp_path / "no-such-folder"
+    with caplog.at_level(logging.WARNING, logger="memupdate.data.fetch"):
+        info = fetch_file(str(path), tmp_path / "copy.json", sha256=digest, mirrors=[missing])
+    assert info["origin"] == str(path)
+    assert f"data mirror folder {missing} does not exist" in caplog.text

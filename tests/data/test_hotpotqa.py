@@ -6,8 +6,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from memupdate.data.hotpotqa import (
+    BudgetTooSmallError,
     HotpotQAFormatError,
     PoolTooSmallError,
+    TokenizerUnavailableError,
     approx_token_count,
     build_rows,
     derived_id,
@@ -15,6 +17,7 @@ from memupdate.data.hotpotqa import (
     paragraph_pool,
     preprocess_hotpotqa,
     question_part,
+    render_context,
     render_document,
     split_rows,
 )
@@ -259,6 +262,8 @@ def test_official_layout_loads_and_builds_like_the_hf_layout(tmp_path):
         ("context", lambda r: r.update(context=[["Ed Wood", "not a list of sentences"]])),
         ("supporting_facts", lambda r: r.update(supporting_facts=[["Ed Wood", "0"]])),
         ("supporting_facts", lambda r: r.update(supporting_facts=[["Nobody", 0]])),
+        ("supporting_facts", lambda r: r.update(supporting_facts=[["Shirley Temple", 2]])),
+        ("supporting_facts", lambda r: r.update(supporting_facts=[["Shirley Temple", -1]])),
     ],
 )
 def test_broken_record_names_file_record_and_field(tmp_path, field, change):
@@ -363,3 +368,75 @@ def test_split_rows_refuses_rows_built_with_one_pool(hotpotqa_path, tmp_path):
     with pytest.raises(ValueError, match=r"row 0 \(id hf-[0-9a-f]+\): field 'extra_info.part' is 'all'.*test_percent=20"):
         split_rows(rows, outputs, test_percent=20)
     assert not any(path.exists() for path in outputs.values())
+
+
+def test_sent_id_out_of_range_names_the_question_and_the_sentence_count(tmp_path):
+    records = official_records()
+    records[1]["supporting_facts"][2] = ["Shirley Temple", 7]
+    with pytest.raises(
+        HotpotQAFormatError,
+        match=r"id 5a8c7595554299585d9e36b6\): field 'supporting_facts': item 2: sent_id 7 is out of range: "
+        r"paragraph 'Shirley Temple' has 2 sentences",
+    ):
+        load_hotpotqa(write_json(tmp_path / "hotpotqa.json", records))
+
+
+def test_non_utf8_byte_names_the_file_and_offset(tmp_path):
+    path = write_json(tmp_path / "hotpotqa.json", official_records())
+    path.write_bytes(path.read_bytes().replace(b"Ed Wood was", b"Ed Wood\xff was", 1))
+    offset = path.read_bytes().index(b"\xff")
+    with pytest.raises(HotpotQAFormatError, match=rf"hotpotqa.json: not UTF-8 at byte {offset} "):
+        load_hotpotqa(path)
+
+
+def own_context_tokens(example):
+    return approx_token_count(render_context([render_document(p.title, p.text) for p in example.own]))
+
+
+def test_a_budget_below_every_own_context_is_an_error_and_leaves_no_output(tmp_path):
+    source = write_json(tmp_path / "official.json", official_records())
+    out = tmp_path / "rows.parquet"
+    preprocess_hotpotqa(source, out, max_tokens=MAX_TOKENS)
+    assert out.is_file() and out.with_suffix(".summary.json").is_file()
+    smallest = min(own_context_tokens(e) for e in load_hotpotqa(source))
+    with pytest.raises(
+        BudgetTooSmallError,
+        match=rf"^official.json: all 2 rows are over max_tokens=5: the smallest, question 5a8b57f25542995d1e6f1371, "
+        rf"has {smallest} tokens in field 'context' .* set max_tokens to at least {smallest}$",
+    ):
+        preprocess_hotpotqa(source, out, max_tokens=5)
+    # The previous run's rows and summary are gone, so nothing looks like this run's result.
+    assert list(tmp_path.iterdir()) == [source]
+
+
+def test_a_few_rows_over_budget_are_kept_with_a_warning_and_counted(tmp_path, caplog):
+    source = write_json(tmp_path / "official.json", official_records())
+    sizes = sorted(own_context_tokens(e) for e in load_hotpotqa(source))
+    summary = preprocess_hotpotqa(source, tmp_path / "rows.parquet", max_tokens=sizes[0])
+    assert summary["rows_over_budget"] == 1
+    assert f"1 of 2 rows are over max_tokens={sizes[0]}" in caplog.text
+    assert f"question 5a8c7595554299585d9e36b6, {sizes[1]} tokens" in caplog.text
+
+
+def test_an_unavailable_tokenizer_is_one_clear_error(tmp_path):
+    source = write_json(tmp_path / "official.json", official_records())
+    with pytest.raises(TokenizerUnavailableError) as info:
+        preprocess_hotpotqa(source, tmp_path / "rows.parquet", max_tokens=200, tokenizer="no-such-org/no-such-tokenizer")
+    message = str(info.value)
+    assert message.startswith("tokenizer 'no-such-org/no-such-tokenizer' could not be loaded: it must be a local folder")
+    assert "already in the Hugging Face cache" in message
+    # One exception, not transformers' chain of hub errors.
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert list(tmp_path.iterdir()) == [source]
+
+
+def test_a_failed_split_leaves_no_part_of_a_previous_split(hotpotqa_path, tmp_path):
+    outputs = {"train": tmp_path / "train.parquet", "test": tmp_path / "test.parquet"}
+    for percent in (20, 0):
+        preprocess_hotpotqa(hotpotqa_path, tmp_path / f"dev-{percent}.parquet", num_docs=NUM_DOCS, limit=10,
+                            test_percent=percent)  # fmt: skip
+    split_rows(tmp_path / "dev-20.parquet", outputs, 20)
+    # With no test question the train part could be written, but it must not appear without its test part.
+    with pytest.raises(ValueError, match="no test rows with test_percent=0"):
+        split_rows(tmp_path / "dev-0.parquet", outputs, 0)
+    assert not outputs["train"].exists() and not outputs["test"].exists()

@@ -193,3 +193,109 @@ def test_invalid_json_names_the_file(tmp_path):
     path.write_text("[{")
     with pytest.raises(LocomoFormatError, match="locomo10.json: not valid JSON"):
         load_locomo(path)
+
+
+SMALL_SPLIT = {"train": ["conv-26"], "val": [], "test": ["conv-30"]}
+
+
+def _write_broken(locomo_path, tmp_path, edit, *, raw=None):
+    """A two-conversation copy of the real file after ``edit``; ``raw`` replaces the bytes written."""
+    path = _broken_copy(locomo_path, tmp_path, edit)
+    if raw is not None:
+        path.write_bytes(raw(path.read_bytes()))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda d: d[0]["conversation"].update(session_3=[]),
+            r"broken.json, sample 'conv-26': field 'conversation.session_3' has no turns",
+        ),
+        (
+            lambda d: d[0]["qa"][0].update(answer=""),
+            r"broken.json, sample 'conv-26', qa\[0\]: field 'answer' is empty \(category 2",
+        ),
+        (
+            lambda d: d[1]["qa"][5].update(answer="  "),
+            r"sample 'conv-30', qa\[5\]: field 'answer' is empty",
+        ),
+        (
+            lambda d: next(q for q in d[0]["qa"] if q["category"] == 5).update(adversarial_answer=""),
+            r"sample 'conv-26', qa\[\d+\]: field 'adversarial_answer' is empty \(category 5",
+        ),
+        (
+            lambda d: d[0]["conversation"]["session_1"][2].update(dia_id="turn 3"),
+            r"conversation.session_1\[2\]: field 'dia_id' must look like D<session>:<turn>, got 'turn 3'",
+        ),
+    ],
+)
+def test_unusable_records_are_refused(locomo_path, tmp_path, edit, message):
+    with pytest.raises(LocomoFormatError, match=message):
+        load_locomo(_broken_copy(locomo_path, tmp_path, edit))
+
+
+def test_non_utf8_byte_names_the_file_and_offset(locomo_path, tmp_path):
+    # A Latin-1 "é" inside the first question: the error points at its byte, not at a decoder frame.
+    path = _write_broken(locomo_path, tmp_path, lambda d: None, raw=lambda b: b.replace(b"LGBTQ", b"LGBTQ\xe9", 1))
+    offset = path.read_bytes().index(b"\xe9")
+    with pytest.raises(LocomoFormatError, match=rf"broken.json: not UTF-8 at byte {offset} \(b'\\xe9'"):
+        load_locomo(path)
+
+
+def test_evidence_that_names_no_turn_is_dropped_with_a_warning_and_counted(locomo_path, tmp_path, caplog):
+    def edit(d):
+        d[0]["qa"][0]["evidence"] = ["D1:3", "D99:999", "D0:0"]
+        d[0]["observation"]["session_1_observation"]["Caroline"][0][1] = "D1:999"
+
+    path = _broken_copy(locomo_path, tmp_path, edit)
+    summary = preprocess_locomo(path, outputs_in(tmp_path), split=SMALL_SPLIT, summary_path=tmp_path / "s.json")
+    assert "sample 'conv-26', qa[0]: field 'evidence': ['D99:999', 'D0:0'] name no turn" in caplog.text
+    assert "field 'observation.session_1_observation.Caroline[0]': evidence D1:999 names no turn" in caplog.text
+    row = pq.read_table(tmp_path / "train.parquet").slice(0, 1).to_pylist()[0]
+    assert row["extra_info"]["qa_index"] == 0 and row["extra_info"]["evidence"] == ["D1:3"]
+    memory = pq.read_table(tmp_path / "memories.parquet").slice(0, 1).to_pylist()[0]
+    assert memory["evidence"] == []
+    assert summary["evidence_dangling"][0] == {"sample_id": "conv-26", "qa_index": 0, "ids": ["D99:999", "D0:0"]}
+    assert summary["observation_evidence_dangling"] == [
+        {"sample_id": "conv-26", "field": "observation.session_1_observation.Caroline[0]", "id": "D1:999"}
+    ]
+    assert json.loads((tmp_path / "s.json").read_text())["warnings"]["observation_evidence_dangling"] == 1
+
+
+def test_real_file_quirks_are_counted_in_the_summary(built):
+    _, summary = built
+    # Two published evidence ids name turns that do not exist; one evidence string is a bare "D".
+    assert summary["warnings"] == {"evidence_unparsed": 1, "evidence_dangling": 2, "observation_evidence_dangling": 0}
+    assert summary["evidence_dangling"] == [
+        {"sample_id": "conv-42", "qa_index": 58, "ids": ["D10:19"]},
+        {"sample_id": "conv-47", "qa_index": 38, "ids": ["D4:36"]},
+    ]
+
+
+def test_conversation_without_memories_fails_naming_sample_and_source(locomo_path, tmp_path):
+    path = _broken_copy(locomo_path, tmp_path, lambda d: d[1].pop("observation"))
+    with pytest.raises(
+        LocomoFormatError,
+        match=r"broken.json, sample 'conv-30': memory source 'observation' gives no memories .*split 'test'",
+    ):
+        preprocess_locomo(path, outputs_in(tmp_path / "out"), split=SMALL_SPLIT)
+    # Another source still works for the same conversation.
+    summary = preprocess_locomo(
+        path, outputs_in(tmp_path / "out"), split=SMALL_SPLIT, memory_sources=["session_summary"]
+    )
+    assert summary["memories"]["conv-30"] == 19
+
+
+def test_a_failed_rerun_leaves_none_of_the_previous_outputs(locomo_path, tmp_path):
+    good = _broken_copy(locomo_path, tmp_path, lambda d: None)
+    out = tmp_path / "out"
+    preprocess_locomo(good, outputs_in(out), split=SMALL_SPLIT, summary_path=out / "summary.json")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "memories.parquet", "summary.json", "test.parquet", "train.parquet", "val.parquet"
+    ]
+    bad = _broken_copy(locomo_path, tmp_path, lambda d: d[1]["qa"][0].update(answer=""))
+    with pytest.raises(LocomoFormatError, match="field 'answer' is empty"):
+        preprocess_locomo(bad, outputs_in(out), split=SMALL_SPLIT, summary_path=out / "summary.json")
+    assert list(out.iterdir()) == []

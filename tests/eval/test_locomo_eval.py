@@ -206,3 +206,16 @@ def test_full_context_is_laid_out_as_locomo_lays_it_out():
         'DATE: 1 May 2023\nCONVERSATION:\nAna said, "Hi"\n\nBo said, "Look"\n and shared a cat.\n'
         "\n\n\n\n"
     )
+
+
+@pytest.mark.parametrize("torn", ["middle", "last"])
+def test_report_refuses_a_torn_predictions_line_naming_file_and_line(tmp_path, torn):
+    """``eval locomo`` redoes a torn last line on resume; the report must never drop a question silently."""
+    lines = [json.dumps(r) for r in PREDICTIONS]
+    number = 2 if torn == "middle" else len(lines) + 1
+    lines.insert(number - 1, lines[0][:20])
+    path = tmp_path / "no_update.jsonl"
+    path.write_text("\n".join(lines))
+    with pytest.raises(report.JSONLError, match=rf"no_update.jsonl:{number}: not valid JSON"):
+        report.build_report(tmp_path / "out", {"no_update": path}, experiment="exp", settings={})
+    assert not (tmp_path / "out" / "report.json").exists()

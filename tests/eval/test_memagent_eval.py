@@ -23,6 +23,7 @@ from memupdate.eval.memagent import (
 )
 from memupdate.serving.readiness import write_marker
 from memupdate.serving.vllm import start_vllm_server
+from memupdate.settings import build
 
 # hotpot_rows' first three haystacks are 720, 735 and 1444 tiny-model tokens: 3, 3 and 6 chunks of 256.
 SETTINGS = {"chunk_size": 256, "max_memory_tokens": 12, "max_final_tokens": 8, "prompt_length": 768,
@@ -42,9 +43,9 @@ def haystack_tokens(model_dir, rows, n):
 
 
 def test_training_budget_is_not_an_evaluation_setting():
-    with pytest.raises(ValueError, match="evaluation reads every chunk.*truncate_chunks"):
-        MemAgentEvalSettings.from_dict({"chunk_size": 256, "max_chunks": 2})
-    assert MemAgentEvalSettings.from_dict({}).truncate_chunks is None
+    with pytest.raises(ValueError, match="eval.max_chunks: training's budget.*evaluation reads every chunk.*truncate_chunks"):
+        build(MemAgentEvalSettings, {"chunk_size": 256, "max_chunks": 2}, "eval")
+    assert build(MemAgentEvalSettings, {}, "eval").truncate_chunks is None
 
 
 @pytest.mark.slow

@@ -74,7 +74,9 @@ def test_pool_survives_snakemake_deleting_the_output(tmp_path, counting_embedder
     import shutil
 
     pq.write_table(pa.table({"content": TEXTS[:3]}), tmp_path / "m1.parquet")
-    build = dict(model_name=counting_embedder.model_name, embedder=counting_embedder, pool_dir=tmp_path / "pool")
+    build = dict(
+        model_name=counting_embedder.model_name, embedder=counting_embedder, pool_dir=tmp_path / "pool"
+    )
     build_embedding_cache(tmp_path / "m1.parquet", tmp_path / "out", **build)
     assert counting_embedder.texts == 3
     shutil.rmtree(tmp_path / "out")
@@ -83,6 +85,42 @@ def test_pool_survives_snakemake_deleting_the_output(tmp_path, counting_embedder
     assert (summary["new"], summary["reused"], summary["cache_size"]) == (1, 3, 4)
     assert counting_embedder.texts == 4
     assert len(EmbeddingCache.open(tmp_path / "pool", counting_embedder)) == 4
+
+
+def test_an_interrupted_build_is_continued_without_embedding_again_what_was_saved(
+    tmp_path, embedder, make_counting_embedder, caplog
+):
+    """Issue 15: the pool was saved only at the end, so an interrupted embed_memories lost all its work."""
+    import logging
+    import shutil
+
+    texts = [f"Fact {i}: Ana's bees made {i} jars of honey." for i in range(10)]
+    pq.write_table(pa.table({"content": texts + texts[:2]}), tmp_path / "m.parquet")
+    build = dict(model_name=embedder.model_name, batch_size=2, checkpoint_every=4, pool_dir=tmp_path / "pool")
+
+    stopped = make_counting_embedder(fail_at=4)  # batches 1-3 done, saved after 2
+    with (
+        caplog.at_level(logging.INFO, logger=cache_module.__name__),
+        pytest.raises(RuntimeError, match="interrupted"),
+    ):
+        build_embedding_cache(tmp_path / "m.parquet", tmp_path / "out", embedder=stopped, **build)
+    assert stopped.texts == 6 and "embedded 4 of 10 new texts" in caplog.text
+    assert len(EmbeddingCache.open(tmp_path / "pool", embedder)) == 4, "the pool holds what was saved"
+    shutil.rmtree(tmp_path / "out", ignore_errors=True)  # Snakemake deletes the output of a failed job
+
+    rerun = make_counting_embedder()
+    summary = build_embedding_cache(tmp_path / "m.parquet", tmp_path / "out", embedder=rerun, **build)
+    assert rerun.texts == 6 and (summary["new"], summary["reused"], summary["cache_size"]) == (6, 4, 10)
+
+    whole = make_counting_embedder()
+    build_embedding_cache(
+        tmp_path / "m.parquet", tmp_path / "whole", embedder.model_name, batch_size=2, embedder=whole
+    )
+    assert whole.texts == 10
+    resumed, uninterrupted = (EmbeddingCache.open(tmp_path / d, embedder) for d in ("out", "whole"))
+    assert resumed.keys() == uninterrupted.keys() == [sha256_text(t) for t in texts]
+    np.testing.assert_allclose(resumed.vectors, uninterrupted.vectors, atol=1e-6)
+    assert EmbeddingCache.open(tmp_path / "pool", embedder).keys() == resumed.keys()
 
 
 def test_ensure_returns_vectors_in_request_order_and_checkpoints(tmp_path, counting_embedder):

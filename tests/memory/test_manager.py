@@ -11,9 +11,9 @@ BASE_NS = "conv-26-qa0-ff702917"
 
 
 def test_trial_namespace():
-    assert trial_namespace(BASE_NS, "1010e8efa1b2c3d4") == "conv-26-qa0-ff702917-1010e8ef"
+    assert trial_namespace(BASE_NS, "1010e8efa1b2c3d4") == "conv-26-qa0-ff702917-1010e8efa1b2c3d4"
     with pytest.raises(ValueError):
-        trial_namespace(BASE_NS, "abc")
+        trial_namespace(BASE_NS, "")
 
 
 def test_open_get_release_and_stats(memories_parquet, cache_dir, embedder, monkeypatch):
@@ -32,27 +32,27 @@ def test_open_get_release_and_stats(memories_parquet, cache_dir, embedder, monke
     trial = manager.open(BASE_NS, "a1b2c3d4e5f6", "conv-26")
     other = manager.open(BASE_NS, "ffff0000aaaa", "conv-26")
     toy = manager.open("toy-1-qa0-00000000", "a1b2c3d4e5f6", "toy-1")
-    assert isinstance(trial, TrialStore) and trial.namespace == f"{BASE_NS}-a1b2c3d4"
+    assert isinstance(trial, TrialStore) and trial.namespace == f"{BASE_NS}-a1b2c3d4e5f6"
     assert trial.base is other.base and loads == ["conv-26", "toy-1"], (
         "a base store is loaded once and shared"
     )
     assert len(toy) == 3 and toy.base.sample_id == "toy-1" and len(trial) == 184
-    assert manager.get(f"{BASE_NS}-a1b2c3d4") is trial and manager.namespaces() == sorted(
+    assert manager.get(f"{BASE_NS}-a1b2c3d4e5f6") is trial and manager.namespaces() == sorted(
         [trial.namespace, other.namespace, toy.namespace]
     )
 
-    with pytest.raises(NamespaceInUse):
-        manager.open(BASE_NS, "a1b2c3d4-another-run", "conv-26")
-    assert manager.open(BASE_NS, "a1b2c3d4", "conv-26", exist_ok=True) is trial
+    with pytest.raises(NamespaceInUse, match="release it first"):
+        manager.open(BASE_NS, "a1b2c3d4e5f6", "conv-26")
+    assert manager.open(BASE_NS, "a1b2c3d4e5f6", "conv-26", exist_ok=True) is trial
     with pytest.raises(NamespaceInUse, match="conv-26"):
-        manager.open(BASE_NS, "a1b2c3d4", "toy-1", exist_ok=True)
+        manager.open(BASE_NS, "a1b2c3d4e5f6", "toy-1", exist_ok=True)
 
     trial.delete(0)
     trial.delete(1)
     assert len(other) == 184, "trials are isolated"
     stats = manager.release(trial.namespace)
     assert stats == {
-        "namespace": f"{BASE_NS}-a1b2c3d4",
+        "namespace": f"{BASE_NS}-a1b2c3d4e5f6",
         "sample_id": "conv-26",
         "initial_count": 184,
         "final_count": 182,
@@ -69,6 +69,35 @@ def test_open_get_release_and_stats(memories_parquet, cache_dir, embedder, monke
         manager.release(trial.namespace)
     with pytest.raises(LookupError, match="conv-99"):
         manager.open(BASE_NS, "12345678", "conv-99")
+
+
+def test_request_ids_sharing_a_prefix_get_separate_stores(memories_table, cache, embedder):
+    """Issue 15: keyed by request_id[:8], two of verl's uuid4 ids with the same first 8 hex digits
+    shared one store (exist_ok handed the second trajectory the first one's edits)."""
+    manager = MemoryStoreManager(memories_table, cache, embedder)
+    first = manager.open(BASE_NS, "1010e8ef" + "a" * 24, "conv-26", exist_ok=True)
+    second = manager.open(BASE_NS, "1010e8ef" + "b" * 24, "conv-26", exist_ok=True)
+    assert first is not second and len(manager) == 2
+    first.delete(3)
+    assert 3 not in first and 3 in second, "one trajectory's edit is not seen by the other"
+    assert manager.release(second.namespace)["deleted"] == 0
+
+
+def test_a_live_store_is_never_reopened_for_another_trajectory(memories_table, cache, embedder):
+    """exist_ok lets a trajectory reopen its own store, never one whose namespace merely matches."""
+    manager = MemoryStoreManager(memories_table, cache, embedder)
+    mine = manager.open(BASE_NS, "a1b2c3d4-e5f6", "conv-26", exist_ok=True)
+    mine.delete(3)
+    assert manager.open(BASE_NS, "a1b2c3d4-e5f6", "conv-26", exist_ok=True) is mine
+    # Another row's base namespace and request id that join to the same string.
+    with pytest.raises(NamespaceInUse, match="belongs to another trajectory") as err:
+        manager.open(f"{BASE_NS}-a1b2c3d4", "e5f6", "conv-26", exist_ok=True)
+    assert "a1b2c3d4-e5f6" in str(err.value) and "'e5f6'" in str(err.value)
+    assert manager.namespaces() == [mine.namespace] and 3 not in manager.get(mine.namespace)
+    # Released, the namespace is free for whoever opens it next, with a fresh store.
+    manager.release(mine.namespace)
+    theirs = manager.open(f"{BASE_NS}-a1b2c3d4", "e5f6", "conv-26", exist_ok=True)
+    assert theirs is not mine and 3 in theirs
 
 
 def test_managers_share_no_state(memories_table, cache, embedder):
@@ -106,4 +135,4 @@ async def test_parallel_tool_calls_of_one_trajectory_share_one_store(memories_pa
     stores = await asyncio.gather(
         *(manager.aopen(BASE_NS, "0123456789abcdef", "conv-26", exist_ok=True) for _ in range(4))
     )
-    assert all(s is stores[0] for s in stores) and manager.namespaces() == [f"{BASE_NS}-01234567"]
+    assert all(s is stores[0] for s in stores) and manager.namespaces() == [f"{BASE_NS}-0123456789abcdef"]

@@ -11,14 +11,15 @@ import pytest
 
 from memupdate.serving import launch
 from memupdate.serving.readiness import ServerGone, read_marker
+from memupdate.settings import ConfigError, ServeSettings, build
 
 
 def test_settings_are_checked():
-    assert launch.ServeSettings.from_dict(None).engine == "vllm-cpu"
-    with pytest.raises(ValueError, match="unknown serving settings \\['port'\\]"):
-        launch.ServeSettings.from_dict({"port": 8000})
-    with pytest.raises(ValueError, match="serving.engine must be one of"):
-        launch.ServeSettings.from_dict({"engine": "tgi"})
+    assert build(ServeSettings, None, "serving").engine == "vllm-cpu"
+    with pytest.raises(ConfigError, match="serving.port: unknown setting"):
+        build(ServeSettings, {"port": 8000}, "serving")
+    with pytest.raises(ConfigError, match="serving.engine: 'tgi' is not one of vllm-cpu, vllm"):
+        build(ServeSettings, {"engine": "tgi"}, "serving")
 
 
 def test_launcher_follows_where_the_rule_runs():
@@ -37,7 +38,7 @@ def test_sbatch_command(tmp_path):
     assert not any(a.startswith("--account") for a in argv)
     # The wrapped command is shell-quoted: a path with a space stays one argument.
     assert argv[-1] == "--wrap=python -m memupdate.serving.launch run --model '/m dir'"
-    with pytest.raises(ValueError, match="unknown serving.slurm options \\['gpus'\\]"):
+    with pytest.raises(ValueError, match="serving.slurm.gpus: unknown setting"):
         launch.sbatch_argv("x", tmp_path / "s.log", {"gpus": 1}, ["true"])
 
 

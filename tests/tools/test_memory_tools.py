@@ -95,7 +95,7 @@ def test_create_update_delete_change_the_store_and_the_delta(tools):
         metadata={"speaker": "Caroline"},
     )
     assert ok and text.startswith("Created memory [184] (Caroline)")
-    assert agent.extra_fields[NAMESPACE_KEY] == f"{BASE_NS}-{agent.request_id[:8]}"
+    assert agent.extra_fields[NAMESPACE_KEY] == f"{BASE_NS}-{agent.request_id}"
     delta = agent.extra_fields[DELTA_KEY]
     assert [r["id"] for r in delta["created"]] == [184] and delta["created"][0]["source"] == "agent"
     json.dumps(delta)  # travels with the trajectory: must be JSON
@@ -306,3 +306,81 @@ def test_the_cap_reaches_the_tools_from_the_training_config(repo_root, tool_conf
 
     assert tool_env("m", "e", max_content_chars=120)["MEMUPDATE_MAX_CONTENT_CHARS"] == "120"
     assert "MEMUPDATE_MAX_CONTENT_CHARS" not in tool_env("m", "e")
+
+
+# ----------------------------------------------------------------------------------- issue 15: hostile arguments
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("delete_memory", {"memory_id": "²"}),  # isdigit() but int() raises: was an uncaught ValueError
+        ("delete_memory", {"memory_id": "٣"}),  # Arabic 3: deleted memory 3
+        ("delete_memory", {"memory_id": "[٣]"}),
+        ("manage_memory", {"operation": "update", "memory_id": "３", "content": "x"}),  # fullwidth 3
+        ("merge_memory", {"memory_ids": ["٣", "4"], "content": "x"}),
+        ("split_memory", {"memory_id": "٣", "parts": ["a", "b"]}),
+        ("search_memory", {"query": "x", "top_k": "٣"}),
+        ("sample_memory", {"k": "²"}),
+    ],
+)
+def test_ids_written_with_other_than_ascii_digits_are_instructions(tools, name, params):
+    agent = new_agent_data()
+    text, ok = call(tools, agent, name, **params)
+    assert not ok and "must be an integer, got" in text
+    assert DELTA_KEY not in agent.extra_fields and 3 in store_of(tools, agent) and len(store_of(tools, agent)) == 184
+
+
+def test_ids_written_as_ascii_digits_still_work(tools):
+    agent = new_agent_data()
+    assert call(tools, agent, "delete_memory", memory_id=" [3] ")[1]
+    assert call(tools, agent, "merge_memory", memory_ids=["4", 5], content="Merged.")[1]
+    assert not {3, 4, 5} & set(r.id for r in store_of(tools, agent).records())
+
+
+def test_a_session_written_with_an_arabic_digit_is_an_instruction(tools):
+    agent = new_agent_data()
+    text, ok = call(tools, agent, "manage_memory", operation="create", content="x", metadata={"session": "٣"})
+    assert not ok and text == "session must be an integer or null, got '٣'."
+    assert DELTA_KEY not in agent.extra_fields
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "where"),
+    [
+        ("manage_memory", {"operation": "create", "content": "Caroline \ud800 likes tea."}, "'content' contains \\ud800 at position 9"),
+        ("manage_memory", {"operation": "create", "content": "ok", "metadata": {"speaker": "\udc00"}}, "'metadata.speaker' contains \\udc00 at position 0"),
+        ("manage_memory", {"operation": "update", "memory_id": 0, "metadata": {"speaker": "Car\udfffoline"}}, "'metadata.speaker'"),
+        ("manage_memory", {"operation": "create", "content": "ok", "metadata": {"\ud800": "x"}}, "argument name 'metadata.\\ud800'"),
+        ("search_memory", {"query": "\ud800"}, "'query' contains \\ud800"),
+        ("search_memory", {"query": "tea", "speaker": "\ud800"}, "'speaker'"),
+        ("merge_memory", {"memory_ids": [0, 1], "content": "a\ud800"}, "'content'"),
+        ("split_memory", {"memory_id": 0, "parts": ["fine", "bad \udbff"]}, "'parts[1]' contains \\udbff at position 4"),
+        ("delete_memory", {"memory_id": 0, "reason": "\ud800"}, "'reason'"),
+    ],
+)
+def test_lone_surrogates_are_refused_with_an_instruction(tools, name, params, where):
+    """A lone surrogate (JSON "\\ud800") crashed the tokenizer, or was stored and broke the delta's UTF-8."""
+    agent = new_agent_data()
+    text, ok = call(tools, agent, name, **params)
+    assert not ok and where in text and text.endswith(("try again.", "the names in the tool's schema.")), text
+    text.encode("utf-8")  # the reply itself goes to the tokenizer
+    store = store_of(tools, agent)
+    assert DELTA_KEY not in agent.extra_fields and len(store) == 184 and not store.created()
+    assert store.get(0).speaker == "Caroline"
+
+
+def test_after_a_refused_surrogate_the_delta_still_encodes(tools):
+    agent = new_agent_data()
+    # The arguments as the model writes them: JSON, where a pair of \\u escapes is one character.
+    refused = json.loads(r'{"operation": "create", "content": "ok", "metadata": {"speaker": "\ud83d"}}')
+    assert call(tools, agent, "manage_memory", **refused) == (
+        "Argument 'metadata.speaker' contains \\ud83d at position 0, half of a surrogate pair, which is not "
+        "text: write plain text and try again.",
+        False,
+    )
+    paired = json.loads(r'{"operation": "create", "content": "Ana loves bees \ud83d\udc1d", "metadata": {"speaker": "Ana"}}')
+    assert call(tools, agent, "manage_memory", **paired)[1]
+    delta = agent.extra_fields[DELTA_KEY]
+    assert [r["content"] for r in delta["created"]] == ["Ana loves bees \U0001f41d"]
+    json.dumps(delta, ensure_ascii=False).encode("utf-8")

@@ -54,7 +54,10 @@ def test_grpo_learns_a_toy_reward_changes_weights_and_resumes(tmp_path, tiny_mod
     after = load_file(tmp_path / "run" / "ckpt" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
-    # Resume: a longer run picks up at the last saved step instead of starting over.
+    # Resume: a longer run picks up at the last saved step instead of starting over. A run killed after
+    # logging a step it never saved, mid-line, keeps only the saved steps' metrics.
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as fh:
+        fh.write(json.dumps({"step": 21, "reward_mean": 0.0}) + '\n{"step": 2')
     resumed = LocalGRPOTrainer(cfg.__class__(**{**cfg.__dict__, "steps": 22}))
     assert resumed.step == 20
     assert resumed.train()["step"] == 22

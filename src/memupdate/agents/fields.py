@@ -43,8 +43,8 @@ def reset_request_ids(prefix: str) -> None:
 
 
 def next_request_id() -> str:
-    """The next deterministic request id: 8 hex digits of a per-process counter (unique prefixes, as trial
-    namespaces need), then a hash of the prefix :func:`reset_request_ids` set and the counter.
+    """The next deterministic request id: 8 hex digits of a per-process counter (ids sort in the order they
+    were made), then a hash of the prefix :func:`reset_request_ids` set and the counter.
 
     >>> reset_request_ids("seed:0"); a = next_request_id(); reset_request_ids("seed:0")
     >>> next_request_id() == a and a.startswith("00000000") and len(a) == 32

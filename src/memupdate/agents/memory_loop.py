@@ -10,7 +10,7 @@ MemoryUpdate needs, through verl's extension points only:
   without a tool call (``DONE`` is the documented way); the reason is recorded in
   ``extra_fields["termination_reason"]``;
 - request ids can be made deterministic (``deterministic_ids``) for the local backend's reproducible
-  runs; their first 8 characters stay unique per process, as trial namespaces need.
+  runs; they stay unique per process, as trial namespaces (keyed by the whole id) need.
 
 Registered as ``memupdate_agent`` (the rows' ``agent_name``); ``config/verl/agent_loops.yaml`` wires the
 same class for the verl backend.

@@ -48,7 +48,13 @@ from typing import Any
 import pyarrow as pa
 from tqdm.auto import tqdm
 
-from memupdate.utils.io import sha256_file, write_json_atomic, write_parquet_atomic
+from memupdate.utils.io import (
+    atomic_outputs,
+    read_text_utf8,
+    sha256_file,
+    write_json_atomic,
+    write_parquet_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +107,14 @@ class HotpotQAFormatError(ValueError):
 
 class PoolTooSmallError(ValueError):
     """The paragraph pool has fewer distractors than ``num_docs`` needs for some question."""
+
+
+class BudgetTooSmallError(ValueError):
+    """``max_tokens`` is below every question's own context, so no row keeps to the budget."""
+
+
+class TokenizerUnavailableError(OSError):
+    """The tokenizer named for counting tokens is neither a local folder nor in the Hugging Face cache."""
 
 
 #: The part of every question when the whole file is one split (one pool).
@@ -320,6 +334,19 @@ def _parse_record(raw: Any, file_name: str, index: int) -> HotpotExample:
         # In the distractor setting every supporting paragraph is in the context; without it the
         # question cannot be answered from the haystack.
         raise rec.error("supporting_facts", f"titles {missing} are not titles of any context paragraph")
+    sentence_counts: dict[str, int] = {}
+    for paragraph in example.context:
+        sentence_counts[paragraph.title] = max(
+            sentence_counts.get(paragraph.title, 0), len(paragraph.sentences)
+        )
+    for i, (title, sent_id) in enumerate(example.supporting_facts):
+        # A supporting fact names one sentence of its paragraph; one that is not there is a broken record.
+        if not 0 <= sent_id < sentence_counts[title]:
+            raise rec.error(
+                "supporting_facts",
+                f"item {i}: sent_id {sent_id} is out of range: paragraph {title!r} has "
+                f"{sentence_counts[title]} sentences (sent_id 0..{sentence_counts[title] - 1})",
+            )
     return example
 
 
@@ -331,7 +358,7 @@ def load_hotpotqa(path: str | Path) -> list[HotpotExample]:
     """
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text_utf8(path, HotpotQAFormatError))
     except json.JSONDecodeError as exc:
         raise HotpotQAFormatError(f"{path.name}: not valid JSON: {exc}") from exc
     if not isinstance(data, list):
@@ -585,10 +612,25 @@ def build_rows(
 
 
 def load_token_counter(tokenizer: str) -> Callable[[str], int]:
-    """Token counter from a Hugging Face tokenizer name or path, read from local files only."""
+    """Token counter from a Hugging Face tokenizer name or path, read from local files only.
+
+    Raises :class:`TokenizerUnavailableError` naming the tokenizer when it is neither a local tokenizer
+    folder nor a name already in the Hugging Face cache (nothing is downloaded: preprocessing runs on
+    compute nodes without network too).
+    """
     from transformers import AutoTokenizer  # slow import, only needed when a tokenizer is asked for
 
-    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        # transformers reports a missing cache entry as a failed hub connection, through a chain of
+        # three exceptions; the one thing the user can act on is which tokenizer and where it is looked for.
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TokenizerUnavailableError(
+            f"tokenizer {tokenizer!r} could not be loaded: it must be a local folder holding a Hugging Face "
+            "tokenizer or the name of one already in the Hugging Face cache (it is never downloaded here); "
+            f"transformers said: {reason}"
+        ) from None
 
     def count(text: str) -> int:
         # The context is inserted into a chat prompt, so special tokens are not part of its length;
@@ -602,6 +644,38 @@ def _spread(values: list[int]) -> dict[str, float | int | None]:
     if not values:
         return {"mean": None, "min": None, "max": None}
     return {"mean": round(statistics.fmean(values), 2), "min": min(values), "max": max(values)}
+
+
+def _check_budget(input_path: str | Path, table: pa.Table, max_tokens: int) -> int:
+    """Rows over ``max_tokens`` (their own paragraphs alone exceed it): a warning if some are, an error if all.
+
+    A question's own context is always kept whole, so a budget below it cannot be met; when that holds for
+    every row the budget is a mistake (a typo, or a count meant for another tokenizer), not a data quirk.
+    """
+    info = table.column("extra_info").combine_chunks()
+    ids = info.field("id").to_pylist()
+    tokens = table.column("num_tokens").to_pylist()
+    over = [(n, question) for n, question in zip(tokens, ids, strict=True) if n > max_tokens]
+    if over and len(over) == len(tokens):
+        n, question = min(over)
+        raise BudgetTooSmallError(
+            f"{Path(input_path).name}: all {len(tokens)} rows are over max_tokens={max_tokens}: the smallest, "
+            f"question {question}, has {n} tokens in field 'context' from its own paragraphs alone, which are "
+            f"always kept; set max_tokens to at least {n}"
+        )
+    if over:
+        n, question = max(over)
+        logger.warning(
+            "%s: %d of %d rows are over max_tokens=%d because their own paragraphs alone exceed it "
+            "(the largest: question %s, %d tokens); they are kept whole (rows_over_budget in the summary)",
+            Path(input_path).name,
+            len(over),
+            len(tokens),
+            max_tokens,
+            question,
+            n,
+        )
+    return len(over)
 
 
 def preprocess_hotpotqa(
@@ -619,56 +693,61 @@ def preprocess_hotpotqa(
     """Load a HotpotQA file, build MemAgent rows and write them as parquet with a JSON summary.
 
     The one entry point for the Snakemake script and the CLI. ``test_percent`` gives each part of the
-    later :func:`split_rows` its own paragraph pool (None: the file is one split). Both files are written
-    atomically; the summary (counts, token and document spreads, pool sizes, input sha256, arguments) goes
-    to ``summary_path``, by default the output path with its suffix replaced by ``.summary.json``.
-    Returns the summary.
+    later :func:`split_rows` its own paragraph pool (None: the file is one split). Both files appear
+    together or not at all (a failed run also removes the previous run's); the summary (counts, token and
+    document spreads, pool sizes, rows over ``max_tokens``, input sha256, arguments) goes to ``summary_path``,
+    by default the output path with its suffix replaced by ``.summary.json``. Returns the summary. Raises
+    :class:`BudgetTooSmallError` when every row is over ``max_tokens`` and
+    :class:`TokenizerUnavailableError` for a tokenizer that is not available locally.
     """
     _check_arguments(num_docs, max_tokens, limit)
-    examples = load_hotpotqa(input_path)
-    count_tokens = load_token_counter(tokenizer) if tokenizer is not None else None
-    table = build_rows(
-        examples,
-        num_docs=num_docs,
-        max_tokens=max_tokens,
-        seed=seed,
-        count_tokens=count_tokens,
-        limit=limit,
-        test_percent=test_percent,
-    )
-    write_parquet_atomic(output_path, table)
-
-    tokens = table.column("num_tokens").to_pylist()
-    docs = table.column("num_docs").to_pylist()
-    types = Counter(table.column("extra_info").combine_chunks().field("type").to_pylist())
-    summary: dict[str, Any] = {
-        "input": str(input_path),
-        "input_sha256": sha256_file(input_path),
-        "output": str(output_path),
-        "arguments": {
-            "num_docs": num_docs,
-            "max_tokens": max_tokens,
-            "seed": seed,
-            "limit": limit,
-            "tokenizer": tokenizer,
-            "test_percent": test_percent,
-        },
-        "token_counter": tokenizer if tokenizer is not None else APPROX_TOKENIZER,
-        "questions_in_file": len(examples),
-        "pool_paragraphs": len(paragraph_pool(examples)),
-        "pool_paragraphs_by_part": {
-            part: len(pool)
-            for part, pool in part_pools(examples, question_parts(examples, test_percent)).items()
-        },
-        "rows": table.num_rows,
-        "rows_by_type": dict(sorted(types.items())),
-        "rows_over_budget": sum(t > max_tokens for t in tokens) if max_tokens is not None else None,
-        "num_tokens": _spread(tokens),
-        "num_docs": _spread(docs),
-    }
     if summary_path is None:
         summary_path = Path(output_path).with_suffix(".summary.json")
-    write_json_atomic(summary_path, summary)
+    # Rows and summary appear together or not at all, and a failed rerun removes the previous run's files.
+    with atomic_outputs({"rows": output_path, "summary": summary_path}) as tmp:
+        examples = load_hotpotqa(input_path)
+        count_tokens = load_token_counter(tokenizer) if tokenizer is not None else None
+        table = build_rows(
+            examples,
+            num_docs=num_docs,
+            max_tokens=max_tokens,
+            seed=seed,
+            count_tokens=count_tokens,
+            limit=limit,
+            test_percent=test_percent,
+        )
+        tokens = table.column("num_tokens").to_pylist()
+        over_budget = _check_budget(input_path, table, max_tokens) if max_tokens is not None else None
+        write_parquet_atomic(tmp["rows"], table)
+
+        docs = table.column("num_docs").to_pylist()
+        types = Counter(table.column("extra_info").combine_chunks().field("type").to_pylist())
+        summary: dict[str, Any] = {
+            "input": str(input_path),
+            "input_sha256": sha256_file(input_path),
+            "output": str(output_path),
+            "arguments": {
+                "num_docs": num_docs,
+                "max_tokens": max_tokens,
+                "seed": seed,
+                "limit": limit,
+                "tokenizer": tokenizer,
+                "test_percent": test_percent,
+            },
+            "token_counter": tokenizer if tokenizer is not None else APPROX_TOKENIZER,
+            "questions_in_file": len(examples),
+            "pool_paragraphs": len(paragraph_pool(examples)),
+            "pool_paragraphs_by_part": {
+                part: len(pool)
+                for part, pool in part_pools(examples, question_parts(examples, test_percent)).items()
+            },
+            "rows": table.num_rows,
+            "rows_by_type": dict(sorted(types.items())),
+            "rows_over_budget": over_budget,
+            "num_tokens": _spread(tokens),
+            "num_docs": _spread(docs),
+        }
+        write_json_atomic(tmp["summary"], summary)
     logger.info(
         "%s: %d rows, %s-%s documents, tokens mean %s (min %s, max %s) -> %s",
         Path(input_path).name,
@@ -703,27 +782,29 @@ def split_rows(rows: str | Path, outputs: dict[str, str | Path], test_percent: i
     another ``test_percent``) are refused: their distractors would leak paragraphs across the split."""
     import pyarrow.parquet as pq
 
-    table = pq.read_table(rows)
-    info = table.column("extra_info").combine_chunks()
-    ids = info.field("id").to_pylist()
-    built = info.field("part").to_pylist() if "part" in {f.name for f in info.type} else [None] * len(ids)
-    parts = [question_part(i, test_percent) for i in ids]
-    for index, (question, part, pool) in enumerate(zip(ids, parts, built, strict=True)):
-        if pool != part:
-            raise ValueError(
-                f"{rows}: row {index} (id {question}): field 'extra_info.part' is {pool!r}, but with "
-                f"test_percent={test_percent} the question is in {part!r}; rebuild the rows with "
-                f"preprocess_hotpotqa(..., test_percent={test_percent}) so each part draws from its own pool"
-            )
     counts = {}
-    for part in ("train", "test"):
-        keep = pa.array([p == part for p in parts])
-        counts[part] = int(sum(p == part for p in parts))
-        if not counts[part]:
-            raise ValueError(
-                f"{rows}: no {part} rows with test_percent={test_percent} among {len(ids)} questions; "
-                "use more questions (scales.<scale>.hotpotqa_limit) or another test_percent"
-            )
-        write_parquet_atomic(outputs[part], table.filter(keep))
+    # Both parts appear together or not at all, and a failed rerun removes the previous run's files.
+    with atomic_outputs({part: outputs[part] for part in ("train", "test")}) as tmp:
+        table = pq.read_table(rows)
+        info = table.column("extra_info").combine_chunks()
+        ids = info.field("id").to_pylist()
+        built = info.field("part").to_pylist() if "part" in {f.name for f in info.type} else [None] * len(ids)
+        parts = [question_part(i, test_percent) for i in ids]
+        for index, (question, part, pool) in enumerate(zip(ids, parts, built, strict=True)):
+            if pool != part:
+                raise ValueError(
+                    f"{rows}: row {index} (id {question}): field 'extra_info.part' is {pool!r}, but with "
+                    f"test_percent={test_percent} the question is in {part!r}; rebuild the rows with "
+                    f"preprocess_hotpotqa(..., test_percent={test_percent}) so each part draws from its own pool"
+                )
+        for part in ("train", "test"):
+            keep = pa.array([p == part for p in parts])
+            counts[part] = int(sum(p == part for p in parts))
+            if not counts[part]:
+                raise ValueError(
+                    f"{rows}: no {part} rows with test_percent={test_percent} among {len(ids)} questions; "
+                    "use more questions (scales.<scale>.hotpotqa_limit) or another test_percent"
+                )
+            write_parquet_atomic(tmp[part], table.filter(keep))
     logger.info("%s: %d train / %d test questions", rows, counts["train"], counts["test"])
     return counts

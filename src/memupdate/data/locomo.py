@@ -3,7 +3,12 @@
 The file is the one released with Maharana et al. (ACL 2024), CC BY-NC 4.0. Facts this module relies on
 (``data-models-anchors.md`` §1): 10 conversations, 1,986 QA pairs; categories 1 multi-hop, 2 temporal,
 3 open-domain, 4 single-hop, 5 adversarial (``adversarial_answer``, usually no ``answer``); six answers
-are ints; six evidence strings are malformed.
+are ints; six evidence strings are malformed and two evidence ids name turns that do not exist
+(``conv-42`` qa[58] ``D10:19``, ``conv-47`` qa[38] ``D4:36``). Malformed strings are repaired where their
+meaning is clear; ids that name no turn are dropped from the rows with a warning and counted in the summary,
+so no row points at evidence that is not there. Anything that would make the data unusable (a session
+without turns, an empty gold answer, a conversation whose memory source gives no memories, bytes that are
+not UTF-8) is an error that names the file, the record and the field.
 
 Fixes over the upstream preprocessing (``upstream-systems.md`` §1a, §1h): the split is by conversation
 and written in config (not ``random.seed(42)``); namespaces are hashes, so reruns give the same ones
@@ -19,18 +24,30 @@ import logging
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from memupdate.utils.io import sha256_file, write_json_atomic, write_parquet_atomic
+from memupdate.utils.io import (
+    atomic_outputs,
+    read_text_utf8,
+    sha256_file,
+    write_json_atomic,
+    write_parquet_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 MEMORY_SOURCES = ("observation", "session_summary", "dialogue")
+# The field of a LoCoMo sample that each memory source reads.
+_SOURCE_FIELDS = {
+    "observation": "observation",
+    "session_summary": "session_summary",
+    "dialogue": "conversation",
+}
 MEMORY_TOOLS = (
     "search_memory",
     "manage_memory",
@@ -78,6 +95,11 @@ def _where(path: str | Path, sample_id: str | None = None, qa_index: int | None 
     return ", ".join(parts)
 
 
+def _canonical_dia_id(text: str) -> str:
+    match = _DIA_ID.fullmatch(text)
+    return f"D{int(match.group(1))}:{int(match.group(2))}"
+
+
 @dataclass(frozen=True)
 class EvidenceParse:
     ids: tuple[str, ...]
@@ -106,7 +128,7 @@ def parse_evidence(items: Iterable[Any]) -> EvidenceParse:
             if match is None:
                 unparsed.append(token)
                 continue
-            canonical = f"D{int(match.group(1))}:{int(match.group(2))}"
+            canonical = _canonical_dia_id(token)
             parsed_here += 1
             if canonical not in ids:
                 ids.append(canonical)
@@ -127,6 +149,8 @@ class LocomoQA:
     category: int
     evidence: tuple[str, ...]
     evidence_unparsed: tuple[str, ...] = ()
+    # Well-formed ids that name no turn of the conversation; dropped from ``evidence``.
+    evidence_dangling: tuple[str, ...] = ()
 
     @property
     def namespace(self) -> str:
@@ -158,6 +182,8 @@ class LocomoConversation:
     speaker_b: str
     sessions: tuple[Session, ...]
     qa: tuple[LocomoQA, ...] = field(repr=False)
+    # Observation evidence ids that name no turn, dropped: ``(field path, id)`` pairs.
+    observation_evidence_dangling: tuple[tuple[str, str], ...] = ()
 
 
 def base_namespace(sample_id: str, qa_index: int, question: str) -> str:
@@ -200,6 +226,13 @@ def _parse_qa(raw: Any, path: Path, sample_id: str, index: int) -> LocomoQA:
     for name, value in (("answer", answer), ("adversarial_answer", adversarial)):
         if value is not None and not isinstance(value, (str, int, float)):
             raise LocomoFormatError(f"{where}: field {name!r} must be a string or number, got {value!r}")
+    # The answer a category is scored against must say something: an empty gold answer would score every
+    # prediction as wrong (or, for category 5, leave nothing to refuse), like a missing one.
+    needed = "adversarial_answer" if category == 5 else "answer"
+    if not str(adversarial if category == 5 else answer).strip():
+        raise LocomoFormatError(
+            f"{where}: field {needed!r} is empty (category {category} is scored against it)"
+        )
     evidence_raw = raw.get("evidence", [])
     if not isinstance(evidence_raw, list):
         raise LocomoFormatError(f"{where}: field 'evidence' must be a list, got {evidence_raw!r}")
@@ -231,13 +264,21 @@ def _parse_sessions(sample: dict, path: Path, sample_id: str) -> tuple[Session, 
     sessions = []
     for n in indices:
         turns_raw = _require(conv, f"session_{n}", list, f"{where}, conversation")
+        if not turns_raw:
+            raise LocomoFormatError(f"{where}: field 'conversation.session_{n}' has no turns")
         turns = []
         for t_index, turn in enumerate(turns_raw):
             t_where = f"{where}, conversation.session_{n}[{t_index}]"
+            dia_id = _require(turn, "dia_id", str, t_where)
+            # Evidence is resolved against these ids, so they must have the one shape evidence can name.
+            if _DIA_ID.fullmatch(dia_id) is None:
+                raise LocomoFormatError(
+                    f"{t_where}: field 'dia_id' must look like D<session>:<turn>, got {dia_id!r}"
+                )
             turns.append(
                 Turn(
                     speaker=_require(turn, "speaker", str, t_where),
-                    dia_id=_require(turn, "dia_id", str, t_where),
+                    dia_id=_canonical_dia_id(dia_id),
                     text=_require(turn, "text", str, t_where),
                     image_caption=turn.get("blip_caption"),
                 )
@@ -272,7 +313,7 @@ def load_locomo(path: str | Path) -> list[LocomoConversation]:
     """Load and validate ``locomo10.json``. Errors name the file, sample, QA index and field."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(read_text_utf8(path, LocomoFormatError))
     except json.JSONDecodeError as exc:
         raise LocomoFormatError(f"{path.name}: not valid JSON: {exc}") from exc
     if not isinstance(raw, list):
@@ -288,15 +329,59 @@ def load_locomo(path: str | Path) -> list[LocomoConversation]:
         conv = _require(sample, "conversation", dict, where)
         qa_raw = _require(sample, "qa", list, where)
         conversations.append(
-            LocomoConversation(
-                sample_id=sample_id,
-                speaker_a=_require(conv, "speaker_a", str, f"{where}, conversation"),
-                speaker_b=_require(conv, "speaker_b", str, f"{where}, conversation"),
-                sessions=_parse_sessions(sample, path, sample_id),
-                qa=tuple(_parse_qa(q, path, sample_id, i) for i, q in enumerate(qa_raw)),
+            _drop_dangling_evidence(
+                LocomoConversation(
+                    sample_id=sample_id,
+                    speaker_a=_require(conv, "speaker_a", str, f"{where}, conversation"),
+                    speaker_b=_require(conv, "speaker_b", str, f"{where}, conversation"),
+                    sessions=_parse_sessions(sample, path, sample_id),
+                    qa=tuple(_parse_qa(q, path, sample_id, i) for i, q in enumerate(qa_raw)),
+                ),
+                path,
             )
         )
     return conversations
+
+
+def _drop_dangling_evidence(conv: LocomoConversation, path: Path) -> LocomoConversation:
+    """Drop evidence ids that name no turn of the conversation, with a warning per record.
+
+    The released file has two such ids; they are annotation slips, not reasons to refuse the file, but a
+    row must not point the evidence-based reward and reports at a turn that does not exist.
+    """
+    turn_ids = {t.dia_id for s in conv.sessions for t in s.turns}
+    qa = []
+    for q in conv.qa:
+        dangling = tuple(e for e in q.evidence if e not in turn_ids)
+        if dangling:
+            logger.warning(
+                "%s: field 'evidence': %s name no turn of the conversation and are dropped",
+                _where(path, conv.sample_id, q.qa_index),
+                list(dangling),
+            )
+            q = replace(q, evidence=tuple(e for e in q.evidence if e in turn_ids), evidence_dangling=dangling)
+        qa.append(q)
+    sessions = []
+    dropped: list[tuple[str, str]] = []
+    for session in conv.sessions:
+        observations = []
+        for speaker, facts in session.observations:
+            kept_facts = []
+            for f_index, (text, evidence) in enumerate(facts):
+                field_path = f"observation.session_{session.index}_observation.{speaker}[{f_index}]"
+                for e in evidence:
+                    if e not in turn_ids:
+                        logger.warning(
+                            "%s: field %r: evidence %s names no turn of the conversation and is dropped",
+                            _where(path, conv.sample_id),
+                            field_path,
+                            e,
+                        )
+                        dropped.append((field_path, e))
+                kept_facts.append((text, tuple(e for e in evidence if e in turn_ids)))
+            observations.append((speaker, tuple(kept_facts)))
+        sessions.append(replace(session, observations=tuple(observations)))
+    return replace(conv, sessions=tuple(sessions), qa=tuple(qa), observation_evidence_dangling=tuple(dropped))
 
 
 # --------------------------------------------------------------------------- initial memories
@@ -503,6 +588,29 @@ def resolve_split(conversations: Sequence[LocomoConversation], split: dict[str, 
     return resolved
 
 
+def _check_every_source_gives_memories(
+    input_path: str | Path,
+    resolved: dict[str, list[LocomoConversation]],
+    memories: Sequence[dict],
+    sources: Sequence[str],
+) -> None:
+    """Refuse a used conversation for which a configured memory source gives no memory.
+
+    Without this the rows are written and the memory tools fail much later, in training, on an empty
+    memories table for that sample.
+    """
+    given = Counter((m["sample_id"], m["source"]) for m in memories)
+    for name, convs in resolved.items():
+        for conv in convs:
+            for source in sources:
+                if not given[conv.sample_id, source]:
+                    raise LocomoFormatError(
+                        f"{_where(input_path, conv.sample_id)}: memory source {source!r} gives no memories "
+                        f"(field {_SOURCE_FIELDS[source]!r} is empty), but split {name!r} uses this conversation; "
+                        "fix the file, drop the conversation from the split or choose other memory_sources"
+                    )
+
+
 def preprocess_locomo(
     input_path: str | Path,
     outputs: dict[str, str | Path],
@@ -520,41 +628,62 @@ def preprocess_locomo(
     """
     if drop_categories is None:
         drop_categories = {"train": [5], "val": [5]}
-    conversations = load_locomo(input_path)
-    resolved = resolve_split(conversations, split)
-    missing = [name for name in [*resolved, "memories"] if name not in outputs]
+    missing = [name for name in [*split, "memories"] if name not in outputs]
     if missing:
         raise ValueError(f"no output path given for {missing}")
-
-    memories = [m for conv in conversations for m in initial_memories(conv, memory_sources)]
-    memory_counts = Counter(m["sample_id"] for m in memories)
-    write_parquet_atomic(outputs["memories"], pa.Table.from_pylist(memories, schema=MEMORY_SCHEMA))
-
-    summary: dict[str, Any] = {
-        "input": str(input_path),
-        "input_sha256": sha256_file(input_path),
-        "memory_sources": list(memory_sources),
-        "memories": dict(sorted(memory_counts.items())),
-        "qa_total": sum(len(c.qa) for c in conversations),
-        "qa_by_category": dict(sorted(Counter(q.category for c in conversations for q in c.qa).items())),
-        "evidence_unparsed": [
-            {"sample_id": q.sample_id, "qa_index": q.qa_index, "tokens": list(q.evidence_unparsed)}
-            for c in conversations
-            for q in c.qa
-            if q.evidence_unparsed
-        ],
-        "splits": {},
-    }
-    for name, convs in resolved.items():
-        table = build_rows(convs, name, memory_counts, drop_categories.get(name, ()))
-        write_parquet_atomic(outputs[name], table)
-        categories = Counter(table.column("extra_info").combine_chunks().field("category").to_pylist())
-        summary["splits"][name] = {
-            "conversations": [c.sample_id for c in convs],
-            "rows": table.num_rows,
-            "by_category": dict(sorted(categories.items())),
-        }
-        logger.info("%s: %d rows from %s", name, table.num_rows, [c.sample_id for c in convs])
+    paths = {name: Path(outputs[name]) for name in [*split, "memories"]}
     if summary_path is not None:
-        write_json_atomic(summary_path, summary)
+        paths["summary"] = Path(summary_path)
+    # All outputs appear together or not at all, and a failed rerun removes the previous run's files.
+    with atomic_outputs(paths) as tmp:
+        conversations = load_locomo(input_path)
+        resolved = resolve_split(conversations, split)
+        memories = [m for conv in conversations for m in initial_memories(conv, memory_sources)]
+        _check_every_source_gives_memories(input_path, resolved, memories, memory_sources)
+        memory_counts = Counter(m["sample_id"] for m in memories)
+        write_parquet_atomic(tmp["memories"], pa.Table.from_pylist(memories, schema=MEMORY_SCHEMA))
+
+        qa = [q for c in conversations for q in c.qa]
+        summary: dict[str, Any] = {
+            "input": str(input_path),
+            "input_sha256": sha256_file(input_path),
+            "memory_sources": list(memory_sources),
+            "memories": dict(sorted(memory_counts.items())),
+            "qa_total": len(qa),
+            "qa_by_category": dict(sorted(Counter(q.category for q in qa).items())),
+            "evidence_unparsed": [
+                {"sample_id": q.sample_id, "qa_index": q.qa_index, "tokens": list(q.evidence_unparsed)}
+                for q in qa
+                if q.evidence_unparsed
+            ],
+            "evidence_dangling": [
+                {"sample_id": q.sample_id, "qa_index": q.qa_index, "ids": list(q.evidence_dangling)}
+                for q in qa
+                if q.evidence_dangling
+            ],
+            "observation_evidence_dangling": [
+                {"sample_id": c.sample_id, "field": field_path, "id": dia_id}
+                for c in conversations
+                for field_path, dia_id in c.observation_evidence_dangling
+            ],
+            "splits": {},
+        }
+        # The count of every warning about the data, so a changed input file shows in the summary.
+        summary["warnings"] = {
+            "evidence_unparsed": sum(len(q.evidence_unparsed) for q in qa),
+            "evidence_dangling": sum(len(q.evidence_dangling) for q in qa),
+            "observation_evidence_dangling": len(summary["observation_evidence_dangling"]),
+        }
+        for name, convs in resolved.items():
+            table = build_rows(convs, name, memory_counts, drop_categories.get(name, ()))
+            write_parquet_atomic(tmp[name], table)
+            categories = Counter(table.column("extra_info").combine_chunks().field("category").to_pylist())
+            summary["splits"][name] = {
+                "conversations": [c.sample_id for c in convs],
+                "rows": table.num_rows,
+                "by_category": dict(sorted(categories.items())),
+            }
+            logger.info("%s: %d rows from %s", name, table.num_rows, [c.sample_id for c in convs])
+        if summary_path is not None:
+            write_json_atomic(tmp["summary"], summary)
     return summary

@@ -36,7 +36,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,60 +48,17 @@ from memupdate.agents.fields import DELTA_KEY, STATS_KEY, TERMINATION_KEY
 from memupdate.eval.report import MEM0_CATEGORIES
 from memupdate.memory.manager import manager_from_config
 from memupdate.memory.store import Hit, TrialStore, within_budget
-from memupdate.prompts import PROTOCOLS, load_prompts, qa_messages
-from memupdate.rewards.memory import MemoryRewardConfig
+from memupdate.prompts import load_prompts, qa_messages
+from memupdate.rewards.memory import DEFAULT_CONTEXT_CHARS
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.readiness import load_marker, read_marker
+from memupdate.settings import LocomoEvalSettings, build
 from memupdate.utils.io import sha256_file, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
 NOT_MENTIONED = "Not mentioned in the conversation"
 CHOICE_PROMPT = "{question} Select the correct answer: (a) {first} (b) {second}."
-
-
-@dataclass
-class LocomoEvalSettings:
-    """The ``eval`` section of an experiment in config/config.yaml."""
-
-    #: Questions per test conversation (null = all), drawn with ``seed``; smoke runs use a few.
-    questions_per_conversation: int | None = None
-    #: Retrieval for the QA model: the top-k memories within ``context_chars`` characters of memory text
-    #: (null = the reward's budget, so evaluation retrieves as training is rewarded).
-    top_k: int = 5
-    context_chars: int | None = None
-    #: Longest memory text the memory model's tools accept (null = the tools' default): training's cap.
-    max_content_chars: int | None = None
-    #: Protocols whose verbatim QA prompt answers every question (memupdate.prompts.PROTOCOLS).
-    protocols: list[str] = field(default_factory=lambda: list(PROTOCOLS))
-    seed: int = 0
-    #: Per-turn cap of the memory model and the answer cap of the QA model.
-    max_new_tokens: int = 64
-    qa_max_tokens: int = 32
-    max_assistant_turns: int = 3
-    prompt_length: int = 2048
-    response_length: int = 768
-    #: Episodes run concurrently (one verl batch); predictions are saved after each.
-    batch_size: int = 8
-    #: Served model that judges answers for Mem0's J (a serve name such as qa-base), or null for no J.
-    #: A small open judge is only a proxy for the GPT-4o-mini judge of published numbers.
-    judge: str | None = "qa-base"
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.protocols) - set(PROTOCOLS))
-        if unknown or not self.protocols:
-            raise ValueError(f"eval.protocols must be a non-empty subset of {list(PROTOCOLS)}, got {self.protocols}")
-        if self.context_chars is None:
-            self.context_chars = MemoryRewardConfig().context_chars
-
-    @classmethod
-    def from_dict(cls, spec: Mapping[str, Any] | None) -> LocomoEvalSettings:
-        spec = dict(spec or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(spec) - known)
-        if unknown:
-            raise ValueError(f"unknown LoCoMo eval settings {unknown}; known: {sorted(known)}")
-        return cls(**spec)
 
 
 @dataclass
@@ -244,7 +201,8 @@ class LocomoEvaluator:
         self.embedding_model, self.tool_config = embedding_model, tool_config
         self.conversations = conversations
         self.out_dir = Path(out_dir)
-        self.settings = settings
+        # Unset, evaluation retrieves within the reward's budget (the rule passes reward.context_chars).
+        self.settings = settings if settings.context_chars else replace(settings, context_chars=DEFAULT_CONTEXT_CHARS)
         self.rows = ask_rows(select_rows(test_file, settings.questions_per_conversation, settings.seed), settings.seed)
         self.manager = manager_from_config(
             {"memories": memories, "embeddings": embeddings, "embedding_model": embedding_model}
@@ -525,7 +483,7 @@ def evaluate_locomo(
     """
     from memupdate.eval.report import build_report, judge_predictions
 
-    eval_settings = LocomoEvalSettings.from_dict(settings)
+    eval_settings = build(LocomoEvalSettings, settings, "eval")
     if "qa-base" not in markers:
         raise ValueError("LoCoMo evaluation needs the base QA model served: markers['qa-base']")
     systems = [System("no_update", markers["qa-base"], kind="no_update")]
@@ -556,6 +514,6 @@ def evaluate_locomo(
 
     paths = asyncio.run(main())
     return build_report(
-        out_dir, paths, experiment=experiment, settings=asdict(eval_settings), judge=judge_name,
+        out_dir, paths, experiment=experiment, settings=asdict(evaluator.settings), judge=judge_name,
         training_metrics=training_metrics, published=published,
     )  # fmt: skip

@@ -41,19 +41,18 @@ import string
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from memupdate.settings import MemAgentEvalSettings, build
 from memupdate.utils.io import write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
-#: Evaluation styles: ours (training's prompts, greedy) and MemAgent's (its evaluation's prompt and decoding).
-STYLES = ("ours", "memagent")
 #: Scores per prediction, by style.
 METRICS = ("exact_match", "sub_em", "f1", "boxed")
 MEMAGENT_STYLE_METRICS = ("exact_match", "sub_em", "f1", "answered")
@@ -61,42 +60,6 @@ STYLE_METRICS = {"ours": METRICS, "memagent": MEMAGENT_STYLE_METRICS}
 #: How much of its haystack a prediction read, and its cost; averaged per length in the report.
 READ_KEYS = ("chunks_read", "chunks_total", "haystack_tokens", "context_tokens", "truncated_tokens")
 COST_KEYS = ("memory_truncations", "seconds")
-
-
-@dataclass
-class MemAgentEvalSettings:
-    """The loop's budgets (as in training), how much of a haystack to read, and the styles to run."""
-
-    chunk_size: int = 5000
-    max_memory_tokens: int = 1024
-    max_final_tokens: int = 256
-    prompt_length: int = 8192
-    batch_size: int = 4
-    limit: int | None = None
-    #: Centre-truncate each haystack to this many chunks (training's ``max_chunks``); None reads every chunk.
-    truncate_chunks: int | None = None
-    #: Also evaluate in MemAgent's own style (sampled, "the answer is"), beside ours.
-    memagent_style: bool = True
-    #: MemAgent's evaluation sampling (``ruler_hqa.py``: temperature=0.7, top_p=0.95).
-    memagent_temperature: float = 0.7
-    memagent_top_p: float = 0.95
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> MemAgentEvalSettings:
-        known = {f.name for f in fields(cls)}
-        if "max_chunks" in values:
-            raise ValueError(
-                "MemAgent eval settings: max_chunks is training's budget; evaluation reads every chunk of a "
-                "haystack. To cut haystacks anyway, set truncate_chunks (the report then shows the truncation rate)"
-            )
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown MemAgent eval settings {unknown}; known: {sorted(known)}")
-        return cls(**values)
-
-    @property
-    def styles(self) -> tuple[str, ...]:
-        return STYLES if self.memagent_style else ("ours",)
 
 
 class MemAgentEvaluator:
@@ -335,7 +298,7 @@ def memagent_length_curve(
     ``predictions/<model>-<length>.jsonl`` (ours) and ``predictions/<model>-<length>.memagent_style.jsonl``,
     ``report.json``, ``report.md`` and ``length_curve.png`` into ``out_dir`` (``report.json`` last, so its
     presence means everything is there)."""
-    settings = settings if isinstance(settings, MemAgentEvalSettings) else MemAgentEvalSettings.from_dict(settings)
+    settings = settings if isinstance(settings, MemAgentEvalSettings) else build(MemAgentEvalSettings, settings, "eval")
     out = Path(out_dir)
     (out / "predictions").mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, Any]]] = {style: {} for style in settings.styles}

@@ -24,7 +24,7 @@ import numpy as np
 import yaml
 
 from memupdate import metrics
-from memupdate.utils.io import write_json_atomic, write_text_atomic
+from memupdate.utils.io import read_text_utf8, write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +154,32 @@ def _counts(values) -> dict[str, int]:
     return out
 
 
+class JSONLError(ValueError):
+    """A line of a JSONL file is not a JSON object; the message names the file and the line."""
+
+
 def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file, one JSON object a line (blank lines skipped).
+
+    A torn or edited line raises :class:`JSONLError` naming the file and line, torn last line included:
+    a report must not quietly leave out a question (``eval locomo`` redoes a torn last line on resume).
+    """
     path = Path(path)
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(read_text_utf8(path, JSONLError).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise JSONLError(
+                f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno}); the line is torn or edited: "
+                "rerun the step that wrote the file (`eval locomo` redoes a torn last line)"
+            ) from None
+        if not isinstance(record, dict):
+            raise JSONLError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records
 
 
 async def judge_predictions(

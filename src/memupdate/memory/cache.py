@@ -41,6 +41,9 @@ FORMAT_VERSION = 1
 VECTORS_FILE = "vectors.npy"
 KEYS_FILE = "keys.txt"
 MANIFEST_FILE = "manifest.json"
+#: Texts embedded between two saves of a long build. A save rewrites the whole cache (about 1.5 kB
+#: per text at dim 384), far cheaper than embedding the texts since the last one.
+DEFAULT_CHECKPOINT_EVERY = 1024
 
 
 class EmbeddingCacheError(RuntimeError):
@@ -222,8 +225,9 @@ class EmbeddingCache:
     ) -> np.ndarray:
         """Embed the texts that are not cached yet, batch by batch, then return vectors for all ``texts``.
 
-        ``checkpoint_every`` (a number of texts) saves the cache along the way, so a long build that
-        is interrupted resumes where it stopped; otherwise call :meth:`save` when done.
+        ``checkpoint_every`` (a number of texts) saves the cache along the way, each save atomic (see
+        :meth:`save`), so a long build that is interrupted, even killed, resumes after the last save and
+        loses at most that many texts; otherwise call :meth:`save` when done.
         """
         todo = self.missing(texts)
         if todo:
@@ -247,6 +251,13 @@ class EmbeddingCache:
                     if checkpoint_every and since_checkpoint >= checkpoint_every:
                         self.save()
                         since_checkpoint = 0
+                        # The bar is off in log files: this line is the progress a Snakemake log shows.
+                        logger.info(
+                            "embedded %d of %d new texts, saved to %s",
+                            start + len(batch),
+                            len(todo),
+                            self.path,
+                        )
         return self.get(texts)
 
     def add(self, texts: Sequence[str], vectors: np.ndarray) -> None:
@@ -334,6 +345,7 @@ def build_embedding_cache(
     summary_path: str | os.PathLike | None = None,
     embedder: Embedder | None = None,
     pool_dir: str | os.PathLike | None = None,
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
 ) -> dict[str, Any]:
     """Make sure every ``content`` of the memories table has a vector in ``cache_dir`` (rule ``embed_memories``).
 
@@ -342,7 +354,10 @@ def build_embedding_cache(
     = ``distinct`` texts.
 
     ``pool_dir`` is a second cache that outlives this output: Snakemake deletes a ``directory()`` output
-    before it reruns the rule, so vectors are first taken from the pool, and new ones are added to it.
+    before it reruns the rule (and after a failed run), so vectors are first taken from the pool, and
+    new ones are embedded into it, which is saved every ``checkpoint_every`` texts: a run that is
+    interrupted, even killed, is continued by the next one without embedding again what was saved.
+    Without a pool the output cache itself is saved along the way.
     """
     start = time.perf_counter()
     contents = pq.read_table(memories_parquet, columns=["content"]).column("content").to_pylist()
@@ -352,18 +367,19 @@ def build_embedding_cache(
     if embedder.model_name != canonical_model_name(model_name):
         raise ValueError(f"embedder {embedder.model_name!r} given for model_name {model_name!r}")
     cache = EmbeddingCache.open(cache_dir, embedder)
-    pool = EmbeddingCache.open(pool_dir, embedder) if pool_dir is not None else None
-    if pool is not None:
-        from_pool = [t for t in cache.missing(contents) if t in pool]
-        if from_pool:
-            cache.add(from_pool, pool.get(from_pool))
     distinct = len({sha256_text(c) for c in contents})
-    new_texts = cache.missing(contents)
-    new = len(new_texts)
-    cache.ensure(contents, batch_size=batch_size)
-    if pool is not None and new_texts:
-        pool.add(new_texts, cache.get(new_texts))
-        pool.save()
+    if pool_dir is None:
+        new = len(cache.missing(contents))
+        cache.ensure(contents, batch_size=batch_size, checkpoint_every=checkpoint_every)
+    else:
+        pool = EmbeddingCache.open(pool_dir, embedder)
+        lacking = cache.missing(contents)
+        new = len(pool.missing(lacking))
+        vectors = pool.ensure(lacking, batch_size=batch_size, checkpoint_every=checkpoint_every)
+        if pool.dirty:
+            pool.save()
+        if lacking:
+            cache.add(lacking, vectors)
     if cache.dirty or not (Path(cache_dir) / MANIFEST_FILE).is_file():
         cache.save()
     summary = {

@@ -1,7 +1,7 @@
 """Registry of the open trial stores of one worker, keyed by trial namespace.
 
 >>> trial_namespace("conv-26-qa0-ff702917", "1010e8efa1b2c3d4e5f6")
-'conv-26-qa0-ff702917-1010e8ef'
+'conv-26-qa0-ff702917-1010e8efa1b2c3d4e5f6'
 
 Example (an agent loop owns the trial from its first tool call to its reward)::
 
@@ -52,16 +52,19 @@ class UnknownNamespace(LookupError):
 
 
 class NamespaceInUse(RuntimeError):
-    """A trial store is already open under this namespace (a reused request id or a missing release)."""
+    """A trial store is already open under this namespace for another trajectory, or for this one when
+    reopening was not asked for (a reused request id or a missing release)."""
 
 
 def trial_namespace(base_namespace: str, request_id: str) -> str:
-    """``f"{base_namespace}-{request_id[:8]}"``: the row's namespace plus the first 8 characters of the run id."""
-    if not base_namespace or len(request_id) < 8:
-        raise ValueError(
-            f"need a base namespace and a request id of >= 8 characters, got {base_namespace!r}, {request_id!r}"
-        )
-    return f"{base_namespace}-{request_id[:8]}"
+    """``f"{base_namespace}-{request_id}"``: the row's namespace plus the whole request id.
+
+    The whole id, because a prefix is not unique: two of verl's uuid4 ids share their first 8 hex
+    digits with probability 1 in 2**32 per pair, which a large batch over many steps does reach.
+    """
+    if not base_namespace or not request_id:
+        raise ValueError(f"need a base namespace and a request id, got {base_namespace!r}, {request_id!r}")
+    return f"{base_namespace}-{request_id}"
 
 
 class MemoryStoreManager:
@@ -86,6 +89,9 @@ class MemoryStoreManager:
         self._cache: EmbeddingCache | None = None
         self._bases: dict[str, BaseStore] = {}
         self._trials: dict[str, TrialStore] = {}
+        # Who opened each trial: (base namespace, request id, sample id). The namespace alone does not
+        # say, as "a-b" + "c" and "a" + "b-c" join to the same string.
+        self._owners: dict[str, tuple[str, str, str]] = {}
         # Guards lazy loading only, which may run in worker threads (aopen); never held across an await.
         self._load_lock = threading.Lock()
 
@@ -148,19 +154,28 @@ class MemoryStoreManager:
     ) -> TrialStore:
         """A new, empty overlay on ``sample_id``'s base store under ``trial_namespace(base_namespace, request_id)``.
 
-        With ``exist_ok``, the trial already open under that namespace (for the same sample) is returned.
+        With ``exist_ok``, the trial this same trajectory (base namespace, request id and sample) already
+        opened is returned; a live trial under that namespace that belongs to any other trajectory is
+        never handed out.
         """
         namespace = trial_namespace(base_namespace, request_id)
         existing = self._trials.get(namespace)
         if existing is not None:
-            if exist_ok and existing.base.sample_id == sample_id:
-                return existing
+            owner, asked = self._owners[namespace], (base_namespace, request_id, sample_id)
+            if owner == asked:
+                if exist_ok:
+                    return existing
+                raise NamespaceInUse(
+                    f"a memory store is already open for namespace {namespace!r} (sample {sample_id!r}); "
+                    "release it first, or pass exist_ok=True to reopen it"
+                )
             raise NamespaceInUse(
-                f"a memory store is already open for namespace {namespace!r} "
-                f"(sample {existing.base.sample_id!r}); release it first"
+                f"the memory store open under namespace {namespace!r} belongs to another trajectory "
+                f"(base namespace, request id, sample = {owner}, not {asked}): trajectories never share a store"
             )
         trial = TrialStore(self.base(sample_id), self.embedder, namespace=namespace)
         self._trials[namespace] = trial
+        self._owners[namespace] = (base_namespace, request_id, sample_id)
         return trial
 
     async def aopen(
@@ -186,6 +201,7 @@ class MemoryStoreManager:
         trial = self._trials.pop(namespace, None)
         if trial is None:
             raise UnknownNamespace(namespace)
+        del self._owners[namespace]
         stats = {"namespace": namespace, "sample_id": trial.base.sample_id, **trial.stats()}
         logger.debug("released %s: %s", namespace, stats)
         return stats

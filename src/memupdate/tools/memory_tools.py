@@ -3,13 +3,14 @@
 verl 0.9.1 builds one object per tool per worker and runs ``create -> execute -> release`` around
 every single call (``verl-0.9.1.md`` §2c), so no state lives in the tool. Each call finds its
 trajectory's :class:`~memupdate.memory.store.TrialStore` through the agent data: the trial namespace is
-the row's base namespace (``tools_kwargs.<tool>.create_kwargs.namespace``) plus the first 8 characters
-of ``agent_data.request_id``. The first call of a trajectory opens the store if the agent loop has not;
+the row's base namespace (``tools_kwargs.<tool>.create_kwargs.namespace``) plus the whole
+``agent_data.request_id``. The first call of a trajectory opens the store if the agent loop has not;
 every change refreshes ``agent_data.extra_fields["memory_delta"]``, so the delta travels with the
 trajectory to the reward whichever loop ran it.
 
-Bad arguments (unknown id, empty query, wrong types, too many ids) come back to the model as an
-observation that says what to do; only infrastructure failures raise.
+Bad arguments (unknown id, empty query, wrong types, too many ids, an id written with other than the
+digits 0-9, a string holding half of a surrogate pair) come back to the model as an observation that
+says what to do; only infrastructure failures raise.
 
 Two limits keep the memory reward honest (issue 14): a memory's text is at most ``max_content_chars``
 characters (tool config key, from ``memory.max_content_chars``; the writing tools' schemas state it and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import re
 from typing import Any
 
 from verl.experimental.agent_loop.tool_agent_loop import AgentData
@@ -51,18 +53,54 @@ class ToolArgumentError(ValueError):
 # ----------------------------------------------------------------------------- argument checks
 
 
+# The model often writes "7" or "[7]" for id 7. ASCII digits only: str.isdigit() and int() also take
+# "²" (which int() then refuses) and "٣" (Arabic 3), which must not quietly name memory 3.
+_INT_TEXT = re.compile(r"\s*\[?\s*([0-9]+)\s*\]?\s*")
+# A lone UTF-16 surrogate (JSON "\ud800" without its pair) cannot be encoded as UTF-8: the tokenizer
+# refuses it and a stored one breaks the delta's encoding later, far from the call that wrote it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _int_arg(params: dict, name: str, *, default: int | None = None, low: int = 0, high: int | None = None) -> int:
     value = params.get(name, default)
     if value is None:
         raise ToolArgumentError(f"Missing argument '{name}'.")
-    if isinstance(value, str) and value.strip().lstrip("[").rstrip("]").isdigit():
-        value = int(value.strip().strip("[]"))  # the model often writes "7" or "[7]" for id 7
+    if isinstance(value, str) and (digits := _INT_TEXT.fullmatch(value)):
+        value = int(digits.group(1))
     if isinstance(value, bool) or not isinstance(value, int):
         raise ToolArgumentError(f"Argument '{name}' must be an integer, got {value!r}.")
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise ToolArgumentError(f"Argument '{name}' must be {bound}, got {value}.")
     return value
+
+
+def _shown(text: str) -> str:
+    """``text`` with each lone surrogate written as its escape (``\\ud800``), safe to show the model."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _check_encodable(value: Any, name: str = "") -> None:
+    """Refuse a lone surrogate in any string of the arguments, names included; ``name`` is where ``value`` sits."""
+    if isinstance(value, str):
+        bad = _LONE_SURROGATE.search(value)
+        if bad:
+            raise ToolArgumentError(
+                f"Argument '{name}' contains {_shown(bad.group())} at position {bad.start()}, half of a "
+                "surrogate pair, which is not text: write plain text and try again."
+            )
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{name}.{key}" if name else str(key)
+            if _LONE_SURROGATE.search(path):
+                raise ToolArgumentError(
+                    f"The argument name '{_shown(path)}' contains half of a surrogate pair, which is not text: "
+                    "use the names in the tool's schema."
+                )
+            _check_encodable(item, path)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_encodable(item, f"{name}[{i}]")
 
 
 def _text_arg(params: dict, name: str, what: str) -> str:
@@ -222,8 +260,10 @@ class MemoryTool(BaseTool):
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
         agent_data = kwargs.get("agent_data")
         store = await self.store_for(agent_data)
+        params = parameters if isinstance(parameters, dict) else {}
         try:
-            text = await self.run(store, parameters if isinstance(parameters, dict) else {})
+            _check_encodable(params)
+            text = await self.run(store, params)
             ok = True
         except ToolArgumentError as exc:
             text, ok = str(exc), False

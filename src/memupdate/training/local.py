@@ -29,6 +29,7 @@ import random
 import shutil
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,10 +48,10 @@ from verl.workers.config import ActorConfig
 
 from memupdate.agents import fields, memory_loop
 from memupdate.serving.hf_server import HFGenerateServer
-from memupdate.serving.launch import ServeSettings
+from memupdate.settings import ServeSettings, TrainSettings, build, clean
 from memupdate.training.vllm_rollout import VLLMRollout, exit_on_sigterm
 from memupdate.training.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, TURN_INDEX_KEY, in_process_workers
-from memupdate.utils.io import sha256_file, write_json_atomic
+from memupdate.utils.io import sha256_file, write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,11 @@ logger = logging.getLogger(__name__)
 ROLLOUTS = ("hf", "vllm")
 
 
-@dataclass
-class LocalGRPOConfig:
-    """Everything a local run depends on; its hash names the run in the checkpoint manifest."""
+@dataclass(kw_only=True)
+class LocalGRPOConfig(TrainSettings):
+    """Everything a local run depends on; its hash names the run in the checkpoint manifest. The user's
+    settings are :class:`memupdate.settings.TrainSettings`' (their one definition); these add the run's
+    paths and roles."""
 
     model_path: str
     train_files: list[str]
@@ -78,28 +81,6 @@ class LocalGRPOConfig:
     #: Reward manager registered with verl's reward loop (``memupdate_memory`` for MemoryUpdate,
     #: ``memupdate_memagent`` for MemAgent).
     reward_manager: str = "memupdate_memory"
-    steps: int = 4
-    prompts_per_step: int = 2
-    rollout_n: int = 4
-    micro_batch_size: int = 4
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    clip_ratio: float = 0.2
-    kl_coef: float = 0.001
-    #: GRPO's division by the group's reward std (MemAgent and Dr.GRPO turn it off).
-    norm_adv_by_std: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 96
-    prompt_length: int = 2048
-    response_length: int = 512
-    max_assistant_turns: int = 4
-    max_parallel_calls: int = 2
-    max_tool_response_length: int = 1024
-    save_every: int = 2
-    seed: int = 0
-    max_rows: int | None = None
     reward: dict[str, Any] = field(default_factory=dict)
     #: Which role is trained (memory | qa | joint); see memupdate.agents.memory_loop.
     training_stage: str = "memory"
@@ -107,16 +88,8 @@ class LocalGRPOConfig:
     qa_phase: bool = False
     #: The served model playing the other role, ``{base_url, model}`` (from its readiness marker).
     fixed_model: dict[str, Any] | None = None
-    #: The fixed role's decoding temperature: greedy by default, so a GRPO group's rollouts differ only in
-    #: what is trained (not also in the store or answer the fixed model produced); null = the rollout's.
-    fixed_temperature: float | None = 0.0
     #: Answer cap of the QA phase (its retrieval and prompt are the reward's: top_k, context_chars, qa_prompt).
     qa_max_tokens: int = 32
-    #: Who generates: ``hf`` (the trained model itself, one request at a time, deterministic) or ``vllm``
-    #: (a vLLM server of the policy, batched, weights replaced after every update; not seeded per request).
-    rollout: str = "hf"
-    #: ``rollout: vllm``'s server: ``serving`` keys (python, dtype, extra_args, env, startup_timeout_s).
-    rollout_server: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.rollout not in ROLLOUTS:
@@ -252,6 +225,7 @@ class LocalGRPOTrainer:
             self.optimizer.load_state_dict(torch.load(start / "optimizer.pt", weights_only=True))
             self.step = json.loads((start / "trainer_state.json").read_text())["step"]
             logger.info("resuming from %s (step %d)", start, self.step)
+        self._trim_metrics()
 
         self.config = run_config(cfg)
         write_json_atomic(self.run_dir / "resolved_config.json", {
@@ -297,6 +271,22 @@ class LocalGRPOTrainer:
         logger.warning("%s holds %s (digest %s, this one %s); moved it to %s and starting afresh",
                        self.run_dir, why, digest, self.cfg.digest(), target)
         return None
+
+    def _trim_metrics(self) -> None:
+        """Keep the metrics of the steps the resumed checkpoint holds: a killed run may have logged steps
+        after its last checkpoint (they are trained again) and torn its last line mid-write."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break  # a torn line can only be the last one written
+            if record.get("step", 0) <= self.step:
+                kept.append(line)
+        write_text_atomic(path, "".join(f"{line}\n" for line in kept))
 
     def _save(self, metrics: dict[str, Any]) -> Path:
         target = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
@@ -395,7 +385,7 @@ class LocalGRPOTrainer:
     def _start_vllm_rollout(self) -> VLLMRollout:
         cfg = self.cfg
         # The policy trains in float32; a server in bfloat16 would sample from a visibly different model.
-        settings = ServeSettings.from_dict({"dtype": "float32", **cfg.rollout_server})
+        settings = build(ServeSettings, {"dtype": "float32", **cfg.rollout_server}, "rollout_server")
         # A whole episode, as far as the model's positions reach (vLLM refuses a longer context).
         context = cfg.prompt_length + cfg.response_length
         context = min(context, getattr(self.policy.config, "max_position_embeddings", None) or context)
@@ -513,10 +503,7 @@ def train_local(cfg: LocalGRPOConfig) -> dict[str, Any]:
     return LocalGRPOTrainer(cfg).train()
 
 
-def local_config(settings: dict[str, Any], **paths: Any) -> LocalGRPOConfig:
-    """A :class:`LocalGRPOConfig` from workflow settings, with a clear error for unknown keys."""
-    known = set(LocalGRPOConfig.__dataclass_fields__)
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise ValueError(f"unknown local training settings {unknown}; known: {sorted(known - set(paths))}")
-    return LocalGRPOConfig(**{**settings, **paths})
+def local_config(settings: Mapping[str, Any], path: str = "settings", **paths: Any) -> LocalGRPOConfig:
+    """A :class:`LocalGRPOConfig` from the user's settings (checked as :class:`TrainSettings`, each error
+    naming ``path.key``) and the run's paths and roles."""
+    return LocalGRPOConfig(**clean(TrainSettings, settings, path), **paths)

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,70 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp_path, path)
     finally:
         tmp_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_outputs(paths: Mapping[str, str | os.PathLike]) -> Iterator[dict[str, Path]]:
+    """Replace a set of outputs together: yield a temporary path for each, rename all only on success.
+
+    The previous run's files are deleted first, so a run that fails (on the input, half-way through
+    writing, or on a later output) never leaves files that look like its complete result. The outputs
+    are renamed in the order given, so put the one that marks completion (a summary) last.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (d / "rows.txt").write_text("previous run")
+    >>> try:
+    ...     with atomic_outputs({"rows": d / "rows.txt", "summary": d / "summary.txt"}) as tmp:
+    ...         _ = tmp["rows"].write_text("half")
+    ...         raise RuntimeError("failed before the summary")
+    ... except RuntimeError:
+    ...     pass
+    >>> sorted(p.name for p in d.iterdir())
+    []
+    """
+    finals = {key: Path(path) for key, path in paths.items()}
+    for final in finals.values():
+        final.unlink(missing_ok=True)
+    temps: dict[str, Path] = {}
+    try:
+        for key, final in finals.items():
+            final.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+            os.close(fd)
+            temps[key] = Path(tmp)
+        yield temps
+        for key, final in finals.items():
+            os.replace(temps[key], final)
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+
+
+class NotUTF8Error(ValueError):
+    """A text file holds bytes that are not UTF-8; the message names the file and the byte offset."""
+
+
+def read_text_utf8(path: str | os.PathLike, error: type[ValueError] = NotUTF8Error) -> str:
+    """Read a UTF-8 text file; a bad byte raises ``error`` naming the file, the offset and the bytes.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "data.json"
+    >>> _ = p.write_bytes(b'["caf\\xe9"]')
+    >>> read_text_utf8(p)
+    Traceback (most recent call last):
+    ...
+    memupdate.utils.io.NotUTF8Error: ...data.json: not UTF-8 at byte 5 (b'\\xe9': invalid continuation byte); re-save the file as UTF-8
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(
+            f"{path}: not UTF-8 at byte {exc.start} ({data[exc.start : exc.end]!r}: {exc.reason}); "
+            "re-save the file as UTF-8"
+        ) from None
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

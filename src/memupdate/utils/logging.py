@@ -12,12 +12,12 @@ import sys
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def setup_logging(log_path: str | os.PathLike | None = None) -> None:
+def setup_logging(log_path: str | os.PathLike | None = None, level: str | None = None) -> None:
     """Log to stderr, and also to ``log_path`` (a Snakemake ``log:`` file) when given.
 
     Uncaught exceptions are logged too, so a failed Snakemake job keeps its traceback in its log.
     """
-    level = os.environ.get("MEMUPDATE_LOG_LEVEL", "INFO").upper()
+    level = (level or os.environ.get("MEMUPDATE_LOG_LEVEL", "INFO")).upper()
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path is not None:
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)

