@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -167,15 +168,39 @@ def test_impossible_request_fails_at_submission_with_slurms_message(slurm_cluste
     assert time.monotonic() - start < 60
 
 
+# The interrupted run's first status poll comes this long after its executor starts (the plugin's option).
+# The SIGINT must land before it: Snakemake's RemoteExecutor takes every job out of `active_jobs` while a
+# poll runs (sacct via slurmdbd, `scontrol show config`, `which`; a second or more on a busy machine) and
+# cancel() reads that list, so an interrupt during a poll cancels nothing and the job runs on
+# (snakemake-interface-executor-plugins 9.4.0, remote.py `_wait_for_jobs`/`cancel`). With a 2 s first poll,
+# this test's interrupt (sent ~1-3 s after submission, once sacct shows RUNNING) raced it.
+FIRST_POLL_S = 20
+
+
 def test_sigint_cancels_the_runs_slurm_jobs(slurm_cluster, failures_workdir, run_name):
     start = time.time()
     # faulthandler: if Snakemake hangs after SIGINT, SIGABRT makes it print every thread's stack.
     proc = subprocess.Popen(
         [SNAKEMAKE, "--profile", "profiles/slurm", "out/sleeper.txt", "--slurm-init-seconds-before-status-checks",
-         "2", "--slurm-jobname-prefix", run_name], cwd=failures_workdir, stdout=subprocess.PIPE,
+         str(FIRST_POLL_S), "--slurm-jobname-prefix", run_name], cwd=failures_workdir, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"}, preexec_fn=default_sigint,
     )  # fmt: skip
+    # Read the log as it comes: the executor's start (its "SLURM run ID" line) starts the poll clock.
+    lines: list[str] = []
+    executor_started = threading.Event()
+    started_at: list[float] = []
+
+    def read_log():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("SLURM run ID:") and not executor_started.is_set():
+                started_at.append(time.monotonic())
+                executor_started.set()
+
+    reader = threading.Thread(target=read_log, daemon=True)
+    reader.start()
     try:
+        assert executor_started.wait(180), "no Slurm executor started:\n" + "".join(lines)[-3000:]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             running = [j for j in jobs_since(start, run_name) if j["State"] == "RUNNING"]
@@ -183,23 +208,29 @@ def test_sigint_cancels_the_runs_slurm_jobs(slurm_cluster, failures_workdir, run
                 break
             time.sleep(1)
         assert running, "the sleeper job never started"
+        waited = time.monotonic() - started_at[0]
+        # Clear failure instead of a flaky one: past this point the interrupt could meet the first poll.
+        assert waited < FIRST_POLL_S - 2, f"sleeper RUNNING {waited:.0f} s in: too near the first poll to test"
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGABRT)
-            output, _ = proc.communicate(timeout=30)
+            proc.wait(timeout=30)
+            reader.join(timeout=10)
+            output = "".join(lines)
             pytest.fail(f"Snakemake still running 120 s after SIGINT; its log and stacks:\n{output[-8000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
+    reader.join(timeout=10)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         states = {j["State"].split()[0] for j in jobs_since(start, run_name)}
         if states == {"CANCELLED"}:
             break
         time.sleep(1)
-    assert states == {"CANCELLED"}, states
+    assert states == {"CANCELLED"}, (states, "".join(lines)[-3000:])
     queue = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True, check=True).stdout
     assert run_name not in queue
     assert not (failures_workdir / "out/sleeper.txt").exists()
