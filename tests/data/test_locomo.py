@@ -152,8 +152,10 @@ def test_preprocessing_is_deterministic(locomo_path, tmp_path, built):
 def test_split_errors(locomo_path, tmp_path):
     with pytest.raises(ValueError, match="'conv-99', which is not in the data"):
         preprocess_locomo(locomo_path, outputs_in(tmp_path), split={**SPLIT, "val": ["conv-99"]})
-    with pytest.raises(ValueError, match="'conv-26' is in both split 'train' and 'test'"):
+    with pytest.raises(ValueError, match="'conv-26' is listed in both split 'train' and 'test'"):
         preprocess_locomo(locomo_path, outputs_in(tmp_path), split={**SPLIT, "test": ["conv-26"]})
+    with pytest.raises(ValueError, match="'conv-47' is listed twice in split 'val'"):
+        preprocess_locomo(locomo_path, outputs_in(tmp_path), split={**SPLIT, "val": ["conv-47", "conv-47"]})
     assert not any(tmp_path.iterdir())
 
 

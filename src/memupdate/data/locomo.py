@@ -579,7 +579,10 @@ def resolve_split(conversations: Sequence[LocomoConversation], split: dict[str, 
                     f"split {name!r} lists {sample_id!r}, which is not in the data (have {sorted(by_id)})"
                 )
             if sample_id in assigned:
-                raise ValueError(f"{sample_id!r} is in both split {assigned[sample_id]!r} and {name!r}")
+                where = f"twice in split {name!r}" if assigned[sample_id] == name else (
+                    f"in both split {assigned[sample_id]!r} and {name!r}"
+                )
+                raise ValueError(f"{sample_id!r} is listed {where}; a conversation belongs to one split, once")
             assigned[sample_id] = name
         resolved[name] = [by_id[i] for i in ids]
     unused = sorted(set(by_id) - set(assigned))
