@@ -70,7 +70,7 @@ def test_the_shipped_configs_pass_and_keep_their_values():
         ({"experiments": {"smoke": {"policy": "smollm-135m"}}}, "experiments.smoke.policy: 'smollm-135m' is not defined in models; did you mean smollm2-135m?"),
         ({"scales": {"smoke": {"experiments": ["smoke", "nosuchexp"]}}}, "scales.smoke.experiments[1]: 'nosuchexp' is not defined in experiments"),
         ({"reward": {"scorer": "readr"}}, "reward.scorer: 'readr' is not one of auto, answer_recall"),
-        ({"reward": {"top_k": "5"}}, "reward.top_k: '5' is not of type integer"),
+        ({"reward": {"top_k": "5"}}, "reward.top_k: '5' is not an integer"),
         ({"serving": {"slurm": {"gres": "gpu"}}}, "serving.slurm.gres: 'gpu' does not match"),
         ({"models": {"tiny-random": {"heads": 3}}}, "models.tiny-random: hidden_size, heads, kv_heads must nest"),
         ({"data": {"locomo": {"split": {"test": ["conv-48", "conv-99"]}}}}, "data.locomo.split.test[1]: no conversation 'conv-99' in the LoCoMo file"),

@@ -1,7 +1,7 @@
 """Typed settings: the one definition of every setting a user writes, checked when the Snakefile loads.
 
 Each section of ``config/config.yaml`` that the package reads as a whole is a dataclass here (training,
-evaluation, MemAgent's loop, serving). Its fields are the only list of keys: :func:`build` constructs it
+evaluation, MemAgent's loop, serving, the reward, the model kinds). Its fields are the only list of keys: :func:`build` constructs it
 from user values with the key's full path in every error, the code that runs the section builds it the
 same way, and ``config/schema/config.schema.yaml`` defers to it for these sections.
 :func:`check_config` runs everything at Snakefile load: the JSON schema of the top level (with its
@@ -40,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
+
+from memupdate.rewards.efficiency import EfficiencyConfig
 
 #: A number in scientific notation without a dot, which YAML 1.2 reads as a float and PyYAML as a string.
 _SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
@@ -233,6 +235,33 @@ class MemAgentExperimentEval(MemAgentEvalSettings):
     def __post_init__(self) -> None:
         if not self.num_docs or min(self.num_docs) < 2:
             raise ValueError(f"num_docs must list haystack lengths of at least 2 documents, got {self.num_docs}")
+
+
+@dataclass
+class RewardSettings:
+    """The ``reward`` section: the memory role's reward r = (S(final) - S(initial)) * E (stage 1), and the QA
+    phase and reader that S and stage 2 share. The reward manager takes these keys (plus the run's paths and
+    the served models' markers)."""
+
+    scorer: Literal["auto", "answer_recall", "evidence_recall", "reader", "judge"] = setting(
+        "auto", help="S(M): auto = reader for experiments with a qa_model (two-stage), else answer_recall"
+    )
+    judge: Literal["qa-base", "base"] = setting("qa-base", help="served model that judges (scorer judge)")
+    qa_prompt: Literal["locomo", "mem0"] = setting(
+        "locomo", help="protocol of the QA prompt (config/prompts/<protocol>.yaml) of the QA phase and the reader"
+    )
+    qa_max_tokens: int = setting(32, help="answer cap of the QA phase and of the reader (the same answers)", minimum=1)
+    reader_metric: Literal["locomo_f1", "mem0_f1"] | None = setting(
+        None, help="the reader's F1 against the gold (null = the qa_prompt protocol's own)"
+    )
+    top_k: int = setting(5, help="memories retrieved per question", minimum=1)
+    context_chars: int = setting(
+        500, help="characters of retrieved memory text that S, the QA phase and evaluation use", minimum=1
+    )
+    other_questions: int = setting(0, help="other questions of the conversation averaged into S", minimum=0)
+    efficiency: dict[str, Any] = setting(
+        help="E's settings (memupdate.rewards.efficiency.EfficiencyConfig)", factory=dict, schema=EfficiencyConfig
+    )
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -623,6 +652,11 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
                     errors += verl_key_errors(experiment[section], f"experiments.{name}.{section}", kind)
     try:
         config["serving"] = clean(ServeSettings, config.get("serving"), "serving")
+    except ConfigError as err:
+        errors.extend(str(err).splitlines())
+    try:
+        # Rules read reward keys directly: every key present, defaults filled in.
+        config["reward"] = dataclasses.asdict(build(RewardSettings, config.get("reward"), "reward"))
     except ConfigError as err:
         errors.extend(str(err).splitlines())
     for name, spec in config.get("models", {}).items():

@@ -16,6 +16,7 @@ agent does anything. ``max_total_memories=None`` measures size growth against th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 APPLY_TO = ("positive", "always")
 
@@ -23,7 +24,7 @@ APPLY_TO = ("positive", "always")
 @dataclass(frozen=True)
 class EfficiencyConfig:
     #: ``positive``: ``E`` scales a gain and a loss is the loss itself; ``always``: upstream's ``ΔS * E``.
-    apply_to: str = "positive"
+    apply_to: Literal["positive", "always"] = "positive"
     #: Store size above which the size factor falls; ``None`` = the initial store's size.
     max_total_memories: int | None = 100
     #: Lowest size factor (upstream 0.1).

@@ -34,6 +34,7 @@ have no teardown hook, so theirs close when the worker process ends.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections import defaultdict
@@ -60,20 +61,23 @@ from memupdate.rewards.scorers import (
 )
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.readiness import read_marker
+from memupdate.settings import RewardSettings
 
 logger = logging.getLogger(__name__)
 
 ENV_KEYS = {"memories": "MEMUPDATE_MEMORIES", "embeddings": "MEMUPDATE_EMBEDDINGS", "embedding_model": "MEMUPDATE_EMBEDDING_MODEL"}
+#: The manager's settings: the workflow's ``reward`` section (memupdate.settings.RewardSettings, less the
+#: judge's serve name, resolved to its marker) and what a run adds: paths, the trained role, the markers.
 SETTINGS = {
-    *ENV_KEYS, "training_stage", "scorer", "reader_marker", "judge_marker", "qa_prompt", "qa_max_tokens",
-    "reader_metric", "top_k", "context_chars", "other_questions", "efficiency", "qa_pool", "answer_metric",
+    *ENV_KEYS, "training_stage", "reader_marker", "judge_marker", "qa_pool", "answer_metric",
+    *(f.name for f in dataclasses.fields(RewardSettings) if f.name != "judge"),
 }  # fmt: skip
 SCORERS = ("answer_recall", "evidence_recall", "reader", "judge")
 #: Scorers that ask served models, and the models each asks.
 SERVED_ROLES = {"reader": ("reader",), "judge": ("reader", "judge")}
 TRAINING_STAGES = ("memory", "qa", "joint")
 #: The QA phase's answer cap (``qa_max_tokens``), which the reader shares: it gives the same answers.
-DEFAULT_QA_MAX_TOKENS = 32
+DEFAULT_QA_MAX_TOKENS = RewardSettings.qa_max_tokens
 #: Each QA protocol's own F1, the reader's metric unless ``reader_metric`` says otherwise.
 PROTOCOL_METRIC = {"locomo": "locomo_f1", "mem0": "mem0_f1"}
 

@@ -33,6 +33,7 @@ from memupdate.memory.embedder import Embedder
 from memupdate.memory.store import BaseStore, Hit, TrialStore, within_budget
 from memupdate.rewards.efficiency import EfficiencyConfig, apply_efficiency, efficiency_factor
 from memupdate.rewards.scorers import QAItem, Retrieved, Scorer
+from memupdate.settings import RewardSettings
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +41,13 @@ logger = logging.getLogger(__name__)
 #: Characters of retrieved memory text S is scored on: top_k (5) x 100. LoCoMo observations average 88
 #: characters (p90 120, longest 180); the initial top-5 of a question averages 413 characters and fits in
 #: 500 for 91% of the 1,986 answerable questions (answer_recall S: 0.444 within 500, 0.446 unlimited).
-DEFAULT_CONTEXT_CHARS = 500
+DEFAULT_CONTEXT_CHARS = RewardSettings.context_chars
 
 
 @dataclass(frozen=True)
 class MemoryRewardConfig:
     #: Memories retrieved per question (upstream: 5).
-    top_k: int = 5
+    top_k: int = RewardSettings.top_k
     #: Budget of retrieved text per question: the top_k hits are kept in rank order while their contents
     #: fit (the first always, cut if longer). Also the QA phase's and evaluation's context budget.
     context_chars: int = DEFAULT_CONTEXT_CHARS
