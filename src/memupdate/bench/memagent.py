@@ -82,7 +82,7 @@ def run_memagent_bench(
     """Run every length in a child process and fit time and memory against chunks."""
     import pyarrow.parquet as pq
 
-    from memupdate.data.hotpotqa import preprocess_hotpotqa
+    from memupdate.data.hotpotqa import BudgetTooSmallError, preprocess_hotpotqa
     from memupdate.models.prepare import prepare_model
 
     work = Path(work_dir)
@@ -95,7 +95,12 @@ def run_memagent_bench(
     need = int(max(chunks) * chunk_size * 1.2)
     rows = work / f"rows-{need}.parquet"
     if not rows.exists():
-        preprocess_hotpotqa(hotpotqa, rows, max_tokens=need, limit=questions, tokenizer=str(model))
+        try:
+            preprocess_hotpotqa(hotpotqa, rows, max_tokens=need, limit=questions, tokenizer=str(model))
+        except BudgetTooSmallError:
+            # Every question's own two paragraphs are longer than the longest length already (a byte-level
+            # tokenizer): they alone make the rows, and truncation cuts each to its k chunks.
+            preprocess_hotpotqa(hotpotqa, rows, num_docs=2, limit=questions, tokenizer=str(model))
     # preprocess_hotpotqa counted each context with the model's own tokenizer, as the loop does.
     shortest = min(pq.read_table(rows, columns=["num_tokens"]).column("num_tokens").to_pylist())
     if shortest < max(chunks) * chunk_size:
