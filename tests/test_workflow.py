@@ -60,7 +60,7 @@ def test_invalid_config_is_rejected_before_anything_runs(workdir):
     result = snakemake(workdir, "-n", "all", "--cores", "1", "--config", "scale=huge")
     assert result.returncode != 0
     output = result.stdout + result.stderr
-    assert "'huge' is not one of ['smoke', 'full']" in output
+    assert "scale: 'huge' is not one of smoke, full" in output
 
 
 TINY = ["--configfile", "config/experiments/tiny.yaml"]
