@@ -351,12 +351,16 @@ def model_spec(spec: Any, path: str = "model spec") -> dict[str, Any]:
 def build(cls: type[T], values: Mapping[str, Any] | None, path: str) -> T:
     """``cls`` from user ``values``, every key checked against ``cls``'s fields and types; ``path`` is where
     the values sit in the config (``experiments.smoke.stage1``) and starts every error message."""
-    return cls(**clean(cls, values, path))
+    return _checked(cls, values, path)[0]
 
 
 def clean(cls: type, values: Mapping[str, Any] | None, path: str) -> dict[str, Any]:
     """The values :func:`build` passes to ``cls``: known keys only, typed (``"1e-6"`` -> ``1e-06``), a null
     where null is not allowed dropped (the default applies). Raises :class:`ConfigError`, naming the key."""
+    return _checked(cls, values, path)[1]
+
+
+def _checked(cls: type[T], values: Mapping[str, Any] | None, path: str) -> tuple[T, dict[str, Any]]:
     if values is None:
         values = {}
     if not isinstance(values, Mapping):
@@ -375,19 +379,22 @@ def clean(cls: type, values: Mapping[str, Any] | None, path: str) -> dict[str, A
             out[key] = _convert(value, hints[key], known[key].metadata, f"{path}.{key}")
         except ConfigError as err:
             errors.append(str(err))
-    missing = [
-        name
-        for name, f in known.items()
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in out
-    ]
-    errors += [f"{path}.{name}: required ({_help(known[name])})" for name in missing]
+    errors += [f"{path}.{name}: required ({_help(known[name])})" for name in _required(cls) if name not in out]
     if errors:
         raise ConfigError("\n".join(errors))
     try:
-        cls(**out)
+        return cls(**out), out
     except (ValueError, TypeError) as err:
         raise ConfigError(f"{path}: {err}") from err
-    return out
+
+
+def _required(cls: type) -> list[str]:
+    """Fields without a default: the settings a user must give."""
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
 
 
 @functools.cache
@@ -504,11 +511,7 @@ def json_schema(cls: type) -> dict[str, Any]:
         elif f.default_factory is not dataclasses.MISSING:
             prop["default"] = f.default_factory()
         props[f.name] = prop
-    required = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
+    required = _required(cls)
     schema = {"type": "object", "description": (cls.__doc__ or "").strip(), "additionalProperties": False}
     return {**schema, "properties": props, **({"required": required} if required else {})}
 
