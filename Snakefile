@@ -13,6 +13,7 @@
 #   <exp>/eval/report.{json,md,html}       LoCoMo evaluation report + plots, predictions/ (eval_locomo)
 #   <exp>/memagent/ckpt/                   MemAgent checkpoint + manifest (train_memagent)
 #   <exp>/memagent_eval/report.{json,md}   MemAgent accuracy vs. context length, length_curve.png (eval_memagent)
+#   stage1/ckpt, stage2/ckpt, eval/        the default experiment's, as hard links (default_checkpoint, default_report)
 # resources/data/{name}.json               verified copies of public data files (fetch_data)
 # logs/<rule>/..., benchmarks/<rule>/...   one log and one benchmark per job
 
@@ -39,6 +40,7 @@ include: "rules/serve.smk"
 include: "rules/train.smk"
 include: "rules/eval.smk"
 include: "rules/memagent.smk"
+include: "rules/default.smk"
 
 
 onsuccess:

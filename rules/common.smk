@@ -3,7 +3,11 @@
 import os
 from pathlib import Path
 
+from memupdate.cluster import read_table
+
 SCALE = config["scales"][config["scale"]]
+# The experiment of the short paths results/stage1/ckpt, results/stage2/ckpt, results/eval/report.json.
+DEFAULT_EXPERIMENT = SCALE["default_experiment"]
 DATA_FILES = config["data"]["files"]
 LOCOMO_SPLITS = ["train", "val", "test"]
 # One folder per embedding model, named by the model's last path component.
@@ -22,6 +26,8 @@ wildcard_constraints:
     exp="|".join(config["experiments"]),
     served="qa-base|base|stage1|stage2|memagent",
     purpose="train|eval",
+    stage="stage1|stage2|memagent",
+    report="eval|memagent_eval",
 
 
 def data_file_path(name):
@@ -81,6 +87,61 @@ def get_experiment(wildcards):
 
 def get_model_spec(wildcards):
     return config["models"][wildcards.model]
+
+
+# What the heavy jobs ask Slurm for, per rule and model; checked here, when the Snakefile loads.
+CLUSTER = read_table(
+    Path(workflow.basedir) / "profiles/slurm/resources.yaml", config["models"]
+)
+
+
+def job_resources(rule, model_of, **own):
+    """The rule's resources: its own (``own``), raised to the row of profiles/slurm/resources.yaml for the
+    model its job handles (``model_of(wildcards)``); Snakemake drops a resource whose value is None.
+    """
+
+    def resource(key):
+        return (
+            lambda wildcards: CLUSTER.job(rule, model_of(wildcards))
+            .snakemake()
+            .get(key, own.get(key))
+        )
+
+    keys = {"nodes", "tasks", "gres", "tasks_per_gpu", "mpi", "cpus_per_task", *own}
+    return {key: resource(key) for key in sorted(keys)}
+
+
+def model_wildcard(wildcards):
+    return wildcards.model
+
+
+def policy_of(wildcards):
+    return get_experiment(wildcards)["policy"]
+
+
+def qa_model_of(wildcards):
+    return get_qa_model(wildcards)
+
+
+def served_model_of(wildcards):
+    """The model (a key of config `models`) behind a served name: the QA model for qa-base and stage2."""
+    if wildcards.served in ("qa-base", "stage2"):
+        return get_qa_model(wildcards)
+    return get_experiment(wildcards)["policy"]
+
+
+def get_serving_settings(wildcards):
+    """config's serving section, with the server job's sbatch options raised to the model's row of
+    profiles/slurm/resources.yaml (a 7B server asks for a GPU, a smoke one for CPUs)."""
+    row = CLUSTER.job("serve_model", served_model_of(wildcards)).server()
+    return {**config["serving"], "slurm": {**config["serving"]["slurm"], **row}}
+
+
+def server_request(wildcards):
+    """The server job's request, shown with serve_model's resources by `snakemake -n` (the Slurm plugin
+    ignores these names; serve_model submits the server's own job with them)."""
+    slurm = get_serving_settings(wildcards)["slurm"]
+    return " ".join(f"{k}={v}" for k, v in sorted(slurm.items()) if v is not None)
 
 
 # Servers started by serve_model are recorded here and stopped when the run ends (Snakefile hooks).
@@ -236,6 +297,25 @@ def get_served_model(wildcards):
     return f"results/{wildcards.exp}/{wildcards.served}/ckpt"
 
 
+def get_serve_inputs(wildcards):
+    """The served checkpoint. An evaluation server also waits for every checkpoint its evaluation needs: it
+    would otherwise start as soon as its own model exists and sit idle through the training stages.
+    """
+    inputs = {"model": get_served_model(wildcards)}
+    if wildcards.purpose == "eval":
+        inputs.update(get_evaluated_checkpoints(wildcards))
+    return inputs
+
+
+def get_evaluated_checkpoints(wildcards):
+    experiment = get_experiment(wildcards)
+    if is_memagent(wildcards.exp):
+        stages = ["memagent"]
+    else:
+        stages = ["stage1", *(["stage2"] if "stage2" in experiment else [])]
+    return {f"ckpt_{s}": f"results/{wildcards.exp}/{s}/ckpt" for s in stages}
+
+
 def get_served_model_name(wildcards):
     if wildcards.purpose == "train":
         return f"{wildcards.exp}-{wildcards.served}"
@@ -350,6 +430,33 @@ def get_memagent_eval_settings(wildcards):
 
 def get_memagent_eval_dir(wildcards):
     return f"results/{wildcards.exp}/memagent_eval"
+
+
+def default_experiment_artifact(kind, leaf):
+    """results/<default experiment>/<kind>/<leaf>: what a short path (results/stage2/ckpt, ...) stands for."""
+    experiment = config["experiments"][DEFAULT_EXPERIMENT]
+    memagent = is_memagent(DEFAULT_EXPERIMENT)
+    has = {
+        "stage1": not memagent,
+        "stage2": "stage2" in experiment,
+        "eval": "qa_model" in experiment and not memagent,
+        "memagent": memagent,
+        "memagent_eval": memagent,
+    }
+    if not has[kind]:
+        raise ValueError(
+            f"the default experiment {DEFAULT_EXPERIMENT!r} (scales.{config['scale']}.default_experiment) has no "
+            f"{kind}: ask for results/<experiment>/{kind}/... of an experiment that has one"
+        )
+    return f"results/{DEFAULT_EXPERIMENT}/{kind}/{leaf}"
+
+
+def get_default_checkpoint(wildcards):
+    return default_experiment_artifact(wildcards.stage, "ckpt")
+
+
+def get_default_report(wildcards):
+    return default_experiment_artifact(wildcards.report, "report.json")
 
 
 def get_final_outputs():

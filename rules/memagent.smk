@@ -15,8 +15,7 @@ rule train_memagent:
         "../workflow/envs/memupdate.yaml"
     threads: 2
     resources:
-        runtime=120,
-        mem_mb=8000,
+        **job_resources("train_memagent", policy_of, runtime=120, mem_mb=8000),
     params:
         backend=get_backend,
         settings=get_memagent_train_settings,

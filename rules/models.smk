@@ -11,8 +11,7 @@ rule prepare_model:
     conda:
         "../workflow/envs/memupdate.yaml"
     resources:
-        runtime=30,
-        mem_mb=4000,
+        **job_resources("prepare_model", model_wildcard, runtime=30, mem_mb=4000),
     params:
         spec=get_model_spec,
     script:

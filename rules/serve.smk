@@ -6,7 +6,7 @@
 
 rule serve_model:
     input:
-        model=get_served_model,
+        unpack(get_serve_inputs),
     output:
         marker=temp("results/{exp}/serve/{purpose}/{served}.ready.json"),
     log:
@@ -18,9 +18,10 @@ rule serve_model:
     resources:
         runtime=60,
         mem_mb=2000,
+        server=server_request,
     params:
         served_model_name=get_served_model_name,
-        settings=config["serving"],
+        settings=get_serving_settings,
         server_log=get_server_log,
         registry=SERVER_REGISTRY,
     script:

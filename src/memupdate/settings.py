@@ -556,6 +556,7 @@ def check_config(config: dict[str, Any], schema_path: str | Path, *, root: str |
     import yaml
 
     schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
+    _apply_scale_settings(config)
     _prune_and_coerce(config, schema)
     errors = _schema_errors(config, schema)
     if not errors:
@@ -566,6 +567,25 @@ def check_config(config: dict[str, Any], schema_path: str | Path, *, root: str |
             f"invalid configuration (config/config.yaml with any --configfile/--config over it), "
             f"{len(errors)} problem(s):\n  " + "\n  ".join(shown)
         )
+
+
+def _apply_scale_settings(config: dict[str, Any]) -> None:
+    """Merge the chosen scale's ``settings`` over the rest of the config, key by key as Snakemake merges a
+    ``--configfile``: one switch (``scale``) changes the data files, the serving engine and the rest with it."""
+    scale = config.get("scale")
+    spec = config.get("scales", {}).get(scale) if isinstance(config.get("scales"), dict) else None
+    overlay = spec.get("settings") if isinstance(spec, dict) else None
+    if not isinstance(overlay, dict):
+        return
+    from snakemake.utils import update_config
+
+    for key, value in overlay.items():
+        if key in ("scale", "scales"):
+            raise ConfigError(f"scales.{scale}.settings.{key}: a scale cannot change the scales themselves")
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            update_config(config[key], value)
+        else:
+            config[key] = value
 
 
 def _prune_and_coerce(node: Any, schema: Mapping[str, Any]) -> None:
@@ -677,6 +697,17 @@ def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
         for i, name in enumerate(spec["experiments"]):
             if name not in experiments:
                 errors.append(_dangling(f"scales.{scale}.experiments[{i}]", name, "experiments", experiments))
+        default = spec["default_experiment"]
+        if default not in spec["experiments"]:
+            errors.append(
+                f"scales.{scale}.default_experiment: {_show(default)} is not one of the scale's experiments "
+                f"({', '.join(spec['experiments'])}); the short paths (results/stage1/ckpt, ...) build it"
+            )
+    for name in experiments:
+        if name in RESERVED_RESULTS:
+            errors.append(
+                f"experiments.{name}: the name is taken by results/{name}/ (reserved: {', '.join(sorted(RESERVED_RESULTS))})"
+            )
     for name, experiment in experiments.items():
         for role in ("policy", "qa_model"):
             if role in experiment and experiment[role] not in models:
@@ -694,6 +725,10 @@ def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
             errors.append(_dangling(f"data.hotpotqa.splits.{split}", key, "data.files", files))
     errors += _split_errors(locomo["split"], _conversation_ids(config, root))
     return errors
+
+
+#: Folders under results/ that are not experiments: shared artifacts and the default experiment's short paths.
+RESERVED_RESULTS = frozenset({"data", "embeddings", "models", "stage1", "stage2", "eval", "memagent", "memagent_eval"})
 
 
 def _dangling(path: str, name: Any, section: str, have: Mapping[str, Any]) -> str:

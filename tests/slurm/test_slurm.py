@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from memupdate.training.ray_cluster import cluster_command
 
@@ -63,6 +64,12 @@ def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
     """Data, embeddings, model, a served model (its own sbatch job) and a 2-node training job."""
     monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(vllm_python.parent.parent))
     (slurm_workdir / "slurm-ci.yaml").write_text(SLURM_SERVING)
+    # A cluster user sizes a model's training job in the profile's table; here the tiny model gets the CI
+    # cluster's shape: both nodes and their two (fake) GPUs each.
+    table = slurm_workdir / "profiles/slurm/resources.yaml"
+    rows = yaml.safe_load(table.read_text())
+    rows["train_stage1"]["tiny-random"] = {"nodes": 2, "gpus_per_node": 2}
+    table.write_text(yaml.safe_dump(rows))
     start = time.time()
     args = ["--profile", "profiles/slurm", "results/tiny/stage1/ckpt", "--slurm-init-seconds-before-status-checks",
             "2", "--slurm-jobname-prefix", run_name, "--configfile", "config/experiments/tiny.yaml", "slurm-ci.yaml"]  # fmt: skip
@@ -77,7 +84,7 @@ def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
     assert expected <= set(jobs), sorted(jobs)
     assert all(jobs[c]["State"] == "COMPLETED" for c in expected), jobs
     train = jobs["rule_train_stage1_wildcards_tiny"]
-    # profiles/slurm: 2 nodes, gres gpu:2 on each (4 fake GPUs in all).
+    # The table's row: 2 nodes, gres gpu:2 on each (4 fake GPUs in all).
     assert train["NNodes"] == "2" and "gres/gpu=4" in train["AllocTRES"], train
     # The served model ran as its own job and ended with the run: it stops itself once its marker is
     # deleted (COMPLETED) or the run's end hook cancels it, whichever comes first.

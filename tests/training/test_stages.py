@@ -112,3 +112,12 @@ def test_a_typo_in_verl_settings_fails_before_anything_runs(run):
 def test_unknown_backend(run):
     with pytest.raises(ValueError, match="backend must be one of"):
         stages.train_stage(backend="deepspeed", training_stage="memory", settings={}, **run)
+
+
+def test_only_a_multi_node_allocation_sruns_one_ray_node_per_node(tmp_path):
+    argv = ["python", "-m", "verl.trainer.main_ppo"]
+    two = stages.allocation_command(argv, str(tmp_path), 2, 8, {"SLURM_JOB_ID": "7"})
+    assert two[:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
+    # One node: the rule already runs in a job step holding the node's GPUs; a nested srun would wait for them.
+    one = stages.allocation_command(argv, str(tmp_path), 1, 8, {"SLURM_JOB_ID": "7"})
+    assert one[0] != "srun" and one[-3:] == argv

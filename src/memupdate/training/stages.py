@@ -226,8 +226,10 @@ def allocation_command(
     from memupdate.training.ray_cluster import cluster_command
 
     command = cluster_command(argv, shared_dir=Path(run_dir) / "ray", num_gpus=gpus)
-    if env.get("SLURM_JOB_ID"):
-        # One task per node (the rule asks for tasks=nnodes); each starts its Ray node, rank 0 the trainer.
+    if env.get("SLURM_JOB_ID") and nnodes > 1:
+        # One task per node (the rule asks for tasks=nnodes and mpi, so it runs in the batch step); each starts
+        # its Ray node, rank 0 the trainer. A one-node job already runs in a step holding the node's GPUs,
+        # where a nested srun would wait for them forever.
         command = ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", *command]
     return command
 

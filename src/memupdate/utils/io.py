@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -134,3 +135,48 @@ def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
 
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+#: Snakemake's own marker in a directory output; each alias gets its own (a shared inode's mtime would
+#: move the source's and make everything downstream of it look outdated).
+SNAKEMAKE_TIMESTAMP = ".snakemake_timestamp"
+
+
+def link_artifact(source: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Make ``target`` a copy of the artifact ``source`` made of hard links (no byte stored twice; a real copy
+    where the two are on different file systems), placed atomically. A file artifact brings its folder
+    along: ``results/eval/report.json`` gets the report's plots and predictions beside it. Returns the folder.
+
+    >>> import tempfile; root = Path(tempfile.mkdtemp())
+    >>> (root / "a" / "ckpt").mkdir(parents=True); _ = (root / "a" / "ckpt" / "w.bin").write_bytes(b"w")
+    >>> out = link_artifact(root / "a" / "ckpt", root / "ckpt")
+    >>> (out / "w.bin").stat().st_ino == (root / "a" / "ckpt" / "w.bin").stat().st_ino
+    True
+    """
+    source, target = Path(source), Path(target)
+    if source.is_file():
+        source, target = source.parent, target.parent
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source}: no such artifact to link")
+    tmp = target.with_name(f".{target.name}.tmp")
+    _remove(tmp)
+    for folder, _dirs, files in os.walk(source):
+        out = tmp / Path(folder).relative_to(source)
+        out.mkdir(parents=True)
+        for name in files:
+            if name == SNAKEMAKE_TIMESTAMP:
+                continue
+            try:
+                os.link(Path(folder) / name, out / name)
+            except OSError:
+                shutil.copy2(Path(folder) / name, out / name)
+    _remove(target)
+    tmp.rename(target)
+    return target
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()

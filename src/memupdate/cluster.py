@@ -1,0 +1,116 @@
+"""Slurm resources of the heavy jobs, per rule and per model: ``profiles/slurm/resources.yaml``.
+
+Snakemake profiles set resources per rule only, but a 7B policy needs other GPUs than a 135M one. The table
+gives each GPU-sized rule a row per model (keys of ``models`` in config/config.yaml) and a ``default`` row;
+``rules/common.smk`` turns a job's row into the resources the Slurm executor plugin reads (:meth:`Job.snakemake`)
+or, for ``serve_model``, into the sbatch options of the server's own job (:meth:`Job.server`). Rows only add
+to what a rule asks for itself, so the CPU smoke models need none; a local run ignores ``nodes`` and ``gres``.
+
+>>> table = load_table({"train_stage1": {"qwen": {"nodes": 2, "gpus_per_node": 8, "mem_mb": 400000}}}, "t.yaml", ["qwen", "tiny"])
+>>> table.job("train_stage1", "qwen").snakemake()["gres"], table.job("train_stage1", "tiny").snakemake()
+('gpu:8', {})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memupdate.settings import ConfigError, build, setting
+
+#: Rules whose jobs the table sizes: the trainers, the servers and the model download (a 7B checkpoint is
+#: loaded and saved again in memory).
+RULES = ("prepare_model", "train_stage1", "train_stage2", "train_memagent", "serve_model")
+DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One row: what a job of the rule asks Slurm for when it handles the model."""
+
+    nodes: int = setting(1, help="nodes of a training job (one Ray node each)", minimum=1)
+    gpus_per_node: int = setting(0, help="GPUs on each node (gres gpu:N)", minimum=0)
+    cpus_per_task: int | None = setting(None, help="CPUs on each node", minimum=1)
+    mem_mb: int | None = setting(None, help="memory on each node, MB", minimum=1)
+    runtime: int | None = setting(None, help="wall-clock limit, minutes", minimum=1)
+
+    def snakemake(self) -> dict[str, Any]:
+        """Resources of the rule's own job, as snakemake-executor-plugin-slurm 2.8 reads them."""
+        out: dict[str, Any] = {
+            k: v for k in ("cpus_per_task", "mem_mb", "runtime") if (v := getattr(self, k))
+        }
+        if self.gpus_per_node:
+            # `gres` with tasks_per_gpu=0, never `gpus=`: the plugin ignores `gpus`, and without
+            # tasks_per_gpu=0 it would ask for a task per GPU.
+            out.update(gres=f"gpu:{self.gpus_per_node}", tasks_per_gpu=0)
+        if self.nodes > 1:
+            # One task per node, each starting a Ray node (rank 0 runs the trainer). mpi makes the plugin run
+            # the rule in the batch step, so the rule can srun across the nodes itself.
+            out.update(nodes=self.nodes, tasks=self.nodes, mpi="srun")
+        return out
+
+    def server(self) -> dict[str, Any]:
+        """sbatch options of a served model's own job (``serving.slurm`` keys)."""
+        out: dict[str, Any] = {
+            "time": self.runtime,
+            "mem_mb": self.mem_mb,
+            "cpus_per_task": self.cpus_per_task,
+        }
+        if self.gpus_per_node:
+            out["gres"] = f"gpu:{self.gpus_per_node}"
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Table:
+    rows: Mapping[str, Mapping[str, Job]]
+
+    def job(self, rule: str, model: str) -> Job:
+        rows = self.rows.get(rule, {})
+        return rows.get(model) or rows.get(DEFAULT) or Job()
+
+
+def load_table(data: Any, path: str | Path, models: Iterable[str]) -> Table:
+    """The table from its parsed YAML; every problem (unknown rule, model or key, a bad value) is reported
+    at once, naming the file and the key."""
+    if data is None:
+        return Table({})
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{path}: expected a mapping of rule -> model -> resources, got {type(data).__name__}"
+        )
+    known = {*models, DEFAULT}
+    errors, rows = [], {}
+    for rule, per_model in data.items():
+        if rule not in RULES:
+            errors.append(f"{path}: {rule}: not a rule the table sizes ({', '.join(RULES)})")
+            continue
+        if not isinstance(per_model, Mapping):
+            errors.append(f"{path}: {rule}: expected a mapping of model -> resources")
+            continue
+        rows[rule] = {}
+        for model, row in per_model.items():
+            if model not in known:
+                errors.append(
+                    f"{path}: {rule}.{model}: not a model of config/config.yaml (have {', '.join(sorted(known))})"
+                )
+                continue
+            try:
+                rows[rule][model] = build(Job, row, f"{path}: {rule}.{model}")
+            except ConfigError as err:
+                errors.extend(str(err).splitlines())
+    if errors:
+        raise ConfigError("invalid Slurm resource table:\n  " + "\n  ".join(errors))
+    return Table(rows)
+
+
+def read_table(path: str | Path, models: Iterable[str]) -> Table:
+    """:func:`load_table` of the YAML file at ``path``; no file, no rows (every rule asks for its own)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        return Table({})
+    return load_table(yaml.safe_load(path.read_text(encoding="utf-8")), path, models)

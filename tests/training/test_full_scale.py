@@ -1,0 +1,96 @@
+"""The paper-scale experiments (scale: full), composed exactly as their training jobs compose them and validated
+against verl 0.9.1's own config and checks, on the GPU layout profiles/slurm/resources.yaml gives them."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from memupdate.cluster import read_table
+from memupdate.settings import check_config
+from memupdate.training import verl_launcher as vl
+from memupdate.training.stages import verl_commands
+
+ENDPOINT = {"base_url": "http://gpu-node:8000/v1", "model": "served"}
+
+
+@pytest.fixture(scope="module")
+def full(repo_root):
+    config = yaml.safe_load((repo_root / "config/config.yaml").read_text())
+    config["scale"] = "full"
+    check_config(config, repo_root / "config/schema/config.schema.yaml", root=repo_root)
+    return config
+
+
+def slurm_env(table, rule: str, model: str) -> dict[str, str]:
+    job = table.job(rule, model)
+    return {
+        "SLURM_JOB_ID": "1",
+        "SLURM_JOB_NUM_NODES": str(job.nodes),
+        "SLURM_GPUS_ON_NODE": str(job.gpus_per_node),
+    }
+
+
+def test_the_full_scale_is_verl_on_the_hub_models_with_the_whole_hotpotqa_dev_file(full):
+    assert full["serving"]["engine"] == "vllm"
+    assert full["data"]["hotpotqa"]["splits"] == {"dev": "hotpotqa_dev"}
+    assert full["data"]["files"]["hotpotqa_dev"]["sha256"].startswith("4e9ecb5c")
+    for name in full["scales"]["full"]["experiments"]:
+        experiment = full["experiments"][name]
+        assert experiment["backend"] == "verl", name
+        assert full["models"][experiment["policy"]]["name_or_path"].startswith("Qwen/Qwen2.5-"), name
+
+
+@pytest.mark.parametrize("name", ["memupdate_3b", "memupdate_7b", "two_stage_3b", "two_stage_7b"])
+def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_path, name):
+    experiment = full["experiments"][name]
+    table = read_table(repo_root / "profiles/slurm/resources.yaml", full["models"])
+    reward = {k: v for k, v in full["reward"].items() if k != "judge"}
+    # scorer auto with a QA model: the served base QA model reads (rules/common.smk get_stage1_reward).
+    reward.update(
+        scorer="reader", reader_marker=str(tmp_path / "qa-base.ready.json"), training_stage="memory"
+    )
+    stages = [
+        ("stage1", "memory", "policy"),
+        *([("stage2", "qa", "qa_model")] if "stage2" in experiment else []),
+    ]
+    for section, training_stage, role in stages:
+        model = experiment[role]
+        run_dir = tmp_path / name / section
+        command, env = verl_commands(
+            training_stage=training_stage, settings=experiment[section], model=full["models"][model]["name_or_path"],
+            train_files=[str(tmp_path / "train.parquet")], memories=str(tmp_path / "memories.parquet"),
+            embeddings=str(tmp_path / "embeddings"), tool_config=str(repo_root / "config/tools/memory_tools.yaml"),
+            embedding_model=full["memory"]["embedding_model"], run_dir=str(run_dir),
+            reward={**reward, "training_stage": training_stage}, fixed=ENDPOINT, verl={},
+            env=slurm_env(table, f"train_{section}", model), max_content_chars=full["memory"]["max_content_chars"],
+        )  # fmt: skip
+        resolved = OmegaConf.load(run_dir / vl.RESOLVED_CONFIG)
+        job = table.job(f"train_{section}", model)
+        assert (resolved.trainer.nnodes, resolved.trainer.n_gpus_per_node) == (job.nodes, job.gpus_per_node)
+        rollout = resolved.actor_rollout_ref.rollout
+        assert rollout.n == 8 and resolved.data.train_batch_size == 32 and rollout.multi_turn.enable
+        assert resolved.actor_rollout_ref.model.path == full["models"][model]["name_or_path"]
+        assert resolved.reward.custom_reward_function.reward_kwargs.scorer == "reader"
+        assert "verl.trainer.main_ppo" in " ".join(command)
+
+
+def test_memagent_7b_composes_against_verl_with_memagents_budgets(full, repo_root, tmp_path):
+    experiment = full["experiments"]["memagent_7b"]
+    table = read_table(repo_root / "profiles/slurm/resources.yaml", full["models"])
+    job = table.job("train_memagent", experiment["policy"])
+    settings = {k: v for k, v in experiment["train"].items() if k != "num_docs"}
+    run_dir = tmp_path / "memagent"
+    vl.prepare_memagent_ppo(
+        model_path=full["models"][experiment["policy"]]["name_or_path"], train_files=tmp_path / "train.parquet",
+        val_files=tmp_path / "test.parquet", loop=experiment["loop"], n_gpus_per_node=job.gpus_per_node,
+        nnodes=job.nodes, experiment_dir=run_dir, extra=settings,
+    )  # fmt: skip
+    resolved = OmegaConf.load(run_dir / vl.RESOLVED_CONFIG)
+    assert (resolved.trainer.nnodes, resolved.trainer.n_gpus_per_node) == (4, 8)
+    assert resolved.actor_rollout_ref.rollout.n == 16 and resolved.data.train_batch_size == 128
+    # A turn holds a 5,000-token chunk and the 1,024-token memory; a reply is at most 1,024 tokens.
+    assert resolved.actor_rollout_ref.rollout.prompt_length == 5000 + 1024 + 1024
+    assert resolved.actor_rollout_ref.rollout.response_length == 1024
+    assert experiment["train"]["num_docs"] == 200 and experiment["eval"]["num_docs"][0] == 50
