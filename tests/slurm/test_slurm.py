@@ -71,7 +71,8 @@ def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
     rows["train_stage1"]["tiny-random"] = {"nodes": 2, "gpus_per_node": 2}
     table.write_text(yaml.safe_dump(rows))
     start = time.time()
-    args = ["--profile", "profiles/slurm", "results/tiny/stage1/ckpt", "--slurm-init-seconds-before-status-checks",
+    # The brief's short path: the default experiment's (tiny's) stage-1 checkpoint, trained on Slurm.
+    args = ["--profile", "profiles/slurm", "results/stage1/ckpt", "--slurm-init-seconds-before-status-checks",
             "2", "--slurm-jobname-prefix", run_name, "--configfile", "config/experiments/tiny.yaml", "slurm-ci.yaml"]  # fmt: skip
     result = snakemake(slurm_workdir, *args)
     log = result.stdout + result.stderr
@@ -93,6 +94,11 @@ def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
     assert "stopped the tiny-qa-base server" in log
     manifest = json.loads((slurm_workdir / "results/tiny/stage1/ckpt/manifest.json").read_text())
     assert manifest["step"] == 1
+    # Linked on the submitting host (a local rule, no Slurm job for a hard link).
+    assert (slurm_workdir / "results/stage1/ckpt/manifest.json").stat().st_ino == (
+        slurm_workdir / "results/tiny/stage1/ckpt/manifest.json"
+    ).stat().st_ino
+    assert not any("default_checkpoint" in c for c in jobs)
     rerun = snakemake(slurm_workdir, *args)
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
 
