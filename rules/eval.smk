@@ -25,5 +25,6 @@ rule eval_locomo:
         tool_config="config/tools/memory_tools.yaml",
         embedding_model=EMBEDDING_MODEL,
         published="config/published_locomo.yaml",
+        split=config["data"]["locomo"]["split"],
     script:
         "../workflow/scripts/eval_locomo.py"

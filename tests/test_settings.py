@@ -73,9 +73,9 @@ def test_the_shipped_configs_pass_and_keep_their_values():
         ({"reward": {"top_k": "5"}}, "reward.top_k: '5' is not an integer"),
         ({"serving": {"slurm": {"gres": "gpu"}}}, "serving.slurm.gres: 'gpu' does not match"),
         ({"models": {"tiny-random": {"heads": 3}}}, "models.tiny-random: hidden_size, heads, kv_heads must nest"),
-        ({"data": {"locomo": {"split": {"test": ["conv-48", "conv-99"]}}}}, "data.locomo.split.test[1]: no conversation 'conv-99' in the LoCoMo file"),
-        ({"data": {"locomo": {"split": {"val": ["conv-47", "conv-47"]}}}}, "data.locomo.split.val[1]: 'conv-47' is already in data.locomo.split.val"),
-        ({"data": {"locomo": {"split": {"test": ["conv-26"]}}}}, "'conv-26' is already in data.locomo.split.train"),
+        ({"data": {"locomo": {"splits": {"ours": {"test": ["conv-48", "conv-99"]}}}}}, "data.locomo.splits.ours.test[1]: no conversation 'conv-99' in the LoCoMo file"),
+        ({"data": {"locomo": {"splits": {"ours": {"val": ["conv-47", "conv-47"]}}}}}, "data.locomo.splits.ours.val[1]: 'conv-47' is already in data.locomo.splits.ours.val"),
+        ({"data": {"locomo": {"splits": {"ours": {"test": ["conv-26"]}}}}}, "'conv-26' is already in data.locomo.splits.ours.train"),
     ],
 )
 def test_a_bad_setting_fails_with_its_path_value_and_what_is_allowed(override, expected):
@@ -181,3 +181,11 @@ def test_a_scales_settings_are_merged_over_the_config_when_it_is_chosen():
 )  # fmt: skip
 def test_scale_problems_are_named(override, message):
     assert message in problems(merged(override))
+
+
+def test_the_memory_r1_split_is_an_option_and_an_unknown_split_is_named():
+    r1 = merged(yaml.safe_load((REPO / "config/experiments/memory_r1_split.yaml").read_text()))
+    check_config(r1, SCHEMA, root=REPO)
+    assert r1["data"]["locomo"]["splits"][r1["data"]["locomo"]["split"]]["train"] == ["conv-26"]
+    message = problems(merged({"data": {"locomo": {"split": "memory-r1"}}}))
+    assert "data.locomo.split: 'memory-r1' is not defined in data.locomo.splits; did you mean memory_r1?" in message

@@ -723,7 +723,11 @@ def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
     for split, key in config["data"]["hotpotqa"]["splits"].items():
         if key not in files:
             errors.append(_dangling(f"data.hotpotqa.splits.{split}", key, "data.files", files))
-    errors += _split_errors(locomo["split"], _conversation_ids(config, root))
+    if locomo["split"] not in locomo["splits"]:
+        errors.append(_dangling("data.locomo.split", locomo["split"], "data.locomo.splits", locomo["splits"]))
+    known = _conversation_ids(config, root)
+    for name, split in locomo["splits"].items():
+        errors += _split_errors(split, known, f"data.locomo.splits.{name}")
     return errors
 
 
@@ -737,15 +741,15 @@ def _dangling(path: str, name: Any, section: str, have: Mapping[str, Any]) -> st
     return f"{path}: {_show(name)} is not defined in {section}{hint} (defined: {', '.join(have)})"
 
 
-def _split_errors(split: Mapping[str, list[str]], known: set[str] | None) -> list[str]:
+def _split_errors(split: Mapping[str, list[str]], known: set[str] | None, where: str) -> list[str]:
     errors, seen = [], {}
     for part, ids in split.items():
         for i, sample_id in enumerate(ids):
-            path = f"data.locomo.split.{part}[{i}]"
+            path = f"{where}.{part}[{i}]"
             if sample_id in seen:
                 errors.append(f"{path}: {sample_id!r} is already in {seen[sample_id]}; a conversation belongs to one split")
                 continue
-            seen[sample_id] = f"data.locomo.split.{part}"
+            seen[sample_id] = f"{where}.{part}"
             if known is not None and sample_id not in known:
                 close = difflib.get_close_matches(sample_id, sorted(known), n=1)
                 hint = f"; did you mean {close[0]}?" if close else ""

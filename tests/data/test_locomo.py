@@ -1,8 +1,10 @@
 import json
 from collections import Counter
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from memupdate.data.locomo import (
     CATEGORY_NAMES,
@@ -301,3 +303,13 @@ def test_a_failed_rerun_leaves_none_of_the_previous_outputs(locomo_path, tmp_pat
     with pytest.raises(LocomoFormatError, match="field 'answer' is empty"):
         preprocess_locomo(bad, outputs_in(out), split=SMALL_SPLIT, summary_path=out / "summary.json")
     assert list(out.iterdir()) == []
+
+
+def test_the_memory_r1_split_gives_its_published_question_counts(locomo_path, tmp_path):
+    """Memory-R1: 152 / 81 / 1,307 questions of categories 1-4 (conversation 1 / 2 / 3-10)."""
+    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "config/config.yaml").read_text())
+    split = config["data"]["locomo"]["splits"]["memory_r1"]
+    summary = preprocess_locomo(locomo_path, outputs_in(tmp_path), split=split, split_name="memory_r1")
+    assert summary["split"] == "memory_r1"
+    counts = {part: sum(n for c, n in s["by_category"].items() if int(c) <= 4) for part, s in summary["splits"].items()}
+    assert counts == {"train": 152, "val": 81, "test": 1307}

@@ -87,10 +87,12 @@ def test_report_numbers_are_recomputed_from_the_saved_predictions(tmp_path):
     )  # fmt: skip
     out = report.build_report(
         tmp_path, {"stage1+qa_base": predictions}, experiment="exp", settings={"top_k": 5}, judge="exp-qa-base",
-        training_metrics={"stage1": metrics_file, "stage2": tmp_path / "absent.jsonl"},
+        training_metrics={"stage1": metrics_file, "stage2": tmp_path / "absent.jsonl"}, split="memory_r1",
     )  # fmt: skip
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved == json.loads(json.dumps(out))
+    # Which split the test conversations come from: only runs on the same split compare.
+    assert saved["split"] == "memory_r1" and "(the memory_r1 split)" in (tmp_path / "report.md").read_text()
     row = saved["systems"]["stage1+qa_base"]
     # The unanswered question (q4) scores 0 and stays in every mean: all four questions count.
     locomo_f1 = [metrics.locomo_f1(r["predictions"]["locomo"], r["answer"] or "", r["category"]) for r in PREDICTIONS[:3]]

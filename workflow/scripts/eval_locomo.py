@@ -17,4 +17,5 @@ evaluate_locomo(
     settings=params.settings,
     training_metrics=params.training_metrics,
     published=params.published,
+    split=params.split,
 )

@@ -7,6 +7,7 @@ preprocess_locomo(
     snakemake.input.data,
     {"train": out.train, "val": out.val, "test": out.test, "memories": out.memories},
     split=snakemake.params.split,
+    split_name=snakemake.params.split_name,
     memory_sources=snakemake.params.memory_sources,
     drop_categories=snakemake.params.drop_categories,
     summary_path=out.summary,

@@ -619,6 +619,7 @@ def preprocess_locomo(
     outputs: dict[str, str | Path],
     *,
     split: dict[str, Sequence[str]],
+    split_name: str | None = None,
     memory_sources: Sequence[str] = ("observation",),
     drop_categories: dict[str, Sequence[int]] | None = None,
     summary_path: str | Path | None = None,
@@ -627,7 +628,8 @@ def preprocess_locomo(
 
     ``outputs`` maps each split name and ``"memories"`` to a path. ``drop_categories`` maps a split to
     the categories left out of it (default: category 5 out of ``train`` and ``val``, kept in ``test``
-    for the official evaluation). Returns (and optionally writes) a summary with per-split counts.
+    for the official evaluation). ``split_name`` names the split in the summary (``ours``, ``memory_r1``), so a
+    result says which questions it was measured on. Returns (and optionally writes) a summary with per-split counts.
     """
     if drop_categories is None:
         drop_categories = {"train": [5], "val": [5]}
@@ -650,6 +652,7 @@ def preprocess_locomo(
         summary: dict[str, Any] = {
             "input": str(input_path),
             "input_sha256": sha256_file(input_path),
+            "split": split_name,
             "memory_sources": list(memory_sources),
             "memories": dict(sorted(memory_counts.items())),
             "qa_total": len(qa),

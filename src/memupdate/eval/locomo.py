@@ -473,9 +473,10 @@ def _max_model_len(endpoint: Endpoint) -> int:
 def evaluate_locomo(
     *, experiment: str, test_file: str, memories: str, embeddings: str, embedding_model: str, tool_config: str,
     conversations: str | None, markers: Mapping[str, str], out_dir: str, settings: Mapping[str, Any] | None = None,
-    training_metrics: Mapping[str, str] | None = None, published: str | None = None,
+    training_metrics: Mapping[str, str] | None = None, published: str | None = None, split: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The ``eval_locomo`` rule: predict with every system the served models allow, then write the report.
+    """The ``eval_locomo`` rule: predict with every system the served models allow, then write the report
+    (``split``: the name of the LoCoMo split the test file comes from, stated in the report).
 
     ``markers`` maps serve names (``qa-base``, ``stage1``, ``stage2``) to readiness markers. Systems:
     ``no_update`` and ``full_context`` (qa-base), ``stage1+qa_base`` (needs stage1) and ``stage1+stage2``
@@ -515,5 +516,5 @@ def evaluate_locomo(
     paths = asyncio.run(main())
     return build_report(
         out_dir, paths, experiment=experiment, settings=asdict(evaluator.settings), judge=judge_name,
-        training_metrics=training_metrics, published=published,
+        training_metrics=training_metrics, published=published, split=split,
     )  # fmt: skip

@@ -375,7 +375,8 @@ def _markdown(report: Mapping[str, Any]) -> str:
     systems = report["systems"]
     lines = [f"# LoCoMo evaluation: {report['experiment']}", ""]
     lines += [
-        f"{report['questions']} test questions from {', '.join(report['conversations'])}, the same questions for "
+        f"{report['questions']} test questions from {', '.join(report['conversations'])}"
+        f"{' (the ' + report['split'] + ' split)' if report.get('split') else ''}, the same questions for "
         f"every system (top-{report['settings'].get('top_k')} memories within {report['settings'].get('context_chars')} "
         f"characters); judge: {report['judge'] or 'none (J not computed)'}. Scores in %. A question a system did "
         "not answer scores 0 (column *unanswered*); only full_context may skip a question whose conversation "
@@ -479,8 +480,10 @@ def build_report(
     judge: str | None = None,
     training_metrics: Mapping[str, str | Path] | None = None,
     published: str | Path | None = None,
+    split: str | None = None,
 ) -> dict[str, Any]:
-    """Write ``report.json``, ``report.md``, ``report.html`` and the plots into ``out_dir``; return the report."""
+    """Write ``report.json``, ``report.md``, ``report.html`` and the plots into ``out_dir``; return the report.
+    ``split`` names the LoCoMo split the test conversations come from (``data.locomo.split``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     systems, conversations, questions, asked = {}, set(), 0, {}
@@ -503,6 +506,7 @@ def build_report(
     report: dict[str, Any] = {
         "experiment": experiment,
         "questions": questions,
+        "split": split,
         "conversations": sorted(conversations),
         "settings": dict(settings),
         "judge": judge,
