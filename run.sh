@@ -12,16 +12,18 @@ VENV=${MEMUPDATE_VENV:-.venv}
 log() { printf '[run.sh] %s\n' "$*" >&2; }
 
 # The CPU build of torch first: from PyPI, pip takes the Linux build with gigabytes of CUDA libraries. PyTorch's
-# own CPU index has the CPU build; it is used when it answers within a few seconds. Otherwise (an offline machine,
-# or one whose pip is set up with a local wheel, as this project's CI is) pip installs from what it is configured
-# with. Either way the log says which build it got; constraints/cpu.txt then keeps it.
+# own CPU index has the CPU build (and torch's dependencies: this is PyTorch's documented CPU install); it is used
+# when it answers. Otherwise (an offline machine, or one whose pip is set up with a local wheel, as this project's
+# CI is) pip installs from what it is configured with. Either way the log says which build it got;
+# constraints/cpu.txt (torch==2.13.0, which 2.13.0+cpu satisfies) then keeps it.
 TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 
 install_cpu_torch() {
-    if "$VENV/bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
+    # `timeout` caps the probe as a whole: urlopen's own timeout does not cover a stalled DNS lookup.
+    if timeout 8 "$VENV/bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
         "$TORCH_CPU_INDEX/torch/" 2>/dev/null; then
-        "$VENV/bin/python" -m pip install --quiet --index-url "$TORCH_CPU_INDEX" \
-            --extra-index-url https://pypi.org/simple torch==2.13.0
+        log "installing torch==2.13.0 from PyTorch's CPU index $TORCH_CPU_INDEX"
+        "$VENV/bin/python" -m pip install --quiet --index-url "$TORCH_CPU_INDEX" torch==2.13.0
     else
         log "$TORCH_CPU_INDEX is unreachable: installing torch==2.13.0 from pip's configured index"
         "$VENV/bin/python" -m pip install --quiet torch==2.13.0
