@@ -166,6 +166,9 @@ def test_rebuilt_report_takes_settings_and_judge_from_the_predictions(tmp_path):
     assert list(out["systems"]) == ["no_update", "stage1+qa_base"]  # the report's fixed order, stale files skipped
     assert out["judge"] == "exp-qa-base" and out["settings"]["top_k"] == 7
     assert "| no_update | qa: qa-base |" in (tmp_path / "report.md").read_text()
+    # The split's name: given, else the replaced report's.
+    assert report.rebuild_report(tmp_path, experiment="exp", split="memory_r1")["split"] == "memory_r1"
+    assert report.rebuild_report(tmp_path, experiment="exp")["split"] == "memory_r1"
     (folder / "no_update.jsonl").write_text(json.dumps(dict(PREDICTIONS[0], judge_model="other")) + "\n")
     with pytest.raises(ValueError, match="different judges"):
         report.rebuild_report(tmp_path, experiment="exp")

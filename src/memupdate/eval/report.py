@@ -534,9 +534,14 @@ def rebuild_report(
     experiment: str,
     training_metrics: Mapping[str, str | Path] | None = None,
     published: str | Path | None = None,
+    split: str | None = None,
 ) -> dict[str, Any]:
     """The report again from ``out_dir/predictions`` alone (``memupdate eval report``): the settings come
-    from the predictions' fingerprints, the judge's name from the judged records."""
+    from the predictions' fingerprints, the judge's name from the judged records, the split's name from
+    ``split`` or else the report being replaced."""
+    previous = Path(out_dir) / "report.json"
+    if split is None and previous.is_file():
+        split = json.loads(previous.read_text(encoding="utf-8")).get("split")
     folder = Path(out_dir) / "predictions"
     files = {p.name[: -len(".jsonl")]: p for p in folder.glob("*.jsonl") if not p.name.endswith(".stale.jsonl")}
     if not files:
@@ -554,5 +559,5 @@ def rebuild_report(
         raise ValueError(f"predictions in {folder} were judged by different judges {sorted(judges)}; rerun the evaluation")
     return build_report(
         out_dir, predictions, experiment=experiment, settings=settings, judge=next(iter(judges), None),
-        training_metrics=training_metrics, published=published,
+        training_metrics=training_metrics, published=published, split=split,
     )  # fmt: skip
