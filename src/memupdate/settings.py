@@ -141,6 +141,16 @@ class TrainSettings:
         factory=dict,
         schema=ServeSettings,
     )
+    # The names verl 0.9.1's Tracking accepts (tests/training/test_tracking.py keeps them in step with it);
+    # written out because the Snakefile checks settings without importing verl.
+    logger: list[Literal[
+        "console", "tensorboard", "file", "wandb", "mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio",
+        "rl_insight",
+    ]] = setting(
+        help="verl tracking backends (trainer.logger); the default needs no account: tensorboard writes to "
+        "<run>/tensorboard. wandb, mlflow, ... read their keys from the environment (WANDB_API_KEY, ...)",
+        factory=lambda: ["console", "tensorboard"],
+    )  # fmt: skip
 
 
 @dataclass

@@ -2,12 +2,47 @@
 tools, verl's reward loop, verl's GRPO advantage and losses, AdamW, checkpoints."""
 
 import json
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from verl.experimental.reward_loop.reward_manager import register
+from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from memupdate.training.local import LocalGRPOTrainer, train_local
+from memupdate.utils.io import sha256_file
+
+#: A reward whose float32 group mean over 8 rollouts misses it by an ulp (see the zero-advantage test).
+CONSTANT_REWARD = 0.7
+
+
+@register("test_constant")
+class ConstantReward(RewardManagerBase):
+    """Every rollout gets the same reward: no group has anything to learn."""
+
+    def __init__(self, config, tokenizer, compute_score=None, **kwargs):
+        super().__init__(config, tokenizer, compute_score)
+
+    async def run_single(self, data):
+        return {"reward_score": CONSTANT_REWARD, "reward_extra_info": {}}
+
+
+def scalars(log_dir, tag) -> dict[int, float]:
+    """``{step: value}`` of a tensorboard scalar, read back as tensorboard reads the run's event files."""
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    steps = [e.step for e in events.Scalars(tag)]
+    assert len(steps) == len(set(steps)), f"{tag} logged twice at some step: {steps}"
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def next_second():
+    """Event files are read in name order, and a name holds the second it was opened and a per-process
+    counter (9 sorts after 10): writers opened within one second of each other in one process may be read
+    out of order. Runs are separate processes, seconds apart; the tests wait for the next second."""
+    time.sleep(1.01 - time.time() % 1)
 
 
 @pytest.mark.slow
@@ -19,12 +54,25 @@ def test_memory_reward_run_writes_a_checkpoint_that_loads(tmp_path, tiny_model, 
     run = tmp_path / "run"
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2] and metrics["step"] == 2
+    # Each step also went through verl's Tracking, into the run's own tensorboard folder.
+    rewards = scalars(run / "tensorboard", "reward_mean")
+    assert rewards == pytest.approx({m["step"]: m["reward_mean"] for m in lines})
+    assert set(scalars(run / "tensorboard", "seconds/rollout")) == {1, 2}
+    # What the curve came from: the code's commit, the settings' digest, the data's hashes.
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["config_digest"] == cfg.digest() and len(info["git"]["commit"]) == 40
+    assert isinstance(info["git"]["dirty"], bool)
+    assert set(info["data_sha256"]) == {"train_files", "memories", "embeddings"}
+    assert info["data_sha256"]["train_files"] == [
+        {"path": cfg.train_files[0], "sha256": sha256_file(cfg.train_files[0])}
+    ]
     assert sum(metrics["termination"].values()) == 8
     assert set(metrics["seconds"]) == {
         "rollout", "generation", "fixed_model", "reward", "tools_and_other", "update", "weight_sync"
     }
     manifest = json.loads((run / "ckpt" / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["config_digest"] == cfg.digest()
+    assert manifest["git"] == info["git"] and manifest["data_sha256"] == info["data_sha256"]
     assert AutoModelForCausalLM.from_pretrained(run / "ckpt") is not None
     assert (
         json.loads((run / "resolved_config.json").read_text())["verl"]["reward"]["reward_manager"]["name"]
@@ -58,9 +106,21 @@ def test_grpo_learns_a_toy_reward_changes_weights_and_resumes(tmp_path, tiny_mod
     # logging a step it never saved, mid-line, keeps only the saved steps' metrics.
     with (tmp_path / "run" / "metrics.jsonl").open("a") as fh:
         fh.write(json.dumps({"step": 21, "reward_mean": 0.0}) + '\n{"step": 2')
+    # The killed run had logged that step to tensorboard too.
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(tmp_path / "run" / "tensorboard") as writer:
+        writer.add_scalar("reward_mean", -1.0, 21)
+    next_second()
     resumed = LocalGRPOTrainer(cfg.__class__(**{**cfg.__dict__, "steps": 22}))
     assert resumed.step == 20
     assert resumed.train()["step"] == 22
+    # The tracker logs from the resumed step on, and the killed run's unsaved step is hidden.
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert scalars(tmp_path / "run" / "tensorboard", "reward_mean") == pytest.approx(
+        {m["step"]: m["reward_mean"] for m in logged}
+    )
+    assert list(scalars(tmp_path / "run" / "tensorboard", "reward_mean")) == list(range(1, 23))
 
     # Another configuration (or a finished run asked for again) starts afresh; the old run is kept aside.
     changed = cfg.__class__(**{**cfg.__dict__, "lr": 1e-3})
@@ -69,7 +129,35 @@ def test_grpo_learns_a_toy_reward_changes_weights_and_resumes(tmp_path, tiny_mod
     kept = tmp_path / "run" / "superseded" / f"{cfg.digest()}-step22"
     assert sorted(p.name for p in (kept / "checkpoints").iterdir())[-1] == "step_000022"
     assert len((kept / "metrics.jsonl").read_text().splitlines()) == 22
+    assert (kept / "tensorboard").is_dir() and not (tmp_path / "run" / "tensorboard").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_step_without_advantages_skips_the_update(tmp_path, tiny_model, grpo_config, memory_env):
+    """Every rollout scores the same: the step has nothing to learn, so no backward, no optimizer step, and
+    metrics.jsonl says so; a step with spread in its rewards still updates."""
+    # verl's float32 group mean of 8 equal scores misses them by an ulp, which the std division blows up
+    # to advantages of ~0.06: without zeroing them, this run would train on noise.
+    scores = torch.full((8,), CONSTANT_REWARD)
+    assert scores.mean() != scores[0]
+    base = load_file(tiny_model / "model.safetensors")
+    settings = dict(steps=1, prompts_per_step=1, rollout_n=8, lr=3e-2, kl_coef=0.0, max_assistant_turns=1)
+
+    cfg = grpo_config(tiny_model, run_dir=tmp_path / "constant", reward_manager="test_constant", **settings)
+    metrics = train_local(cfg)
+    assert metrics["reward_std"] == 0.0
+    assert metrics["update_skipped"] == "all advantages are zero"
+    assert metrics["pg_loss"] == 0.0 and metrics["grad_norm"] == 0.0
+    after = load_file(tmp_path / "constant" / "ckpt" / "model.safetensors")
+    assert all(torch.equal(base[k], after[k]) for k in base)
+    assert scalars(tmp_path / "constant" / "tensorboard", "update_skipped") == {1: 1.0}
+
+    cfg = grpo_config(tiny_model, run_dir=tmp_path / "spread", reward_manager="test_token_share", **settings)
+    metrics = train_local(cfg)
+    assert metrics["reward_std"] > 0 and metrics["update_skipped"] is None and metrics["grad_norm"] > 0
+    after = load_file(tmp_path / "spread" / "ckpt" / "model.safetensors")
+    assert any(not torch.equal(base[k], after[k]) for k in base)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ config, and the files a run writes. Nothing here needs a GPU; main_ppo itself is
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import shutil
 import sys
@@ -15,6 +16,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from memupdate.training import verl_launcher as vl
+from memupdate.utils.io import sha256_file
 
 ENDPOINT = {"base_url": "http://n1:8000/v1", "model": "stage1"}
 
@@ -107,6 +109,9 @@ def test_stage1_command(run):
         "MEMUPDATE_MEMORIES": str(run["memories"]),
         "MEMUPDATE_EMBEDDINGS": str(run["embeddings"]),
         "MEMUPDATE_EMBEDDING_MODEL": "all-MiniLM-L6-v2",
+        # verl's tensorboard and file trackers write into the run, not the Ray worker's working directory.
+        "TENSORBOARD_DIR": f"{run_dir}/tensorboard",
+        "VERL_FILE_LOGGER_PATH": f"{run_dir}/tracking.jsonl",
     }
     # The same variables go to every Ray worker, as strings (Ray rejects other env values).
     for name, value in env.items():
@@ -273,6 +278,49 @@ def test_prepare_writes_the_run_files(run):
 
     assert set(kwargs) - {"name"} <= set(inspect.signature(MemoryUpdateAgentLoop.__init__).parameters)
     assert argv == vl.build_main_ppo_command("qa", fixed_model_endpoint=ENDPOINT, **run)[0]
+
+
+def test_runs_track_offline_and_record_commit_config_and_data(run, repo_root):
+    """trainer.logger defaults to console + tensorboard (no account); zero-variance groups are dropped; the
+    trackers get the run's record with the config, and run_info.json adds the config's digest."""
+    data = run["train_files"]
+    data.parent.mkdir(parents=True)
+    data.write_bytes(b"rows")
+    config = validate(vl.compose_overrides("memory", **run))
+    assert list(config.trainer.logger) == ["console", "tensorboard"]
+    assert config.algorithm.filter_groups.enable is True and config.algorithm.filter_groups.metric == "reward"
+    record = OmegaConf.to_container(config[vl.RUN_RECORD])
+    assert record["data_sha256"]["train_files"] == [{"path": str(data), "sha256": sha256_file(data)}]
+    assert record["data_sha256"]["memories"] == [{"path": str(run["memories"]), "sha256": None}]
+    assert len(record["git"]["commit"]) == 40
+
+    vl.prepare_main_ppo("memory", **run)
+    run_dir = run["experiment_dir"]
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["config_digest"] == sha256_file(run_dir / "resolved_config.yaml")
+    assert {k: info[k] for k in record} == record and info["backend"] == "verl"
+    # The record is not a setting: a new commit leaves the digest of the settings as it was.
+    assert vl.RUN_RECORD not in OmegaConf.load(run_dir / "resolved_config.yaml")
+    # The exported checkpoint's manifest carries them (read before the minutes-long FSDP merge).
+    from memupdate.training.stages import verl_run_record
+
+    assert verl_run_record(run_dir) == {k: info[k] for k in ("git", "config_digest", "data_sha256")}
+    (run_dir / "run_info.json").unlink()
+    with pytest.raises(FileNotFoundError, match="run_info.json is missing"):
+        verl_run_record(run_dir)
+
+    memagent = validate_memagent(run)
+    assert list(memagent.trainer.logger) == ["console", "tensorboard"]
+    assert memagent.algorithm.filter_groups.enable is True
+    assert memagent.ray_kwargs.ray_init.runtime_env.env_vars.TENSORBOARD_DIR == str(run_dir / "tensorboard")
+
+
+def validate_memagent(run):
+    overrides = vl.memagent_overrides(
+        model_path=run["model_path"], train_files=run["train_files"], val_files=run["val_files"], loop={},
+        n_gpus_per_node=1, nnodes=1, experiment_dir=run["experiment_dir"],
+    )  # fmt: skip
+    return vl.validate_overrides(vl.CONFIG_DIR, vl.MEMAGENT_CONFIG_NAME, overrides)
 
 
 def test_prepare_writes_nothing_when_validation_fails(run):

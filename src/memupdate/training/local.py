@@ -15,7 +15,12 @@ verl's own pieces directly instead:
 
 It writes the layout downstream rules read whichever backend ran: ``<run>/ckpt/`` (HF model, tokenizer,
 ``manifest.json``), plus ``<run>/checkpoints/step_N/`` (with optimizer state, for resuming),
-``<run>/metrics.jsonl`` and ``<run>/resolved_config.json``.
+``<run>/metrics.jsonl`` and ``<run>/resolved_config.json``. Each step's metrics also go to verl's
+``Tracking`` (``logger``: console and ``<run>/tensorboard/`` by default), which gets ``<run>/run_info.json``
+(commit, config digest, data hashes; :mod:`memupdate.training.tracking`) as the run's config.
+
+A step whose advantages are all zero (every group's rollouts got one reward) has nothing to learn from and
+skips the update (:meth:`LocalGRPOTrainer._update`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import os
 import random
 import shutil
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,9 +54,20 @@ from verl.workers.config import ActorConfig
 from memupdate.agents import fields, memory_loop
 from memupdate.serving.hf_server import HFGenerateServer
 from memupdate.settings import ServeSettings, TrainSettings, build, clean
+from memupdate.training.tracking import (
+    PROJECT,
+    TENSORBOARD_DIR,
+    TRACKING_FILE,
+    experiment_name,
+    flat_metrics,
+    open_tracker,
+    run_info,
+    run_record,
+    write_run_info,
+)
 from memupdate.training.vllm_rollout import VLLMRollout, exit_on_sigterm
 from memupdate.training.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, TURN_INDEX_KEY, in_process_workers
-from memupdate.utils.io import sha256_file, write_json_atomic, write_text_atomic
+from memupdate.utils.io import write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +112,10 @@ class LocalGRPOConfig(TrainSettings):
             raise ValueError(f"rollout must be one of {ROLLOUTS}, got {self.rollout!r}")
 
     def digest(self) -> str:
-        """Names the run: everything that shapes a step, but not how many steps (extending a run resumes it)."""
+        """Names the run: everything that shapes a step, but not how many steps (extending a run resumes it)
+        nor where its metrics are logged."""
         settings = asdict(self)
-        settings.pop("steps"), settings.pop("save_every")
+        settings.pop("steps"), settings.pop("save_every"), settings.pop("logger")
         # A served model's address changes with every server start; the model it serves is what counts.
         if self.fixed_model:
             settings["fixed_model"] = {k: v for k, v in self.fixed_model.items() if k != "base_url"}
@@ -185,6 +202,19 @@ def run_config(cfg: LocalGRPOConfig):
     return verl_config(cfg, agent_loop_config)
 
 
+def constant_groups(batch: DataProto) -> np.ndarray:
+    """Per row: whether its GRPO group (rows of one ``uid``) has two or more trajectories that all got the
+    same reward. A trajectory's reward is its final row's; a group of one keeps verl's advantage (its score)."""
+    final = batch.non_tensor_batch[FINAL_MASK_KEY].astype(bool)
+    uids = batch.non_tensor_batch["uid"]
+    scores = batch.batch["rm_scores"].sum(-1).numpy()
+    groups: dict[Any, list[float]] = defaultdict(list)
+    for uid, score in zip(uids[final], scores[final], strict=True):
+        groups[uid].append(float(score))
+    constant = {uid for uid, group in groups.items() if len(group) > 1 and min(group) == max(group)}
+    return np.array([uid in constant for uid in uids], dtype=bool)
+
+
 def response_log_probs(model, batch: DataProto, grad: bool, temperature: float = 1.0) -> torch.Tensor:
     """Log-probabilities of the response tokens under ``model`` sampled at ``temperature`` ([B,
     response_length]): the rollout drew tokens from ``softmax(logits / temperature)``, so that is the
@@ -231,6 +261,9 @@ class LocalGRPOTrainer:
         write_json_atomic(self.run_dir / "resolved_config.json", {
             "memupdate": asdict(cfg), "verl": OmegaConf.to_container(self.config, resolve=True)
         })
+        data = {"train_files": cfg.train_files, "memories": cfg.memories, "embeddings": cfg.embeddings}
+        self.run_info = run_info(cfg.digest(), run_record(data), backend="local", base_model=cfg.model_path)
+        write_run_info(self.run_dir, self.run_info)
         # rollout: vllm starts its server when training starts (train()), not for a trainer only inspected.
         self.rollout: VLLMRollout | None = None
         self.server = HFGenerateServer(self.policy, self.tokenizer, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
@@ -265,7 +298,7 @@ class LocalGRPOTrainer:
         if target.exists():
             shutil.rmtree(target)
         target.mkdir(parents=True, exist_ok=True)
-        for name in ("checkpoints", "metrics.jsonl"):
+        for name in ("checkpoints", "metrics.jsonl", TENSORBOARD_DIR, TRACKING_FILE):
             if (self.run_dir / name).exists():
                 (self.run_dir / name).rename(target / name)
         logger.warning("%s holds %s (digest %s, this one %s); moved it to %s and starting afresh",
@@ -305,7 +338,8 @@ class LocalGRPOTrainer:
             "backend": "local",
             "step": self.step,
             "config_digest": self.cfg.digest(),
-            "data_sha256": {f: sha256_file(f) for f in self.cfg.train_files},
+            "git": self.run_info["git"],
+            "data_sha256": self.run_info["data_sha256"],
             "base_model": self.cfg.model_path,
             "metrics": metrics,
         }
@@ -344,11 +378,32 @@ class LocalGRPOTrainer:
         data = compute_advantage_for_multi_trajectories(
             data, keys, AdvantageEstimator.GRPO, norm_adv_by_std_in_grpo=self.cfg.norm_adv_by_std
         )
-        return data.batch["advantages"]
+        advantages = data.batch["advantages"]
+        # A group whose rollouts all got one reward has no advantage; verl's float32 group mean of equal
+        # scores can miss the score by an ulp, which division by the (near-zero) std turns into advantages
+        # up to ~0.06 of either sign. Zeroed, so such a group teaches nothing, as GRPO means.
+        advantages[torch.from_numpy(constant_groups(batch))] = 0.0
+        return advantages
 
-    def _update(self, batch: DataProto) -> dict[str, float]:
+    def _update(self, batch: DataProto) -> dict[str, Any]:
+        """One policy-gradient step on ``batch``; skipped (no reference forward, no backward, no optimizer
+        step) when no token has a non-zero advantage: the policy-gradient term is zero, and the KL term alone
+        would only pull the policy back towards the reference with nothing learnt. DAPO's dynamic sampling
+        (verl's algorithm.filter_groups, on in config/verl; an option in MemAgent's fork) drops such
+        zero-variance groups from a batch entirely; a step made only of them is dropped here. AdamW would
+        otherwise still move the weights by its momentum."""
         mask = batch.batch["response_mask"].float()
         batch.batch["advantages"] = self._advantages(batch)
+        skipped = None
+        if not mask.any():
+            skipped = "no trained tokens in any trajectory"
+            # Unlike a batch without reward spread, this points at budgets (e.g. the served role used them all).
+            logger.warning("step %d: %s; the update is skipped", self.step + 1, skipped)
+        elif not batch.batch["advantages"][mask.bool()].any():
+            skipped = "all advantages are zero"
+            logger.info("step %d: %s; the update is skipped", self.step + 1, skipped)
+        if skipped:
+            return {"pg_loss": 0.0, **({"kl": 0.0} if self.cfg.kl_coef else {}), "grad_norm": 0.0, "update_skipped": skipped}
         if self.cfg.kl_coef:
             ref = [response_log_probs(self.reference, mb, False, self.cfg.temperature) for mb in batch.split(self.cfg.micro_batch_size)]
             batch.batch["ref_log_prob"] = torch.cat(ref)
@@ -356,8 +411,6 @@ class LocalGRPOTrainer:
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
         stats = Counter(pg_loss=0.0, **({"kl": 0.0} if self.cfg.kl_coef else {}))
-        if not mask.any():
-            logger.warning("step %d has no trained tokens in any trajectory; the update is skipped", self.step)
         for mb in batch.split(self.cfg.micro_batch_size):
             mb_mask = mb.batch["response_mask"].float()
             if not mb_mask.any():
@@ -380,7 +433,7 @@ class LocalGRPOTrainer:
             stats["pg_loss"] += pg_loss.item() * share.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
-        return {**stats, "grad_norm": float(grad_norm)}
+        return {**stats, "grad_norm": float(grad_norm), "update_skipped": None}
 
     def _start_vllm_rollout(self) -> VLLMRollout:
         cfg = self.cfg
@@ -412,44 +465,57 @@ class LocalGRPOTrainer:
         worker = in_process_workers(self.config, self.server, self.timer)
         metrics: dict[str, Any] = {}
         metrics_path = self.run_dir / "metrics.jsonl"
-        with tqdm(total=cfg.steps, initial=self.step, desc="local GRPO", unit="step", disable=None) as bar:
-            while self.step < cfg.steps:
-                self.timer["reward"] = 0.0
-                tokens_before, generation_before = self.server.generated_tokens, self.server.seconds
-                fixed_before = self._fixed_model_seconds()
-                start = time.perf_counter()
-                fields.reset_request_ids(f"{cfg.seed}:{self.step}")
-                prompts = self._prompts()
-                batch = await worker.generate_sequences(prompts)
-                # The worker returns rollouts in prompt order (a trajectory's turns together) but not the
-                # grouping key.
-                batch.non_tensor_batch["uid"] = prompts.non_tensor_batch["uid"][batch.non_tensor_batch[TRAJECTORY_KEY]]
-                rollout_seconds = time.perf_counter() - start
-                start = time.perf_counter()
-                update = self._update(batch)
-                update_seconds = time.perf_counter() - start
-                self.step += 1
-                # The next rollout samples from the updated policy.
-                sync = self.rollout is not None and self.step < cfg.steps
-                sync_seconds = self.rollout.load(self.policy, self.step) if sync else 0.0
-                metrics = self._metrics(
-                    batch,
-                    update,
-                    rollout_seconds,
-                    update_seconds,
-                    self.server.generated_tokens - tokens_before,
-                    self.server.seconds - generation_before,
-                    self._fixed_model_seconds() - fixed_before,
-                    sync_seconds,
-                )
-                with metrics_path.open("a") as fh:
-                    fh.write(json.dumps(metrics) + "\n")
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
-                bar.update(1)
-                if self.step % cfg.save_every == 0 and self.step < cfg.steps:
-                    self._save(metrics)
+        # verl's Tracking has no resume: a resumed run logs from its checkpoint's step on.
+        tracker = open_tracker(cfg.logger, self.run_dir, self._tracker_config(), resume_step=self.step)
+        try:
+            with tqdm(total=cfg.steps, initial=self.step, desc="local GRPO", unit="step", disable=None) as bar:
+                while self.step < cfg.steps:
+                    self.timer["reward"] = 0.0
+                    tokens_before, generation_before = self.server.generated_tokens, self.server.seconds
+                    fixed_before = self._fixed_model_seconds()
+                    start = time.perf_counter()
+                    fields.reset_request_ids(f"{cfg.seed}:{self.step}")
+                    prompts = self._prompts()
+                    batch = await worker.generate_sequences(prompts)
+                    # The worker returns rollouts in prompt order (a trajectory's turns together) but not the
+                    # grouping key.
+                    batch.non_tensor_batch["uid"] = prompts.non_tensor_batch["uid"][batch.non_tensor_batch[TRAJECTORY_KEY]]
+                    rollout_seconds = time.perf_counter() - start
+                    start = time.perf_counter()
+                    update = self._update(batch)
+                    update_seconds = time.perf_counter() - start
+                    self.step += 1
+                    # The next rollout samples from the updated policy.
+                    sync = self.rollout is not None and self.step < cfg.steps
+                    sync_seconds = self.rollout.load(self.policy, self.step) if sync else 0.0
+                    metrics = self._metrics(
+                        batch,
+                        update,
+                        rollout_seconds,
+                        update_seconds,
+                        self.server.generated_tokens - tokens_before,
+                        self.server.seconds - generation_before,
+                        self._fixed_model_seconds() - fixed_before,
+                        sync_seconds,
+                    )
+                    with metrics_path.open("a") as fh:
+                        fh.write(json.dumps(metrics) + "\n")
+                    # The skip reason is text; trackers plot numbers.
+                    tracked = {**flat_metrics(metrics), "update_skipped": float(metrics["update_skipped"] is not None)}
+                    tracker.log(tracked, step=self.step)
+                    bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
+                    bar.update(1)
+                    if self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                        self._save(metrics)
+        finally:
+            tracker.finish()
         self.export(metrics)
         return metrics
+
+    def _tracker_config(self) -> dict[str, Any]:
+        """The run's record for the trackers' config (hyperparameters); verl's wandb reads ``trainer``."""
+        trainer = {"project_name": PROJECT, "experiment_name": experiment_name(self.run_dir), "logger": list(self.cfg.logger)}
+        return {"trainer": trainer, "run_info": self.run_info, "memupdate": asdict(self.cfg)}
 
     @staticmethod
     def _fixed_model_seconds() -> float:

@@ -246,11 +246,24 @@ def train_verl(*, run_dir: str, model: str, **kwargs: Any) -> Path:
     return run_verl(command, run_env, run_dir, model)
 
 
+def verl_run_record(run_dir: Path) -> dict[str, Any]:
+    """Commit, config digest and data sha256s of a verl run, from the ``run_info.json`` its preparation wrote."""
+    from memupdate.training.tracking import RUN_INFO
+
+    path = run_dir / RUN_INFO
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: a verl run is prepared by memupdate.training.verl_launcher, which writes it")
+    info = json.loads(path.read_text(encoding="utf-8"))
+    return {key: info[key] for key in ("git", "config_digest", "data_sha256")}
+
+
 def export_verl_checkpoint(run_dir: Path, base_model: str) -> Path:
-    """Merge the last ``global_step_*/actor`` FSDP shards into ``<run_dir>/ckpt`` (HF format + manifest)."""
+    """Merge the last ``global_step_*/actor`` FSDP shards into ``<run_dir>/ckpt`` (HF format + manifest, with
+    the run's commit, config digest and data sha256s)."""
     steps = sorted((run_dir / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
     if not steps:
         raise FileNotFoundError(f"verl wrote no checkpoint under {run_dir / 'checkpoints'}; see the training log")
+    record = verl_run_record(run_dir)  # before the merge, which takes minutes
     final, tmp = run_dir / "ckpt", run_dir / ".ckpt.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     merge = [
@@ -259,7 +272,7 @@ def export_verl_checkpoint(run_dir: Path, base_model: str) -> Path:
     ]  # fmt: skip
     subprocess.run(merge, check=True)
     step = int(steps[-1].name.rsplit("_", 1)[1])
-    write_json_atomic(tmp / "manifest.json", {"backend": "verl", "step": step, "base_model": base_model})
+    write_json_atomic(tmp / "manifest.json", {"backend": "verl", "step": step, "base_model": base_model, **record})
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final

@@ -10,7 +10,11 @@ all of it and writes the run's files.
 
 Per run, under ``experiment_dir``:
 
-- ``resolved_config.yaml``: the composed, resolved verl config the run uses;
+- ``resolved_config.yaml``: the composed, resolved verl config the run uses, but for its record
+  (``memupdate_run``: git commit, data sha256s), which verl hands to the trackers as part of the config;
+- ``run_info.json``: that record and the config digest, the sha256 of ``resolved_config.yaml``
+  (:mod:`memupdate.training.tracking`);
+- ``tensorboard/`` (verl's tensorboard backend of ``trainer.logger``; ``tracking.jsonl`` for ``file``);
 - ``agent_loops.yaml``: ``config/verl/agent_loops.yaml`` with the run's ``training_stage`` and
   ``fixed_model`` (verl passes an agent-loop entry's keys to the loop's constructor);
 - ``checkpoints/`` (verl's ``trainer.default_local_dir``), ``validation/`` (validation generations),
@@ -23,7 +27,8 @@ memory model (stage 2), ``joint`` trains both. Only the agent loop's arguments d
 The memory paths reach the tools (``config/tools/memory_tools.yaml``) and the reward manager through
 ``MEMUPDATE_*`` environment variables: returned for the driver, and forwarded to every Ray worker
 through ``ray_kwargs.ray_init.runtime_env.env_vars``, which ``main_ppo`` merges over
-``get_ppo_ray_runtime_env()`` before ``ray.init``.
+``get_ppo_ray_runtime_env()`` before ``ray.init``. verl's tracking backends read their folders the same
+way (``TENSORBOARD_DIR``, ``VERL_FILE_LOGGER_PATH``: :func:`tracking_env`), so they write into the run.
 """
 
 from __future__ import annotations
@@ -39,11 +44,19 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.errors import HydraException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from memupdate.memory.embedder import DEFAULT_MODEL
-from memupdate.utils.io import write_text_atomic
+from memupdate.training.tracking import (
+    TENSORBOARD_DIR,
+    TRACKING_FILE,
+    experiment_name,
+    run_info,
+    run_record,
+    write_run_info,
+)
+from memupdate.utils.io import sha256_file, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +72,8 @@ AGENT_LOOPS_FILE = "agent_loops.yaml"
 CHECKPOINT_DIR = "checkpoints"
 VALIDATION_DIR = "validation"
 HYDRA_DIR = "hydra"
+#: Top-level key of the run's record (commit, data sha256s) in the config verl gives its trackers.
+RUN_RECORD = "memupdate_run"
 
 # Where our reward manager (memupdate_memory) reads its settings; see config/verl/grpo_memupdate.yaml.
 REWARD_KWARGS = "reward.custom_reward_function.reward_kwargs"
@@ -187,14 +202,24 @@ def tool_env(
     return env
 
 
+def tracking_env(experiment_dir: PathLike) -> dict[str, str]:
+    """Where verl's tensorboard and file tracking backends write: inside the run (they read these variables,
+    and otherwise write into the working directory of the Ray worker that runs the trainer)."""
+    run_dir = Path(_abs(experiment_dir))
+    return {"TENSORBOARD_DIR": str(run_dir / TENSORBOARD_DIR), "VERL_FILE_LOGGER_PATH": str(run_dir / TRACKING_FILE)}
+
+
 def run_overrides(
     model_path: PathLike, train_files: PathLike | Sequence[PathLike], val_files: PathLike | Sequence[PathLike],
-    n_gpus_per_node: int, nnodes: int, experiment_dir: PathLike,
+    n_gpus_per_node: int, nnodes: int, experiment_dir: PathLike, data: Mapping[str, PathLike | None] | None = None,
 ) -> list[str]:  # fmt: skip
     """The overrides every run has: model, data, layout, and where the run's files go (all absolute, since
-    Ray workers on other nodes do not share the driver's working directory)."""
+    Ray workers on other nodes do not share the driver's working directory); the trackers' folders; and
+    the run's record (:func:`memupdate.training.tracking.run_record` of the train files and ``data``), which
+    verl's trackers get with the config."""
     run_dir = Path(_abs(experiment_dir))
-    return [
+    data = {"train_files": _files(train_files), **{k: _abs(v) if v else None for k, v in (data or {}).items()}}
+    overrides = [
         f"actor_rollout_ref.model.path={hydra_value(_model_path(model_path))}",
         f"data.train_files={hydra_value(_files(train_files))}",
         f"data.val_files={hydra_value(_files(val_files))}",
@@ -202,12 +227,15 @@ def run_overrides(
         f"trainer.n_gpus_per_node={int(n_gpus_per_node)}",
         f"trainer.nnodes={int(nnodes)}",
         # "<experiment>-<stage dir>": tells runs apart in trackers and rollout traces.
-        f"trainer.experiment_name={hydra_value('-'.join(run_dir.parts[-2:]))}",
+        f"trainer.experiment_name={hydra_value(experiment_name(run_dir))}",
         f"trainer.default_local_dir={hydra_value(run_dir / CHECKPOINT_DIR)}",
         f"trainer.validation_data_dir={hydra_value(run_dir / VALIDATION_DIR)}",
         # main_ppo is a @hydra.main app; without this it writes outputs/<date>/ into the working dir.
         f"hydra.run.dir={hydra_value(run_dir / HYDRA_DIR)}",
+        # Not a verl key: added, and given to the trackers with the rest of the config.
+        f"++{RUN_RECORD}={hydra_value(run_record(data))}",
     ]
+    return overrides + [f"++{RAY_ENV_VARS}.{name}={hydra_value(value)}" for name, value in tracking_env(run_dir).items()]
 
 
 def compose_overrides(
@@ -242,7 +270,8 @@ def compose_overrides(
     _fixed_model(stage, fixed_model_endpoint)
     if n_gpus_per_node < 1 or nnodes < 1:
         raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
-    overrides = run_overrides(model_path, train_files, val_files, n_gpus_per_node, nnodes, experiment_dir)
+    data = {"memories": memories, "embeddings": embeddings}
+    overrides = run_overrides(model_path, train_files, val_files, n_gpus_per_node, nnodes, experiment_dir, data)
     overrides.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path={hydra_value(_abs(tool_config))}")
     # The reward settings are our manager's own namespace, not verl's schema, so they are added or
     # replaced (++) leaf by leaf; the manager rejects an unknown setting when it starts. The served
@@ -279,16 +308,18 @@ def build_main_ppo_command(
 ) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` for one run; ``run`` takes :func:`compose_overrides`' keyword arguments.
 
-    ``env`` holds only the ``MEMUPDATE_*`` variables: run ``argv`` with ``{**os.environ, **env}``.
+    ``env`` holds only the ``MEMUPDATE_*`` variables and the trackers' folders (:func:`tracking_env`): run
+    ``argv`` with ``{**os.environ, **env}``.
     """
     argv = main_ppo_argv(compose_overrides(stage, **run), python=python, config_dir=config_dir)
     return argv, _run_env(run)
 
 
 def _run_env(run: Mapping[str, Any]) -> dict[str, str]:
-    return tool_env(
-        run["memories"], run["embeddings"], run.get("embedding_model", DEFAULT_MODEL), run.get("max_content_chars")
-    )
+    return {
+        **tool_env(run["memories"], run["embeddings"], run.get("embedding_model", DEFAULT_MODEL), run.get("max_content_chars")),
+        **tracking_env(run["experiment_dir"]),
+    }
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -412,6 +443,18 @@ def write_resolved_config(path: PathLike, config: DictConfig) -> Path:
     return path
 
 
+def write_run_files(run_dir: Path, config: DictConfig, base_model: PathLike) -> dict[str, Any]:
+    """``resolved_config.yaml`` without the run's record, and ``run_info.json``: the record with the config's
+    digest (the file's sha256: the record holds the commit, which is not a setting). Returns the run info."""
+    config = config.copy()
+    with open_dict(config):
+        record = OmegaConf.to_container(config.pop(RUN_RECORD))
+    digest = sha256_file(write_resolved_config(run_dir / RESOLVED_CONFIG, config))
+    info = run_info(digest, record, backend="verl", base_model=os.fspath(base_model))
+    write_run_info(run_dir, info)
+    return info
+
+
 def write_agent_loop_config(
     path: PathLike,
     training_stage: str,
@@ -458,7 +501,7 @@ def prepare_main_ppo(
         template=Path(config_dir) / AGENT_LOOP_TEMPLATE,
         qa_max_tokens=(run.get("reward") or {}).get("qa_max_tokens"),
     )
-    write_resolved_config(run_dir / RESOLVED_CONFIG, config)
+    write_run_files(run_dir, config, run["model_path"])
     logger.info("verl run prepared in %s (stage %s, %d overrides)", run_dir, stage, len(overrides))
     return main_ppo_argv(overrides, python=python, config_dir=config_dir), _run_env(run)
 
@@ -512,5 +555,5 @@ def prepare_memagent_ppo(
     entry = {"name": "memagent", "_target_": "memupdate.agents.memagent.MemAgentLoop", **dict(loop)}
     header = f"# Written for this run by {__name__}.\n"
     write_text_atomic(run_dir / AGENT_LOOPS_FILE, header + OmegaConf.to_yaml([entry]))
-    write_resolved_config(run_dir / RESOLVED_CONFIG, config)
+    write_run_files(run_dir, config, run["model_path"])
     return main_ppo_argv(overrides, python=python, config_dir=config_dir, config_name=MEMAGENT_CONFIG_NAME)

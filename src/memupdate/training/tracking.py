@@ -1,0 +1,203 @@
+"""What a training run records beside its metrics, and verl's experiment tracking for the local backend.
+
+Both backends log through verl's :class:`verl.utils.tracking.Tracking` (``trainer.logger``: console,
+tensorboard, wandb, mlflow, ...). The offline default, ``[console, tensorboard]``, needs no account; a
+tracker's keys (``WANDB_API_KEY``, ``MLFLOW_TRACKING_URI``, ...) come from the user's environment only.
+
+Every run writes ``<run>/run_info.json`` (:func:`run_info`): the git commit of the code (and whether the
+checkout had uncommitted changes), the digest of the run's configuration and the sha256 of each data
+file, so a curve in a tracker can be traced to the code, the settings and the data that made it. The same
+record goes to the tracker as the run's config (hyperparameters), and commit and digest into the
+checkpoint's ``manifest.json``.
+
+>>> flat_metrics({"step": 3, "reward_mean": 0.5, "seconds": {"rollout": 1.25}, "termination": {},
+...               "num_turns_mean": None, "update_skipped": "all advantages are zero"})
+{'step': 3.0, 'reward_mean': 0.5, 'seconds/rollout': 1.25}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from memupdate.utils.io import sha256_file, write_json_atomic, write_text_atomic
+
+logger = logging.getLogger(__name__)
+
+PROJECT = "memupdate"
+RUN_INFO = "run_info.json"
+#: Event files of the run's tensorboard backend, under the run directory.
+TENSORBOARD_DIR = "tensorboard"
+#: The ``file`` backend's JSON lines (the local backend's own ``metrics.jsonl`` is the full record).
+TRACKING_FILE = "tracking.jsonl"
+
+#: The package's checkout: src/memupdate/training/ -> the repository root.
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def experiment_name(run_dir: str | os.PathLike) -> str:
+    """``<experiment>-<stage dir>`` of ``results/<experiment>/<stage>``: one name per run in every tracker.
+
+    >>> experiment_name("results/smoke/stage1")
+    'smoke-stage1'
+    """
+    return "-".join(Path(os.path.abspath(run_dir)).parts[-2:])
+
+
+def git_state(root: str | os.PathLike = REPO_ROOT) -> dict[str, Any]:
+    """``{"commit", "dirty"}`` of the checkout holding the code; ``commit`` is None, with a ``reason``, when
+    the code is not a git checkout (an installed wheel) or git is missing. ``dirty`` says the code differs
+    from the commit (modified or untracked files), so the commit alone does not reproduce the run."""
+
+    def git(*args: str) -> str:
+        # --no-optional-locks: only read; status would otherwise refresh the index of a checkout in use.
+        return subprocess.run(
+            ["git", "--no-optional-locks", "-C", os.fspath(root), *args],
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        changes = git("status", "--porcelain")
+    except FileNotFoundError:
+        return {"commit": None, "dirty": None, "reason": "git is not installed"}
+    except subprocess.CalledProcessError as err:
+        why = (
+            err.stderr.strip().splitlines()[-1] if err.stderr.strip() else f"git exited with {err.returncode}"
+        )
+        return {"commit": None, "dirty": None, "reason": f"{root} is not a git checkout ({why})"}
+    return {"commit": commit, "dirty": bool(changes.strip())}
+
+
+def data_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a data file; of a folder (an embedding cache), sha256 over its files' relative paths and
+    sha256s, in path order."""
+    path = Path(path)
+    if not path.is_dir():
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(f"{file.relative_to(path).as_posix()}\0{sha256_file(file)}\n".encode())
+    return digest.hexdigest()
+
+
+def run_record(data: Mapping[str, str | os.PathLike | Iterable[str | os.PathLike] | None]) -> dict[str, Any]:
+    """What made a run besides its settings: ``git`` (:func:`git_state`) and ``data_sha256``, as
+    ``{role: [{"path", "sha256"}]}`` for each role given (train files, memories, embeddings; None = not used).
+    A path that does not exist here (a verl run prepared away from its data) is recorded with sha256 None."""
+    hashes: dict[str, list[dict[str, str | None]]] = {}
+    for role, paths in data.items():
+        if paths is None:
+            continue
+        paths = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+        hashes[role] = []
+        for path in paths:
+            if not os.path.exists(path):
+                logger.warning("%s %s does not exist here: its sha256 is not recorded", role, path)
+            digest = data_sha256(path) if os.path.exists(path) else None
+            hashes[role].append({"path": os.fspath(path), "sha256": digest})
+    return {"git": git_state(), "data_sha256": hashes}
+
+
+def run_info(config_digest: str, record: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    """The record of one run (``run_info.json``): :func:`run_record`'s, the digest of its configuration, and
+    ``extra`` (backend, base model)."""
+    return {**record, "config_digest": config_digest, **extra}
+
+
+def write_run_info(run_dir: str | os.PathLike, info: Mapping[str, Any]) -> Path:
+    path = Path(run_dir) / RUN_INFO
+    write_json_atomic(path, dict(info))
+    git = info.get("git", {})
+    if git.get("commit") is None:
+        logger.warning("run %s records no commit: %s", run_dir, git.get("reason"))
+    elif git.get("dirty"):
+        logger.warning(
+            "run %s: the code at %s has uncommitted changes (recorded as dirty)", run_dir, git["commit"]
+        )
+    return path
+
+
+def flat_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numbers of a metrics record, nested keys joined by ``/`` (trackers take scalars only)."""
+    flat: dict[str, float] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flat_metrics(value, f"{name}/"))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            flat[name] = float(value)
+    return flat
+
+
+def _lines(path: Path) -> list[str]:
+    """The complete JSON lines of ``path`` (none if absent); a killed writer may have torn the last one."""
+    if not path.exists():
+        return []
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            json.loads(line)
+        except ValueError:
+            break
+        lines.append(line)
+    return lines
+
+
+def open_tracker(
+    backends: Iterable[str], run_dir: str | os.PathLike, config: Mapping[str, Any], *, resume_step: int = 0
+):
+    """verl's ``Tracking`` for a local run, with the file-writing backends inside ``run_dir``.
+
+    verl's tensorboard and file backends take their folder from environment variables (``TENSORBOARD_DIR``,
+    ``VERL_FILE_LOGGER_PATH``) and otherwise write into the working directory; library code sets no
+    environment, so those two are built here with the run's folder and handed to ``Tracking``. A resumed run
+    logs from ``resume_step + 1`` on: what a killed run logged after its last checkpoint is trained again, so
+    tensorboard hides it (``purge_step``) and the file backend drops it.
+    """
+    from verl.utils.tracking import FileLogger, Tracking, _TensorboardAdapter
+
+    class RunTensorboard(_TensorboardAdapter):
+        # verl's adapter (its log and finish), writing into the run instead of $TENSORBOARD_DIR.
+        def __init__(self, log_dir: Path):
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A run that starts at step 1 hides an earlier attempt killed before its first checkpoint, too.
+            self.writer = SummaryWriter(log_dir, purge_step=resume_step + 1)
+            # The run's record beside its curves (verl gives it only to the trackers that take a config).
+            self.writer.add_text(
+                "run_config", f"```json\n{json.dumps(config, indent=2, default=str)}\n```", resume_step
+            )
+
+    class RunFile(FileLogger):
+        # verl's file backend in the run's folder. A resumed run keeps the steps its checkpoint holds and
+        # appends after them; a killed run's later steps are trained again, so they are dropped.
+        def __init__(self, path: Path):
+            self.project_name, self.experiment_name = PROJECT, experiment_name(run_dir)
+            self.filepath = str(path)
+            kept = [line for line in _lines(path) if json.loads(line)["step"] <= resume_step]
+            write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+            self.fp = open(path, "ab", buffering=0)  # noqa: SIM115 - closed by finish()
+
+    backends = list(dict.fromkeys(backends))
+    unknown = [b for b in backends if b not in Tracking.supported_backend]
+    if unknown:
+        raise ValueError(
+            f"unknown tracking backends {unknown}; verl's Tracking supports {Tracking.supported_backend}"
+        )
+    run_dir = Path(run_dir)
+    own = {"tensorboard", "file"}
+    tracker = Tracking(
+        PROJECT, experiment_name(run_dir), [b for b in backends if b not in own], config=dict(config)
+    )
+    if "tensorboard" in backends:
+        tracker.logger["tensorboard"] = RunTensorboard(run_dir / TENSORBOARD_DIR)
+    if "file" in backends:
+        tracker.logger["file"] = RunFile(run_dir / TRACKING_FILE)
+    return tracker
