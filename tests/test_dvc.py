@@ -1,5 +1,7 @@
 """DVC round trip on the real pipeline (the tiny two-stage and MemAgent experiments): dvc repro, dvc push, a
-fresh clone, dvc pull, a clean dvc status, and an edit of the evaluation code that re-runs evaluation only."""
+fresh clone, dvc pull, a clean dvc status, a change to the memory store that makes the stages importing it
+stale (and to unrelated code that makes none), and an edit of the evaluation code that re-runs evaluation
+only."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 BIN = Path(sys.executable).parent
 STAGES = ("data", "embeddings", "models", "stage1", "stage2", "eval", "hotpotqa", "memagent", "memagent_eval")
-PARTS = ["Snakefile", "rules", "workflow", "config", "profiles", "dvc.yaml", "params.yaml", ".dvcignore", "src"]
+PARTS = ["Snakefile", "rules", "workflow", "config", "profiles", "params.yaml", ".dvcignore", "src", "pyproject.toml"]
 
 
 def run(cwd, *cmd, timeout=1800):
@@ -28,6 +30,22 @@ def run(cwd, *cmd, timeout=1800):
 
 def stages_run(output: str) -> set[str]:
     return set(re.findall(r"Running stage '([\w@.-]+)'", output))
+
+
+def stale_stages(repo: Path) -> set[str]:
+    """The stages `dvc status` reports as changed (each a line "<stage>:")."""
+    return set(re.findall(r"^([\w@.-]+):\s*$", run(repo, BIN / "dvc", "status"), re.M))
+
+
+def appended(repo: Path, path: str) -> set[str]:
+    """The stale stages after a comment is appended to ``path``; the file is then restored."""
+    file = repo / path
+    text = file.read_text()
+    file.write_text(text + "# a comment\n")
+    try:
+        return stale_stages(repo)
+    finally:
+        file.write_text(text)
 
 
 @pytest.fixture
@@ -48,10 +66,8 @@ def dvc_repo(tmp_path, repo_root, shared_data_dir, vllm_python, monkeypatch):
     shutil.copy(repo_root / ".dvc" / "config", repo / ".dvc" / "config")
     shutil.copy(repo_root / ".dvc" / ".gitignore", repo / ".dvc" / ".gitignore")
     shutil.copy(repo_root / ".gitignore", repo / ".gitignore")
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params.update(exp="tiny", policy="tiny-random", qa_model="tiny-random", memagent_exp="tiny_memagent",
-                  memagent_policy="tiny-random", configfile="config/experiments/tiny.yaml")  # fmt: skip
-    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    # The stages of the tiny experiments, from the generator as a user would regenerate them.
+    run(repo, BIN / "memupdate", "dvc-yaml", "--configfile", "config/experiments/tiny.yaml")
     (tmp_path / "shared").mkdir()
     (tmp_path / "shared" / "data").symlink_to(shared_data_dir)
     store = tmp_path / "store"
@@ -82,6 +98,18 @@ def test_repro_push_clone_pull_and_only_evaluation_reruns(dvc_repo, tmp_path):
                  "results/tiny_memagent/memagent/ckpt/model.safetensors",
                  "results/tiny_memagent/memagent_eval/report.json", "results/data/hotpotqa/dev-10.test.parquet"):  # fmt: skip
         assert (clone / path).read_bytes() == (dvc_repo / path).read_bytes(), path
+
+    # A change to the memory store makes every stage importing it stale (training among them); a change to
+    # code no stage imports makes none.
+    stages = yaml.safe_load((clone / "dvc.yaml").read_text())["stages"]
+    store = "src/memupdate/memory/store.py"
+    importing = {name for name, stage in stages.items() if store in stage["deps"]}
+    assert {"stage1", "stage2"} <= importing, importing
+    assert appended(clone, store) == importing
+    unrelated = "src/memupdate/bench/report.py"
+    assert not any(unrelated in stage["deps"] for stage in stages.values())
+    assert appended(clone, unrelated) == set()
+    assert "Data and pipelines are up to date" in run(clone, BIN / "dvc", "status")
 
     # Editing the evaluation code invalidates the evaluation stage and nothing upstream of it.
     script = clone / "workflow" / "scripts" / "eval_locomo.py"

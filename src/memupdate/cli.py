@@ -127,6 +127,7 @@ def _cmd_eval_locomo(args: argparse.Namespace) -> None:
         embedding_model=args.embedding_model, tool_config=args.tool_config, conversations=args.conversations,
         markers=_pairs(args.marker, "--marker"), out_dir=args.out_dir, settings=settings,
         training_metrics=_pairs(args.training_metrics, "--training-metrics"), published=args.published,
+        split=args.split,
     )  # fmt: skip
     sys.stdout.write((Path(args.out_dir) / "report.md").read_text(encoding="utf-8"))
 
@@ -137,8 +138,15 @@ def _cmd_eval_report(args: argparse.Namespace) -> None:
     rebuild_report(
         args.out_dir, experiment=args.experiment,
         training_metrics=_pairs(args.training_metrics, "--training-metrics"), published=args.published,
+        split=args.split,
     )  # fmt: skip
     sys.stdout.write((Path(args.out_dir) / "report.md").read_text(encoding="utf-8"))
+
+
+def _cmd_dvc_yaml(args: argparse.Namespace) -> None:
+    from memupdate.dvc_stages import write_or_check
+
+    write_or_check(Path(args.directory), Path(args.output), args.configfile, check=args.check)
 
 
 def _cmd_score(args: argparse.Namespace) -> None:
@@ -265,13 +273,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an eval setting (memupdate.eval.locomo.LocomoEvalSettings), e.g. questions_per_conversation=3")  # fmt: skip
     evl.add_argument("--training-metrics", action="append", default=[], metavar="STAGE=PATH")
     evl.add_argument("--published", default="config/published_locomo.yaml")
+    evl.add_argument("--split", help="the LoCoMo split the test file comes from (data.locomo.split), for the report")
     evl.set_defaults(func=_cmd_eval_locomo)
     evr = ev_sub.add_parser("report", help="rebuild report.{json,md,html} from saved predictions only")
     evr.add_argument("out_dir", help="the evaluation folder (holds predictions/)")
     evr.add_argument("--experiment", required=True)
     evr.add_argument("--training-metrics", action="append", default=[], metavar="STAGE=PATH")
     evr.add_argument("--published", default="config/published_locomo.yaml")
+    evr.add_argument("--split", help="the LoCoMo split of the predictions (default: the report's own)")
     evr.set_defaults(func=_cmd_eval_report)
+
+    dvc = sub.add_parser("dvc-yaml", help="write dvc.yaml from the Snakemake DAG (every stage's deps and outs)")
+    dvc.add_argument("--configfile", nargs="+", default=[], metavar="FILE",
+                     help="config files merged over config/config.yaml, as the stages' snakemake gets them")  # fmt: skip
+    dvc.add_argument("--output", default="dvc.yaml", help="relative to --directory")
+    dvc.add_argument("--directory", default=".", help="the repository (holds the Snakefile)")
+    dvc.add_argument("--check", action="store_true", help="fail if the file differs instead of writing it")
+    dvc.set_defaults(func=_cmd_dvc_yaml)
 
     score = sub.add_parser("score", help="score one prediction against one gold answer")
     score.add_argument("prediction")

@@ -131,3 +131,19 @@ def test_tracker_writes_tensorboard_into_the_run_and_a_resume_hides_unsaved_step
 def test_an_unknown_tracker_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown tracking backends \\['tensorbord'\\]"):
         open_tracker(["tensorbord"], tmp_path, {})
+
+
+def test_a_verl_runs_metrics_jsonl_is_made_from_verls_file_log(tmp_path):
+    from memupdate.training.tracking import metrics_from_verl
+
+    with pytest.raises(FileNotFoundError, match="trainer.logger must include file"):
+        metrics_from_verl(tmp_path)
+    log = tmp_path / "tracking.jsonl"
+    log.write_text(json.dumps({"step": 1, "data": {"critic/score/mean": 0.1, "num_turns/mean": 3.0, "actor/lr": 1e-6}}) + "\n"
+                   + json.dumps({"step": 2, "data": {"critic/score/mean": 0.3}}) + "\n")  # fmt: skip
+    rows = [json.loads(line) for line in metrics_from_verl(tmp_path).read_text().splitlines()]
+    assert [(r["step"], r["reward_mean"]) for r in rows] == [(1, 0.1), (2, 0.3)]
+    assert rows[0]["num_turns_mean"] == 3.0 and rows[0]["verl"]["actor/lr"] == 1e-6
+    log.write_text("{not json\n")
+    with pytest.raises(ValueError, match="tracking.jsonl, line 1: not a verl file-logger record"):
+        metrics_from_verl(tmp_path)

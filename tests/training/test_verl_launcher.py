@@ -281,13 +281,13 @@ def test_prepare_writes_the_run_files(run):
 
 
 def test_runs_track_offline_and_record_commit_config_and_data(run, repo_root):
-    """trainer.logger defaults to console + tensorboard (no account); zero-variance groups are dropped; the
+    """trainer.logger defaults to console + tensorboard + file (no account); zero-variance groups are dropped; the
     trackers get the run's record with the config, and run_info.json adds the config's digest."""
     data = run["train_files"]
     data.parent.mkdir(parents=True)
     data.write_bytes(b"rows")
     config = validate(vl.compose_overrides("memory", **run))
-    assert list(config.trainer.logger) == ["console", "tensorboard"]
+    assert list(config.trainer.logger) == ["console", "tensorboard", "file"]
     assert config.algorithm.filter_groups.enable is True and config.algorithm.filter_groups.metric == "reward"
     record = OmegaConf.to_container(config[vl.RUN_RECORD])
     assert record["data_sha256"]["train_files"] == [{"path": str(data), "sha256": sha256_file(data)}]
@@ -310,7 +310,7 @@ def test_runs_track_offline_and_record_commit_config_and_data(run, repo_root):
         verl_run_record(run_dir)
 
     memagent = validate_memagent(run)
-    assert list(memagent.trainer.logger) == ["console", "tensorboard"]
+    assert list(memagent.trainer.logger) == ["console", "tensorboard", "file"]
     assert memagent.algorithm.filter_groups.enable is True
     assert memagent.ray_kwargs.ray_init.runtime_env.env_vars.TENSORBOARD_DIR == str(run_dir / "tensorboard")
 
@@ -361,3 +361,10 @@ def test_memagent_rejects_an_unknown_loop_setting(tmp_path):
     with pytest.raises(ValueError, match="chunk_tokens"):
         vl.memagent_overrides(model_path=tmp_path, train_files=tmp_path, val_files=tmp_path, loop={"chunk_tokens": 5},
                               n_gpus_per_node=1, nnodes=1, experiment_dir=tmp_path)  # fmt: skip
+
+
+def test_a_logger_without_file_is_refused_before_anything_runs(run):
+    """metrics.jsonl (the report's training curves, DVC's out) is made from verl's file logger."""
+    with pytest.raises(ValueError, match="trainer.logger must include file"):
+        vl.compose_overrides("memory", **run, extra={"trainer.logger": ["console", "wandb"]})
+    vl.compose_overrides("memory", **run, extra={"trainer.logger": ["console", "wandb", "file"]})

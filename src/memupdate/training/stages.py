@@ -259,11 +259,14 @@ def verl_run_record(run_dir: Path) -> dict[str, Any]:
 
 def export_verl_checkpoint(run_dir: Path, base_model: str) -> Path:
     """Merge the last ``global_step_*/actor`` FSDP shards into ``<run_dir>/ckpt`` (HF format + manifest, with
-    the run's commit, config digest and data sha256s)."""
+    the run's commit, config digest and data sha256s), and write ``<run_dir>/metrics.jsonl`` from verl's log."""
     steps = sorted((run_dir / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
     if not steps:
         raise FileNotFoundError(f"verl wrote no checkpoint under {run_dir / 'checkpoints'}; see the training log")
+    from memupdate.training.tracking import metrics_from_verl
+
     record = verl_run_record(run_dir)  # before the merge, which takes minutes
+    metrics_from_verl(run_dir)
     final, tmp = run_dir / "ckpt", run_dir / ".ckpt.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     merge = [

@@ -201,3 +201,45 @@ def open_tracker(
     if "file" in backends:
         tracker.logger["file"] = RunFile(run_dir / TRACKING_FILE)
     return tracker
+
+
+#: Our metrics.jsonl keys and verl's names for them (verl.trainer.ppo.metric_utils).
+VERL_METRICS = {
+    "reward_mean": "critic/score/mean",
+    "reward_min": "critic/score/min",
+    "reward_max": "critic/score/max",
+    "num_turns_mean": "num_turns/mean",
+    "response_tokens_mean": "response_length/mean",
+}
+
+
+def metrics_from_verl(run_dir: str | Path) -> Path:
+    """``<run>/metrics.jsonl`` from verl's ``file`` backend (``<run>/tracking.jsonl``): the layout the local
+    backend writes, so the report's training curves and DVC read either backend's runs; every verl metric is
+    kept under ``verl``.
+
+    >>> import json, tempfile; run = Path(tempfile.mkdtemp())
+    >>> _ = (run / TRACKING_FILE).write_text(json.dumps({"step": 1, "data": {"critic/score/mean": 0.25}}) + "\\n")
+    >>> json.loads((metrics_from_verl(run)).read_text())["reward_mean"]
+    0.25
+    """
+    run_dir = Path(run_dir)
+    source = run_dir / TRACKING_FILE
+    if not source.is_file():
+        raise FileNotFoundError(
+            f"{source} is missing: verl's `file` logger writes it, so trainer.logger must include file"
+        )
+    rows = []
+    for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step, data = record["step"], record["data"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{source}, line {number}: not a verl file-logger record ({err})") from err
+        ours = {key: data[theirs] for key, theirs in VERL_METRICS.items() if theirs in data}
+        rows.append(json.dumps({"step": step, **ours, "verl": data}))
+    target = run_dir / "metrics.jsonl"
+    write_text_atomic(target, "".join(row + "\n" for row in rows))
+    return target

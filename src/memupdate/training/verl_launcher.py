@@ -238,6 +238,20 @@ def run_overrides(
     return overrides + [f"++{RAY_ENV_VARS}.{name}={hydra_value(value)}" for name, value in tracking_env(run_dir).items()]
 
 
+def _extra_overrides(extra: Mapping[str, Any] | Sequence[str]) -> list[str]:
+    """The stage settings as overrides. A ``trainer.logger`` without ``file`` is refused: the run's metrics.jsonl
+    (the report's training curves, a DVC out) is made from that backend's log."""
+    if not isinstance(extra, Mapping):
+        return list(extra)
+    logger_setting = extra.get("trainer.logger")
+    if logger_setting is not None and "file" not in logger_setting:
+        raise ValueError(
+            f"trainer.logger {list(logger_setting)}: trainer.logger must include file (the run's metrics.jsonl "
+            "is made from it); add it beside your trackers"
+        )
+    return [f"{key}={hydra_value(value)}" for key, value in extra.items()]
+
+
 def compose_overrides(
     stage: str,
     *,
@@ -280,11 +294,7 @@ def compose_overrides(
     overrides += [f"++{key}={hydra_value(value)}" for key, value in _flatten(REWARD_KWARGS, reward)]
     env = tool_env(memories, embeddings, embedding_model, max_content_chars)
     overrides += [f"++{RAY_ENV_VARS}.{name}={hydra_value(value)}" for name, value in env.items()]
-    if isinstance(extra, Mapping):
-        overrides += [f"{key}={hydra_value(value)}" for key, value in extra.items()]
-    else:
-        overrides += list(extra)
-    return overrides
+    return overrides + _extra_overrides(extra)
 
 
 def main_ppo_argv(
@@ -536,11 +546,7 @@ def memagent_overrides(
         turn = int(loop.get("chunk_size", 5000)) + int(loop.get("max_memory_tokens", 1024)) + 1024
         overrides += [f"actor_rollout_ref.rollout.response_length={reply}", f"data.max_response_length={reply}",
                       f"actor_rollout_ref.rollout.prompt_length={turn}"]  # fmt: skip
-    if isinstance(extra, Mapping):
-        overrides += [f"{key}={hydra_value(value)}" for key, value in extra.items()]
-    else:
-        overrides += list(extra)
-    return overrides
+    return overrides + _extra_overrides(extra)
 
 
 def prepare_memagent_ppo(

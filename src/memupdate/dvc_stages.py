@@ -1,0 +1,503 @@
+"""dvc.yaml from the Snakemake DAG: DVC sees what Snakemake sees.
+
+Each DVC stage runs Snakemake for one expensive artifact with ``--allowed-rules`` (dvc.yaml's header says
+why). Its jobs are read from the DAG of ``all`` (plus ``hotpotqa_data``) for the given config files:
+the jobs of the stage's root rule (per experiment for the experiment stages) and, upstream of them, the
+jobs of its other allowed rules. From those jobs come:
+
+- ``outs``: their declared outputs that are not temp() (served-model readiness markers never are DVC
+  outputs), with the folders their params name as written beside them (:data:`OUTPUT_PARAMS`);
+- ``deps``: every input not made inside the stage (other stages' outputs, data files); files other
+  jobs' params name among those outputs (the training curves evaluation reads); the workflow files
+  (Snakefile, the included files that define no rule, such as rules/common.smk, and the files defining
+  the stage's rules) and the rules' scripts; every module of the package they import, transitively
+  (imports anywhere in a module, dotted module names as strings, modules named in the config files they
+  read, the package's entry-point plugins of a library they import); the config files given and every
+  ``config/`` path the workflow, the jobs' params or those modules name.
+
+``memupdate dvc-yaml`` writes the file; ``memupdate dvc-yaml --check`` fails when the committed one differs.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import os
+import re
+import tomllib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+PACKAGE = __name__.split(".")[0]
+REGENERATE = "memupdate dvc-yaml"
+
+
+@dataclass(frozen=True)
+class StageKind:
+    """A kind of DVC stage: its root rule (whose jobs are the stage's targets) and the rules Snakemake may
+    run for it. ``per_experiment``: one stage per experiment (the ``exp`` wildcard of the root jobs)."""
+
+    name: str
+    root: str
+    rules: tuple[str, ...]
+    per_experiment: bool = False
+
+
+STAGE_KINDS = (
+    StageKind("data", "preprocess_locomo", ("fetch_data", "preprocess_locomo")),
+    StageKind("embeddings", "embed_memories", ("embed_memories",)),
+    StageKind("models", "prepare_model", ("prepare_model",)),
+    # MemAgent's haystacks: every length of the scale, split into train and test questions.
+    StageKind(
+        "hotpotqa", "hotpotqa_data", ("fetch_data", "preprocess_hotpotqa", "split_hotpotqa", "hotpotqa_data")
+    ),
+    StageKind("stage1", "train_stage1", ("serve_model", "train_stage1"), per_experiment=True),
+    StageKind("stage2", "train_stage2", ("serve_model", "train_stage2"), per_experiment=True),
+    StageKind("eval", "eval_locomo", ("serve_model", "eval_locomo"), per_experiment=True),
+    StageKind("memagent", "train_memagent", ("serve_model", "train_memagent"), per_experiment=True),
+    StageKind("memagent_eval", "eval_memagent", ("serve_model", "eval_memagent"), per_experiment=True),
+)
+# What the DAG is built for: every artifact of the scale, and the haystack target of the hotpotqa stage.
+DAG_TARGETS = ("all", "hotpotqa_data")
+# Rules that only gather targets; they belong to no stage.
+TARGET_RULES = ("all",)
+
+# Job params that name where a job writes besides its declared outputs: the whole folder (None), or these
+# files in it. Evaluation writes predictions/ and its report files into out_dir (a stale prediction must go
+# with a stale report); training writes its curve beside the checkpoint (its step checkpoints stay out of DVC).
+OUTPUT_PARAMS: Mapping[str, tuple[str, ...] | None] = {"out_dir": None, "run_dir": ("metrics.jsonl",)}
+
+CONFIG_DIR = "config"
+_MODULE_STRING = re.compile(rf"{PACKAGE}(\.\w+)+")
+_CONFIG_STRING = re.compile(rf"{CONFIG_DIR}/[\w./-]+")
+# Imports of a workflow file at column 0 run whenever the workflow loads (config checks, resources);
+# indented ones sit in run hooks (stopping servers) that make no artifact.
+_SMK_IMPORT = re.compile(
+    rf"^(?:from\s+({PACKAGE}[\w.]*)\s+import\s+([\w, ()]+)|import\s+({PACKAGE}[\w.]*))", re.M
+)
+_SMK_CONFIG = re.compile(rf"[\"']({CONFIG_DIR}/[^\"'\s]+)[\"']")
+
+
+@dataclass
+class Stage:
+    name: str
+    targets: list[str]
+    rules: list[str]
+    outs: set[str] = field(default_factory=set)
+    deps: set[str] = field(default_factory=set)
+    jobs: list[Any] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------- the DAG
+
+
+def load_dag(root: Path, configfiles: Sequence[str] = (), targets: Iterable[str] = DAG_TARGETS) -> Any:
+    """The Snakemake workflow of ``root`` with its DAG built for ``targets``, every job included (forceall).
+
+    Returns the ``snakemake.workflow.Workflow``; its ``dag`` holds the jobs. Snakemake's API stops at
+    printing a DAG; the two calls below are the ones its ``printdag`` makes (Snakemake is pinned).
+    """
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import (
+        ConfigSettings,
+        DAGSettings,
+        OutputSettings,
+        Quietness,
+        ResourceSettings,
+    )
+
+    root = root.resolve()
+    # The Snakefile marks the process that loads it as the run's owner (MEMUPDATE_RUN_PID, rules/common.smk);
+    # this is not a run, so later runs started from this process must not inherit that mark.
+    saved = os.environ.get("MEMUPDATE_RUN_PID")
+    try:
+        with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+            workflow_api = api.workflow(
+                resource_settings=ResourceSettings(),
+                config_settings=ConfigSettings(configfiles=[root / f for f in configfiles]),
+                snakefile=root / "Snakefile",
+                workdir=root,
+            )
+            workflow_api.dag(DAGSettings(targets=set(targets), forceall=True))
+            workflow = workflow_api._workflow
+            workflow._prepare_dag(forceall=True, ignore_incomplete=True, lock_warn_only=True, nolock=True)
+            workflow._build_dag()
+            return workflow
+    finally:
+        if saved is None:
+            os.environ.pop("MEMUPDATE_RUN_PID", None)
+        else:
+            os.environ["MEMUPDATE_RUN_PID"] = saved
+
+
+def _producers(dag: Any) -> dict[str, Any]:
+    """Output file -> the job making it."""
+    return {str(f): job for job in dag.jobs for f in job.output}
+
+
+def _is_temp(job: Any, path: str) -> bool:
+    from snakemake.io import is_flagged
+
+    return any(str(f) == path and is_flagged(f, "temp") for f in job.output)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a job's params (nested dicts and lists included)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def _stage_jobs(dag: Any, kind: StageKind) -> dict[str | None, list[Any]]:
+    """The jobs of each stage of ``kind`` (keyed by experiment, or None): its root jobs and, upstream, the
+    jobs of its allowed rules."""
+    roots: dict[str | None, list[Any]] = {}
+    for job in dag.jobs:
+        if job.rule.name == kind.root:
+            roots.setdefault(job.wildcards_dict.get("exp") if kind.per_experiment else None, []).append(job)
+    stages = {}
+    for key, jobs in roots.items():
+        seen = {id(job): job for job in jobs}
+        frontier = list(jobs)
+        while frontier:
+            for upstream in dag.dependencies[frontier.pop()]:
+                if upstream.rule.name in kind.rules and id(upstream) not in seen:
+                    seen[id(upstream)] = upstream
+                    frontier.append(upstream)
+        stages[key] = sorted(seen.values(), key=str)
+    return stages
+
+
+# ------------------------------------------------------------------------------------------ the code
+
+
+@dataclass
+class CodeScan:
+    """Which modules of the package and which config paths a set of files reaches."""
+
+    root: Path
+    modules: set[str] = field(default_factory=set)
+    config: set[str] = field(default_factory=set)
+    libraries: set[str] = field(default_factory=set)
+
+    def module_file(self, name: str) -> Path | None:
+        base = self.root / "src" / Path(*name.split("."))
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                return path
+        return None
+
+    def resolve(self, dotted: str) -> str | None:
+        """The longest module prefix of ``dotted`` (``memupdate.tools.memory_tools.SearchMemoryTool`` names
+        memupdate.tools.memory_tools)."""
+        parts = dotted.split(".")
+        for end in range(len(parts), 0, -1):
+            if self.module_file(".".join(parts[:end])):
+                return ".".join(parts[:end])
+        return None
+
+    def add_module(self, name: str | None) -> None:
+        """The module and every package above it (importing a module runs their __init__)."""
+        while name and name not in self.modules:
+            self.modules.add(name)
+            self._scan_python(self.module_file(name), name)
+            name = name.rpartition(".")[0]
+
+    def add_config(self, path: str) -> None:
+        if path in self.config or not (self.root / path).exists():
+            return
+        self.config.add(path)
+        files = (
+            sorted((self.root / path).rglob("*.y*ml")) if (self.root / path).is_dir() else [self.root / path]
+        )
+        for file in files:
+            if file.suffix in (".yaml", ".yml"):
+                for text in _strings(yaml.safe_load(file.read_text())):
+                    if _MODULE_STRING.fullmatch(text):
+                        self.add_module(self.resolve(text))
+
+    def add_script(self, path: Path) -> None:
+        self._scan_python(path, None)
+
+    def add_workflow_file(self, path: Path) -> None:
+        """A Snakefile or .smk file (not plain Python): its column-0 imports and the config paths it names."""
+        text = path.read_text()
+        for match in _SMK_IMPORT.finditer(text):
+            module = match.group(1) or match.group(3)
+            self.add_module(module)
+            for alias in (match.group(2) or "").replace("(", "").replace(")", "").split(","):
+                name = alias.split(" as ")[0].strip()
+                if name and self.module_file(f"{module}.{name}"):
+                    self.add_module(f"{module}.{name}")
+        for path_text in _SMK_CONFIG.findall(text):
+            self.add_config(path_text)
+
+    def add_entry_points(self) -> None:
+        """The package's entry-point plugins of a library the code imports (the library loads them):
+        ``[project.entry-points."verl.plugins"]`` counts when any module imports verl."""
+        pyproject = tomllib.loads((self.root / "pyproject.toml").read_text())
+        for group, entries in pyproject.get("project", {}).get("entry-points", {}).items():
+            if group.split(".")[0] in self.libraries:
+                for target in entries.values():
+                    self.add_module(self.resolve(target.split(":")[0]))
+
+    def _scan_python(self, path: Path | None, module: str | None) -> None:
+        if path is None:
+            return
+        package = module if module and path.name == "__init__.py" else (module or "").rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    self._imported(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                self._imported(base)
+                for alias in node.names:
+                    if base.split(".")[0] == PACKAGE and self.module_file(f"{base}.{alias.name}"):
+                        self.add_module(f"{base}.{alias.name}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if _MODULE_STRING.fullmatch(node.value):
+                    self.add_module(self.resolve(node.value))
+                elif _CONFIG_STRING.fullmatch(node.value):
+                    self.add_config(node.value)
+            elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                self._config_path(node)
+
+    def _imported(self, name: str) -> None:
+        if name.split(".")[0] == PACKAGE:
+            self.add_module(self.resolve(name))
+        elif name:
+            self.libraries.add(name.split(".")[0])
+
+    def _config_path(self, node: ast.BinOp) -> None:
+        """A path joined with ``/`` whose first string part is config (how modules find config/verl from
+        ``__file__``): the longest existing path of the string parts from there."""
+        operands: list[ast.expr] = []
+        while isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            operands.insert(0, node.right)
+            node = node.left  # type: ignore[assignment]
+        operands.insert(0, node)
+        names = [
+            n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else None for n in operands
+        ]
+        strings = [i for i, name in enumerate(names) if name is not None]
+        if not strings or names[strings[0]] != CONFIG_DIR:
+            return
+        parts = [CONFIG_DIR]
+        for name in names[strings[0] + 1 :]:
+            if name is None:
+                break
+            parts.append(name)
+        # The longest existing path: a file, or the folder a module lists itself.
+        for end in range(len(parts), 1, -1):
+            if (self.root / "/".join(parts[:end])).exists():
+                self.add_config("/".join(parts[:end]))
+                return
+
+    def files(self) -> set[str]:
+        modules = {str(self.module_file(m).relative_to(self.root)) for m in self.modules}  # type: ignore[union-attr]
+        return modules | self.config
+
+
+# ----------------------------------------------------------------------------------------- the stages
+
+
+def _relative(root: Path, path: str | Path) -> str:
+    path = Path(path)
+    if path.is_absolute() and not path.resolve().is_relative_to(root):
+        raise ValueError(f"{path} is outside the repository {root}: DVC tracks files of the repository only")
+    return (path.resolve().relative_to(root) if path.is_absolute() else path).as_posix()
+
+
+def build_stages(workflow: Any, configfiles: Sequence[str]) -> list[Stage]:
+    """The DVC stages of a loaded workflow (:func:`load_dag`): jobs, targets, rules, outs and deps."""
+    root = Path(workflow.basedir).resolve()
+    dag = workflow.dag
+    producers = _producers(dag)
+    rule_files = {rule.name: Path(rule.snakefile) for rule in workflow.rules}
+    included = [Path(f.get_path_or_uri(secret_free=False)) for f in workflow.included]
+    helpers = [f for f in included if f not in set(rule_files.values()) or f == Path(workflow.main_snakefile)]
+
+    stages: list[Stage] = []
+    counts: dict[str, int] = {}
+    found: list[tuple[StageKind, str | None, list[Any]]] = []
+    for kind in STAGE_KINDS:
+        for exp, jobs in sorted(_stage_jobs(dag, kind).items(), key=lambda item: str(item[0])):
+            found.append((kind, exp, jobs))
+            counts[kind.name] = counts.get(kind.name, 0) + 1
+    # The shared stages first, then each experiment's stages in the order they run.
+    found.sort(key=lambda item: (item[1] is not None, item[1] or "", STAGE_KINDS.index(item[0])))
+    for kind, exp, jobs in found:
+        # Today's names while the scale has one experiment with the stage; <experiment>-<stage> beside others.
+        name = kind.name if counts[kind.name] == 1 or exp is None else f"{exp}-{kind.name}"
+        roots = [job for job in jobs if job.rule.name == kind.root]
+        targets = sorted({str(f) for job in roots for f in job.output} or {kind.root})
+        stage = Stage(name, targets, sorted({job.rule.name for job in jobs}), jobs=jobs)
+        stage.outs = _outs(jobs)
+        stages.append(stage)
+    _check_coverage(dag, stages)
+
+    outs = {out: stage.name for stage in stages for out in stage.outs}
+    for stage in stages:
+        stage.deps = _data_deps(stage, producers, outs)
+        code = CodeScan(root)
+        for path in [*helpers, *{rule_files[rule] for rule in stage.rules}]:
+            stage.deps.add(_relative(root, path))
+            code.add_workflow_file(path)
+        for job in stage.jobs:
+            if job.rule.script:
+                script = (Path(job.rule.snakefile).parent / job.rule.script).resolve()
+                stage.deps.add(_relative(root, script))
+                code.add_script(script)
+            for text in _strings(dict(job.params)):
+                if _CONFIG_STRING.fullmatch(text):
+                    code.add_config(text)
+        for configfile in [*workflow.configfiles, *configfiles]:
+            code.add_config(_relative(root, configfile))
+        # A plugin may import more plugins' libraries: repeat until nothing is added.
+        size = -1
+        while size != len(code.modules):
+            size = len(code.modules)
+            code.add_entry_points()
+        stage.deps |= code.files()
+    return stages
+
+
+def _outs(jobs: Sequence[Any]) -> set[str]:
+    outs: set[str] = set()
+    folders: set[str] = set()
+    for job in jobs:
+        params = dict(job.params)
+        for key, files in OUTPUT_PARAMS.items():
+            if key not in params:
+                continue
+            if files is None:
+                folders.add(str(params[key]))
+            else:
+                outs.update(f"{params[key]}/{name}" for name in files)
+        outs.update(str(f) for f in job.output if not _is_temp(job, str(f)))
+    return {o for o in outs if not any(o.startswith(f"{d}/") for d in folders)} | folders
+
+
+def _data_deps(stage: Stage, producers: Mapping[str, Any], outs: Mapping[str, str]) -> set[str]:
+    ids = {id(job) for job in stage.jobs}
+    deps: set[str] = set()
+    for job in stage.jobs:
+        for path in map(str, job.input):
+            producer = producers.get(path)
+            if producer is not None and id(producer) in ids:
+                continue
+            if producer is not None and _is_temp(producer, path):
+                raise ValueError(
+                    f"stage {stage.name!r}: {job.rule.name} reads {path}, a temp() output of rule "
+                    f"{producer.rule.name}, which the stage does not run: add {producer.rule.name!r} to its "
+                    f"rules in memupdate.dvc_stages.STAGE_KINDS"
+                )
+            deps.add(path)
+        # Files a job reads without declaring them (the training curves in evaluation's params).
+        deps.update(text for text in _strings(dict(job.params)) if outs.get(text) not in (None, stage.name))
+    return deps
+
+
+def _check_coverage(dag: Any, stages: Sequence[Stage]) -> None:
+    """Every job of the DAG in exactly one stage: a job in none would never run under dvc repro (its
+    rule is allowed nowhere), a job in two would make two stages own one output."""
+    owner: dict[int, str] = {}
+    for stage in stages:
+        for job in stage.jobs:
+            if id(job) in owner:
+                raise ValueError(
+                    f"job {job} ({job.rule.name}) is in stages {owner[id(job)]!r} and {stage.name!r}: "
+                    "fix the rules of memupdate.dvc_stages.STAGE_KINDS"
+                )
+            owner[id(job)] = stage.name
+    missing = sorted(
+        {job.rule.name for job in dag.jobs if id(job) not in owner and job.rule.name not in TARGET_RULES}
+    )
+    if missing:
+        raise ValueError(
+            f"rules {', '.join(missing)} have jobs in the DAG but no DVC stage runs them: add them to a stage "
+            "in memupdate.dvc_stages.STAGE_KINDS"
+        )
+
+
+# ---------------------------------------------------------------------------------------- dvc.yaml
+
+HEADER = """\
+# GENERATED by `{command}` from the Snakemake DAG: do not edit; rerun it
+# after changing rules/, workflow/scripts/, the package's imports or config (tests/test_dvc_stages.py fails
+# while this file is stale).
+#
+# One DVC stage per expensive artifact; each asks Snakemake for exactly that target with
+# --allowed-rules, so Snakemake never re-runs an upstream rule DVC already judged fresh (dvc pull gives
+# every file a new mtime, which Snakemake alone would read as "outdated"). DVC decides what is stale
+# by content hash; Snakemake executes, locally or on Slurm: `profile` in params.yaml (README, "Versioning
+# with DVC"). A stage's deps are every input of its jobs, the workflow files and scripts of its rules, the
+# package modules they import and the config they read. Served-model readiness markers are temp() and
+# never DVC outputs. Run: dvc repro; dvc push; dvc pull.
+"""
+
+
+def _scalar(text: str) -> str:
+    return text if re.fullmatch(r"[\w./@+${}-]+", text) else yaml.safe_dump(text, default_style='"').strip()
+
+
+def render(stages: Sequence[Stage], configfiles: Sequence[str]) -> str:
+    command = " ".join([REGENERATE, *(f"--configfile {f}" for f in configfiles)])
+    lines = [HEADER.format(command=command), "vars:", "  - params.yaml", "", "stages:"]
+    for stage in stages:
+        cmd = ["snakemake --profile ${profile}", *stage.targets, "--allowed-rules", *stage.rules]
+        cmd += ["--configfile", *(configfiles or ["config/config.yaml"])]
+        lines += [f"  {stage.name}:", "    cmd: >-", *_wrap(cmd, "      "), "    deps:"]
+        lines += [f"      - {_scalar(d)}" for d in sorted(stage.deps)]
+        lines += ["    outs:", *(f"      - {_scalar(o)}" for o in sorted(stage.outs)), ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _wrap(words: Sequence[str], indent: str, width: int = 110) -> list[str]:
+    lines, line = [], ""
+    for word in words:
+        if line and len(indent) + len(line) + 1 + len(word) > width:
+            lines.append(indent + line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return [*lines, indent + line]
+
+
+def generate(root: Path, configfiles: Sequence[str] = ()) -> str:
+    """dvc.yaml's text for the workflow in ``root`` with ``configfiles`` merged over config/config.yaml."""
+    workflow = load_dag(root, configfiles)
+    stages = build_stages(workflow, configfiles)
+    logger.info("%d DVC stages: %s", len(stages), ", ".join(s.name for s in stages))
+    return render(stages, configfiles)
+
+
+def write_or_check(root: Path, output: Path, configfiles: Sequence[str] = (), check: bool = False) -> bool:
+    """Write ``output`` (relative to ``root``), or with ``check`` only compare; True when it was current."""
+    text = generate(root, configfiles)
+    path = output if output.is_absolute() else root / output
+    current = path.is_file() and path.read_text() == text
+    if check:
+        if not current:
+            command = " ".join([REGENERATE, *(f"--configfile {f}" for f in configfiles)])
+            raise ValueError(f"{path} is not what the Snakemake DAG gives; regenerate it with: {command}")
+        logger.info("%s is current", path)
+    elif not current:
+        path.write_text(text)
+        logger.info("wrote %s", path)
+    return current
