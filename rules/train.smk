@@ -18,6 +18,8 @@ rule train_stage1:
         **job_resources("train_stage1", policy_of, runtime=120, mem_mb=8000),
     params:
         backend=get_backend,
+        # The role trained: memory (stage 1) or qa (stage 2); memupdate.agents.memory_loop.
+        training_stage="memory",
         settings=get_stage1_settings,
         run_dir=get_stage1_run_dir,
         tool_config="config/tools/memory_tools.yaml",
@@ -25,7 +27,7 @@ rule train_stage1:
         max_content_chars=MAX_CONTENT_CHARS,
         reward=get_stage1_reward,
     script:
-        "../workflow/scripts/train_stage1.py"
+        "../workflow/scripts/train_stage.py"
 
 
 rule train_stage2:
@@ -44,6 +46,8 @@ rule train_stage2:
         **job_resources("train_stage2", qa_model_of, runtime=120, mem_mb=8000),
     params:
         backend=get_backend,
+        # The role trained: memory (stage 1) or qa (stage 2); memupdate.agents.memory_loop.
+        training_stage="qa",
         settings=get_stage2_settings,
         run_dir=get_stage2_run_dir,
         tool_config="config/tools/memory_tools.yaml",
@@ -51,4 +55,4 @@ rule train_stage2:
         max_content_chars=MAX_CONTENT_CHARS,
         reward=get_stage2_reward,
     script:
-        "../workflow/scripts/train_stage2.py"
+        "../workflow/scripts/train_stage.py"

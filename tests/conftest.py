@@ -185,11 +185,20 @@ def memagent_config():
 
     def make(tmp_path, model, rows, **overrides):
         settings = dict(
-            model_path=str(model), train_files=[str(rows)], run_dir=str(tmp_path / "run"), agent_name="memagent",
+            model_path=str(model),
+            train_files=[str(rows)],
+            run_dir=str(tmp_path / "run"),
+            agent_name="memagent",
             agent={"chunk_size": 48, "max_chunks": 3, "max_memory_tokens": 12, "max_final_tokens": 8},
-            reward_manager="memupdate_memagent", prompts_per_step=2, rollout_n=3, max_new_tokens=12,
-            prompt_length=768, response_length=16, max_rows=6, norm_adv_by_std=False,
-        )  # fmt: skip
+            reward_manager="memupdate_memagent",
+            prompts_per_step=2,
+            rollout_n=3,
+            max_new_tokens=12,
+            prompt_length=768,
+            response_length=16,
+            max_rows=6,
+            norm_adv_by_std=False,
+        )
         return LocalGRPOConfig(**{**settings, **overrides})
 
     return make

@@ -46,8 +46,19 @@ def test_console_script_is_installed():
 
 
 def test_preprocess_locomo_from_the_command_line(locomo_path, tmp_path):
-    cmd = [*memupdate_exe(), "preprocess", "locomo", str(locomo_path), str(tmp_path),
-           "--train", "conv-26", "--val", "conv-30", "--test", "conv-41"]
+    cmd = [
+        *memupdate_exe(),
+        "preprocess",
+        "locomo",
+        str(locomo_path),
+        str(tmp_path),
+        "--train",
+        "conv-26",
+        "--val",
+        "conv-30",
+        "--test",
+        "conv-41",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     splits = json.loads(result.stdout)
@@ -71,8 +82,15 @@ def test_eval_report_rebuilds_from_predictions_and_names_a_missing_folder(tmp_pa
     with pytest.raises(FileNotFoundError, match="no predictions in"):
         main(["eval", "report", str(tmp_path), "--experiment", "exp", "-v"])
     (tmp_path / "predictions").mkdir()
-    record = {"namespace": "q1", "sample_id": "conv-48", "category": 4, "question": "Where?", "answer": "Paris",
-              "predictions": {"locomo": "Paris"}, "evidence": []}
+    record = {
+        "namespace": "q1",
+        "sample_id": "conv-48",
+        "category": 4,
+        "question": "Where?",
+        "answer": "Paris",
+        "predictions": {"locomo": "Paris"},
+        "evidence": [],
+    }
     (tmp_path / "predictions" / "no_update.jsonl").write_text(json.dumps(record) + "\n")
     main(["eval", "report", str(tmp_path), "--experiment", "exp", "--published", ""])
     assert "| no_update |" in capsys.readouterr().out
@@ -94,8 +112,19 @@ def test_a_failure_prints_one_line_and_the_traceback_only_with_verbose(tmp_path,
 
 def test_preprocess_hotpotqa_with_a_pool_per_part_from_the_command_line(hotpotqa_path, tmp_path):
     out = tmp_path / "dev-10.parquet"
-    cmd = [*memupdate_exe(), "preprocess", "hotpotqa", str(hotpotqa_path), str(out), "--num-docs", "10",
-           "--limit", "10", "--test-percent", "20"]  # fmt: skip
+    cmd = [
+        *memupdate_exe(),
+        "preprocess",
+        "hotpotqa",
+        str(hotpotqa_path),
+        str(out),
+        "--num-docs",
+        "10",
+        "--limit",
+        "10",
+        "--test-percent",
+        "20",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     parts = {info["part"] for info in pq.read_table(out).column("extra_info").to_pylist()}

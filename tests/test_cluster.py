@@ -15,9 +15,15 @@ MODELS = ["qwen", "tiny"]
 def test_a_multi_node_row_asks_for_one_task_per_node_and_gpus_by_gres():
     job = Job(nodes=4, gpus_per_node=8, cpus_per_task=64, mem_mb=512000, runtime=5760)
     assert job.snakemake() == {
-        "cpus_per_task": 64, "mem_mb": 512000, "runtime": 5760, "gres": "gpu:8", "tasks_per_gpu": 0,
-        "nodes": 4, "tasks": 4, "mpi": "srun",
-    }  # fmt: skip
+        "cpus_per_task": 64,
+        "mem_mb": 512000,
+        "runtime": 5760,
+        "gres": "gpu:8",
+        "tasks_per_gpu": 0,
+        "nodes": 4,
+        "tasks": 4,
+        "mpi": "srun",
+    }
 
 
 def test_a_one_node_row_runs_in_a_step_without_mpi():
@@ -27,15 +33,16 @@ def test_a_one_node_row_runs_in_a_step_without_mpi():
 
 def test_a_server_row_becomes_the_server_jobs_sbatch_options():
     assert Job(gpus_per_node=1, mem_mb=96000, runtime=5760, cpus_per_task=8).server() == {
-        "time": 5760, "mem_mb": 96000, "cpus_per_task": 8, "gres": "gpu:1",
-    }  # fmt: skip
+        "time": 5760,
+        "mem_mb": 96000,
+        "cpus_per_task": 8,
+        "gres": "gpu:1",
+    }
     assert Job().server() == {}
 
 
 def test_model_rows_fall_back_to_the_rules_default_row_then_to_nothing():
-    table = load_table(
-        {"serve_model": {"default": {"mem_mb": 8000}, "qwen": {"gpus_per_node": 1}}}, "t.yaml", MODELS
-    )
+    table = load_table({"serve_model": {"default": {"mem_mb": 8000}, "qwen": {"gpus_per_node": 1}}}, "t.yaml", MODELS)
     assert table.job("serve_model", "qwen") == Job(gpus_per_node=1)
     assert table.job("serve_model", "tiny") == Job(mem_mb=8000)
     assert table.job("train_stage1", "qwen") == Job()

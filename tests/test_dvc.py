@@ -24,7 +24,9 @@ PARTS = ["Snakefile", "rules", "workflow", "config", "profiles", "params.yaml", 
 
 def run(cwd, *cmd, timeout=1800):
     result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    )
     return result.stdout + result.stderr
 
 
@@ -93,10 +95,15 @@ def test_repro_push_clone_pull_and_only_evaluation_reruns(dvc_repo, tmp_path):
     run(clone, BIN / "dvc", "pull")
     status = run(clone, BIN / "dvc", "status")
     assert "Data and pipelines are up to date" in status, status
-    for path in ("results/tiny/stage1/ckpt/model.safetensors", "results/tiny/stage2/ckpt/model.safetensors",
-                 "results/tiny/eval/report.json", "results/data/locomo/train.parquet",
-                 "results/tiny_memagent/memagent/ckpt/model.safetensors",
-                 "results/tiny_memagent/memagent_eval/report.json", "results/data/hotpotqa/dev-10.test.parquet"):  # fmt: skip
+    for path in (
+        "results/tiny/stage1/ckpt/model.safetensors",
+        "results/tiny/stage2/ckpt/model.safetensors",
+        "results/tiny/eval/report.json",
+        "results/data/locomo/train.parquet",
+        "results/tiny_memagent/memagent/ckpt/model.safetensors",
+        "results/tiny_memagent/memagent_eval/report.json",
+        "results/data/hotpotqa/dev-10.test.parquet",
+    ):
         assert (clone / path).read_bytes() == (dvc_repo / path).read_bytes(), path
 
     # A change to the memory store makes every stage importing it stale (training among them); a change to

@@ -66,9 +66,7 @@ def test_committed_dvc_yaml_is_what_the_dag_gives(repo_root, stages):
     command = [str(BIN / "memupdate"), "dvc-yaml", "--check", *(["--configfile", *extra] if extra else [])]
     result = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, timeout=300)
     regenerate = " ".join(["memupdate dvc-yaml", *(["--configfile", *extra] if extra else [])])
-    assert result.returncode == 0, (
-        f"dvc.yaml is stale; regenerate it with `{regenerate}`:\n{result.stderr[-2000:]}"
-    )
+    assert result.returncode == 0, f"dvc.yaml is stale; regenerate it with `{regenerate}`:\n{result.stderr[-2000:]}"
 
 
 def test_every_stage_covers_its_jobs_inputs_scripts_and_rule_files(repo_root, stages, dag):
@@ -76,9 +74,7 @@ def test_every_stage_covers_its_jobs_inputs_scripts_and_rule_files(repo_root, st
     for name, stage in stages.items():
         targets, rules, _ = parse_cmd(stage["cmd"])
         deps, outs = set(stage["deps"]), set(stage["outs"])
-        jobs = [
-            producer[t] if t in producer else next(j for j in dag.jobs if j.rule.name == t) for t in targets
-        ]
+        jobs = [producer[t] if t in producer else next(j for j in dag.jobs if j.rule.name == t) for t in targets]
         seen: set[int] = set()
         while jobs:
             job = jobs.pop()
@@ -86,9 +82,7 @@ def test_every_stage_covers_its_jobs_inputs_scripts_and_rule_files(repo_root, st
                 continue
             seen.add(id(job))
             assert job.rule.name in rules, f"{name}: {job} is not one of its allowed rules"
-            assert str(Path(job.rule.snakefile).relative_to(repo_root)) in deps, (
-                f"{name}: {job.rule.snakefile}"
-            )
+            assert str(Path(job.rule.snakefile).relative_to(repo_root)) in deps, f"{name}: {job.rule.snakefile}"
             if job.rule.script:
                 script = (Path(job.rule.snakefile).parent / job.rule.script).resolve().relative_to(repo_root)
                 assert str(script) in deps, f"{name}: the script of {job.rule.name}"
@@ -102,9 +96,7 @@ def test_every_stage_covers_its_jobs_inputs_scripts_and_rule_files(repo_root, st
                 if "/serve/" in path:
                     assert path not in outs | deps, f"{name}: the readiness marker {path} is tracked"
                 else:
-                    assert path in outs or any(path.startswith(f"{o}/") for o in outs), (
-                        f"{name}: {path} not an out"
-                    )
+                    assert path in outs or any(path.startswith(f"{o}/") for o in outs), f"{name}: {path} not an out"
         for common in (
             "Snakefile",
             "rules/common.smk",
@@ -117,13 +109,17 @@ def test_every_stage_covers_its_jobs_inputs_scripts_and_rule_files(repo_root, st
 def test_training_sees_the_memory_store_and_its_config_and_data_does_not_see_training(stages, repo_root):
     stage1 = next(s for n, s in stages.items() if n.endswith("stage1"))
     deps = set(stage1["deps"])
-    for path in ("results/data/locomo/memories.parquet", "src/memupdate/memory/store.py", "rules/common.smk",
-                 "config/tools/memory_tools.yaml", "src/memupdate/verl_plugin.py", "config/verl"):  # fmt: skip
+    for path in (
+        "results/data/locomo/memories.parquet",
+        "src/memupdate/memory/store.py",
+        "rules/common.smk",
+        "config/tools/memory_tools.yaml",
+        "src/memupdate/verl_plugin.py",
+        "config/verl",
+    ):
         assert path in deps, path
     imports_metrics = any(
-        re.search(r"memupdate(\.| import )metrics\b", (repo_root / d).read_text())
-        for d in deps
-        if d.endswith(".py")
+        re.search(r"memupdate(\.| import )metrics\b", (repo_root / d).read_text()) for d in deps if d.endswith(".py")
     )
     assert imports_metrics and "src/memupdate/metrics.py" in deps
     assert not [d for d in stages["data"]["deps"] if d.startswith("src/memupdate/training")]
@@ -138,9 +134,7 @@ def test_code_scan_follows_every_way_a_module_or_config_file_is_named(tmp_path):
     (tmp_path / "config" / "things").mkdir(parents=True)
     (tmp_path / "config" / "loops.yaml").write_text("- _target_: memupdate.sub.loop.Loop\n")
     (tmp_path / "config" / "things" / "a.yaml").write_text("x: 1\n")
-    (tmp_path / "pyproject.toml").write_text(
-        '[project.entry-points."lib.plugins"]\nmemupdate = "memupdate.plugin"\n'
-    )
+    (tmp_path / "pyproject.toml").write_text('[project.entry-points."lib.plugins"]\nmemupdate = "memupdate.plugin"\n')
     files = {
         "__init__.py": "",
         "sub/__init__.py": "",
@@ -150,7 +144,7 @@ def test_code_scan_follows_every_way_a_module_or_config_file_is_named(tmp_path):
         "sub/loop.py": "",
         "plugin.py": "",
         "unused.py": "",
-    }  # fmt: skip
+    }
     for name, text in files.items():
         (src / name).write_text(text)
     # A rule's script: an import inside a function, a config path as a literal.

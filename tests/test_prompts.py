@@ -58,9 +58,7 @@ def test_locomo_texts_keep_upstream_layout(prompts_dir):
     # Upstream's triple-quoted strings open and close with a newline; one positional placeholder each.
     assert qa.startswith("\nBased on the above context, write an answer in the form of a short phrase")
     assert qa.endswith("\n\nQuestion: {} Short answer:\n") and qa.count("{}") == 1
-    assert (
-        cat5 == "\nBased on the above context, answer the following question.\n\nQuestion: {} Short answer:\n"
-    )
+    assert cat5 == "\nBased on the above context, answer the following question.\n\nQuestion: {} Short answer:\n"
     assert p.text("category_2_suffix") == " Use DATE of CONVERSATION to answer with an approximate date."
     assert p.text("category_5_suffix") == " Select the correct answer: (a) {} (b) {}. "
     assert "is wriiten at the beginning" in p.text("conversation_start")  # upstream's typo, kept
@@ -81,9 +79,7 @@ def test_mem0_texts_keep_upstream_layout(prompts_dir):
         assert "{{" + name + "}}" in answer
     assert "These memories contain \n" in answer  # trailing spaces survive the YAML
     assert judge.startswith("\nYour task is to label an answer to a question as ’CORRECT’ or ’WRONG’.")
-    assert judge.endswith(
-        'Just return the label CORRECT or WRONG in a json format with the key as "label".\n'
-    )
+    assert judge.endswith('Just return the label CORRECT or WRONG in a json format with the key as "label".\n')
     assert set(re.findall(r"\{(\w+)\}", judge)) == {"question", "gold_answer", "generated_answer"}
 
 
@@ -115,9 +111,7 @@ def test_locomo_renders_rag_context_then_question_per_category(prompts_dir):
     with pytest.raises(ValueError, match="category must be 1..5"):
         render_qa("locomo", "Who?", 6, MEMORIES, prompts_dir=prompts_dir)
     # A brace in the question is text, not a placeholder (upstream's .format on question + suffix fails).
-    assert "(a) x (b) y" in render_qa(
-        "locomo", "{odd}?", 5, [], {"a": "x", "b": "y"}, prompts_dir=prompts_dir
-    )
+    assert "(a) x (b) y" in render_qa("locomo", "{odd}?", 5, [], {"a": "x", "b": "y"}, prompts_dir=prompts_dir)
 
 
 def test_locomo_full_context_layout(prompts_dir):
@@ -125,9 +119,11 @@ def test_locomo_full_context_layout(prompts_dir):
     start = p.text("conversation_start").format("Caroline", "Melanie")
     rendered = p.render_context(start + "DATE: 8 May\nCONVERSATION:\n...", "Q?", 4)
     assert rendered.startswith("Below is a conversation between two people: Caroline and Melanie.")
-    assert rendered.endswith("...\n\n\nBased on the above context, write an answer in the form of a short phrase"
-                             " for the following question. Answer with exact words from the context whenever"
-                             " possible.\n\nQuestion: Q? Short answer:\n")  # fmt: skip
+    assert rendered.endswith(
+        "...\n\n\nBased on the above context, write an answer in the form of a short phrase"
+        " for the following question. Answer with exact words from the context whenever"
+        " possible.\n\nQuestion: Q? Short answer:\n"
+    )
     with pytest.raises(ValueError, match="LoCoMo's layout"):
         load_prompts("mem0", prompts_dir).render_context("c", "Q?", 1)
 
@@ -141,8 +137,10 @@ def test_mem0_splits_memories_by_speaker_into_the_jinja_template(prompts_dir):
         speakers=("Caroline", "Melanie"),
         prompts_dir=prompts_dir,
     )
-    first = json.dumps(["1:56 pm on 8 May, 2023: Caroline went to the LGBTQ support group.",
-                        "A note without a date or speaker."], indent=4)  # fmt: skip
+    first = json.dumps(
+        ["1:56 pm on 8 May, 2023: Caroline went to the LGBTQ support group.", "A note without a date or speaker."],
+        indent=4,
+    )
     second = json.dumps(["1:56 pm on 8 May, 2023: Melanie painted a sunrise."], indent=4)
     assert (
         f"    Memories for user Caroline:\n\n    {first}\n\n    Memories for user Melanie:\n\n    {second}\n"
@@ -160,9 +158,7 @@ def test_mem0_splits_memories_by_speaker_into_the_jinja_template(prompts_dir):
 
 def test_qa_messages_carry_the_file_role(prompts_dir):
     messages = prompts.qa_messages("mem0", "Q?", 1, MEMORIES, prompts_dir=prompts_dir)
-    assert messages == [
-        {"role": "user", "content": render_qa("mem0", "Q?", 1, MEMORIES, prompts_dir=prompts_dir)}
-    ]
+    assert messages == [{"role": "user", "content": render_qa("mem0", "Q?", 1, MEMORIES, prompts_dir=prompts_dir)}]
 
 
 def test_judge_prompt_and_parse(prompts_dir):
@@ -171,24 +167,27 @@ def test_judge_prompt_and_parse(prompts_dir):
     assert parse_judge('{"label": "CORRECT"}') == 1.0
     assert parse_judge('```json\n{"label": "WRONG"}\n```') == 0.0
     assert parse_judge('Reasoning first. {"label": "CORRECT"}') == 1.0  # Mem0's extract_json
-    for reply in ("CORRECT", "", "{not json}", '{"label": "correct"}', '{"verdict": "CORRECT"}', '["CORRECT"]',
-                  '{"label": 1}'):  # fmt: skip
+    for reply in (
+        "CORRECT",
+        "",
+        "{not json}",
+        '{"label": "correct"}',
+        '{"verdict": "CORRECT"}',
+        '["CORRECT"]',
+        '{"label": 1}',
+    ):
         assert parse_judge(reply) is None, reply
 
 
 def test_load_errors_name_the_file(prompts_dir, tmp_path):
-    with pytest.raises(
-        PromptFileError, match=f"prompt file {tmp_path}/locomo.yaml for protocol 'locomo' does not"
-    ):
+    with pytest.raises(PromptFileError, match=f"prompt file {tmp_path}/locomo.yaml for protocol 'locomo' does not"):
         load_prompts("locomo", tmp_path)
     with pytest.raises(ValueError, match="unknown prompt protocol 'zep'"):
         load_prompts("zep", prompts_dir)
     # An editor that strips trailing whitespace changes the verbatim text: refused, naming the template.
     shutil.copy(prompts_dir / "mem0.yaml", tmp_path / "mem0.yaml")
     text = (tmp_path / "mem0.yaml").read_text(encoding="utf-8")
-    (tmp_path / "mem0.yaml").write_text(
-        "\n".join(line.rstrip() for line in text.split("\n")), encoding="utf-8"
-    )
+    (tmp_path / "mem0.yaml").write_text("\n".join(line.rstrip() for line in text.split("\n")), encoding="utf-8")
     with pytest.raises(PromptFileError, match="templates.answer.text no longer matches its sha256"):
         load_prompts("mem0", tmp_path)
 
@@ -221,9 +220,7 @@ def test_judge_predictions_json_mode_records_unparsed(tmp_path, prompts_dir, cha
     assert judged[0]["judge_prompt"] == prompts.judge_prompt_sha256(prompts_dir)
     assert first == again == 1 and len(requests) == 3  # judged once; the second pass asks nothing
     assert all(r["response_format"] == {"type": "json_object"} and r["temperature"] == 0.0 for r in requests)
-    assert requests[0]["messages"] == prompts.judge_messages(
-        "When?", "7 May 2023", "7 May", prompts_dir=prompts_dir
-    )
+    assert requests[0]["messages"] == prompts.judge_messages("When?", "7 May 2023", "7 May", prompts_dir=prompts_dir)
 
 
 def generated(judge_prompt: str) -> str:

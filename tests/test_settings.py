@@ -57,25 +57,67 @@ def test_the_shipped_configs_pass_and_keep_their_values():
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ({"experiments": {"smoke": {"stage1": {"stpes": 2}}}}, "experiments.smoke.stage1.stpes: unknown setting; did you mean steps?"),
-        ({"experiments": {"memagent_smoke": {"train": {"rolout_n": 4}}}}, "experiments.memagent_smoke.train.rolout_n: unknown setting; did you mean rollout_n"),
-        ({"experiments": {"smoke": {"stage2": {"steps": "two"}}}}, "experiments.smoke.stage2.steps: 'two' is not an integer"),
+        (
+            {"experiments": {"smoke": {"stage1": {"stpes": 2}}}},
+            "experiments.smoke.stage1.stpes: unknown setting; did you mean steps?",
+        ),
+        (
+            {"experiments": {"memagent_smoke": {"train": {"rolout_n": 4}}}},
+            "experiments.memagent_smoke.train.rolout_n: unknown setting; did you mean rollout_n",
+        ),
+        (
+            {"experiments": {"smoke": {"stage2": {"steps": "two"}}}},
+            "experiments.smoke.stage2.steps: 'two' is not an integer",
+        ),
         ({"experiments": {"smoke": {"stage1": {"lr": "fast"}}}}, "experiments.smoke.stage1.lr: 'fast' is not a number"),
-        ({"experiments": {"smoke": {"stage1": {"rollout_n": 1}}}}, "experiments.smoke.stage1.rollout_n: 1 is below the minimum 2"),
-        ({"experiments": {"smoke": {"stage1": {"rollout_server": {"dtyp": "float32"}}}}}, "experiments.smoke.stage1.rollout_server.dtyp: unknown setting"),
-        ({"experiments": {"smoke": {"eval": {"protocols": ["locomo", "lme"]}}}}, "experiments.smoke.eval.protocols[1]: 'lme' is not one of locomo, mem0"),
-        ({"experiments": {"memagent_smoke": {"loop": {"chunk_size": 0}}}}, "experiments.memagent_smoke.loop.chunk_size: 0 is below the minimum 1"),
-        ({"experiments": {"memagent_smoke": {"eval": {"max_chunks": 2}}}}, "experiments.memagent_smoke.eval.max_chunks: training's budget"),
-        ({"experiments": {"smoke": {"polciy": "x"}}}, "experiments.smoke.polciy: unknown setting; did you mean policy?"),
-        ({"experiments": {"smoke": {"policy": "smollm-135m"}}}, "experiments.smoke.policy: 'smollm-135m' is not defined in models; did you mean smollm2-135m?"),
-        ({"scales": {"smoke": {"experiments": ["smoke", "nosuchexp"]}}}, "scales.smoke.experiments[1]: 'nosuchexp' is not defined in experiments"),
+        (
+            {"experiments": {"smoke": {"stage1": {"rollout_n": 1}}}},
+            "experiments.smoke.stage1.rollout_n: 1 is below the minimum 2",
+        ),
+        (
+            {"experiments": {"smoke": {"stage1": {"rollout_server": {"dtyp": "float32"}}}}},
+            "experiments.smoke.stage1.rollout_server.dtyp: unknown setting",
+        ),
+        (
+            {"experiments": {"smoke": {"eval": {"protocols": ["locomo", "lme"]}}}},
+            "experiments.smoke.eval.protocols[1]: 'lme' is not one of locomo, mem0",
+        ),
+        (
+            {"experiments": {"memagent_smoke": {"loop": {"chunk_size": 0}}}},
+            "experiments.memagent_smoke.loop.chunk_size: 0 is below the minimum 1",
+        ),
+        (
+            {"experiments": {"memagent_smoke": {"eval": {"max_chunks": 2}}}},
+            "experiments.memagent_smoke.eval.max_chunks: training's budget",
+        ),
+        (
+            {"experiments": {"smoke": {"polciy": "x"}}},
+            "experiments.smoke.polciy: unknown setting; did you mean policy?",
+        ),
+        (
+            {"experiments": {"smoke": {"policy": "smollm-135m"}}},
+            "experiments.smoke.policy: 'smollm-135m' is not defined in models; did you mean smollm2-135m?",
+        ),
+        (
+            {"scales": {"smoke": {"experiments": ["smoke", "nosuchexp"]}}},
+            "scales.smoke.experiments[1]: 'nosuchexp' is not defined in experiments",
+        ),
         ({"reward": {"scorer": "readr"}}, "reward.scorer: 'readr' is not one of auto, answer_recall"),
         ({"reward": {"top_k": "5"}}, "reward.top_k: '5' is not an integer"),
         ({"serving": {"slurm": {"gres": "gpu"}}}, "serving.slurm.gres: 'gpu' does not match"),
         ({"models": {"tiny-random": {"heads": 3}}}, "models.tiny-random: hidden_size, heads, kv_heads must nest"),
-        ({"data": {"locomo": {"splits": {"ours": {"test": ["conv-48", "conv-99"]}}}}}, "data.locomo.splits.ours.test[1]: no conversation 'conv-99' in the LoCoMo file"),
-        ({"data": {"locomo": {"splits": {"ours": {"val": ["conv-47", "conv-47"]}}}}}, "data.locomo.splits.ours.val[1]: 'conv-47' is already in data.locomo.splits.ours.val"),
-        ({"data": {"locomo": {"splits": {"ours": {"test": ["conv-26"]}}}}}, "'conv-26' is already in data.locomo.splits.ours.train"),
+        (
+            {"data": {"locomo": {"splits": {"ours": {"test": ["conv-48", "conv-99"]}}}}},
+            "data.locomo.splits.ours.test[1]: no conversation 'conv-99' in the LoCoMo file",
+        ),
+        (
+            {"data": {"locomo": {"splits": {"ours": {"val": ["conv-47", "conv-47"]}}}}},
+            "data.locomo.splits.ours.val[1]: 'conv-47' is already in data.locomo.splits.ours.val",
+        ),
+        (
+            {"data": {"locomo": {"splits": {"ours": {"test": ["conv-26"]}}}}},
+            "'conv-26' is already in data.locomo.splits.ours.train",
+        ),
     ],
 )
 def test_a_bad_setting_fails_with_its_path_value_and_what_is_allowed(override, expected):
@@ -116,7 +158,10 @@ def test_verl_backend_settings_are_checked_against_verls_config():
         return config
 
     text = problems(with_stage1({"trainer.total_training_step": 10, "trainer.nnodes": "two"}))
-    assert "experiments.smoke.stage1.trainer.total_training_step: verl's ppo_trainer defines no such key; did you mean trainer.total_training_steps" in text
+    assert (
+        "experiments.smoke.stage1.trainer.total_training_step: verl's ppo_trainer defines no such key; did you mean trainer.total_training_steps"
+        in text
+    )
     assert "experiments.smoke.stage1.trainer.nnodes: 'two' is not an int" in text
     ok = with_stage1({"trainer.total_training_steps": 10, "actor_rollout_ref.actor.optim.lr": "1e-6", "+my.key": 1})
     check_config(ok, SCHEMA, root=REPO)
@@ -126,7 +171,10 @@ def test_verl_backend_settings_are_checked_against_verls_config():
 def test_the_schema_of_a_section_is_its_dataclass():
     schema = json_schema(TrainSettings)
     assert list(schema["properties"]) == [f.name for f in dataclasses.fields(TrainSettings)]
-    assert schema["properties"]["rollout_n"]["minimum"] == 2 and schema["properties"]["rollout"]["enum"] == ["hf", "vllm"]
+    assert schema["properties"]["rollout_n"]["minimum"] == 2 and schema["properties"]["rollout"]["enum"] == [
+        "hf",
+        "vllm",
+    ]
     assert json_schema(LocomoEvalSettings)["properties"]["protocols"]["default"] == ["locomo", "mem0"]
 
 
@@ -162,23 +210,33 @@ def test_a_scales_settings_are_merged_over_the_config_when_it_is_chosen():
     assert full["serving"]["engine"] == "vllm" and full["serving"]["max_model_len"] == 32768
     # Merged key by key: the rest of the section keeps its values.
     assert full["serving"]["startup_timeout_s"] == 900
-    assert full["data"]["hotpotqa"]["splits"] == {"dev": "hotpotqa_dev"} and full["data"]["hotpotqa"]["test_percent"] == 20
+    assert (
+        full["data"]["hotpotqa"]["splits"] == {"dev": "hotpotqa_dev"} and full["data"]["hotpotqa"]["test_percent"] == 20
+    )
     smoke = merged()
     check_config(smoke, SCHEMA, root=REPO)
-    assert smoke["serving"]["engine"] == "vllm-cpu" and smoke["data"]["hotpotqa"]["splits"] == {"dev": "hotpotqa_dev100"}
+    assert smoke["serving"]["engine"] == "vllm-cpu" and smoke["data"]["hotpotqa"]["splits"] == {
+        "dev": "hotpotqa_dev100"
+    }
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"scales": {"smoke": {"default_experiment": "memagent_7b"}}},
-         "scales.smoke.default_experiment: 'memagent_7b' is not one of the scale's experiments (smoke, memagent_smoke)"),
-        ({"experiments": {"eval": {"backend": "local", "policy": "smollm2-135m", "stage1": {}}}},
-         "experiments.eval: the name is taken by results/eval/"),
-        ({"scale": "full", "scales": {"full": {"settings": {"serving": {"engine": "sglang"}}}}},
-         "serving.engine: 'sglang' is not one of"),
+        (
+            {"scales": {"smoke": {"default_experiment": "memagent_7b"}}},
+            "scales.smoke.default_experiment: 'memagent_7b' is not one of the scale's experiments (smoke, memagent_smoke)",
+        ),
+        (
+            {"experiments": {"eval": {"backend": "local", "policy": "smollm2-135m", "stage1": {}}}},
+            "experiments.eval: the name is taken by results/eval/",
+        ),
+        (
+            {"scale": "full", "scales": {"full": {"settings": {"serving": {"engine": "sglang"}}}}},
+            "serving.engine: 'sglang' is not one of",
+        ),
     ],
-)  # fmt: skip
+)
 def test_scale_problems_are_named(override, message):
     assert message in problems(merged(override))
 

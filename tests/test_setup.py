@@ -19,8 +19,14 @@ def install_cpu_torch(index: str) -> subprocess.CompletedProcess:
         'eval "$(sed -n "/^log()/p" run.sh)"; eval "$(sed -n "/^install_cpu_torch()/,/^}/p" run.sh)"; '
         f"TORCH_CPU_INDEX={index}; install_cpu_torch"
     )
-    return subprocess.run(["bash", "-c", script], cwd=REPO, env={**os.environ, "VENV": str(venv)},
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        ["bash", "-c", script],
+        cwd=REPO,
+        env={**os.environ, "VENV": str(venv)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_torch_set_up_falls_back_to_the_configured_index_when_the_cpu_index_cannot_answer():

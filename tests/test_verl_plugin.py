@@ -57,4 +57,7 @@ def test_every_loop_and_reward_manager_registers_whichever_module_a_process_impo
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "failed" not in result.stderr and "partially initialized" not in result.stderr, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "['memagent', 'memupdate_agent'] MemoryRewardManager MemAgentRewardManager"
+    assert (
+        result.stdout.strip().splitlines()[-1]
+        == "['memagent', 'memupdate_agent'] MemoryRewardManager MemAgentRewardManager"
+    )

@@ -55,6 +55,14 @@ def test_lint_and_format_are_clean(repo_root):
     files = ["Snakefile", *sorted(str(p.relative_to(repo_root)) for p in (repo_root / "rules").glob("*.smk"))]
     fmt = subprocess.run([snakefmt, "--check", *files], cwd=repo_root, capture_output=True, text=True, timeout=120)
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+    # The Python side: ruff's lint and its formatter (pyproject.toml [tool.ruff]), over everything Python here.
+    ruff = str(Path(sys.executable).parent / "ruff")
+    for command in (
+        [ruff, "check", "src", "tests", "workflow"],
+        [ruff, "format", "--check", "src", "tests", "workflow"],
+    ):
+        result = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, f"{' '.join(command[1:])}:\n{result.stdout}{result.stderr}"
 
 
 def test_invalid_config_is_rejected_before_anything_runs(workdir):
@@ -97,7 +105,10 @@ def test_the_briefs_short_paths_build_the_default_experiment(workdir):
     # The default experiment has no MemAgent run: its short path says so before anything runs.
     missing = snakemake(workdir, "-n", "results/memagent/ckpt")
     assert missing.returncode != 0
-    assert "the default experiment 'smoke' (scales.smoke.default_experiment) has no memagent" in missing.stdout + missing.stderr
+    assert (
+        "the default experiment 'smoke' (scales.smoke.default_experiment) has no memagent"
+        in missing.stdout + missing.stderr
+    )
 
 
 def test_evaluation_servers_wait_for_the_checkpoints_they_evaluate(workdir):
@@ -120,8 +131,10 @@ def test_the_full_scale_on_the_slurm_profile_asks_for_gpus(workdir):
     trained = {(job["rule"], job["wildcards"]) for job in jobs if job["rule"].startswith("train_")}
     assert trained == {
         *(("train_stage1", f"exp={e}") for e in ("memupdate_3b", "memupdate_7b", "two_stage_3b", "two_stage_7b")),
-        ("train_stage2", "exp=two_stage_3b"), ("train_stage2", "exp=two_stage_7b"), ("train_memagent", "exp=memagent_7b"),
-    }  # fmt: skip
+        ("train_stage2", "exp=two_stage_3b"),
+        ("train_stage2", "exp=two_stage_7b"),
+        ("train_memagent", "exp=memagent_7b"),
+    }
     for job in jobs:
         asked = resources(job)
         if job["rule"].startswith("train_"):
@@ -201,11 +214,19 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
     assert report["systems"]["full_context"]["skipped"] == 6
     # Every other system answered every question; a memory system whose policy edited nothing was asked
     # exactly what no_update was asked, and (greedy) answered the same, question for question.
-    saved = {name: {r["namespace"]: r for r in map(json.loads, (workdir / f"results/tiny/eval/predictions/{name}.jsonl").open())}
-             for name in ("no_update", "stage1+qa_base")}  # fmt: skip
+    saved = {
+        name: {
+            r["namespace"]: r for r in map(json.loads, (workdir / f"results/tiny/eval/predictions/{name}.jsonl").open())
+        }
+        for name in ("no_update", "stage1+qa_base")
+    }
     assert all(report["systems"][name]["unanswered"] == 0 for name in ("no_update", "stage1+qa_base", "stage1+stage2"))
-    unedited = [ns for ns, r in saved["stage1+qa_base"].items() if r["memory_stats"]["final_count"] == r["memory_stats"]["initial_count"]
-                and not any(r["memory_stats"].get(k) for k in ("created", "updated", "deleted", "merged", "split"))]  # fmt: skip
+    unedited = [
+        ns
+        for ns, r in saved["stage1+qa_base"].items()
+        if r["memory_stats"]["final_count"] == r["memory_stats"]["initial_count"]
+        and not any(r["memory_stats"].get(k) for k in ("created", "updated", "deleted", "merged", "split"))
+    ]
     assert unedited, "the tiny random memory model was expected to edit nothing"
     for ns in unedited:
         ours, baseline = saved["stage1+qa_base"][ns], saved["no_update"][ns]
@@ -214,14 +235,22 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
     for name in ("per_category.png", "training.png", "report.md", "report.html"):
         assert (workdir / "results/tiny/eval" / name).is_file()
     # The short paths are the default experiment's (tiny) artifacts, stored once: the same inodes.
-    for short_path, source in (("results/stage2/ckpt/model.safetensors", "results/tiny/stage2/ckpt/model.safetensors"),
-                               ("results/eval/report.json", "results/tiny/eval/report.json"),
-                               ("results/eval/report.html", "results/tiny/eval/report.html")):  # fmt: skip
+    for short_path, source in (
+        ("results/stage2/ckpt/model.safetensors", "results/tiny/stage2/ckpt/model.safetensors"),
+        ("results/eval/report.json", "results/tiny/eval/report.json"),
+        ("results/eval/report.html", "results/tiny/eval/report.html"),
+    ):
         assert (workdir / short_path).stat().st_ino == (workdir / source).stat().st_ino, short_path
     assert AutoModelForCausalLM.from_pretrained(workdir / "results/stage1/ckpt").num_parameters() > 0
     # MemAgent: trained on the train questions only, evaluated (base and trained) on the held-out ones.
-    parts = {part: pq.read_table(workdir / f"results/data/hotpotqa/dev-10.{part}.parquet").column("extra_info")
-             .combine_chunks().field("id").to_pylist() for part in ("train", "test")}  # fmt: skip
+    parts = {
+        part: pq.read_table(workdir / f"results/data/hotpotqa/dev-10.{part}.parquet")
+        .column("extra_info")
+        .combine_chunks()
+        .field("id")
+        .to_pylist()
+        for part in ("train", "test")
+    }
     assert len(parts["train"]) + len(parts["test"]) == 5 and not set(parts["train"]) & set(parts["test"])
     run = workdir / "results/tiny_memagent/memagent"
     assert json.loads((run / "ckpt" / "manifest.json").read_text())["step"] == 1
@@ -232,10 +261,15 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
     assert (workdir / "results/tiny_memagent/memagent_eval/length_curve.png").is_file()
     # Both MemAgent models were served for the evaluation: the base policy and the trained checkpoint.
     assert curve["models"] == {
-        "base": {"path": str((workdir / "results/models/tiny-random").resolve()), "served_as": "tiny_memagent-eval-base"},
-        "trained": {"path": str((workdir / "results/tiny_memagent/memagent/ckpt").resolve()),
-                    "served_as": "tiny_memagent-eval-memagent"},
-    }  # fmt: skip
+        "base": {
+            "path": str((workdir / "results/models/tiny-random").resolve()),
+            "served_as": "tiny_memagent-eval-base",
+        },
+        "trained": {
+            "path": str((workdir / "results/tiny_memagent/memagent/ckpt").resolve()),
+            "served_as": "tiny_memagent-eval-memagent",
+        },
+    }
     # Servers were stopped when the run ended; their markers (temp) are gone with them.
     for served in ("qa-base", "stage1", "eval-qa-base", "eval-stage1", "eval-stage2"):
         assert f"stopped the tiny-{served} server" in log

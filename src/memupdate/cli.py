@@ -59,9 +59,7 @@ def _cmd_preprocess_hotpotqa(args: argparse.Namespace) -> None:
 def _cmd_embed(args: argparse.Namespace) -> None:
     from memupdate.memory.cache import build_embedding_cache
 
-    summary = build_embedding_cache(
-        args.memories, args.cache_dir, args.model, args.batch_size, pool_dir=args.pool
-    )
+    summary = build_embedding_cache(args.memories, args.cache_dir, args.model, args.batch_size, pool_dir=args.pool)
     json.dump(summary, sys.stdout, indent=2)
     sys.stdout.write("\n")
 
@@ -89,8 +87,14 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> None:
     from memupdate.bench.rollout import format_rollout_bench, run_rollout_bench
 
     result = run_rollout_bench(
-        args.train, args.memories, args.embeddings, prompts=args.prompts, n=args.n,
-        max_tokens=args.max_tokens, repeats=args.repeats, output=args.output,
+        args.train,
+        args.memories,
+        args.embeddings,
+        prompts=args.prompts,
+        n=args.n,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        output=args.output,
     )
     sys.stdout.write(format_rollout_bench(result) + "\n")
 
@@ -99,9 +103,16 @@ def _cmd_bench_memagent(args: argparse.Namespace) -> None:
     from memupdate.bench.memagent import format_memagent_bench, run_memagent_bench
 
     result = run_memagent_bench(
-        args.hotpotqa, model=args.model, chunks=args.chunks, chunk_size=args.chunk_size, questions=args.questions,
-        memory_tokens=args.memory_tokens, final_tokens=args.final_tokens, work_dir=args.work_dir, output=args.output,
-    )  # fmt: skip
+        args.hotpotqa,
+        model=args.model,
+        chunks=args.chunks,
+        chunk_size=args.chunk_size,
+        questions=args.questions,
+        memory_tokens=args.memory_tokens,
+        final_tokens=args.final_tokens,
+        work_dir=args.work_dir,
+        output=args.output,
+    )
     sys.stdout.write(format_memagent_bench(result) + "\n")
 
 
@@ -123,12 +134,20 @@ def _cmd_eval_locomo(args: argparse.Namespace) -> None:
 
     settings = {k: yaml.safe_load(v) for k, v in _pairs(args.set, "--set").items()}
     evaluate_locomo(
-        experiment=args.experiment, test_file=args.test, memories=args.memories, embeddings=args.embeddings,
-        embedding_model=args.embedding_model, tool_config=args.tool_config, conversations=args.conversations,
-        markers=_pairs(args.marker, "--marker"), out_dir=args.out_dir, settings=settings,
-        training_metrics=_pairs(args.training_metrics, "--training-metrics"), published=args.published,
+        experiment=args.experiment,
+        test_file=args.test,
+        memories=args.memories,
+        embeddings=args.embeddings,
+        embedding_model=args.embedding_model,
+        tool_config=args.tool_config,
+        conversations=args.conversations,
+        markers=_pairs(args.marker, "--marker"),
+        out_dir=args.out_dir,
+        settings=settings,
+        training_metrics=_pairs(args.training_metrics, "--training-metrics"),
+        published=args.published,
         split=args.split,
-    )  # fmt: skip
+    )
     sys.stdout.write((Path(args.out_dir) / "report.md").read_text(encoding="utf-8"))
 
 
@@ -136,10 +155,12 @@ def _cmd_eval_report(args: argparse.Namespace) -> None:
     from memupdate.eval.report import rebuild_report
 
     rebuild_report(
-        args.out_dir, experiment=args.experiment,
-        training_metrics=_pairs(args.training_metrics, "--training-metrics"), published=args.published,
+        args.out_dir,
+        experiment=args.experiment,
+        training_metrics=_pairs(args.training_metrics, "--training-metrics"),
+        published=args.published,
         split=args.split,
-    )  # fmt: skip
+    )
     sys.stdout.write((Path(args.out_dir) / "report.md").read_text(encoding="utf-8"))
 
 
@@ -202,10 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     hot.add_argument("--limit", type=int, help="number of questions")
     hot.add_argument("--tokenizer", help="HF tokenizer name or path for token counts")
     hot.add_argument(
-        "--test-percent", type=int,
+        "--test-percent",
+        type=int,
         help="hold out this share of questions (by id hash, as split_hotpotqa does); each part's haystacks draw "
         "distractors from that part's own pool (data.hotpotqa.test_percent in the workflow)",
-    )  # fmt: skip
+    )
     hot.set_defaults(func=_cmd_preprocess_hotpotqa)
 
     embed = sub.add_parser("embed", help="embed the memories table into an embedding cache")
@@ -244,8 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     roll.set_defaults(func=_cmd_bench_rollout)
 
     ma = bench_sub.add_parser("memagent", help="MemAgent evaluation time and peak memory at 1-16 chunks")
-    ma.add_argument("--hotpotqa", default="../shared/data/hotpotqa_dev_distractor_first100.json",
-                     help="a HotpotQA file (the workflow fetches one to results/data/raw/)")  # fmt: skip
+    ma.add_argument(
+        "--hotpotqa",
+        default="../shared/data/hotpotqa_dev_distractor_first100.json",
+        help="a HotpotQA file (the workflow fetches one to results/data/raw/)",
+    )
     ma.add_argument("--model", help="model folder (default: a tiny random model built into --work-dir)")
     ma.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ma.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
@@ -260,8 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev_sub = ev.add_subparsers(dest="evaluation", required=True, metavar="EVALUATION")
     evl = ev_sub.add_parser("locomo", help="LoCoMo test questions with every served system -> report.{json,md,html}")
     evl.add_argument("--experiment", required=True, help="experiment name (the report's title)")
-    evl.add_argument("--marker", action="append", default=[], metavar="NAME=PATH",
-                     help="readiness marker of a served model: qa-base (required), stage1, stage2")  # fmt: skip
+    evl.add_argument(
+        "--marker",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="readiness marker of a served model: qa-base (required), stage1, stage2",
+    )
     evl.add_argument("--out-dir", required=True, help="report folder; predictions/ in it make reruns resume")
     evl.add_argument("--test", default="results/data/locomo/test.parquet")
     evl.add_argument("--memories", default="results/data/locomo/memories.parquet")
@@ -269,8 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     evl.add_argument("--embedding-model", default="all-MiniLM-L6-v2")
     evl.add_argument("--tool-config", default="config/tools/memory_tools.yaml")
     evl.add_argument("--conversations", help="locomo10.json, for the full-context system")
-    evl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="an eval setting (memupdate.eval.locomo.LocomoEvalSettings), e.g. questions_per_conversation=3")  # fmt: skip
+    evl.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an eval setting (memupdate.eval.locomo.LocomoEvalSettings), e.g. questions_per_conversation=3",
+    )
     evl.add_argument("--training-metrics", action="append", default=[], metavar="STAGE=PATH")
     evl.add_argument("--published", default="config/published_locomo.yaml")
     evl.add_argument("--split", help="the LoCoMo split the test file comes from (data.locomo.split), for the report")
@@ -284,8 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     evr.set_defaults(func=_cmd_eval_report)
 
     dvc = sub.add_parser("dvc-yaml", help="write dvc.yaml from the Snakemake DAG (every stage's deps and outs)")
-    dvc.add_argument("--configfile", nargs="+", default=[], metavar="FILE",
-                     help="config files merged over config/config.yaml, as the stages' snakemake gets them")  # fmt: skip
+    dvc.add_argument(
+        "--configfile",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="config files merged over config/config.yaml, as the stages' snakemake gets them",
+    )
     dvc.add_argument("--output", default="dvc.yaml", help="relative to --directory")
     dvc.add_argument("--directory", default=".", help="the repository (holds the Snakefile)")
     dvc.add_argument("--check", action="store_true", help="fail if the file differs instead of writing it")
@@ -303,9 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_verbose(parser: argparse.ArgumentParser, top: bool = False) -> None:
     """``-v`` before or after the subcommand (``memupdate -v eval report ...``, ``... report DIR -v``)."""
     parser.add_argument(
-        "-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=False if top else argparse.SUPPRESS,
         help="debug logging, and the traceback of a failure (by default a failure prints one line)",
-    )  # fmt: skip
+    )
     for action in parser._subparsers._group_actions if parser._subparsers else []:
         for child in action.choices.values():
             _add_verbose(child)

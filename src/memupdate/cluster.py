@@ -38,9 +38,7 @@ class Job:
 
     def snakemake(self) -> dict[str, Any]:
         """Resources of the rule's own job, as snakemake-executor-plugin-slurm 2.8 reads them."""
-        out: dict[str, Any] = {
-            k: v for k in ("cpus_per_task", "mem_mb", "runtime") if (v := getattr(self, k))
-        }
+        out: dict[str, Any] = {k: v for k in ("cpus_per_task", "mem_mb", "runtime") if (v := getattr(self, k))}
         if self.gpus_per_node:
             # `gres` with tasks_per_gpu=0, never `gpus=`: the plugin ignores `gpus`, and without
             # tasks_per_gpu=0 it would ask for a task per GPU.
@@ -78,9 +76,7 @@ def load_table(data: Any, path: str | Path, models: Iterable[str]) -> Table:
     if data is None:
         return Table({})
     if not isinstance(data, Mapping):
-        raise ConfigError(
-            f"{path}: expected a mapping of rule -> model -> resources, got {type(data).__name__}"
-        )
+        raise ConfigError(f"{path}: expected a mapping of rule -> model -> resources, got {type(data).__name__}")
     known = {*models, DEFAULT}
     errors, rows = [], {}
     for rule, per_model in data.items():

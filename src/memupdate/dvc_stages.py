@@ -54,9 +54,7 @@ STAGE_KINDS = (
     StageKind("embeddings", "embed_memories", ("embed_memories",)),
     StageKind("models", "prepare_model", ("prepare_model",)),
     # MemAgent's haystacks: every length of the scale, split into train and test questions.
-    StageKind(
-        "hotpotqa", "hotpotqa_data", ("fetch_data", "preprocess_hotpotqa", "split_hotpotqa", "hotpotqa_data")
-    ),
+    StageKind("hotpotqa", "hotpotqa_data", ("fetch_data", "preprocess_hotpotqa", "split_hotpotqa", "hotpotqa_data")),
     StageKind("stage1", "train_stage1", ("serve_model", "train_stage1"), per_experiment=True),
     StageKind("stage2", "train_stage2", ("serve_model", "train_stage2"), per_experiment=True),
     StageKind("eval", "eval_locomo", ("serve_model", "eval_locomo"), per_experiment=True),
@@ -78,9 +76,7 @@ _MODULE_STRING = re.compile(rf"{PACKAGE}(\.\w+)+")
 _CONFIG_STRING = re.compile(rf"{CONFIG_DIR}/[\w./-]+")
 # Imports of a workflow file at column 0 run whenever the workflow loads (config checks, resources);
 # indented ones sit in run hooks (stopping servers) that make no artifact.
-_SMK_IMPORT = re.compile(
-    rf"^(?:from\s+({PACKAGE}[\w.]*)\s+import\s+([\w, ()]+)|import\s+({PACKAGE}[\w.]*))", re.M
-)
+_SMK_IMPORT = re.compile(rf"^(?:from\s+({PACKAGE}[\w.]*)\s+import\s+([\w, ()]+)|import\s+({PACKAGE}[\w.]*))", re.M)
 _SMK_CONFIG = re.compile(rf"[\"']({CONFIG_DIR}/[^\"'\s]+)[\"']")
 
 
@@ -218,9 +214,7 @@ class CodeScan:
         if path in self.config or not (self.root / path).exists():
             return
         self.config.add(path)
-        files = (
-            sorted((self.root / path).rglob("*.y*ml")) if (self.root / path).is_dir() else [self.root / path]
-        )
+        files = sorted((self.root / path).rglob("*.y*ml")) if (self.root / path).is_dir() else [self.root / path]
         for file in files:
             if file.suffix in (".yaml", ".yml"):
                 for text in _strings(yaml.safe_load(file.read_text())):
@@ -291,9 +285,7 @@ class CodeScan:
             operands.insert(0, node.right)
             node = node.left  # type: ignore[assignment]
         operands.insert(0, node)
-        names = [
-            n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else None for n in operands
-        ]
+        names = [n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else None for n in operands]
         strings = [i for i, name in enumerate(names) if name is not None]
         if not strings or names[strings[0]] != CONFIG_DIR:
             return
@@ -425,9 +417,7 @@ def _check_coverage(dag: Any, stages: Sequence[Stage]) -> None:
                     "fix the rules of memupdate.dvc_stages.STAGE_KINDS"
                 )
             owner[id(job)] = stage.name
-    missing = sorted(
-        {job.rule.name for job in dag.jobs if id(job) not in owner and job.rule.name not in TARGET_RULES}
-    )
+    missing = sorted({job.rule.name for job in dag.jobs if id(job) not in owner and job.rule.name not in TARGET_RULES})
     if missing:
         raise ValueError(
             f"rules {', '.join(missing)} have jobs in the DAG but no DVC stage runs them: add them to a stage "

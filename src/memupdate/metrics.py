@@ -177,9 +177,7 @@ def bleu1(prediction: str, answer: str) -> float:
         return 0.0
     gold_tokens = _word_tokenize(answer.lower())
     # NLTK returns the int 0 (without warning) when no unigram overlaps; method1 never warns.
-    score = sentence_bleu(
-        [gold_tokens], pred_tokens, weights=(1, 0, 0, 0), smoothing_function=_bleu_smoothing
-    )
+    score = sentence_bleu([gold_tokens], pred_tokens, weights=(1, 0, 0, 0), smoothing_function=_bleu_smoothing)
     return float(score)
 
 

@@ -80,7 +80,9 @@ class SlurmOptions:
     time: int | None = setting(None, help="minutes", flag="--time", minimum=1)
     mem_mb: int | None = setting(None, flag="--mem", minimum=1)
     cpus_per_task: int | None = setting(None, flag="--cpus-per-task", minimum=1)
-    gres: str | None = setting(None, help='generic resources, e.g. "gpu:1"', flag="--gres", pattern=r"[a-z]+(:[\w-]+)?:[0-9]+")
+    gres: str | None = setting(
+        None, help='generic resources, e.g. "gpu:1"', flag="--gres", pattern=r"[a-z]+(:[\w-]+)?:[0-9]+"
+    )
     constraint: str | None = setting(None, flag="--constraint")
 
 
@@ -99,7 +101,9 @@ class ServeSettings:
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
     startup_timeout_s: float = setting(900.0, minimum=10)
     extra_args: list[str] = setting(help="extra arguments of the vLLM server", factory=list)
-    env: dict[str, str] = setting(help="environment variables of the server (e.g. VLLM_CPU_KVCACHE_SPACE)", factory=dict)
+    env: dict[str, str] = setting(
+        help="environment variables of the server (e.g. VLLM_CPU_KVCACHE_SPACE)", factory=dict
+    )
     slurm: dict[str, Any] = setting(help="sbatch options of the server's job", factory=dict, schema=SlurmOptions)
 
 
@@ -143,14 +147,24 @@ class TrainSettings:
     )
     # The names verl 0.9.1's Tracking accepts (tests/training/test_tracking.py keeps them in step with it);
     # written out because the Snakefile checks settings without importing verl.
-    logger: list[Literal[
-        "console", "tensorboard", "file", "wandb", "mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio",
-        "rl_insight",
-    ]] = setting(
+    logger: list[
+        Literal[
+            "console",
+            "tensorboard",
+            "file",
+            "wandb",
+            "mlflow",
+            "swanlab",
+            "vemlp_wandb",
+            "clearml",
+            "trackio",
+            "rl_insight",
+        ]
+    ] = setting(
         help="verl tracking backends (trainer.logger); the default needs no account: tensorboard writes to "
         "<run>/tensorboard. wandb, mlflow, ... read their keys from the environment (WANDB_API_KEY, ...)",
         factory=lambda: ["console", "tensorboard"],
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -551,7 +565,11 @@ def _type_schema(hint: Any) -> dict[str, Any]:
 SECTIONS = {
     ("memupdate", "local"): {"stage1": TrainSettings, "stage2": TrainSettings, "eval": LocomoEvalSettings},
     ("memupdate", "verl"): {"eval": LocomoEvalSettings},
-    ("memagent", "local"): {"loop": MemAgentLoopSettings, "train": MemAgentTrainSettings, "eval": MemAgentExperimentEval},
+    ("memagent", "local"): {
+        "loop": MemAgentLoopSettings,
+        "train": MemAgentTrainSettings,
+        "eval": MemAgentExperimentEval,
+    },
     ("memagent", "verl"): {"loop": MemAgentLoopSettings, "eval": MemAgentExperimentEval},
 }
 #: Sections of a verl experiment that are verl config keys (``trainer.total_training_steps: 100``).
@@ -757,13 +775,17 @@ def _split_errors(split: Mapping[str, list[str]], known: set[str] | None, where:
         for i, sample_id in enumerate(ids):
             path = f"{where}.{part}[{i}]"
             if sample_id in seen:
-                errors.append(f"{path}: {sample_id!r} is already in {seen[sample_id]}; a conversation belongs to one split")
+                errors.append(
+                    f"{path}: {sample_id!r} is already in {seen[sample_id]}; a conversation belongs to one split"
+                )
                 continue
             seen[sample_id] = f"{where}.{part}"
             if known is not None and sample_id not in known:
                 close = difflib.get_close_matches(sample_id, sorted(known), n=1)
                 hint = f"; did you mean {close[0]}?" if close else ""
-                errors.append(f"{path}: no conversation {sample_id!r} in the LoCoMo file{hint} (it has {', '.join(sorted(known))})")
+                errors.append(
+                    f"{path}: no conversation {sample_id!r} in the LoCoMo file{hint} (it has {', '.join(sorted(known))})"
+                )
     return errors
 
 
@@ -774,11 +796,15 @@ def _conversation_ids(config: Mapping[str, Any], root: Path) -> set[str] | None:
     if spec is None:
         return None
     candidates = [root / "resources" / "data" / f"{config['data']['locomo']['file']}.json"]
-    candidates += [root / m / spec.get("filename", "") for m in config["data"].get("mirrors", []) if spec.get("filename")]
+    candidates += [
+        root / m / spec.get("filename", "") for m in config["data"].get("mirrors", []) if spec.get("filename")
+    ]
     for path in candidates:
         if path.is_file():
             try:
-                return {c["sample_id"] for c in json.loads(path.read_bytes()) if isinstance(c, dict) and "sample_id" in c}
+                return {
+                    c["sample_id"] for c in json.loads(path.read_bytes()) if isinstance(c, dict) and "sample_id" in c
+                }
             except (ValueError, TypeError):
                 return None  # a broken copy is the fetch job's error to report, with its checksum
     return None
@@ -839,12 +865,19 @@ def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
             ok = isinstance(value, bool)
         elif isinstance(default, int):
             value = _number(value)
-            ok = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+            ok = (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                or isinstance(value, float)
+                and value.is_integer()
+            )
             if ok:
                 settings[key] = int(value)
         else:
             ok = True
         if not ok:
-            kind_name = {float: "a number", bool: "true or false", int: "an int"}.get(type(default), type(default).__name__)
+            kind_name = {float: "a number", bool: "true or false", int: "an int"}.get(
+                type(default), type(default).__name__
+            )
             errors.append(f"{path}.{key}: {_show(value)} is not {kind_name} (verl's default: {default!r})")
     return errors

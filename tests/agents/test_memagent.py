@@ -30,8 +30,12 @@ def test_split_chunks_without_a_budget_reads_everything():
 
 def test_memagent_reward_scores_the_boxed_answer_only():
     assert memagent_reward(r"\boxed{Paris, France}", ["Paris"]) == {
-        "score": 0.0, "exact_match": 0.0, "sub_em": 1.0, "f1": pytest.approx(2 / 3), "boxed": 1.0,
-    }  # fmt: skip
+        "score": 0.0,
+        "exact_match": 0.0,
+        "sub_em": 1.0,
+        "f1": pytest.approx(2 / 3),
+        "boxed": 1.0,
+    }
     assert memagent_reward(r"first \boxed{Rome} then \boxed{the Paris}", ["Paris"])["score"] == 1.0
     with pytest.raises(ValueError, match="gold answer"):
         memagent_reward("x", [])

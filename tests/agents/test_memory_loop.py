@@ -27,16 +27,25 @@ def setup(tiny_models, locomo_rows, cache_dir, repo_root, monkeypatch, tmp_path)
     monkeypatch.setenv("MEMUPDATE_MEMORIES", str(rows["memories"]))
     monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", str(cache_dir))
     cfg = LocalGRPOConfig(
-        model_path=str(models / "policy"), train_files=[str(rows["train"])], run_dir=str(tmp_path),
-        tool_config="config/tools/memory_tools.yaml", memories=str(rows["memories"]), embeddings=str(cache_dir),
-        prompt_length=4096, response_length=2048, max_new_tokens=12, max_assistant_turns=2,
+        model_path=str(models / "policy"),
+        train_files=[str(rows["train"])],
+        run_dir=str(tmp_path),
+        tool_config="config/tools/memory_tools.yaml",
+        memories=str(rows["memories"]),
+        embeddings=str(cache_dir),
+        prompt_length=4096,
+        response_length=2048,
+        max_new_tokens=12,
+        max_assistant_turns=2,
     )
     config = verl_config(cfg, tmp_path / "unused.yaml")
     tokenizer = AutoTokenizer.from_pretrained(models / "policy")
     dataset = RLHFDataset(cfg.train_files, tokenizer, config.data)
     tools = load_all_tools(cfg.tool_config, None)
     policy = HFGenerateServer(AutoModelForCausalLM.from_pretrained(models / "policy"), tokenizer, max_new_tokens=12)
-    fixed = HFGenerateServer(AutoModelForCausalLM.from_pretrained(models / "fixed"), tokenizer, max_new_tokens=12, seed=7)
+    fixed = HFGenerateServer(
+        AutoModelForCausalLM.from_pretrained(models / "fixed"), tokenizer, max_new_tokens=12, seed=7
+    )
     return config, tokenizer, dataset, tools, policy, fixed
 
 
@@ -47,8 +56,13 @@ def run_episode(setup, **loop_kwargs):
     async def main():
         # Built inside the running event loop, as verl's worker does.
         loop = MemoryUpdateAgentLoop(
-            trainer_config=DictConfigWrap(config), server_manager=policy, tokenizer=tokenizer, processor=None,
-            dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data), tools=ToolListWrap(tools),
+            trainer_config=DictConfigWrap(config),
+            server_manager=policy,
+            tokenizer=tokenizer,
+            processor=None,
+            dataset_cls=RLHFDataset,
+            data_config=DictConfigWrap(config.data),
+            tools=ToolListWrap(tools),
             **({"fixed_model": fixed} | loop_kwargs),
         )
         kwargs = {k: v for k, v in row.items() if not isinstance(v, torch.Tensor)}
@@ -87,7 +101,9 @@ def no_update_prompt_ids(setup, row, tokenizer):
     reward = MemoryRewardConfig()
     manager = manager_from_config(config.reward.custom_reward_function.reward_kwargs)
     store = TrialStore(manager.base(info["sample_id"]))
-    hits = within_budget(store.search(manager.embedder.encode([info["question"]])[0], reward.top_k), reward.context_chars)
+    hits = within_budget(
+        store.search(manager.embedder.encode([info["question"]])[0], reward.top_k), reward.context_chars
+    )
     messages = qa_messages("locomo", info["question"], info["category"], [h.record for h in hits])
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -100,7 +116,7 @@ def test_qa_phase_answers_from_a_fresh_prompt_exactly_as_no_update_does(setup):
     recording = Recording(fixed)
     output, policy, _ = run_episode(setup, training_stage="memory", qa_phase=True, fixed_model=recording)
     assert not any(output.extra_fields[DELTA_KEY].get(k) for k in ("created", "updated", "deleted"))
-    (prompt_ids, params), = recording.calls
+    ((prompt_ids, params),) = recording.calls
     expected = list(no_update_prompt_ids(setup, dataset[0], tokenizer))
     assert prompt_ids == expected and output.extra_fields[QA_CONTEXT_KEY] == len(expected)
     assert params["temperature"] == 0.0  # the fixed role decodes greedily
@@ -110,7 +126,9 @@ def test_qa_phase_answers_from_a_fresh_prompt_exactly_as_no_update_does(setup):
     assert fixed.generated_tokens > 0 and policy.generated_tokens > 0
     assert output.extra_fields[STAGE_KEY] == "memory"
     direct = HFGenerateServer(fixed.model, tokenizer, max_new_tokens=12, seed=99)
-    answer = asyncio.run(direct.generate("x", prompt_ids=expected, sampling_params={"temperature": 0.0, "max_tokens": 32}))
+    answer = asyncio.run(
+        direct.generate("x", prompt_ids=expected, sampling_params={"temperature": 0.0, "max_tokens": 32})
+    )
     assert output.extra_fields[ANSWER_KEY] == tokenizer.decode(answer.token_ids, skip_special_tokens=True).strip()
     assert output.extra_fields[DELTA_KEY]["sample_id"] == "conv-26"
     assert output.extra_fields[TERMINATION_KEY] in ("no_tool_call", "done", "max_assistant_turns", "response_budget")
@@ -122,7 +140,9 @@ def test_qa_stage_trains_a_row_of_the_qa_prompt_and_its_answer(setup):
     output, policy, _ = run_episode(setup, training_stage="qa", fixed_model=recording)
     # The trained row is the fresh QA prompt and the policy's answer, not the memory transcript's tail.
     assert output.prompt_ids == list(no_update_prompt_ids(setup, dataset[0], tokenizer))
-    assert output.response_mask == [1] * len(output.response_ids) and len(output.response_ids) == policy.generated_tokens
+    assert (
+        output.response_mask == [1] * len(output.response_ids) and len(output.response_ids) == policy.generated_tokens
+    )
     assert output.extra_fields[ANSWER_KEY] == tokenizer.decode(output.response_ids, skip_special_tokens=True).strip()
     # The fixed memory model played its turns greedily, so a GRPO group varies only in the answers.
     assert recording.calls and all(params["temperature"] == 0.0 for _, params in recording.calls)
@@ -188,9 +208,14 @@ def test_prompt_ids_are_built_once_per_prompt_and_equal_the_builders(setup, monk
     async def main():
         loops = [
             MemoryUpdateAgentLoop(
-                trainer_config=DictConfigWrap(config), server_manager=policy, tokenizer=tokenizer, processor=None,
-                dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data), tools=ToolListWrap(tools),
-            )  # fmt: skip
+                trainer_config=DictConfigWrap(config),
+                server_manager=policy,
+                tokenizer=tokenizer,
+                processor=None,
+                dataset_cls=RLHFDataset,
+                data_config=DictConfigWrap(config.data),
+                tools=ToolListWrap(tools),
+            )
             for _ in range(3)
         ]
         messages = list(dataset[0]["raw_prompt"])

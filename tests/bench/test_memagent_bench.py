@@ -16,9 +16,15 @@ def test_linear_fit_reports_r2():
 @pytest.mark.slow
 def test_memagent_bench_runs_every_length_in_its_own_process(hotpotqa_path, tmp_path):
     report = run_memagent_bench(
-        hotpotqa_path, chunks=(1, 2, 4), chunk_size=64, questions=2, memory_tokens=8, final_tokens=4,
-        work_dir=tmp_path / "work", output=str(tmp_path / "bench.json"),
-    )  # fmt: skip
+        hotpotqa_path,
+        chunks=(1, 2, 4),
+        chunk_size=64,
+        questions=2,
+        memory_tokens=8,
+        final_tokens=4,
+        work_dir=tmp_path / "work",
+        output=str(tmp_path / "bench.json"),
+    )
     assert json.loads((tmp_path / "bench.json").read_text()) == report
     assert [r["chunks"] for r in report["lengths"]] == [1, 2, 4]
     # The tiny greedy model always writes up to its caps, so the work per chunk is fixed: its token count

@@ -9,8 +9,15 @@ from memupdate.bench.memory import format_memory_bench, run_memory_bench
 def test_memory_bench_runs_small_and_reports_every_measure(memories_parquet, cache_dir, locomo_path, tmp_path):
     out = tmp_path / "memory.json"
     result = run_memory_bench(
-        str(memories_parquet), str(cache_dir), str(locomo_path),
-        n_ops=20, reward_trials=8, memory_trials=50, episodes=4, calls_per_episode=2, output=str(out),
+        str(memories_parquet),
+        str(cache_dir),
+        str(locomo_path),
+        n_ops=20,
+        reward_trials=8,
+        memory_trials=50,
+        episodes=4,
+        calls_per_episode=2,
+        output=str(out),
     )
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert set(result["tool_latency_excluding_embedding"]) == {"search", "create", "update", "delete"}

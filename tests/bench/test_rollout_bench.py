@@ -11,8 +11,15 @@ def test_rollout_bench_measures_loop_and_raw_throughput(locomo_rows, cache_dir, 
     monkeypatch.chdir(repo_root)
     out = tmp_path / "rollout.json"
     result = run_rollout_bench(
-        str(locomo_rows["train"]), str(locomo_rows["memories"]), str(cache_dir),
-        work_dir=str(tmp_path / "work"), prompts=1, n=2, max_tokens=16, repeats=2, output=str(out),
+        str(locomo_rows["train"]),
+        str(locomo_rows["memories"]),
+        str(cache_dir),
+        work_dir=str(tmp_path / "work"),
+        prompts=1,
+        n=2,
+        max_tokens=16,
+        repeats=2,
+        output=str(out),
     )
     assert json.loads(out.read_text()) == result
     assert result["episodes"] == 2 and result["requests"] >= 2 and result["generated_tokens"] > 0

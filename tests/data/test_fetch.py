@@ -54,8 +54,9 @@ def test_missing_local_file_and_bad_scheme(tmp_path):
 
 def test_real_locomo_checksum(locomo_path, tmp_path):
     digest = "79fa87e90f04081343b8c8debecb80a9a6842b76a7aa537dc9fdf651ea698ff4"
-    info = fetch_file("https://example.invalid/locomo10.json", tmp_path / "l.json", sha256=digest,
-                      mirrors=[locomo_path.parent])
+    info = fetch_file(
+        "https://example.invalid/locomo10.json", tmp_path / "l.json", sha256=digest, mirrors=[locomo_path.parent]
+    )
     assert info["sha256"] == digest
 
 
@@ -104,8 +105,11 @@ def test_download_without_hash_is_complete_and_atomic(server, tmp_path):
 def test_download_cut_short_without_hash_fails_and_leaves_nothing(server, tmp_path):
     dest = tmp_path / "data.bin"
     dest.write_bytes(b"previous copy")
-    with pytest.raises(ConnectionError, match=rf"{server}/half \(download failed: received {len(BODY) // 2} of the "
-                       rf"{len(BODY)} bytes announced \(Content-Length\)\)"):  # fmt: skip
+    with pytest.raises(
+        ConnectionError,
+        match=rf"{server}/half \(download failed: received {len(BODY) // 2} of the "
+        rf"{len(BODY)} bytes announced \(Content-Length\)\)",
+    ):
         fetch_file(f"{server}/half", dest, sha256=None)
     # The earlier file is untouched and no partial temporary file is left beside it.
     assert dest.read_bytes() == b"previous copy"
@@ -121,9 +125,11 @@ def test_every_place_tried_is_named_with_its_reason(published, tmp_path):
     with pytest.raises(ConnectionError) as info:
         fetch_file(url, tmp_path / "copy.json", sha256=digest, mirrors=[tampered])
     message = str(info.value)
-    assert message.startswith(f"could not get data.json (sha256 {digest}); tried: mirror {tampered / 'data.json'}: "
-                              f"sha256 is {sha256_file(tampered / 'data.json')}, expected {digest}; {url} "
-                              "(download failed: <urlopen error")  # fmt: skip
+    assert message.startswith(
+        f"could not get data.json (sha256 {digest}); tried: mirror {tampered / 'data.json'}: "
+        f"sha256 is {sha256_file(tampered / 'data.json')}, expected {digest}; {url} "
+        "(download failed: <urlopen error"
+    )
     assert "Connection refused" in message
     assert "replace it, or fix the expected sha256" in message
     # The mirror is already listed: the advice must not be to add it.

@@ -150,9 +150,7 @@ def test_every_context_holds_its_whole_own_context_and_additions_share_no_gold_t
             assert len(set(docs)) == len(docs)
     # The gold documents are shuffled in, not always first.
     first_docs = [documents(row["context"])[0] for row in by_docs.to_pylist()]
-    gold_first = [
-        doc for doc, e in zip(first_docs, examples, strict=True) if doc.split("\n", 1)[0] in e.gold_titles
-    ]
+    gold_first = [doc for doc, e in zip(first_docs, examples, strict=True) if doc.split("\n", 1)[0] in e.gold_titles]
     assert 0 < len(gold_first) < len(examples)
 
 
@@ -280,9 +278,7 @@ def test_broken_record_names_file_record_and_field(tmp_path, field, change):
 def test_broken_hf_record_and_repeated_id_are_reported(tmp_path):
     records = [to_hf_layout(r) for r in official_records()]
     records[0]["context"]["sentences"].pop()
-    with pytest.raises(
-        HotpotQAFormatError, match=r"record 0 .*field 'context': 3 titles but 2 sentence lists"
-    ):
+    with pytest.raises(HotpotQAFormatError, match=r"record 0 .*field 'context': 3 titles but 2 sentence lists"):
         load_hotpotqa(write_json(tmp_path / "hf.json", records))
     repeated = [official_records()[0], official_records()[0]]
     with pytest.raises(HotpotQAFormatError, match=r"record 1 .*same id as record 0"):
@@ -330,7 +326,10 @@ def test_split_rows_holds_out_the_same_questions_at_every_length(hotpotqa_path, 
         preprocess_hotpotqa(hotpotqa_path, rows, num_docs=ndocs, limit=20, test_percent=20)
         outputs = {part: tmp_path / f"rows-{ndocs}.{part}.parquet" for part in ("train", "test")}
         counts = split_rows(rows, outputs, test_percent=20)
-        ids = {p: pq.read_table(f).column("extra_info").combine_chunks().field("id").to_pylist() for p, f in outputs.items()}
+        ids = {
+            p: pq.read_table(f).column("extra_info").combine_chunks().field("id").to_pylist()
+            for p, f in outputs.items()
+        }
         assert counts == {p: len(v) for p, v in ids.items()} and sum(counts.values()) == 20
         assert all(question_part(i, 20) == p for p, v in ids.items() for i in v)
         parts[ndocs] = ids
@@ -356,7 +355,8 @@ def test_each_part_draws_from_its_own_pool(examples, tmp_path):
     # With one pool (no test_percent), train haystacks do draw test questions' paragraphs.
     mixed = build_rows(examples, num_docs=60, seed=0).to_pylist()
     assert any(
-        set(documents(row["context"])) & paragraphs["test"] for e, row in zip(examples, mixed, strict=True)
+        set(documents(row["context"])) & paragraphs["test"]
+        for e, row in zip(examples, mixed, strict=True)
         if part[e.id] == "train"
     )
 
@@ -365,7 +365,9 @@ def test_split_rows_refuses_rows_built_with_one_pool(hotpotqa_path, tmp_path):
     rows = tmp_path / "rows.parquet"
     preprocess_hotpotqa(hotpotqa_path, rows, num_docs=12, limit=20)
     outputs = {part: tmp_path / f"rows.{part}.parquet" for part in ("train", "test")}
-    with pytest.raises(ValueError, match=r"row 0 \(id hf-[0-9a-f]+\): field 'extra_info.part' is 'all'.*test_percent=20"):
+    with pytest.raises(
+        ValueError, match=r"row 0 \(id hf-[0-9a-f]+\): field 'extra_info.part' is 'all'.*test_percent=20"
+    ):
         split_rows(rows, outputs, test_percent=20)
     assert not any(path.exists() for path in outputs.values())
 
@@ -421,9 +423,13 @@ def test_a_few_rows_over_budget_are_kept_with_a_warning_and_counted(tmp_path, ca
 def test_an_unavailable_tokenizer_is_one_clear_error(tmp_path):
     source = write_json(tmp_path / "official.json", official_records())
     with pytest.raises(TokenizerUnavailableError) as info:
-        preprocess_hotpotqa(source, tmp_path / "rows.parquet", max_tokens=200, tokenizer="no-such-org/no-such-tokenizer")
+        preprocess_hotpotqa(
+            source, tmp_path / "rows.parquet", max_tokens=200, tokenizer="no-such-org/no-such-tokenizer"
+        )
     message = str(info.value)
-    assert message.startswith("tokenizer 'no-such-org/no-such-tokenizer' could not be loaded: it must be a local folder")
+    assert message.startswith(
+        "tokenizer 'no-such-org/no-such-tokenizer' could not be loaded: it must be a local folder"
+    )
     assert "already in the Hugging Face cache" in message
     # One exception, not transformers' chain of hub errors.
     assert info.value.__cause__ is None and info.value.__suppress_context__
@@ -433,8 +439,9 @@ def test_an_unavailable_tokenizer_is_one_clear_error(tmp_path):
 def test_a_failed_split_leaves_no_part_of_a_previous_split(hotpotqa_path, tmp_path):
     outputs = {"train": tmp_path / "train.parquet", "test": tmp_path / "test.parquet"}
     for percent in (20, 0):
-        preprocess_hotpotqa(hotpotqa_path, tmp_path / f"dev-{percent}.parquet", num_docs=NUM_DOCS, limit=10,
-                            test_percent=percent)  # fmt: skip
+        preprocess_hotpotqa(
+            hotpotqa_path, tmp_path / f"dev-{percent}.parquet", num_docs=NUM_DOCS, limit=10, test_percent=percent
+        )
     split_rows(tmp_path / "dev-20.parquet", outputs, 20)
     # With no test question the train part could be written, but it must not appear without its test part.
     with pytest.raises(ValueError, match="no test rows with test_percent=0"):

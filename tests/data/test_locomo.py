@@ -174,7 +174,10 @@ def _broken_copy(locomo_path, tmp_path, edit):
     [
         (lambda d: d[1]["qa"][3].pop("answer"), r"broken.json, sample 'conv-30', qa\[3\]: field 'answer' is missing"),
         (lambda d: d[0]["qa"][7].update(category=9), r"sample 'conv-26', qa\[7\]: field 'category' must be an integer"),
-        (lambda d: d[0]["qa"][2].update(evidence="D1:3"), r"sample 'conv-26', qa\[2\]: field 'evidence' must be a list"),
+        (
+            lambda d: d[0]["qa"][2].update(evidence="D1:3"),
+            r"sample 'conv-26', qa\[2\]: field 'evidence' must be a list",
+        ),
         (lambda d: d[0]["qa"][0].pop("question"), r"sample 'conv-26', qa\[0\]: field 'question' is missing"),
         (lambda d: d[1].pop("sample_id"), r"sample \[1\]: field 'sample_id' is missing"),
         (
@@ -297,7 +300,11 @@ def test_a_failed_rerun_leaves_none_of_the_previous_outputs(locomo_path, tmp_pat
     out = tmp_path / "out"
     preprocess_locomo(good, outputs_in(out), split=SMALL_SPLIT, summary_path=out / "summary.json")
     assert sorted(p.name for p in out.iterdir()) == [
-        "memories.parquet", "summary.json", "test.parquet", "train.parquet", "val.parquet"
+        "memories.parquet",
+        "summary.json",
+        "test.parquet",
+        "train.parquet",
+        "val.parquet",
     ]
     bad = _broken_copy(locomo_path, tmp_path, lambda d: d[1]["qa"][0].update(answer=""))
     with pytest.raises(LocomoFormatError, match="field 'answer' is empty"):

@@ -29,7 +29,9 @@ def test_category_5_is_asked_as_a_two_way_choice_in_the_prompt_too(locomo_rows):
         info = after["extra_info"]
         # Retrieval and the protocols' prompts start from the dataset's question; the choice travels apart.
         assert info["question"] == before["extra_info"]["question"]
-        assert sorted(info["choices"].values()) == sorted([locomo.NOT_MENTIONED, before["extra_info"]["adversarial_answer"]])
+        assert sorted(info["choices"].values()) == sorted(
+            [locomo.NOT_MENTIONED, before["extra_info"]["adversarial_answer"]]
+        )
         # The memory model sees the question as the QA model will be asked it.
         assert locomo.choice_question(before["extra_info"], 0) in after["prompt"][-1]["content"]
         orders.add(info["choices"]["a"] == locomo.NOT_MENTIONED)
@@ -58,22 +60,65 @@ def test_predictions_of_other_models_are_moved_aside(tmp_path):
 
 
 PREDICTIONS = [
-    {"namespace": "q1", "sample_id": "conv-48", "category": 1, "question": "Which hobbies?", "answer": "painting, running",
-     "predictions": {"locomo": "running and painting", "mem0": "painting and running"}, "evidence": ["D1:2"],
-     "evidence_recall": 1.0, "context_tokens": {"locomo": 120, "mem0": 150}, "latency_s": 0.5, "judge": 1.0,
-     "judge_model": "exp-qa-base", "termination_reason": "done"},
-    {"namespace": "q2", "sample_id": "conv-48", "category": 2, "question": "When?", "answer": "7 May 2023",
-     "predictions": {"locomo": "May 2023", "mem0": "in May 2023"}, "evidence": ["D2:1", "D2:3"],
-     "evidence_recall": 0.5, "context_tokens": {"locomo": 100, "mem0": 130}, "latency_s": 1.5, "judge": None,
-     "judge_unparsed": True, "judge_model": "exp-qa-base", "termination_reason": "no_tool_call"},
-    {"namespace": "q3", "sample_id": "conv-49", "category": 5, "question": "Snakes?", "answer": None,
-     "predictions": {"locomo": "(a) Not mentioned in the conversation"}, "evidence": [], "evidence_recall": None,
-     "context_tokens": {"locomo": 80}, "latency_s": 1.0, "termination_reason": "done"},
-    {"namespace": "q4", "sample_id": "conv-49", "category": 4, "question": "Where?", "answer": "Paris",
-     "predictions": {"locomo": None, "mem0": None}, "evidence": ["D3:1"], "evidence_recall": 0.0,
-     "context_tokens": {"locomo": 90, "mem0": 110}, "latency_s": 2.0, "judge_model": "exp-qa-base",
-     "termination_reason": "response_budget"},
-]  # fmt: skip
+    {
+        "namespace": "q1",
+        "sample_id": "conv-48",
+        "category": 1,
+        "question": "Which hobbies?",
+        "answer": "painting, running",
+        "predictions": {"locomo": "running and painting", "mem0": "painting and running"},
+        "evidence": ["D1:2"],
+        "evidence_recall": 1.0,
+        "context_tokens": {"locomo": 120, "mem0": 150},
+        "latency_s": 0.5,
+        "judge": 1.0,
+        "judge_model": "exp-qa-base",
+        "termination_reason": "done",
+    },
+    {
+        "namespace": "q2",
+        "sample_id": "conv-48",
+        "category": 2,
+        "question": "When?",
+        "answer": "7 May 2023",
+        "predictions": {"locomo": "May 2023", "mem0": "in May 2023"},
+        "evidence": ["D2:1", "D2:3"],
+        "evidence_recall": 0.5,
+        "context_tokens": {"locomo": 100, "mem0": 130},
+        "latency_s": 1.5,
+        "judge": None,
+        "judge_unparsed": True,
+        "judge_model": "exp-qa-base",
+        "termination_reason": "no_tool_call",
+    },
+    {
+        "namespace": "q3",
+        "sample_id": "conv-49",
+        "category": 5,
+        "question": "Snakes?",
+        "answer": None,
+        "predictions": {"locomo": "(a) Not mentioned in the conversation"},
+        "evidence": [],
+        "evidence_recall": None,
+        "context_tokens": {"locomo": 80},
+        "latency_s": 1.0,
+        "termination_reason": "done",
+    },
+    {
+        "namespace": "q4",
+        "sample_id": "conv-49",
+        "category": 4,
+        "question": "Where?",
+        "answer": "Paris",
+        "predictions": {"locomo": None, "mem0": None},
+        "evidence": ["D3:1"],
+        "evidence_recall": 0.0,
+        "context_tokens": {"locomo": 90, "mem0": 110},
+        "latency_s": 2.0,
+        "judge_model": "exp-qa-base",
+        "termination_reason": "response_budget",
+    },
+]
 
 
 def test_report_numbers_are_recomputed_from_the_saved_predictions(tmp_path):
@@ -82,20 +127,39 @@ def test_report_numbers_are_recomputed_from_the_saved_predictions(tmp_path):
     predictions.write_text("".join(json.dumps(r) + "\n" for r in PREDICTIONS))
     metrics_file = tmp_path / "metrics.jsonl"
     metrics_file.write_text(
-        "".join(json.dumps({"step": i, "reward_mean": 0.1 * i, "reward_std": 0.05, "num_turns_mean": 2.0,
-                            "memories_final_mean": 300 + i, "termination": {"done": 2}}) + "\n" for i in (1, 2))
-    )  # fmt: skip
+        "".join(
+            json.dumps(
+                {
+                    "step": i,
+                    "reward_mean": 0.1 * i,
+                    "reward_std": 0.05,
+                    "num_turns_mean": 2.0,
+                    "memories_final_mean": 300 + i,
+                    "termination": {"done": 2},
+                }
+            )
+            + "\n"
+            for i in (1, 2)
+        )
+    )
     out = report.build_report(
-        tmp_path, {"stage1+qa_base": predictions}, experiment="exp", settings={"top_k": 5}, judge="exp-qa-base",
-        training_metrics={"stage1": metrics_file, "stage2": tmp_path / "absent.jsonl"}, split="memory_r1",
-    )  # fmt: skip
+        tmp_path,
+        {"stage1+qa_base": predictions},
+        experiment="exp",
+        settings={"top_k": 5},
+        judge="exp-qa-base",
+        training_metrics={"stage1": metrics_file, "stage2": tmp_path / "absent.jsonl"},
+        split="memory_r1",
+    )
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved == json.loads(json.dumps(out))
     # Which split the test conversations come from: only runs on the same split compare.
     assert saved["split"] == "memory_r1" and "(the memory_r1 split)" in (tmp_path / "report.md").read_text()
     row = saved["systems"]["stage1+qa_base"]
     # The unanswered question (q4) scores 0 and stays in every mean: all four questions count.
-    locomo_f1 = [metrics.locomo_f1(r["predictions"]["locomo"], r["answer"] or "", r["category"]) for r in PREDICTIONS[:3]]
+    locomo_f1 = [
+        metrics.locomo_f1(r["predictions"]["locomo"], r["answer"] or "", r["category"]) for r in PREDICTIONS[:3]
+    ]
     assert row["locomo"] == {"f1": round(sum(locomo_f1) / 4, 4), "n": 4}
     assert locomo_f1[2] == 1.0  # category 5: the model abstained
     mem0 = [r for r in PREDICTIONS[:2]]
@@ -104,10 +168,13 @@ def test_report_numbers_are_recomputed_from_the_saved_predictions(tmp_path):
     # J: q1 correct, q2's reply unparsed (not correct, counted), q4 unanswered (0).
     assert row["mem0"]["j"] == round(1 / 3, 4) and row["mem0"]["n"] == 3 and row["mem0"]["j_unparsed"] == 1
     assert row["per_category"]["2"] == {
-        "name": "temporal", "n": 1, "locomo_f1": round(metrics.locomo_f1("May 2023", "7 May 2023", 2), 4),
+        "name": "temporal",
+        "n": 1,
+        "locomo_f1": round(metrics.locomo_f1("May 2023", "7 May 2023", 2), 4),
         "mem0_f1": round(metrics.mem0_f1("in May 2023", "7 May 2023"), 4),
-        "bleu1": round(metrics.bleu1("in May 2023", "7 May 2023"), 4), "j": 0.0,
-    }  # fmt: skip
+        "bleu1": round(metrics.bleu1("in May 2023", "7 May 2023"), 4),
+        "j": 0.0,
+    }
     assert row["per_category"]["4"]["n"] == 1 and row["per_category"]["4"]["locomo_f1"] == 0.0
     assert row["evidence_recall_at_k"] == 0.5
     assert row["latency_s"] == {"p50": 1.25, "p95": 1.925}
@@ -159,8 +226,11 @@ def test_rebuilt_report_takes_settings_and_judge_from_the_predictions(tmp_path):
     judged = PREDICTIONS
     for name in ("stage1+qa_base", "no_update"):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in judged))
-        (folder / f"{name}.meta.json").write_text(json.dumps({"settings": {"top_k": 7, "questions_per_conversation": 2},
-                                                              "models": {"qa": {"path": "/x/qa-base"}}}))
+        (folder / f"{name}.meta.json").write_text(
+            json.dumps(
+                {"settings": {"top_k": 7, "questions_per_conversation": 2}, "models": {"qa": {"path": "/x/qa-base"}}}
+            )
+        )
     (folder / "old.stale.jsonl").write_text("")
     out = report.rebuild_report(tmp_path, experiment="exp")
     assert list(out["systems"]) == ["no_update", "stage1+qa_base"]  # the report's fixed order, stale files skipped
@@ -175,8 +245,11 @@ def test_rebuilt_report_takes_settings_and_judge_from_the_predictions(tmp_path):
 
 
 def test_a_bare_letter_reply_to_the_category_5_choice_is_scored_as_its_option():
-    record = {"predictions": {"locomo": "a"}, "category": 5,
-              "choices": {"a": "Not mentioned in the conversation", "b": "Bo"}}  # fmt: skip
+    record = {
+        "predictions": {"locomo": "a"},
+        "category": 5,
+        "choices": {"a": "Not mentioned in the conversation", "b": "Bo"},
+    }
     assert report.score_prediction(record)["locomo_f1"] == 1.0
     assert report.score_prediction(dict(record, predictions={"locomo": "b"}))["locomo_f1"] == 0.0
 
@@ -185,9 +258,12 @@ def test_published_numbers_sit_beside_ours(tmp_path, repo_root):
     predictions = tmp_path / "no_update.jsonl"
     predictions.write_text(json.dumps(PREDICTIONS[0]) + "\n")
     out = report.build_report(
-        tmp_path, {"no_update": predictions}, experiment="exp", settings={"top_k": 5},
+        tmp_path,
+        {"no_update": predictions},
+        experiment="exp",
+        settings={"top_k": 5},
         published=repo_root / "config" / "published_locomo.yaml",
-    )  # fmt: skip
+    )
     assert any(r["system"] == "Mem0" and r["j"] == 66.88 for r in out["published"]["mem0"]["rows"])
     assert any(r["system"].startswith("RAG over observations") for r in out["published"]["locomo"]["rows"])
     md = (tmp_path / "report.md").read_text()
@@ -199,11 +275,20 @@ def test_full_context_is_laid_out_as_locomo_lays_it_out():
     """get_input_context prepends each session to the ones before it, so the newest comes first."""
     from types import SimpleNamespace as NS
 
-    conv = NS(speaker_a="Ana", speaker_b="Bo", sessions=[
-        NS(date_time="1 May 2023", turns=[NS(speaker="Ana", text="Hi", image_caption=None),
-                                          NS(speaker="Bo", text="Look", image_caption="a cat")]),
-        NS(date_time="2 May 2023", turns=[NS(speaker="Bo", text="Bye", image_caption=None)]),
-    ])  # fmt: skip
+    conv = NS(
+        speaker_a="Ana",
+        speaker_b="Bo",
+        sessions=[
+            NS(
+                date_time="1 May 2023",
+                turns=[
+                    NS(speaker="Ana", text="Hi", image_caption=None),
+                    NS(speaker="Bo", text="Look", image_caption="a cat"),
+                ],
+            ),
+            NS(date_time="2 May 2023", turns=[NS(speaker="Bo", text="Bye", image_caption=None)]),
+        ],
+    )
     text = locomo.locomo_full_context(conv, "Between {} and {}.\n\n")
     assert text == (
         "Between Ana and Bo.\n\n"

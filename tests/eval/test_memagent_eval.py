@@ -26,8 +26,14 @@ from memupdate.serving.vllm import start_vllm_server
 from memupdate.settings import build
 
 # hotpot_rows' first three haystacks are 720, 735 and 1444 tiny-model tokens: 3, 3 and 6 chunks of 256.
-SETTINGS = {"chunk_size": 256, "max_memory_tokens": 12, "max_final_tokens": 8, "prompt_length": 768,
-            "batch_size": 3, "limit": 3}  # fmt: skip
+SETTINGS = {
+    "chunk_size": 256,
+    "max_memory_tokens": 12,
+    "max_final_tokens": 8,
+    "prompt_length": 768,
+    "batch_size": 3,
+    "limit": 3,
+}
 
 
 def predictions(out, name, length, style=""):
@@ -43,7 +49,9 @@ def haystack_tokens(model_dir, rows, n):
 
 
 def test_training_budget_is_not_an_evaluation_setting():
-    with pytest.raises(ValueError, match="eval.max_chunks: training's budget.*evaluation reads every chunk.*truncate_chunks"):
+    with pytest.raises(
+        ValueError, match="eval.max_chunks: training's budget.*evaluation reads every chunk.*truncate_chunks"
+    ):
         build(MemAgentEvalSettings, {"chunk_size": 256, "max_chunks": 2}, "eval")
     assert build(MemAgentEvalSettings, {}, "eval").truncate_chunks is None
 
@@ -53,8 +61,9 @@ def test_evaluation_reads_every_chunk_unless_truncation_is_asked_for(tiny_models
     model = tiny_models / "policy"
     lengths = haystack_tokens(model, hotpot_rows, 3)
     assert max(lengths) > 2 * 256  # longer than the 2-chunk budget below (and than training's 3 x 48)
-    whole = memagent_length_curve({"tiny": model}, {"3": hotpot_rows}, tmp_path / "whole",
-                                  {**SETTINGS, "memagent_style": False})  # fmt: skip
+    whole = memagent_length_curve(
+        {"tiny": model}, {"3": hotpot_rows}, tmp_path / "whole", {**SETTINGS, "memagent_style": False}
+    )
     for p, n in zip(predictions(tmp_path / "whole", "tiny", 3), lengths, strict=True):
         assert p["haystack_tokens"] == p["context_tokens"] == n and p["truncated_tokens"] == 0
         assert p["chunks_read"] == p["chunks_total"] == math.ceil(n / 256)
@@ -63,15 +72,17 @@ def test_evaluation_reads_every_chunk_unless_truncation_is_asked_for(tiny_models
     assert summary["haystack_tokens"] == pytest.approx(np.mean(lengths), abs=1e-4)
     assert "every chunk of each haystack is read" in (tmp_path / "whole" / "report.md").read_text()
 
-    cut = memagent_length_curve({"tiny": model}, {"3": hotpot_rows}, tmp_path / "cut",
-                                {**SETTINGS, "truncate_chunks": 2, "memagent_style": False})  # fmt: skip
+    cut = memagent_length_curve(
+        {"tiny": model},
+        {"3": hotpot_rows},
+        tmp_path / "cut",
+        {**SETTINGS, "truncate_chunks": 2, "memagent_style": False},
+    )
     for p, n in zip(predictions(tmp_path / "cut", "tiny", 3), lengths, strict=True):
         assert p["haystack_tokens"] == n and p["chunks_total"] == math.ceil(n / 256)
         assert p["chunks_read"] == min(2, p["chunks_total"])
         assert p["truncated_tokens"] == max(0, n - 512) and p["context_tokens"] == min(n, 512)
-    assert cut["results"]["tiny"]["3"]["truncated"] == pytest.approx(
-        np.mean([n > 512 for n in lengths]), abs=1e-4
-    )
+    assert cut["results"]["tiny"]["3"]["truncated"] == pytest.approx(np.mean([n > 512 for n in lengths]), abs=1e-4)
     assert "centre-truncated to 2 chunks" in (tmp_path / "cut" / "report.md").read_text()
 
 
@@ -90,8 +101,12 @@ def test_memagent_style_scores_use_the_first_gold_answer_and_hotpotqa_f1():
     assert memagent_style_scores("so the answer is yes", ["no"])["f1"] == 0.0
     assert memagent_style_scores("so the answer is no, never", ["no"])["f1"] == 0.0  # yes/no only exactly
     assert memagent_style_scores("the answer is the Beatles band", ["Beatles"]) == {
-        "pred": "the Beatles band", "exact_match": 0.0, "sub_em": 1.0, "f1": 0.67, "answered": 1.0,
-    }  # fmt: skip
+        "pred": "the Beatles band",
+        "exact_match": 0.0,
+        "sub_em": 1.0,
+        "f1": 0.67,
+        "answered": 1.0,
+    }
     # An answer that normalises to nothing is contained in any gold answer: upstream counts it.
     assert memagent_style_scores("the answer is the", ["Paris"])["sub_em"] == 1.0
     assert memagent_style_scores("the answer is .", ["Paris"])["answered"] == 1.0
@@ -112,9 +127,7 @@ def test_memagent_style_is_reported_beside_ours(tiny_models, hotpot_rows, tmp_pa
     records = predictions(out, "tiny", 3, ".memagent_style")
     assert len(records) == 3 and len(predictions(out, "tiny", 3)) == 3
     for r in records:
-        assert {k: r[k] for k in ("pred", *MEMAGENT_STYLE_METRICS)} == memagent_style_scores(
-            r["reply"], r["answers"]
-        )
+        assert {k: r[k] for k in ("pred", *MEMAGENT_STYLE_METRICS)} == memagent_style_scores(r["reply"], r["answers"])
         assert r["truncated_tokens"] == 0
     summary = style["results"]["tiny"]["3"]
     for key in MEMAGENT_STYLE_METRICS:
@@ -127,9 +140,7 @@ def test_memagent_style_samples_at_upstream_temperature(tiny_models, tmp_path):
     from memupdate.eval.memagent import MemAgentEvaluator
 
     evaluator = MemAgentEvaluator(tiny_models / "policy", MemAgentEvalSettings(**SETTINGS), tmp_path)
-    sampling = {
-        style: evaluator.configs[style].actor_rollout_ref.rollout.val_kwargs for style in ("ours", "memagent")
-    }
+    sampling = {style: evaluator.configs[style].actor_rollout_ref.rollout.val_kwargs for style in ("ours", "memagent")}
     assert (sampling["memagent"].temperature, sampling["memagent"].top_p) == (0.7, 0.95)
     assert sampling["ours"].temperature == 0  # greedy
 
@@ -139,16 +150,23 @@ def test_memagent_style_samples_at_upstream_temperature(tiny_models, tmp_path):
 def test_served_and_in_process_evaluation_agree(tiny_model_dir, hotpot_rows, vllm_python, tmp_path):
     marker = tmp_path / "serve" / "tiny.ready.json"
     with start_vllm_server(
-        tiny_model_dir, served_model_name="tiny-eval", python=vllm_python, dtype="float32", log_path=tmp_path / "vllm.log"
-    ) as server:  # fmt: skip
+        tiny_model_dir,
+        served_model_name="tiny-eval",
+        python=vllm_python,
+        dtype="float32",
+        log_path=tmp_path / "vllm.log",
+    ) as server:
         server.wait_until_ready(timeout_s=300)
-        write_marker(marker, endpoint=server.base_url, served_model_name="tiny-eval", pid=server.pid,
-                     model_path=tiny_model_dir)  # fmt: skip
+        write_marker(
+            marker, endpoint=server.base_url, served_model_name="tiny-eval", pid=server.pid, model_path=tiny_model_dir
+        )
         assert model_source(marker)[0] == tiny_model_dir.resolve()
         report = memagent_length_curve(
-            {"local": tiny_model_dir, "served": marker}, {"3": hotpot_rows}, tmp_path / "eval",
+            {"local": tiny_model_dir, "served": marker},
+            {"3": hotpot_rows},
+            tmp_path / "eval",
             {**SETTINGS, "memagent_style": False},
-        )  # fmt: skip
+        )
     assert report["models"] == {
         "local": {"path": str(tiny_model_dir), "served_as": None},
         "served": {"path": str(tiny_model_dir.resolve()), "served_as": "tiny-eval"},

@@ -74,9 +74,7 @@ def test_pool_survives_snakemake_deleting_the_output(tmp_path, counting_embedder
     import shutil
 
     pq.write_table(pa.table({"content": TEXTS[:3]}), tmp_path / "m1.parquet")
-    build = dict(
-        model_name=counting_embedder.model_name, embedder=counting_embedder, pool_dir=tmp_path / "pool"
-    )
+    build = dict(model_name=counting_embedder.model_name, embedder=counting_embedder, pool_dir=tmp_path / "pool")
     build_embedding_cache(tmp_path / "m1.parquet", tmp_path / "out", **build)
     assert counting_embedder.texts == 3
     shutil.rmtree(tmp_path / "out")
@@ -113,9 +111,7 @@ def test_an_interrupted_build_is_continued_without_embedding_again_what_was_save
     assert rerun.texts == 6 and (summary["new"], summary["reused"], summary["cache_size"]) == (6, 4, 10)
 
     whole = make_counting_embedder()
-    build_embedding_cache(
-        tmp_path / "m.parquet", tmp_path / "whole", embedder.model_name, batch_size=2, embedder=whole
-    )
+    build_embedding_cache(tmp_path / "m.parquet", tmp_path / "whole", embedder.model_name, batch_size=2, embedder=whole)
     assert whole.texts == 10
     resumed, uninterrupted = (EmbeddingCache.open(tmp_path / d, embedder) for d in ("out", "whole"))
     assert resumed.keys() == uninterrupted.keys() == [sha256_text(t) for t in texts]
@@ -139,9 +135,7 @@ def test_cache_of_another_model_is_refused(cache_dir, embedder):
     with pytest.raises(EmbeddingModelMismatch) as err:
         EmbeddingCache.open(cache_dir, model_name="Qwen/Qwen3-Embedding-0.6B")
     message = str(err.value)
-    assert (
-        "all-MiniLM-L6-v2" in message and "Qwen/Qwen3-Embedding-0.6B" in message and str(cache_dir) in message
-    )
+    assert "all-MiniLM-L6-v2" in message and "Qwen/Qwen3-Embedding-0.6B" in message and str(cache_dir) in message
 
 
 def test_cache_with_another_dim_is_refused(tmp_path, embedder):
@@ -155,9 +149,7 @@ def test_missing_cache_is_a_clear_error(tmp_path):
         EmbeddingCache.open(tmp_path / "nowhere")
 
 
-def test_failed_save_leaves_the_previous_cache_and_no_partial_directory(
-    tmp_path, counting_embedder, monkeypatch
-):
+def test_failed_save_leaves_the_previous_cache_and_no_partial_directory(tmp_path, counting_embedder, monkeypatch):
     target = tmp_path / "cache"
     cache = EmbeddingCache.open(target, counting_embedder)
     cache.ensure(TEXTS[:2])

@@ -7,9 +7,7 @@ from memupdate.memory.embedder import DEFAULT_MODEL, Embedder, EmbedderLoadError
 
 
 def test_encode_gives_unit_float32_rows(embedder):
-    vectors = embedder.encode(
-        ["Caroline prefers tea.", "Melanie paints sunsets.", "Caroline likes green tea."]
-    )
+    vectors = embedder.encode(["Caroline prefers tea.", "Melanie paints sunsets.", "Caroline likes green tea."])
     assert embedder.model_name == DEFAULT_MODEL and embedder.dim == 384
     assert vectors.dtype == np.float32 and vectors.shape == (3, 384) and vectors.flags.c_contiguous
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)

@@ -33,9 +33,7 @@ def test_open_get_release_and_stats(memories_parquet, cache_dir, embedder, monke
     other = manager.open(BASE_NS, "ffff0000aaaa", "conv-26")
     toy = manager.open("toy-1-qa0-00000000", "a1b2c3d4e5f6", "toy-1")
     assert isinstance(trial, TrialStore) and trial.namespace == f"{BASE_NS}-a1b2c3d4e5f6"
-    assert trial.base is other.base and loads == ["conv-26", "toy-1"], (
-        "a base store is loaded once and shared"
-    )
+    assert trial.base is other.base and loads == ["conv-26", "toy-1"], "a base store is loaded once and shared"
     assert len(toy) == 3 and toy.base.sample_id == "toy-1" and len(trial) == 184
     assert manager.get(f"{BASE_NS}-a1b2c3d4e5f6") is trial and manager.namespaces() == sorted(
         [trial.namespace, other.namespace, toy.namespace]
@@ -123,9 +121,7 @@ async def test_many_coroutines_open_use_and_release(memories_parquet, cache_dir,
     results = await asyncio.gather(*(rollout(i) for i in range(16)))
     assert len(manager) == 0 and len({r["namespace"] for r in results}) == 16
     assert all(r["final_count"] == 185 and r["created"] == 1 for r in results)
-    assert all(
-        r["delta"]["created"][0]["content"] == f"Rollout {i} wrote this." for i, r in enumerate(results)
-    )
+    assert all(r["delta"]["created"][0]["content"] == f"Rollout {i} wrote this." for i, r in enumerate(results))
 
 
 @pytest.mark.asyncio

@@ -237,9 +237,7 @@ def test_evidence_is_provenance_no_write_can_claim_it():
     assert trial.export_delta()["created"] == [] and trial.export_delta()["updated"] == []
 
     assert trial.get(trial.create("Ana keeps goats", vector=vec(1, 0, 0, 0))).evidence == ()
-    assert trial.update(0, "Ana keeps three hives", {"type": "fact"}, vector=vec(1, 0, 0, 0)).evidence == (
-        "D1:1",
-    )
+    assert trial.update(0, "Ana keeps three hives", {"type": "fact"}, vector=vec(1, 0, 0, 0)).evidence == ("D1:1",)
     assert trial.get(trial.merge([0, 2], "Ana keeps bees, sells honey", vector=vec(1, 0, 0, 0))).evidence == (
         "D1:1",
         "D2:1",
@@ -265,16 +263,13 @@ async def test_async_writes_refuse_claimed_evidence_before_embedding(base, count
 
 def test_within_budget_keeps_whole_memories_in_rank_order():
     hits = [
-        Hit(i, 1.0 - i / 10, MemoryRecord(i, text))
-        for i, text in enumerate(["a" * 40, "b" * 50, "c" * 5, "d" * 5])
+        Hit(i, 1.0 - i / 10, MemoryRecord(i, text)) for i, text in enumerate(["a" * 40, "b" * 50, "c" * 5, "d" * 5])
     ]
     assert [h.id for h in within_budget(hits, 100)] == [0, 1, 2, 3]
     assert [h.id for h in within_budget(hits, 94)] == [0, 1], "stops at the first memory that overflows"
     assert [h.id for h in within_budget(hits, 40)] == [0]
     cut = within_budget(hits, 25)
-    assert [(h.id, h.content, h.score) for h in cut] == [(0, "a" * 25, 1.0)], (
-        "the first hit is cut, never dropped"
-    )
+    assert [(h.id, h.content, h.score) for h in cut] == [(0, "a" * 25, 1.0)], "the first hit is cut, never dropped"
     assert hits[0].content == "a" * 40, "the store's record is not changed"
     assert within_budget([], 10) == []
     with pytest.raises(ValueError, match="max_chars must be >= 1"):
@@ -336,9 +331,7 @@ async def test_async_operations_embed_text(base, embedder):
     assert hits[0].id == 0 and "stopped" in hits[0].content
 
     merged = await trial.amerge([1, 2], "Caroline feels accepted and is inspired by transgender stories.")
-    parts = await trial.asplit(
-        merged, ["Caroline feels accepted.", "Caroline is inspired by transgender stories."]
-    )
+    parts = await trial.asplit(merged, ["Caroline feels accepted.", "Caroline is inspired by transgender stories."])
     assert [trial.get(i).content for i in parts] == [
         "Caroline feels accepted.",
         "Caroline is inspired by transgender stories.",

@@ -74,9 +74,7 @@ def test_plain_chat_has_no_default_system_prompt(tiny_tokenizer):
         "<|im_start|>user\nWhere did Ana go?<|im_end|>\n<|im_start|>assistant\nRome.<|im_end|>\n"
         "<|im_start|>user\nWhen?<|im_end|>\n"
     )
-    assert render(tiny_tokenizer, [SYSTEM, USER]).startswith(
-        "<|im_start|>system\nYou manage memories.<|im_end|>\n"
-    )
+    assert render(tiny_tokenizer, [SYSTEM, USER]).startswith("<|im_start|>system\nYou manage memories.<|im_end|>\n")
 
 
 def test_tools_without_system_message(tiny_tokenizer):
@@ -114,14 +112,10 @@ def test_verl_continuous_tokens_match_the_template(tiny_tokenizer):
     builder = create_continuous_token_builder(tiny_tokenizer, hf_model_type="qwen2")
     prompt = [SYSTEM, USER]
     initial = builder.build_initial_tokens(prompt, tools=[SCHEMA])
-    assert tiny_tokenizer.decode(initial) == render(
-        tiny_tokenizer, prompt, tools=[SCHEMA], add_generation_prompt=True
-    )
+    assert tiny_tokenizer.decode(initial) == render(tiny_tokenizer, prompt, tools=[SCHEMA], add_generation_prompt=True)
 
     history = [*prompt, ASSISTANT_CALLS]
-    appended = builder.tokenize_context_incremental_messages(
-        history, [*history, *TOOL_RESULTS], tools=[SCHEMA]
-    )
+    appended = builder.tokenize_context_incremental_messages(history, [*history, *TOOL_RESULTS], tools=[SCHEMA])
     assert tiny_tokenizer.decode(appended) == RESULTS + "<|im_start|>assistant\n"
 
     history = [*history, *TOOL_RESULTS, {"role": "assistant", "content": "Rome."}]
@@ -132,9 +126,7 @@ def test_verl_continuous_tokens_match_the_template(tiny_tokenizer):
 
 def test_load_chat_template_reads_the_repository_file():
     assert "chatml_tools" in available_chat_templates()
-    assert load_chat_template("chatml_tools") == (TEMPLATE_DIR / "chatml_tools.jinja").read_text(
-        encoding="utf-8"
-    )
+    assert load_chat_template("chatml_tools") == (TEMPLATE_DIR / "chatml_tools.jinja").read_text(encoding="utf-8")
 
 
 def test_unknown_chat_template_names_where_it_looked():

@@ -61,9 +61,7 @@ def test_tiny_random_is_deterministic(tiny_model_dir, tmp_path):
     other = load_file(tmp_path / "other" / "model.safetensors")
     assert weights.keys() == other.keys()
     assert not torch.equal(weights["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
-    assert (tmp_path / "other" / "tokenizer.json").read_bytes() == (
-        tiny_model_dir / "tokenizer.json"
-    ).read_bytes()
+    assert (tmp_path / "other" / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
 
 
 def test_tiny_random_does_not_touch_the_global_rng(tmp_path):
@@ -98,9 +96,7 @@ def test_tiny_random_loads_back_and_chats_with_tools(tiny_model_dir):
     assert len(tokenizer.encode("\n", add_special_tokens=False)) == 1
 
     messages = [{"role": "user", "content": "Forget memory 3."}]
-    ids = tokenizer.apply_chat_template(
-        messages, tools=[SCHEMA], add_generation_prompt=True, return_dict=False
-    )
+    ids = tokenizer.apply_chat_template(messages, tools=[SCHEMA], add_generation_prompt=True, return_dict=False)
     text = tokenizer.decode(ids)
     assert '"name": "delete_memory"' in text
     assert text.endswith("<|im_start|>assistant\n")
@@ -116,9 +112,7 @@ def test_manifest(tiny_model_dir):
     m = manifest(tiny_model_dir)
     assert m["kind"] == "tiny_random"
     assert m["source"] is None and m["source_sha256"] is None
-    assert m["parameters"] == sum(
-        p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters()
-    )
+    assert m["parameters"] == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
     assert m["dtype"] == "float32"
     assert m["chat_template"] == "chatml_tools"
     assert m["spec"]["hidden_size"] == 64 and m["spec"]["seed"] == 0
@@ -142,14 +136,10 @@ def test_hf_resaves_a_local_checkpoint(tiny_model_dir, tmp_path):
         {"kind": "hf", "name_or_path": str(source), "chat_template": "chatml_tools", "dtype": "bfloat16"},
         tmp_path / "replaced",
     )
-    assert AutoTokenizer.from_pretrained(tmp_path / "replaced").chat_template == load_chat_template(
-        "chatml_tools"
-    )
+    assert AutoTokenizer.from_pretrained(tmp_path / "replaced").chat_template == load_chat_template("chatml_tools")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "replaced")
     assert model.dtype == torch.bfloat16
-    assert (
-        replaced["dtype"] == "bfloat16" and replaced["parameters"] == manifest(tiny_model_dir)["parameters"]
-    )
+    assert replaced["dtype"] == "bfloat16" and replaced["parameters"] == manifest(tiny_model_dir)["parameters"]
     assert (tmp_path / "replaced" / "generation_config.json").is_file()
 
 
@@ -160,7 +150,10 @@ def test_hf_resaves_a_local_checkpoint(tiny_model_dir, tmp_path):
         ({}, r"model spec.kind: null is not one of hf, smollm2_gguf, tiny_random"),
         ({"kind": "gguf"}, r"model spec.kind: 'gguf' is not one of hf, smollm2_gguf, tiny_random"),
         ({"kind": "hf"}, r"model spec.name_or_path: required"),
-        ({"kind": "tiny_random", "hiden_size": 32}, r"model spec.hiden_size: unknown setting; did you mean hidden_size\?"),
+        (
+            {"kind": "tiny_random", "hiden_size": 32},
+            r"model spec.hiden_size: unknown setting; did you mean hidden_size\?",
+        ),
         ({"kind": "smollm2_gguf", "dtype": "float16"}, r"model spec.dtype: 'float16' is not one of bfloat16, float32"),
         ({"kind": "hf", "name_or_path": "x", "dtype": "fp32"}, r"model spec.dtype: 'fp32' is not one of auto"),
         ({"kind": "tiny_random", "layers": 0}, r"model spec.layers: 0 is below the minimum 1"),

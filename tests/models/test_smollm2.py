@@ -65,9 +65,7 @@ def test_hermes_parser_reads_tool_calls_through_the_smollm2_tokenizer(smollm2):
     response = '<tool_call>\n{"name": "search_memory", "arguments": {"query": "Ana, in Rome?"}}\n</tool_call><|im_end|>'
     ids = tokenizer.encode(response, add_special_tokens=False)
     _, calls = asyncio.run(ToolParser.get_tool_parser("hermes", tokenizer).extract_tool_calls(ids))
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("search_memory", {"query": "Ana, in Rome?"})
-    ]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("search_memory", {"query": "Ana, in Rome?"})]
 
 
 def test_answers_a_simple_question(smollm2):

@@ -73,7 +73,9 @@ def test_efficiency_factor_components():
 
 
 def test_other_questions_join_the_target_reproducibly(base, embedder, locomo_conversations):
-    pool = [QAItem(q.question, q.answer, q.category, q.evidence) for q in locomo_conversations["conv-26"].qa if q.answer]
+    pool = [
+        QAItem(q.question, q.answer, q.category, q.evidence) for q in locomo_conversations["conv-26"].qa if q.answer
+    ]
     items = select_questions(TARGET, pool, 4, "conv-26-qa0-ff702917")
     assert items[0] == TARGET and len(items) == 5 and TARGET not in items[1:]
     assert items == select_questions(TARGET, pool, 4, "conv-26-qa0-ff702917")
@@ -106,7 +108,9 @@ def test_batch_computer_matches_one_by_one(base, embedder):
 
 
 def test_config_from_dict():
-    config = MemoryRewardConfig.from_dict({"top_k": 3, "other_questions": 2, "efficiency": {"max_total_memories": None}})
+    config = MemoryRewardConfig.from_dict(
+        {"top_k": 3, "other_questions": 2, "efficiency": {"max_total_memories": None}}
+    )
     assert config.top_k == 3 and config.efficiency.max_total_memories is None
     with pytest.raises(TypeError):
         MemoryRewardConfig.from_dict({"topk": 3})
@@ -116,7 +120,9 @@ def test_config_from_dict():
 
 def test_query_vectors_must_match_items(base):
     with pytest.raises(ValueError, match="one query vector per question"):
-        asyncio.run(memory_reward(TrialStore(base), TrialStore(base), [TARGET], np.zeros((2, 384)), AnswerRecallScorer()))
+        asyncio.run(
+            memory_reward(TrialStore(base), TrialStore(base), [TARGET], np.zeros((2, 384)), AnswerRecallScorer())
+        )
 
 
 # ------------------------------------------------------------------ issue 14: no reward without better memory
@@ -177,7 +183,9 @@ EXPLOITS = {
 def exploit_setting(base, embedder, locomo_conversations):
     """Every answerable question of conv-26, its ranked memories (top 5, and the 5 least similar) and the
     vectors of every text the exploits write, embedded in one batch."""
-    items = [QAItem(q.question, q.answer, q.category, q.evidence) for q in locomo_conversations["conv-26"].qa if q.answer]
+    items = [
+        QAItem(q.question, q.answer, q.category, q.evidence) for q in locomo_conversations["conv-26"].qa if q.answer
+    ]
     queries = embedder.encode([i.question for i in items])
     ranked = []
     for query in queries:
@@ -246,7 +254,9 @@ def test_components_log_what_the_trajectory_wrote(base, embedder):
     assert out["created_count"] == 3 and out["created_chars_max"] == 250
     assert out["created_chars_mean"] == pytest.approx(sum(lengths) / 3)
     unchanged = reward(TrialStore(base), TrialStore(base), [TARGET], embedder, AnswerRecallScorer())
-    assert unchanged["created_count"] == 0 and unchanged["context_chars_final"] == unchanged["context_chars_initial"] > 0
+    assert (
+        unchanged["created_count"] == 0 and unchanged["context_chars_final"] == unchanged["context_chars_initial"] > 0
+    )
 
 
 # ------------------------------------------------------------------ issue 14 item 5: E scales gains only
@@ -274,7 +284,11 @@ def test_a_harmful_edit_that_bloats_the_store_is_punished_at_least_as_much(base,
 def test_a_gain_is_still_scaled_by_efficiency(base, embedder):
     config = MemoryRewardConfig(efficiency=EfficiencyConfig(max_total_memories=100))  # size factor < 1
     out = reward(TrialStore(base), improved_trial(base, embedder), [TARGET], embedder, AnswerRecallScorer(), config)
-    assert out["qa_delta"] > 0 and out["efficiency"] < 1 and out["score"] == pytest.approx(out["qa_delta"] * out["efficiency"])
+    assert (
+        out["qa_delta"] > 0
+        and out["efficiency"] < 1
+        and out["score"] == pytest.approx(out["qa_delta"] * out["efficiency"])
+    )
 
 
 def test_an_emptied_store_has_density_zero(base, embedder):
@@ -285,7 +299,9 @@ def test_an_emptied_store_has_density_zero(base, embedder):
     assert out["memories_final"] == 0 and out["context_chars_final"] == 0
     assert out["density_factor"] == 0.0 and out["efficiency"] == EfficiencyConfig().min_factor
     assert out["score"] == out["qa_delta"] == -1.0
-    assert reward(TrialStore(base), emptied, [TARGET], embedder, EvidenceRecallScorer(), ALWAYS)["score"] == pytest.approx(-0.1)
+    assert reward(TrialStore(base), emptied, [TARGET], embedder, EvidenceRecallScorer(), ALWAYS)[
+        "score"
+    ] == pytest.approx(-0.1)
 
 
 def test_apply_to_is_validated():

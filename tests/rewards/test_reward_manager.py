@@ -42,7 +42,10 @@ def trajectory(info, delta, answer, stage="memory"):
     fields = {DELTA_KEY: delta, ANSWER_KEY: answer, STAGE_KEY: stage}
     return DataProto(
         batch=None,
-        non_tensor_batch={"extra_info": np.array([info], dtype=object), "tool_extra_fields": np.array([fields], dtype=object)},
+        non_tensor_batch={
+            "extra_info": np.array([info], dtype=object),
+            "tool_extra_fields": np.array([fields], dtype=object),
+        },
     )
 
 
@@ -79,14 +82,25 @@ def answering_delta(base, embedder):
 @pytest.mark.parametrize(
     ("settings", "error", "message"),
     [
-        ({"scorer": "bleu"}, ValueError, "unknown reward scorer 'bleu'; known: answer_recall, evidence_recall, reader, judge"),
-        ({"scorer": "reader"}, ValueError, "needs the setting reader_marker: the readiness marker of the served reader"),
-        ({"scorer": "reader", "reader_marker": "/nowhere/qa-base.ready.json"}, FileNotFoundError,
-         "no readiness marker at /nowhere/qa-base.ready.json: run the serve rule"),
+        (
+            {"scorer": "bleu"},
+            ValueError,
+            "unknown reward scorer 'bleu'; known: answer_recall, evidence_recall, reader, judge",
+        ),
+        (
+            {"scorer": "reader"},
+            ValueError,
+            "needs the setting reader_marker: the readiness marker of the served reader",
+        ),
+        (
+            {"scorer": "reader", "reader_marker": "/nowhere/qa-base.ready.json"},
+            FileNotFoundError,
+            "no readiness marker at /nowhere/qa-base.ready.json: run the serve rule",
+        ),
         ({"scorer": "reader", "training_stage": "both"}, ValueError, "training_stage must be one of"),
     ],
     ids=["unknown-scorer", "reader-without-marker", "missing-marker", "unknown-stage"],
-)  # fmt: skip
+)
 def test_a_misconfigured_scorer_fails_when_the_manager_starts(settings, error, message):
     with pytest.raises(error, match=re.escape(message)):
         manager(settings)
@@ -139,38 +153,62 @@ def test_reward_settings_reach_the_qa_phase_on_the_local_backend(tmp_path, repo_
 
     reward = stages.stage_reward(
         {"scorer": "answer_recall", "qa_prompt": "mem0", "qa_max_tokens": 12, "top_k": 3, "context_chars": 200},
-        "memory", None, settings={},
-    )  # fmt: skip
+        "memory",
+        None,
+        settings={},
+    )
     cfg = LocalGRPOConfig(
-        model_path=str(tiny_models / "policy"), train_files=[], run_dir=str(tmp_path / "run"),
-        tool_config=str(repo_root / "config/tools/memory_tools.yaml"), memories="m", embeddings="e",
-        reward=reward, qa_max_tokens=reward["qa_max_tokens"],
-    )  # fmt: skip
+        model_path=str(tiny_models / "policy"),
+        train_files=[],
+        run_dir=str(tmp_path / "run"),
+        tool_config=str(repo_root / "config/tools/memory_tools.yaml"),
+        memories="m",
+        embeddings="e",
+        reward=reward,
+        qa_max_tokens=reward["qa_max_tokens"],
+    )
     config = run_config(cfg)
     # The QA phase reads its retrieval and prompt where the reward manager does, and the answer cap the reader uses.
     assert qa_settings(config) == {"top_k": 3, "context_chars": 200, "qa_prompt": "mem0"}
-    assert config.reward.custom_reward_function.reward_kwargs.qa_max_tokens == agent_loop_entry(cfg)["qa_max_tokens"] == 12
+    assert (
+        config.reward.custom_reward_function.reward_kwargs.qa_max_tokens == agent_loop_entry(cfg)["qa_max_tokens"] == 12
+    )
 
 
 def test_reward_settings_reach_the_verl_reward_workers(tmp_path, repo_root, monkeypatch):
     from memupdate.training import verl_launcher as vl
 
     monkeypatch.chdir(tmp_path)
-    reward = {"scorer": "reader", "reader_marker": "serve/qa-base.ready.json", "qa_prompt": "locomo", "qa_max_tokens": 16,
-              "training_stage": "memory", "reader_metric": None}  # fmt: skip
+    reward = {
+        "scorer": "reader",
+        "reader_marker": "serve/qa-base.ready.json",
+        "qa_prompt": "locomo",
+        "qa_max_tokens": 16,
+        "training_stage": "memory",
+        "reader_metric": None,
+    }
     model = tmp_path / "models" / "tiny"
     model.mkdir(parents=True)
     run = {
-        "model_path": model, "train_files": tmp_path / "train.parquet", "val_files": tmp_path / "val.parquet",
-        "tool_config": repo_root / "config/tools/memory_tools.yaml", "memories": tmp_path / "memories.parquet",
-        "embeddings": tmp_path / "embeddings", "n_gpus_per_node": 8, "nnodes": 2,
-        "experiment_dir": tmp_path / "run", "reward": reward,
-    }  # fmt: skip
+        "model_path": model,
+        "train_files": tmp_path / "train.parquet",
+        "val_files": tmp_path / "val.parquet",
+        "tool_config": repo_root / "config/tools/memory_tools.yaml",
+        "memories": tmp_path / "memories.parquet",
+        "embeddings": tmp_path / "embeddings",
+        "n_gpus_per_node": 8,
+        "nnodes": 2,
+        "experiment_dir": tmp_path / "run",
+        "reward": reward,
+    }
     vl.prepare_main_ppo("memory", fixed_model_endpoint={"base_url": "http://n1:8000/v1", "model": "qa"}, **run)
     resolved = OmegaConf.load(tmp_path / "run" / "resolved_config.yaml")
     kwargs = OmegaConf.to_container(resolved.reward.custom_reward_function.reward_kwargs)
     # Reward workers on other nodes read the marker: its path is absolute.
-    assert {key: kwargs[key] for key in reward} == {**reward, "reader_marker": str(tmp_path / "serve/qa-base.ready.json")}
+    assert {key: kwargs[key] for key in reward} == {
+        **reward,
+        "reader_marker": str(tmp_path / "serve/qa-base.ready.json"),
+    }
     (entry,) = OmegaConf.load(tmp_path / "run" / "agent_loops.yaml")
     assert entry.qa_max_tokens == 16
 
@@ -220,10 +258,13 @@ def test_stage1_takes_the_reader_and_judge_markers_as_inputs(workdir):
 
 def test_a_served_scorer_without_a_qa_model_fails_before_anything_runs(workdir):
     single = {"backend": "local", "policy": "tiny-random", "stage1": {"steps": 1}}
-    result = dry_run(workdir, "results/single/stage1/ckpt", {"reward": {"scorer": "reader"}, "experiments": {"single": single}})
+    result = dry_run(
+        workdir, "results/single/stage1/ckpt", {"reward": {"scorer": "reader"}, "experiments": {"single": single}}
+    )
     assert result.returncode != 0
-    assert "reward.scorer 'reader' needs the served QA model as its reader, but experiment 'single' has no qa_model" in (
-        result.stdout + result.stderr
+    assert (
+        "reward.scorer 'reader' needs the served QA model as its reader, but experiment 'single' has no qa_model"
+        in (result.stdout + result.stderr)
     )
     # auto picks the offline scorer for a single-stage experiment.
     result = dry_run(workdir, "results/single/stage1/ckpt", {"experiments": {"single": single}})
@@ -245,11 +286,12 @@ def served_marker(vllm_python, tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     with start_vllm_server(
         tiny_model_dir, served_model_name=SERVED_NAME, python=vllm_python, dtype="float32", log_path=root / "vllm.log"
-    ) as server:  # fmt: skip
+    ) as server:
         server.wait_until_ready(timeout_s=300)
         marker = root / "qa-base.ready.json"
-        write_marker(marker, endpoint=server.base_url, served_model_name=SERVED_NAME, pid=server.pid,
-                     model_path=tiny_model_dir)  # fmt: skip
+        write_marker(
+            marker, endpoint=server.base_url, served_model_name=SERVED_NAME, pid=server.pid, model_path=tiny_model_dir
+        )
         yield marker
 
 
@@ -260,14 +302,18 @@ def served_requests(marker) -> float:
     root = load_marker(marker)["endpoint"].removesuffix("/v1")
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     text = opener.open(f"{root}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total")
+    )
 
 
 @pytest.mark.vllm
 def test_reader_scores_the_qa_phase_answer_against_a_cached_initial_answer(
     served_marker, target, store_paths, unchanged_delta, answering_delta
 ):
-    reader = manager({"scorer": "reader", "reader_marker": str(served_marker), "training_stage": "memory"}, **store_paths)
+    reader = manager(
+        {"scorer": "reader", "reader_marker": str(served_marker), "training_stage": "memory"}, **store_paths
+    )
     assert reader.scorer.name == "reader" and reader.scorer.metric == "locomo_f1"
 
     async def rollouts():
@@ -275,7 +321,12 @@ def test_reader_scores_the_qa_phase_answer_against_a_cached_initial_answer(
         # A GRPO group: four rollouts of one prompt scored at once. Two changed nothing (their QA phase
         # answered from the initial store; what it said must not matter), two wrote the answering memory
         # and their QA phase answered from it.
-        group = [(unchanged_delta, "anything"), (unchanged_delta, GOLD), (answering_delta, GOLD), (answering_delta, "no idea")]
+        group = [
+            (unchanged_delta, "anything"),
+            (unchanged_delta, GOLD),
+            (answering_delta, GOLD),
+            (answering_delta, "no idea"),
+        ]
         results = await asyncio.gather(*(reader.run_single(trajectory(target, d, a)) for d, a in group))
         asked = served_requests(served_marker) - start
         again = await reader.run_single(trajectory(target, answering_delta, GOLD))

@@ -30,9 +30,7 @@ def vllm_server(vllm_python, tiny_model_dir, tmp_path_factory):
     try:
         server.wait_until_ready(timeout_s=300)
         pids += [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
-        logger.info(
-            "vLLM server pid %d ready in %.1f s (processes %s)", server.pid, server.ready_after_s, pids
-        )
+        logger.info("vLLM server pid %d ready in %.1f s (processes %s)", server.pid, server.ready_after_s, pids)
         yield server
     finally:
         server.stop()

@@ -71,12 +71,17 @@ def test_reader_and_judge_scorers_speak_the_protocol(chat_server):
         return '{"label": "CORRECT"}' if "Generated answer: 7 May 2023" in prompt else '{"label": "WRONG"}'
 
     item = QAItem("When did Caroline go to the support group?", "7 May 2023", 2)
-    with_answer = [Retrieved("Caroline went to the support group on 7 May 2023.", date="8 May 2023", speaker="Caroline")]
+    with_answer = [
+        Retrieved("Caroline went to the support group on 7 May 2023.", date="8 May 2023", speaker="Caroline")
+    ]
     without = [Retrieved("Caroline likes painting.")]
 
     async def main():
         async with chat_server(reader_reply) as reader_server, chat_server(judge_reply) as judge_server:
-            async with OpenAIClient(Endpoint(reader_server.url, "qa")) as rc, OpenAIClient(Endpoint(judge_server.url, "judge")) as jc:
+            async with (
+                OpenAIClient(Endpoint(reader_server.url, "qa")) as rc,
+                OpenAIClient(Endpoint(judge_server.url, "judge")) as jc,
+            ):
                 reader = ReaderScorer(rc, metric="locomo_f1")
                 f1 = await reader.score([item, item], [with_answer, without])
                 judged = await JudgeScorer(reader, jc).score([item, item], [with_answer, without])
@@ -86,6 +91,9 @@ def test_reader_and_judge_scorers_speak_the_protocol(chat_server):
     assert f1 == [1.0, 0.0] and judged == [1.0, 0.0]
     prompt = requests[0]["messages"][0]["content"]
     # Mem0's ANSWER_PROMPT (the reader's default protocol): each speaker's memories as a JSON list.
-    assert 'Memories for user Caroline:\n\n    [\n    "8 May 2023: Caroline went to the support group on 7 May 2023."\n]' in prompt
+    assert (
+        'Memories for user Caroline:\n\n    [\n    "8 May 2023: Caroline went to the support group on 7 May 2023."\n]'
+        in prompt
+    )
     assert requests[0]["temperature"] == 0.0 and requests[0]["max_tokens"] == 32
     assert all(r["response_format"] == {"type": "json_object"} for r in judge_requests)

@@ -30,9 +30,11 @@ def test_launcher_follows_where_the_rule_runs():
 
 def test_sbatch_command(tmp_path):
     argv = launch.sbatch_argv(
-        "memupdate-serve-exp-stage1", tmp_path / "s.log", {"gres": "gpu:1", "time": 240, "account": None},
+        "memupdate-serve-exp-stage1",
+        tmp_path / "s.log",
+        {"gres": "gpu:1", "time": 240, "account": None},
         ["python", "-m", "memupdate.serving.launch", "run", "--model", "/m dir"],
-    )  # fmt: skip
+    )
     assert argv[:3] == ["sbatch", "--parsable", "--job-name=memupdate-serve-exp-stage1"]
     assert "--gres=gpu:1" in argv and "--time=240" in argv
     assert not any(a.startswith("--account") for a in argv)
@@ -69,9 +71,13 @@ def test_served_model_stops_with_the_run_that_started_it(vllm_python, tiny_model
     settings = {"python": str(vllm_python), "dtype": "float32", "max_model_len": 2048, "startup_timeout_s": 300}
     try:
         content = launch.serve_model(
-            tiny_model_dir, marker, served_model_name="exp-qa", settings=settings,
-            server_log=tmp_path / "logs" / "qa.supervisor.log", registry_dir=registry,
-        )  # fmt: skip
+            tiny_model_dir,
+            marker,
+            served_model_name="exp-qa",
+            settings=settings,
+            server_log=tmp_path / "logs" / "qa.supervisor.log",
+            registry_dir=registry,
+        )
         endpoint = read_marker(marker)
         assert endpoint.model == "exp-qa" and content["pid"]
         assert json.loads((registry / "exp-qa.json").read_text())["pid"] == content["pid"]

@@ -20,7 +20,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def long_context_server(vllm_python, tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-loop") / "server.log"
     server = start_vllm_server(
-        tiny_model_dir, served_model_name="tiny", python=vllm_python, dtype="float32", log_path=log,
+        tiny_model_dir,
+        served_model_name="tiny",
+        python=vllm_python,
+        dtype="float32",
+        log_path=log,
         max_model_len=LOOP_MAX_MODEL_LEN,
     )
     try:
@@ -38,8 +42,14 @@ def test_agent_loop_worker_with_our_loop_against_vllm(
     for name in ("MEMUPDATE_MEMORIES", "MEMUPDATE_EMBEDDINGS", "MEMUPDATE_EMBEDDING_MODEL"):
         monkeypatch.setenv(name, "")  # vllm_loop_config sets them; monkeypatch undoes it after the test
     config = vllm_loop_config(
-        tiny_model_dir, locomo_rows["train"], locomo_rows["memories"], cache_dir, tmp_path,
-        rollout_n=2, max_assistant_turns=2, response_length=512,
+        tiny_model_dir,
+        locomo_rows["train"],
+        locomo_rows["memories"],
+        cache_dir,
+        tmp_path,
+        rollout_n=2,
+        max_assistant_turns=2,
+        response_length=512,
     )
     client = VLLMTokenClient(Endpoint(long_context_server.base_url, "tiny"), max_tokens=32)
 

@@ -41,12 +41,12 @@ from memupdate.serving.vllm import (
     ServerProcess,
     VLLMTokenClient,
     _group_members,
-    free_port,
     parse_completion,
     server_command,
     start_vllm_server,
     wait_until_ready,
 )
+from memupdate.utils.system import free_port
 
 logger = logging.getLogger(__name__)
 vllm_test = [pytest.mark.vllm, pytest.mark.slow]
@@ -87,9 +87,7 @@ def test_marker_errors_are_actionable(tmp_path):
 
 def test_marker_takes_slurm_job_id_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "777")
-    marker = write_marker(
-        tmp_path / "m.json", endpoint=Endpoint("http://n1:8000/v1", "m"), served_model_name="m"
-    )
+    marker = write_marker(tmp_path / "m.json", endpoint=Endpoint("http://n1:8000/v1", "m"), served_model_name="m")
     assert marker["slurm_job_id"] == "777" and marker["endpoint"] == "http://n1:8000/v1"
 
 
@@ -101,9 +99,7 @@ def test_wait_until_ready_reports_a_dead_process_with_its_log(tmp_path, tiny_mod
         "for i in $(seq 60); do echo noise $i; done\nexit 3\n"
     )
     fake.chmod(0o755)
-    server = start_vllm_server(
-        tiny_model_dir, served_model_name="tiny", python=fake, log_path=tmp_path / "s.log"
-    )
+    server = start_vllm_server(tiny_model_dir, served_model_name="tiny", python=fake, log_path=tmp_path / "s.log")
     with server, pytest.raises(ServerNotReady) as err:
         wait_until_ready(server.base_url, "tiny", timeout_s=60, process=server)
     message = str(err.value)
@@ -147,22 +143,43 @@ def test_stop_kills_an_orphan_left_by_a_crashed_leader(tmp_path):
 
 def test_server_command_and_payload():
     cmd = server_command(
-        "/m", served_model_name="qa", host="127.0.0.1", port=8011, python="/e/bin/python",
-        max_model_len=2048, dtype="bfloat16", extra_args=["--seed", "1"],
-    )  # fmt: skip
+        "/m",
+        served_model_name="qa",
+        host="127.0.0.1",
+        port=8011,
+        python="/e/bin/python",
+        max_model_len=2048,
+        dtype="bfloat16",
+        extra_args=["--seed", "1"],
+    )
     assert cmd[:3] == ["/e/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert "--enforce-eager" in cmd and cmd[-2:] == ["--seed", "1"]
     client = VLLMTokenClient(Endpoint("http://127.0.0.1:1/v1", "qa"), max_tokens=8)
     payload = client.build_payload(
         [3, 4],
-        {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "logprobs": False, "repetition_penalty": 1.1,
-         "stop_token_ids": [2], "unknown_knob": 1},
-    )  # fmt: skip
+        {
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 5,
+            "logprobs": False,
+            "repetition_penalty": 1.1,
+            "stop_token_ids": [2],
+            "unknown_knob": 1,
+        },
+    )
     assert payload == {
-        "model": "qa", "prompt": [3, 4], "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
-        "stop_token_ids": [2], "return_token_ids": True, "logprobs": 0, "skip_special_tokens": False,
+        "model": "qa",
+        "prompt": [3, 4],
+        "max_tokens": 8,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "stop_token_ids": [2],
+        "return_token_ids": True,
+        "logprobs": 0,
+        "skip_special_tokens": False,
         "repetition_penalty": 1.1,
-    }  # fmt: skip
+    }
     with pytest.raises(EndpointError, match="2 token ids but 1 log-probs"):
         parse_completion({"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0]}}]})
 
@@ -279,17 +296,14 @@ def test_token_client_respects_max_tokens_and_stop_token_ids(vllm_server, tokeni
 def test_token_client_concurrent_requests_and_one_session_per_loop(vllm_server, tokenizer):
     client = VLLMTokenClient(vllm_server.endpoint, max_tokens=32)
     prompts = [
-        tokenizer.encode(f"<|im_start|>user\nQuestion {i}: who went to the market?<|im_end|>\n")
-        for i in range(8)
+        tokenizer.encode(f"<|im_start|>user\nQuestion {i}: who went to the market?<|im_end|>\n") for i in range(8)
     ]
 
     async def many():
         started = time.perf_counter()
         outs = await asyncio.gather(
             *(
-                client.generate(
-                    f"r{i}", prompt_ids=p, sampling_params={"temperature": 1.0, "ignore_eos": True}
-                )
+                client.generate(f"r{i}", prompt_ids=p, sampling_params={"temperature": 1.0, "ignore_eos": True})
                 for i, p in enumerate(prompts)
             )
         )

@@ -48,8 +48,11 @@ def snakemake(workdir, *args, timeout=1500):
     # SIGINT, not TERM, on timeout: it makes the plugin cancel its jobs (TERM can leave them, and hang).
     return subprocess.run(
         ["timeout", "-s", "INT", "-k", "60", str(timeout), SNAKEMAKE, *args],
-        cwd=workdir, capture_output=True, text=True, preexec_fn=default_sigint,
-    )  # fmt: skip
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        preexec_fn=default_sigint,
+    )
 
 
 SLURM_SERVING = """
@@ -72,16 +75,31 @@ def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
     table.write_text(yaml.safe_dump(rows))
     start = time.time()
     # The brief's short path: the default experiment's (tiny's) stage-1 checkpoint, trained on Slurm.
-    args = ["--profile", "profiles/slurm", "results/stage1/ckpt", "--slurm-init-seconds-before-status-checks",
-            "2", "--slurm-jobname-prefix", run_name, "--configfile", "config/experiments/tiny.yaml", "slurm-ci.yaml"]  # fmt: skip
+    args = [
+        "--profile",
+        "profiles/slurm",
+        "results/stage1/ckpt",
+        "--slurm-init-seconds-before-status-checks",
+        "2",
+        "--slurm-jobname-prefix",
+        run_name,
+        "--configfile",
+        "config/experiments/tiny.yaml",
+        "slurm-ci.yaml",
+    ]
     result = snakemake(slurm_workdir, *args)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-5000:]
     jobs = {r["Comment"]: r for r in jobs_since(start, run_name)}
     # The plugin's --comment: rule_<rule>[_wildcards_<values>].
-    expected = {"rule_fetch_data_wildcards_locomo10", "rule_preprocess_locomo", "rule_embed_memories",
-                "rule_prepare_model_wildcards_tiny-random", "rule_serve_model_wildcards_tiny_train_qa-base",
-                "rule_train_stage1_wildcards_tiny"}  # fmt: skip
+    expected = {
+        "rule_fetch_data_wildcards_locomo10",
+        "rule_preprocess_locomo",
+        "rule_embed_memories",
+        "rule_prepare_model_wildcards_tiny-random",
+        "rule_serve_model_wildcards_tiny_train_qa-base",
+        "rule_train_stage1_wildcards_tiny",
+    }
     assert expected <= set(jobs), sorted(jobs)
     assert all(jobs[c]["State"] == "COMPLETED" for c in expected), jobs
     train = jobs["rule_train_stage1_wildcards_tiny"]
@@ -133,15 +151,22 @@ def test_two_slurm_nodes_join_one_ray_cluster(slurm_cluster, tmp_path):
     result = tmp_path / "result.json"
     (tmp_path / "check.py").write_text(CHECK)
     command = cluster_command(
-        [sys.executable, str(tmp_path / "check.py"), str(result)], shared_dir=tmp_path / "shared",
-        node_ip="127.0.0.1", num_cpus=1, num_gpus=2, object_store_memory=100 * 1024 * 1024,
-        temp_root=temp_root, timeout=120,
-    )  # fmt: skip
+        [sys.executable, str(tmp_path / "check.py"), str(result)],
+        shared_dir=tmp_path / "shared",
+        node_ip="127.0.0.1",
+        num_cpus=1,
+        num_gpus=2,
+        object_store_memory=100 * 1024 * 1024,
+        temp_root=temp_root,
+        timeout=120,
+    )
     try:
         run = subprocess.run(
             ["srun", "-N2", "--ntasks-per-node=1", "--gres=gpu:2", "--mem=3000", "-t", "5", *command],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode == 0, run.stdout + run.stderr
         # Both Slurm nodes joined before the task ran, and a task ran on each (Ray sees the fake GPUs).
         assert json.loads(result.read_text()) == {"nodes": 2, "gpus": 4, "ran": ["n1", "n2"], "ids_match": True}
@@ -160,8 +185,17 @@ def failures_workdir(tmp_path, repo_root):
 
 
 def test_failing_rule_reports_state_and_log_and_leaves_no_output(slurm_cluster, failures_workdir, run_name):
-    result = snakemake(failures_workdir, "--profile", "profiles/slurm", "out/fail.txt",
-                       "--slurm-init-seconds-before-status-checks", "2", "--slurm-jobname-prefix", run_name, timeout=300)  # fmt: skip
+    result = snakemake(
+        failures_workdir,
+        "--profile",
+        "profiles/slurm",
+        "out/fail.txt",
+        "--slurm-init-seconds-before-status-checks",
+        "2",
+        "--slurm-jobname-prefix",
+        run_name,
+        timeout=300,
+    )
     log = result.stdout + result.stderr
     assert result.returncode != 0
     assert "SLURM status is: 'FAILED'" in log, log[-3000:]
@@ -174,8 +208,15 @@ def test_failing_rule_reports_state_and_log_and_leaves_no_output(slurm_cluster, 
 
 def test_impossible_request_fails_at_submission_with_slurms_message(slurm_cluster, failures_workdir, run_name):
     start = time.monotonic()
-    result = snakemake(failures_workdir, "--profile", "profiles/slurm", "out/impossible.txt",
-                       "--slurm-jobname-prefix", run_name, timeout=300)  # fmt: skip
+    result = snakemake(
+        failures_workdir,
+        "--profile",
+        "profiles/slurm",
+        "out/impossible.txt",
+        "--slurm-jobname-prefix",
+        run_name,
+        timeout=300,
+    )
     assert result.returncode != 0
     assert "Requested node configuration is not available" in result.stdout + result.stderr
     assert time.monotonic() - start < 60
@@ -194,10 +235,23 @@ def test_sigint_cancels_the_runs_slurm_jobs(slurm_cluster, failures_workdir, run
     start = time.time()
     # faulthandler: if Snakemake hangs after SIGINT, SIGABRT makes it print every thread's stack.
     proc = subprocess.Popen(
-        [SNAKEMAKE, "--profile", "profiles/slurm", "out/sleeper.txt", "--slurm-init-seconds-before-status-checks",
-         str(FIRST_POLL_S), "--slurm-jobname-prefix", run_name], cwd=failures_workdir, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"}, preexec_fn=default_sigint,
-    )  # fmt: skip
+        [
+            SNAKEMAKE,
+            "--profile",
+            "profiles/slurm",
+            "out/sleeper.txt",
+            "--slurm-init-seconds-before-status-checks",
+            str(FIRST_POLL_S),
+            "--slurm-jobname-prefix",
+            run_name,
+        ],
+        cwd=failures_workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        preexec_fn=default_sigint,
+    )
     # Read the log as it comes: the executor's start (its "SLURM run ID" line) starts the poll clock.
     lines: list[str] = []
     executor_started = threading.Event()

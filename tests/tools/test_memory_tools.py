@@ -61,7 +61,9 @@ def test_search_shows_short_ids_and_details(tools):
     text, ok = call(tools, new_agent_data(), "search_memory", query="LGBTQ support group", top_k=3)
     assert ok and text.startswith("Found 3 memories:")
     first = text.splitlines()[1]
-    assert first.startswith("[0] (Caroline, session 1, 1:56 pm on 8 May, 2023) Caroline attended an LGBTQ support group")
+    assert first.startswith(
+        "[0] (Caroline, session 1, 1:56 pm on 8 May, 2023) Caroline attended an LGBTQ support group"
+    )
 
 
 def test_search_filters(tools):
@@ -91,7 +93,11 @@ def test_search_bad_arguments_are_instructions(tools, params, message):
 def test_create_update_delete_change_the_store_and_the_delta(tools):
     agent = new_agent_data()
     text, ok = call(
-        tools, agent, "manage_memory", operation="create", content="Caroline went to an LGBTQ support group on 7 May 2023.",
+        tools,
+        agent,
+        "manage_memory",
+        operation="create",
+        content="Caroline went to an LGBTQ support group on 7 May 2023.",
         metadata={"speaker": "Caroline"},
     )
     assert ok and text.startswith("Created memory [184] (Caroline)")
@@ -103,7 +109,14 @@ def test_create_update_delete_change_the_store_and_the_delta(tools):
     text, _ = call(tools, agent, "search_memory", query="When did Caroline go to the support group?", top_k=1)
     assert text.splitlines()[1].startswith("[184]")
 
-    text, ok = call(tools, agent, "manage_memory", operation="update", memory_id="[0]", content="Caroline first attended an LGBTQ support group on 7 May 2023.")
+    text, ok = call(
+        tools,
+        agent,
+        "manage_memory",
+        operation="update",
+        memory_id="[0]",
+        content="Caroline first attended an LGBTQ support group on 7 May 2023.",
+    )
     assert ok and text.startswith("Updated memory [0]") and "first attended" in text
     text, ok = call(tools, agent, "delete_memory", memory_id=184, reason="duplicate of [0]")
     assert ok and text == "Deleted memory [184]. 184 memories remain."
@@ -116,7 +129,10 @@ def test_create_update_delete_change_the_store_and_the_delta(tools):
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"operation": "update", "memory_id": 999, "content": "x"}, "Memory [999] does not exist. Call search_memory first"),
+        (
+            {"operation": "update", "memory_id": 999, "content": "x"},
+            "Memory [999] does not exist. Call search_memory first",
+        ),
         ({"operation": "create", "content": "x", "memory_id": 3}, "Do not pass memory_id when creating"),
         ({"operation": "create"}, "Argument 'content' must be a non-empty string"),
         ({"operation": "update", "memory_id": 3}, "Nothing to update"),
@@ -135,11 +151,15 @@ def test_manage_bad_arguments_are_instructions(tools, params, message):
 
 def test_merge_and_split(tools):
     agent = new_agent_data()
-    text, ok = call(tools, agent, "merge_memory", memory_ids=[0, 1], content="Caroline's LGBTQ support group gave her courage.")
+    text, ok = call(
+        tools, agent, "merge_memory", memory_ids=[0, 1], content="Caroline's LGBTQ support group gave her courage."
+    )
     assert ok and text.startswith("Merged [0], [1] into [184]")
     merged = manager_from_config(tools["merge_memory"].config).get(agent.extra_fields[NAMESPACE_KEY]).get(184)
     assert set(merged.evidence) == {"D1:3", "D1:7"}
-    text, ok = call(tools, agent, "split_memory", memory_id=184, parts=["Caroline went to a support group.", "It gave her courage."])
+    text, ok = call(
+        tools, agent, "split_memory", memory_id=184, parts=["Caroline went to a support group.", "It gave her courage."]
+    )
     assert ok and "[185]" in text and "[186]" in text
     delta = agent.extra_fields[DELTA_KEY]
     assert delta["ops"]["merge"] == 1 and delta["ops"]["split"] == 1 and 0 in delta["deleted"]
@@ -182,7 +202,9 @@ def test_trajectories_are_isolated_and_parallel_first_calls_are_safe(tools, base
         # A turn with several parallel calls, the first of the trajectory: all race to open the store.
         await asyncio.gather(
             tools["search_memory"].execute("x", {"query": "support group"}, agent_data=agent),
-            tools["manage_memory"].execute("x", {"operation": "create", "content": f"fact number {i}"}, agent_data=agent),
+            tools["manage_memory"].execute(
+                "x", {"operation": "create", "content": f"fact number {i}"}, agent_data=agent
+            ),
             tools["sample_memory"].execute("x", {"k": 2}, agent_data=agent),
         )
         return agent
@@ -215,7 +237,9 @@ def store_of(tools, agent):
     return manager_from_config(tools["search_memory"].config).get(agent.extra_fields[NAMESPACE_KEY])
 
 
-def test_the_content_cap_comes_from_the_shipped_yaml_and_is_stated_in_every_writing_schema(repo_root, tool_config, monkeypatch):
+def test_the_content_cap_comes_from_the_shipped_yaml_and_is_stated_in_every_writing_schema(
+    repo_root, tool_config, monkeypatch
+):
     monkeypatch.setenv("MEMUPDATE_MEMORIES", tool_config["memories"])
     monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", tool_config["embeddings"])
     path = str(repo_root / "config/tools/memory_tools.yaml")
@@ -238,14 +262,26 @@ def test_a_bad_content_cap_fails_at_construction_naming_the_key(tool_config, val
 @pytest.mark.parametrize(
     ("name", "params", "message"),
     [
-        ("manage_memory", {"operation": "create", "content": "x" * 301},
-         "content is 301 characters; the limit is 300: write one short fact."),
-        ("manage_memory", {"operation": "update", "memory_id": 0, "content": "y" * 1234},
-         "content is 1,234 characters; the limit is 300: write one short fact."),
-        ("merge_memory", {"memory_ids": [0, 1], "content": "z" * 400},
-         "content is 400 characters; the limit is 300: keep only the facts that matter, or merge fewer memories."),
-        ("split_memory", {"memory_id": 0, "parts": ["short fact", "w" * 350]},
-         "part 2 is 350 characters; the limit is 300: write one short fact per part."),
+        (
+            "manage_memory",
+            {"operation": "create", "content": "x" * 301},
+            "content is 301 characters; the limit is 300: write one short fact.",
+        ),
+        (
+            "manage_memory",
+            {"operation": "update", "memory_id": 0, "content": "y" * 1234},
+            "content is 1,234 characters; the limit is 300: write one short fact.",
+        ),
+        (
+            "merge_memory",
+            {"memory_ids": [0, 1], "content": "z" * 400},
+            "content is 400 characters; the limit is 300: keep only the facts that matter, or merge fewer memories.",
+        ),
+        (
+            "split_memory",
+            {"memory_id": 0, "parts": ["short fact", "w" * 350]},
+            "part 2 is 350 characters; the limit is 300: write one short fact per part.",
+        ),
     ],
 )
 def test_over_long_content_is_refused_with_an_instruction(tools, name, params, message):
@@ -266,7 +302,9 @@ def test_evidence_comes_only_from_the_memories_a_memory_derives_from(tools):
     agent = new_agent_data()
     store_for = lambda: store_of(tools, agent)  # noqa: E731
     cited = ["D1:3", "D99:1", "D98:7"]  # the last two cited by no observation
-    text, ok = call(tools, agent, "manage_memory", operation="create", content="Caroline likes tea.", metadata={"evidence": cited})
+    text, ok = call(
+        tools, agent, "manage_memory", operation="create", content="Caroline likes tea.", metadata={"evidence": cited}
+    )
     assert not ok and text.startswith("metadata 'evidence' cannot be set") and "Remove it and try again" in text
     # An argument the schema does not have is not read.
     _, ok = call(tools, agent, "manage_memory", operation="create", content="Caroline likes tea.", evidence=cited)
@@ -276,14 +314,36 @@ def test_evidence_comes_only_from_the_memories_a_memory_derives_from(tools):
     assert original == ("D1:3",)
     text, ok = call(tools, agent, "manage_memory", operation="update", memory_id=0, metadata={"evidence": cited})
     assert not ok and text.startswith("metadata 'evidence' cannot be set")
-    _, ok = call(tools, agent, "manage_memory", operation="update", memory_id=0, content="Caroline went to a group.", evidence=cited)
+    _, ok = call(
+        tools,
+        agent,
+        "manage_memory",
+        operation="update",
+        memory_id=0,
+        content="Caroline went to a group.",
+        evidence=cited,
+    )
     assert ok and store_for().get(0).evidence == original, "update keeps the original's evidence"
 
-    _, ok = call(tools, agent, "merge_memory", memory_ids=[0, 1], content="Caroline's group gave her courage.",
-                 evidence=cited, metadata={"evidence": cited})  # fmt: skip
+    _, ok = call(
+        tools,
+        agent,
+        "merge_memory",
+        memory_ids=[0, 1],
+        content="Caroline's group gave her courage.",
+        evidence=cited,
+        metadata={"evidence": cited},
+    )
     assert ok and store_for().get(185).evidence == ("D1:3", "D1:7"), "merge: the union of its sources' evidence"
-    _, ok = call(tools, agent, "split_memory", memory_id=185, parts=["Caroline went to a group.", "It gave her courage."],
-                 evidence=cited, metadata={"evidence": cited})  # fmt: skip
+    _, ok = call(
+        tools,
+        agent,
+        "split_memory",
+        memory_id=185,
+        parts=["Caroline went to a group.", "It gave her courage."],
+        evidence=cited,
+        metadata={"evidence": cited},
+    )
     assert ok and [store_for().get(i).evidence for i in (186, 187)] == [("D1:3", "D1:7")] * 2
     assert all(not set(cited[1:]) & set(r.evidence) for r in store_for().records())
 
@@ -294,11 +354,22 @@ def test_the_cap_reaches_the_tools_from_the_training_config(repo_root, tool_conf
     from memupdate.training.local import LocalGRPOConfig, run_config
     from memupdate.training.verl_launcher import tool_env
 
-    for name in ("MEMUPDATE_MEMORIES", "MEMUPDATE_EMBEDDINGS", "MEMUPDATE_EMBEDDING_MODEL", "MEMUPDATE_MAX_CONTENT_CHARS"):
+    for name in (
+        "MEMUPDATE_MEMORIES",
+        "MEMUPDATE_EMBEDDINGS",
+        "MEMUPDATE_EMBEDDING_MODEL",
+        "MEMUPDATE_MAX_CONTENT_CHARS",
+    ):
         monkeypatch.delenv(name, raising=False)  # restored after the test: run_config sets them
     yaml = str(repo_root / "config/tools/memory_tools.yaml")
-    common = dict(model_path="unused", train_files=[], run_dir=str(tmp_path), tool_config=yaml,
-                  memories=tool_config["memories"], embeddings=tool_config["embeddings"])  # fmt: skip
+    common = dict(
+        model_path="unused",
+        train_files=[],
+        run_dir=str(tmp_path),
+        tool_config=yaml,
+        memories=tool_config["memories"],
+        embeddings=tool_config["embeddings"],
+    )
     run_config(LocalGRPOConfig(**common, max_content_chars=120))
     assert {t.name: t.max_content_chars for t in initialize_tools_from_config(yaml)}["manage_memory"] == 120
     run_config(LocalGRPOConfig(**common))  # a later run without a cap does not inherit 120
@@ -348,14 +419,34 @@ def test_a_session_written_with_an_arabic_digit_is_an_instruction(tools):
 @pytest.mark.parametrize(
     ("name", "params", "where"),
     [
-        ("manage_memory", {"operation": "create", "content": "Caroline \ud800 likes tea."}, "'content' contains \\ud800 at position 9"),
-        ("manage_memory", {"operation": "create", "content": "ok", "metadata": {"speaker": "\udc00"}}, "'metadata.speaker' contains \\udc00 at position 0"),
-        ("manage_memory", {"operation": "update", "memory_id": 0, "metadata": {"speaker": "Car\udfffoline"}}, "'metadata.speaker'"),
-        ("manage_memory", {"operation": "create", "content": "ok", "metadata": {"\ud800": "x"}}, "argument name 'metadata.\\ud800'"),
+        (
+            "manage_memory",
+            {"operation": "create", "content": "Caroline \ud800 likes tea."},
+            "'content' contains \\ud800 at position 9",
+        ),
+        (
+            "manage_memory",
+            {"operation": "create", "content": "ok", "metadata": {"speaker": "\udc00"}},
+            "'metadata.speaker' contains \\udc00 at position 0",
+        ),
+        (
+            "manage_memory",
+            {"operation": "update", "memory_id": 0, "metadata": {"speaker": "Car\udfffoline"}},
+            "'metadata.speaker'",
+        ),
+        (
+            "manage_memory",
+            {"operation": "create", "content": "ok", "metadata": {"\ud800": "x"}},
+            "argument name 'metadata.\\ud800'",
+        ),
         ("search_memory", {"query": "\ud800"}, "'query' contains \\ud800"),
         ("search_memory", {"query": "tea", "speaker": "\ud800"}, "'speaker'"),
         ("merge_memory", {"memory_ids": [0, 1], "content": "a\ud800"}, "'content'"),
-        ("split_memory", {"memory_id": 0, "parts": ["fine", "bad \udbff"]}, "'parts[1]' contains \\udbff at position 4"),
+        (
+            "split_memory",
+            {"memory_id": 0, "parts": ["fine", "bad \udbff"]},
+            "'parts[1]' contains \\udbff at position 4",
+        ),
         ("delete_memory", {"memory_id": 0, "reason": "\ud800"}, "'reason'"),
     ],
 )
@@ -379,7 +470,9 @@ def test_after_a_refused_surrogate_the_delta_still_encodes(tools):
         "text: write plain text and try again.",
         False,
     )
-    paired = json.loads(r'{"operation": "create", "content": "Ana loves bees \ud83d\udc1d", "metadata": {"speaker": "Ana"}}')
+    paired = json.loads(
+        r'{"operation": "create", "content": "Ana loves bees \ud83d\udc1d", "metadata": {"speaker": "Ana"}}'
+    )
     assert call(tools, agent, "manage_memory", **paired)[1]
     delta = agent.extra_fields[DELTA_KEY]
     assert [r["content"] for r in delta["created"]] == ["Ana loves bees \U0001f41d"]

@@ -48,9 +48,7 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
     table = read_table(repo_root / "profiles/slurm/resources.yaml", full["models"])
     reward = {k: v for k, v in full["reward"].items() if k != "judge"}
     # scorer auto with a QA model: the served base QA model reads (rules/common.smk get_stage1_reward).
-    reward.update(
-        scorer="reader", reader_marker=str(tmp_path / "qa-base.ready.json"), training_stage="memory"
-    )
+    reward.update(scorer="reader", reader_marker=str(tmp_path / "qa-base.ready.json"), training_stage="memory")
     stages = [
         ("stage1", "memory", "policy"),
         *([("stage2", "qa", "qa_model")] if "stage2" in experiment else []),
@@ -59,13 +57,21 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
         model = experiment[role]
         run_dir = tmp_path / name / section
         command, env = verl_commands(
-            training_stage=training_stage, settings=experiment[section], model=full["models"][model]["name_or_path"],
-            train_files=[str(tmp_path / "train.parquet")], memories=str(tmp_path / "memories.parquet"),
-            embeddings=str(tmp_path / "embeddings"), tool_config=str(repo_root / "config/tools/memory_tools.yaml"),
-            embedding_model=full["memory"]["embedding_model"], run_dir=str(run_dir),
-            reward={**reward, "training_stage": training_stage}, fixed=ENDPOINT, verl={},
-            env=slurm_env(table, f"train_{section}", model), max_content_chars=full["memory"]["max_content_chars"],
-        )  # fmt: skip
+            training_stage=training_stage,
+            settings=experiment[section],
+            model=full["models"][model]["name_or_path"],
+            train_files=[str(tmp_path / "train.parquet")],
+            memories=str(tmp_path / "memories.parquet"),
+            embeddings=str(tmp_path / "embeddings"),
+            tool_config=str(repo_root / "config/tools/memory_tools.yaml"),
+            embedding_model=full["memory"]["embedding_model"],
+            run_dir=str(run_dir),
+            reward={**reward, "training_stage": training_stage},
+            fixed=ENDPOINT,
+            verl={},
+            env=slurm_env(table, f"train_{section}", model),
+            max_content_chars=full["memory"]["max_content_chars"],
+        )
         resolved = OmegaConf.load(run_dir / vl.RESOLVED_CONFIG)
         job = table.job(f"train_{section}", model)
         assert (resolved.trainer.nnodes, resolved.trainer.n_gpus_per_node) == (job.nodes, job.gpus_per_node)
@@ -83,10 +89,15 @@ def test_memagent_7b_composes_against_verl_with_memagents_budgets(full, repo_roo
     settings = {k: v for k, v in experiment["train"].items() if k != "num_docs"}
     run_dir = tmp_path / "memagent"
     vl.prepare_memagent_ppo(
-        model_path=full["models"][experiment["policy"]]["name_or_path"], train_files=tmp_path / "train.parquet",
-        val_files=tmp_path / "test.parquet", loop=experiment["loop"], n_gpus_per_node=job.gpus_per_node,
-        nnodes=job.nodes, experiment_dir=run_dir, extra=settings,
-    )  # fmt: skip
+        model_path=full["models"][experiment["policy"]]["name_or_path"],
+        train_files=tmp_path / "train.parquet",
+        val_files=tmp_path / "test.parquet",
+        loop=experiment["loop"],
+        n_gpus_per_node=job.gpus_per_node,
+        nnodes=job.nodes,
+        experiment_dir=run_dir,
+        extra=settings,
+    )
     resolved = OmegaConf.load(run_dir / vl.RESOLVED_CONFIG)
     assert (resolved.trainer.nnodes, resolved.trainer.n_gpus_per_node) == (4, 8)
     assert resolved.actor_rollout_ref.rollout.n == 16 and resolved.data.train_batch_size == 128

@@ -68,7 +68,13 @@ def test_memory_reward_run_writes_a_checkpoint_that_loads(tmp_path, tiny_model, 
     ]
     assert sum(metrics["termination"].values()) == 8
     assert set(metrics["seconds"]) == {
-        "rollout", "generation", "fixed_model", "reward", "tools_and_other", "update", "weight_sync"
+        "rollout",
+        "generation",
+        "fixed_model",
+        "reward",
+        "tools_and_other",
+        "update",
+        "weight_sync",
     }
     manifest = json.loads((run / "ckpt" / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["config_digest"] == cfg.digest()
@@ -94,8 +100,7 @@ def test_grpo_learns_a_toy_reward_changes_weights_and_resumes(tmp_path, tiny_mod
     before = load_file(tiny_model / "model.safetensors")
     train_local(cfg)
     rewards = [
-        json.loads(line)["reward_mean"]
-        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        json.loads(line)["reward_mean"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.15, rewards
@@ -164,9 +169,7 @@ def test_a_step_without_advantages_skips_the_update(tmp_path, tiny_model, grpo_c
 def test_same_seed_gives_the_same_weights(tmp_path, tiny_model, grpo_config, memory_env):
     runs = []
     for name in ("a", "b"):
-        cfg = grpo_config(
-            tiny_model, run_dir=tmp_path / name / "run", steps=2, reward_manager="test_token_share"
-        )
+        cfg = grpo_config(tiny_model, run_dir=tmp_path / name / "run", steps=2, reward_manager="test_token_share")
         train_local(cfg)
         runs.append(load_file(tmp_path / name / "run" / "ckpt" / "model.safetensors"))
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
@@ -182,15 +185,21 @@ def test_log_probs_are_those_of_the_policy_that_sampled_at_the_rollout_temperatu
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     prompt, response = torch.tensor([[5, 9, 14, 3]]), torch.tensor([[7, 2, 11]])
     ids = torch.cat([prompt, response], dim=1)
-    batch = DataProto.from_single_dict({
-        "input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(ids.size(1))[None],
-        "responses": response,
-    })  # fmt: skip
+    batch = DataProto.from_single_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(ids.size(1))[None],
+            "responses": response,
+        }
+    )
     logits = model(input_ids=ids).logits[0, prompt.size(1) - 1 : -1].float()
     for temperature in (1.0, 0.7, 2.0):
         expected = torch.log_softmax(logits / temperature, dim=-1).gather(-1, response[0, :, None]).squeeze(-1)
         got = response_log_probs(model, batch, False, temperature)[0]
         assert torch.allclose(got, expected, atol=1e-5), temperature
-    assert not torch.allclose(response_log_probs(model, batch, False, 2.0), response_log_probs(model, batch, False, 1.0))
+    assert not torch.allclose(
+        response_log_probs(model, batch, False, 2.0), response_log_probs(model, batch, False, 1.0)
+    )
     with pytest.raises(ValueError, match="positive sampling temperature"):
         response_log_probs(model, batch, False, 0.0)

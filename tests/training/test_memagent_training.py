@@ -62,12 +62,21 @@ def test_every_turn_of_a_trajectory_gets_its_final_advantage(tmp_path, tiny_mode
 
 
 @pytest.mark.slow
-def test_local_grpo_learns_through_memory_turns_and_writes_a_checkpoint(tmp_path, tiny_models, hotpot_rows, memagent_config):
+def test_local_grpo_learns_through_memory_turns_and_writes_a_checkpoint(
+    tmp_path, tiny_models, hotpot_rows, memagent_config
+):
     model = tiny_models / "policy"
     cfg = memagent_config(
-        tmp_path, model, hotpot_rows, reward_manager="test_final_token_share", steps=12, lr=3e-2, kl_coef=0.0,
-        save_every=6, rollout_n=4,
-    )  # fmt: skip
+        tmp_path,
+        model,
+        hotpot_rows,
+        reward_manager="test_final_token_share",
+        steps=12,
+        lr=3e-2,
+        kl_coef=0.0,
+        save_every=6,
+        rollout_n=4,
+    )
     before = load_file(model / "model.safetensors")
     train_local(cfg)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -53,9 +53,7 @@ def test_ray_start_argv_rejects_a_temp_dir_too_long_for_unix_sockets():
 
 
 def test_cluster_command_is_the_srun_payload(tmp_path):
-    argv = rc.cluster_command(
-        ["python", "-c", "pass"], shared_dir=tmp_path, port=6400, num_gpus=4, node_ip=None
-    )
+    argv = rc.cluster_command(["python", "-c", "pass"], shared_dir=tmp_path, port=6400, num_gpus=4, node_ip=None)
     assert argv == [
         sys.executable,
         "-m",
@@ -119,9 +117,7 @@ def test_two_ranks_form_one_cluster_and_stop_it(tmp_path):
     )
     env = {**os.environ, "SLURM_NNODES": "2", "SLURM_JOB_ID": "t2"}
     ranks = [
-        subprocess.Popen(
-            command, env={**env, "SLURM_PROCID": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
+        subprocess.Popen(command, env={**env, "SLURM_PROCID": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for r in (0, 1)
     ]
     # Every process the ranks start (ray start, raylets, GCS, agents, workers), by PID and start time,

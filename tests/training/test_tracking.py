@@ -50,9 +50,7 @@ def test_git_state_of_a_checkout_clean_dirty_and_absent(tmp_path):
     (repo / "a.py").write_text("x = 1\n")
     subprocess.run([*git, "add", "a.py"], check=True)
     subprocess.run([*git, "commit", "-qm", "one"], check=True)
-    head = subprocess.run(
-        [*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
-    ).stdout.strip()
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
     assert git_state(repo) == {"commit": head, "dirty": False}
     (repo / "a.py").write_text("x = 2\n")
     assert git_state(repo) == {"commit": head, "dirty": True}
@@ -139,8 +137,12 @@ def test_a_verl_runs_metrics_jsonl_is_made_from_verls_file_log(tmp_path):
     with pytest.raises(FileNotFoundError, match="trainer.logger must include file"):
         metrics_from_verl(tmp_path)
     log = tmp_path / "tracking.jsonl"
-    log.write_text(json.dumps({"step": 1, "data": {"critic/score/mean": 0.1, "num_turns/mean": 3.0, "actor/lr": 1e-6}}) + "\n"
-                   + json.dumps({"step": 2, "data": {"critic/score/mean": 0.3}}) + "\n")  # fmt: skip
+    log.write_text(
+        json.dumps({"step": 1, "data": {"critic/score/mean": 0.1, "num_turns/mean": 3.0, "actor/lr": 1e-6}})
+        + "\n"
+        + json.dumps({"step": 2, "data": {"critic/score/mean": 0.3}})
+        + "\n"
+    )
     rows = [json.loads(line) for line in metrics_from_verl(tmp_path).read_text().splitlines()]
     assert [(r["step"], r["reward_mean"]) for r in rows] == [(1, 0.1), (2, 0.3)]
     assert rows[0]["num_turns_mean"] == 3.0 and rows[0]["verl"]["actor/lr"] == 1e-6

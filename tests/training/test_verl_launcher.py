@@ -230,27 +230,19 @@ def test_misspelt_key_in_the_delta_file_fails(tmp_path):
     shutil.copytree(vl.CONFIG_DIR, config_dir)
     path = config_dir / "grpo_memupdate.yaml"
     path.write_text(path.read_text().replace("max_parallel_calls:", "max_parallel_call:"))
-    with pytest.raises(
-        vl.ConfigValidationError, match="actor_rollout_ref.rollout.multi_turn.max_parallel_call$"
-    ):
+    with pytest.raises(vl.ConfigValidationError, match="actor_rollout_ref.rollout.multi_turn.max_parallel_call$"):
         vl.validate_overrides(config_dir, vl.CONFIG_NAME, [])
 
 
 def test_sync_rollout_fails_dataclass_conversion(run):
     overrides = vl.compose_overrides("memory", extra={"actor_rollout_ref.rollout.mode": "sync"}, **run)
-    with pytest.raises(
-        vl.ConfigValidationError, match="(?s)actor_rollout_ref.rollout does not convert.*'sync'"
-    ):
+    with pytest.raises(vl.ConfigValidationError, match="(?s)actor_rollout_ref.rollout does not convert.*'sync'"):
         validate(overrides)
 
 
 def test_wrong_actor_value_fails_dataclass_conversion(run):
-    overrides = vl.compose_overrides(
-        "memory", extra={"actor_rollout_ref.actor.loss_agg_mode": "seq-sum"}, **run
-    )
-    with pytest.raises(
-        vl.ConfigValidationError, match="(?s)actor_rollout_ref.actor does not convert.*seq-sum"
-    ):
+    overrides = vl.compose_overrides("memory", extra={"actor_rollout_ref.actor.loss_agg_mode": "seq-sum"}, **run)
+    with pytest.raises(vl.ConfigValidationError, match="(?s)actor_rollout_ref.actor does not convert.*seq-sum"):
         validate(overrides)
 
 
@@ -261,9 +253,7 @@ def test_prepare_writes_the_run_files(run):
     resolved = OmegaConf.load(run_dir / "resolved_config.yaml")
     assert "${" not in (run_dir / "resolved_config.yaml").read_text()
     assert resolved.actor_rollout_ref.rollout.response_length == resolved.data.max_response_length
-    assert resolved.actor_rollout_ref.rollout.agent.agent_loop_config_path == str(
-        run_dir / "agent_loops.yaml"
-    )
+    assert resolved.actor_rollout_ref.rollout.agent.agent_loop_config_path == str(run_dir / "agent_loops.yaml")
     assert OmegaConf.to_container(resolved.ray_kwargs.ray_init.runtime_env.env_vars) == env
 
     # verl's AgentLoopWorker loads this list and builds a loop with hydra.utils.instantiate(entry, ...):
@@ -271,8 +261,13 @@ def test_prepare_writes_the_run_files(run):
     (entry,) = OmegaConf.load(run_dir / "agent_loops.yaml")
     assert entry._target_ == "memupdate.agents.memory_loop.MemoryUpdateAgentLoop"
     kwargs = hydra.utils.instantiate({**OmegaConf.to_container(entry), "_target_": "builtins.dict"})
-    assert kwargs == {"name": "memupdate_agent", "training_stage": "qa", "fixed_model": ENDPOINT,
-                      "fixed_temperature": 0.0, "qa_max_tokens": 32}  # fmt: skip
+    assert kwargs == {
+        "name": "memupdate_agent",
+        "training_stage": "qa",
+        "fixed_model": ENDPOINT,
+        "fixed_temperature": 0.0,
+        "qa_max_tokens": 32,
+    }
     # ... and the loop takes each of them (verl passes `name` through **kwargs to its base class).
     from memupdate.agents.memory_loop import MemoryUpdateAgentLoop
 
@@ -317,9 +312,14 @@ def test_runs_track_offline_and_record_commit_config_and_data(run, repo_root):
 
 def validate_memagent(run):
     overrides = vl.memagent_overrides(
-        model_path=run["model_path"], train_files=run["train_files"], val_files=run["val_files"], loop={},
-        n_gpus_per_node=1, nnodes=1, experiment_dir=run["experiment_dir"],
-    )  # fmt: skip
+        model_path=run["model_path"],
+        train_files=run["train_files"],
+        val_files=run["val_files"],
+        loop={},
+        n_gpus_per_node=1,
+        nnodes=1,
+        experiment_dir=run["experiment_dir"],
+    )
     return vl.validate_overrides(vl.CONFIG_DIR, vl.MEMAGENT_CONFIG_NAME, overrides)
 
 
@@ -340,9 +340,14 @@ LOOP = {"chunk_size": 5000, "max_chunks": 8, "max_memory_tokens": 1024, "max_fin
 def test_memagent_config_composes_into_a_v1_grpo_run_over_turn_rows(tmp_path):
     run_dir = tmp_path / "results" / "exp" / "memagent"
     argv = vl.prepare_memagent_ppo(
-        model_path=tmp_path, train_files=tmp_path / "train.parquet", val_files=tmp_path / "test.parquet", loop=LOOP,
-        n_gpus_per_node=8, nnodes=2, experiment_dir=run_dir,
-    )  # fmt: skip
+        model_path=tmp_path,
+        train_files=tmp_path / "train.parquet",
+        val_files=tmp_path / "test.parquet",
+        loop=LOOP,
+        n_gpus_per_node=8,
+        nnodes=2,
+        experiment_dir=run_dir,
+    )
     assert argv[argv.index("--config-name") + 1] == "grpo_memagent"
     resolved = OmegaConf.load(run_dir / "resolved_config.yaml")
     # verl's V1 trainer is what takes a list of outputs per trajectory, and only its GRPO path computes
@@ -359,8 +364,15 @@ def test_memagent_config_composes_into_a_v1_grpo_run_over_turn_rows(tmp_path):
 
 def test_memagent_rejects_an_unknown_loop_setting(tmp_path):
     with pytest.raises(ValueError, match="chunk_tokens"):
-        vl.memagent_overrides(model_path=tmp_path, train_files=tmp_path, val_files=tmp_path, loop={"chunk_tokens": 5},
-                              n_gpus_per_node=1, nnodes=1, experiment_dir=tmp_path)  # fmt: skip
+        vl.memagent_overrides(
+            model_path=tmp_path,
+            train_files=tmp_path,
+            val_files=tmp_path,
+            loop={"chunk_tokens": 5},
+            n_gpus_per_node=1,
+            nnodes=1,
+            experiment_dir=tmp_path,
+        )
 
 
 def test_a_logger_without_file_is_refused_before_anything_runs(run):

@@ -63,14 +63,22 @@ def test_the_server_samples_from_the_weights_it_was_last_given(tiny_model_dir, v
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_grpo_with_the_vllm_rollout_learns_the_toy_reward(tmp_path, tiny_model_dir, vllm_python, grpo_config, memory_env):
+def test_grpo_with_the_vllm_rollout_learns_the_toy_reward(
+    tmp_path, tiny_model_dir, vllm_python, grpo_config, memory_env
+):
     """Only an on-policy rollout learns: without the weight updates the server would keep sampling from
     the initial model and the reward would not move."""
     cfg = grpo_config(
-        tiny_model_dir, steps=16, lr=3e-2, kl_coef=0.0, max_assistant_turns=1,
-        reward_manager="test_token_share", save_every=100, rollout="vllm",
+        tiny_model_dir,
+        steps=16,
+        lr=3e-2,
+        kl_coef=0.0,
+        max_assistant_turns=1,
+        reward_manager="test_token_share",
+        save_every=100,
+        rollout="vllm",
         rollout_server={"python": str(vllm_python), "startup_timeout_s": 300},
-    )  # fmt: skip
+    )
     before = load_file(tiny_model_dir / "model.safetensors")
     train_local(cfg)
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -33,10 +33,15 @@ def test_agent_loop_constructor_is_resolved_once_and_every_trajectory_gets_a_fre
 ):
     monkeypatch.chdir(repo_root)
     cfg = LocalGRPOConfig(
-        model_path=str(tiny_models / "policy"), train_files=[str(locomo_rows["train"])], run_dir=str(tmp_path),
-        tool_config="config/tools/memory_tools.yaml", memories=str(locomo_rows["memories"]),
-        embeddings=str(cache_dir), qa_max_tokens=7, reward={"top_k": 3},
-    )  # fmt: skip
+        model_path=str(tiny_models / "policy"),
+        train_files=[str(locomo_rows["train"])],
+        run_dir=str(tmp_path),
+        tool_config="config/tools/memory_tools.yaml",
+        memories=str(locomo_rows["memories"]),
+        embeddings=str(cache_dir),
+        qa_max_tokens=7,
+        reward={"top_k": 3},
+    )
     config = run_config(cfg)
     tokenizer = AutoTokenizer.from_pretrained(tiny_models / "policy")
     server = HFGenerateServer(None, tokenizer, max_new_tokens=4)

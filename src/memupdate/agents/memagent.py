@@ -66,7 +66,6 @@ NO_MEMORY = "No previous memory"
 TRUNCATION_MARK = " [memory cut at {limit} tokens]"
 
 
-
 def split_chunks(ids: list[int], chunk_size: int, max_chunks: int | None) -> tuple[list[list[int]], int]:
     """``ids`` cut into chunks of ``chunk_size`` tokens, at most ``max_chunks`` of them (None: all of them); a
     longer context loses its middle (MemAgent's centre truncation: the head and the tail are where documents
@@ -116,8 +115,12 @@ class MemAgentLoop(AgentLoopBase):
         ``max_chunks`` None reads every chunk (MemAgent's evaluation); ``final_prompt`` is a key of
         :data:`FINAL_PROMPTS`."""
         super().__init__(*args, **kwargs)
-        budgets = {"chunk_size": chunk_size, "max_chunks": 1 if max_chunks is None else max_chunks,
-                   "max_memory_tokens": max_memory_tokens, "max_final_tokens": max_final_tokens}  # fmt: skip
+        budgets = {
+            "chunk_size": chunk_size,
+            "max_chunks": 1 if max_chunks is None else max_chunks,
+            "max_memory_tokens": max_memory_tokens,
+            "max_final_tokens": max_final_tokens,
+        }
         for name, value in budgets.items():
             if value is None or int(value) < 1:
                 raise ValueError(f"memagent: {name} must be a positive integer, got {value!r}")
@@ -138,9 +141,11 @@ class MemAgentLoop(AgentLoopBase):
 
     def _chat_ids(self, content: str) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True,
+            [{"role": "user", "content": content}],
+            add_generation_prompt=True,
+            tokenize=True,
             **self.apply_chat_template_kwargs,
-        )  # fmt: skip
+        )
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def _turn(self, request_id: str, content: str, sampling_params: dict[str, Any], max_tokens: int, turn: int):
@@ -203,13 +208,22 @@ class MemAgentLoop(AgentLoopBase):
             last = i == len(turns) - 1
             outputs.append(
                 AgentLoopOutput(
-                    prompt_ids=prompt_ids, response_ids=ids, response_mask=[1] * len(ids), response_logprobs=logprobs,
-                    num_turns=2, metrics=AgentLoopMetrics(generate_sequences=seconds),
+                    prompt_ids=prompt_ids,
+                    response_ids=ids,
+                    response_mask=[1] * len(ids),
+                    response_logprobs=logprobs,
+                    num_turns=2,
+                    metrics=AgentLoopMetrics(generate_sequences=seconds),
                     extra_fields={
-                        TURN_KEY: i, FINAL_KEY: last, CHUNKS_KEY: len(chunks), CONTEXT_KEY: len(context_ids),
-                        CHUNKS_TOTAL_KEY: chunks_total, TRUNCATED_TOKENS_KEY: dropped, TRUNCATIONS_KEY: cut,
+                        TURN_KEY: i,
+                        FINAL_KEY: last,
+                        CHUNKS_KEY: len(chunks),
+                        CONTEXT_KEY: len(context_ids),
+                        CHUNKS_TOTAL_KEY: chunks_total,
+                        TRUNCATED_TOKENS_KEY: dropped,
+                        TRUNCATIONS_KEY: cut,
                         ANSWER_KEY: answer if last else None,
                     },
                 )
-            )  # fmt: skip
+            )
         return outputs

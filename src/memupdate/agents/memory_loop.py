@@ -90,14 +90,22 @@ def qa_settings(config: Any) -> dict[str, Any]:
     """The QA phase's retrieval and prompt: the reward's own settings (verl's
     ``reward.custom_reward_function.reward_kwargs``: ``top_k``, ``context_chars``, ``qa_prompt``), so the
     answer the reward reads comes from the memories the reward retrieves, on either backend."""
-    kwargs = OmegaConf.select(config, "reward.custom_reward_function.reward_kwargs", default=None) if isinstance(
-        config, DictConfig
-    ) else ((config or {}).get("reward") or {}).get("custom_reward_function", {}).get("reward_kwargs")  # fmt: skip
+    kwargs = (
+        OmegaConf.select(config, "reward.custom_reward_function.reward_kwargs", default=None)
+        if isinstance(config, DictConfig)
+        else ((config or {}).get("reward") or {}).get("custom_reward_function", {}).get("reward_kwargs")
+    )
     if isinstance(kwargs, DictConfig):
         kwargs = OmegaConf.to_container(kwargs, resolve=True)
     kwargs = dict(kwargs or {})
-    retrieval = MemoryRewardConfig.from_dict({k: kwargs[k] for k in ("top_k", "context_chars") if kwargs.get(k) is not None})
-    return {"top_k": retrieval.top_k, "context_chars": retrieval.context_chars, "qa_prompt": kwargs.get("qa_prompt") or DEFAULT_PROTOCOL}
+    retrieval = MemoryRewardConfig.from_dict(
+        {k: kwargs[k] for k in ("top_k", "context_chars") if kwargs.get(k) is not None}
+    )
+    return {
+        "top_k": retrieval.top_k,
+        "context_chars": retrieval.context_chars,
+        "qa_prompt": kwargs.get("qa_prompt") or DEFAULT_PROTOCOL,
+    }
 
 
 def fixed_clients() -> list[GenerationMeter]:
@@ -159,7 +167,11 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         self.qa_max_tokens = int(qa_max_tokens)
         # The QA phase retrieves as the reward scores: one definition, the reward's settings.
         settings = qa_settings(self.config)
-        self.qa_top_k, self.qa_context_chars, self.qa_prompt = settings["top_k"], settings["context_chars"], settings["qa_prompt"]
+        self.qa_top_k, self.qa_context_chars, self.qa_prompt = (
+            settings["top_k"],
+            settings["context_chars"],
+            settings["qa_prompt"],
+        )
         # Duck-typed: importing the tool class here would make this module import memupdate.tools, whose
         # import of verl can be the one that loads our plugin (see memupdate.agents.fields).
         memory_tools = [t for t in self.tools.values() if callable(getattr(t, "store_for", None))]
@@ -218,23 +230,41 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         if qa is None or self.training_stage == "memory":
             return output
         # The trained QA row is the QA prompt and its answer, not the tail of the memory transcript.
-        metrics = output.metrics.model_copy(update={"generate_sequences": output.metrics.generate_sequences + qa.seconds})
+        metrics = output.metrics.model_copy(
+            update={"generate_sequences": output.metrics.generate_sequences + qa.seconds}
+        )
         answer = AgentLoopOutput(
-            prompt_ids=qa.prompt_ids, response_ids=qa.response_ids, response_mask=[1] * len(qa.response_ids),
-            response_logprobs=qa.logprobs, num_turns=2, metrics=metrics, extra_fields=dict(output.extra_fields),
-        )  # fmt: skip
+            prompt_ids=qa.prompt_ids,
+            response_ids=qa.response_ids,
+            response_mask=[1] * len(qa.response_ids),
+            response_logprobs=qa.logprobs,
+            num_turns=2,
+            metrics=metrics,
+            extra_fields=dict(output.extra_fields),
+        )
         # Stage qa: the memory transcript is all fixed-role tokens (nothing to train), so only the QA row.
         return answer if self.training_stage == "qa" else [output, answer]
 
-    async def ct_build_initial_tokens(self, messages, tools=None, images=None, videos=None, audios=None, mm_inputs_out=None):
+    async def ct_build_initial_tokens(
+        self, messages, tools=None, images=None, videos=None, audios=None, mm_inputs_out=None
+    ):
         if images or videos or audios:
             return await super().ct_build_initial_tokens(messages, tools, images, videos, audios, mm_inputs_out)
-        key = hashlib.sha256(json.dumps(
-            [getattr(self.tokenizer, "name_or_path", ""), getattr(self.tokenizer, "chat_template", None),
-             type(self.continuous_token_builder).__name__, self.apply_chat_template_kwargs,
-             self.rollout_config.prompt_length, messages, tools],
-            sort_keys=True, default=str,
-        ).encode()).hexdigest()  # fmt: skip
+        key = hashlib.sha256(
+            json.dumps(
+                [
+                    getattr(self.tokenizer, "name_or_path", ""),
+                    getattr(self.tokenizer, "chat_template", None),
+                    type(self.continuous_token_builder).__name__,
+                    self.apply_chat_template_kwargs,
+                    self.rollout_config.prompt_length,
+                    messages,
+                    tools,
+                ],
+                sort_keys=True,
+                default=str,
+            ).encode()
+        ).hexdigest()
         ids = _PROMPT_IDS.get(key)
         if ids is None:
             ids = tuple(await super().ct_build_initial_tokens(messages, tools, mm_inputs_out=mm_inputs_out))
@@ -305,7 +335,10 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
             )
         fixed = self.fixed_role == "qa"
         client = self.fixed_model if fixed else self.server_manager
-        params = {**(self._fixed_sampling(sampling_params) if fixed else sampling_params), "max_tokens": self.qa_max_tokens}
+        params = {
+            **(self._fixed_sampling(sampling_params) if fixed else sampling_params),
+            "max_tokens": self.qa_max_tokens,
+        }
         began = time.perf_counter()
         out = await client.generate(request_id=self._request_id, prompt_ids=prompt_ids, sampling_params=params)
         ids = list(out.token_ids)[: self.qa_max_tokens]

@@ -42,8 +42,11 @@ def linear_fit(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
     slope, intercept = np.polyfit(x, y, 1)
     residual = float(((y - (slope * x + intercept)) ** 2).sum())
     total = float(((y - y.mean()) ** 2).sum())
-    return {"slope": round(float(slope), 6), "intercept": round(float(intercept), 6),
-            "r2": round(1.0 - residual / total if total else 1.0, 6)}  # fmt: skip
+    return {
+        "slope": round(float(slope), 6),
+        "intercept": round(float(intercept), 6),
+        "r2": round(1.0 - residual / total if total else 1.0, 6),
+    }
 
 
 def _one_length(args: argparse.Namespace) -> None:
@@ -52,10 +55,14 @@ def _one_length(args: argparse.Namespace) -> None:
 
     # Truncation is what sets the length here; our style alone (greedy) keeps the timing deterministic.
     settings = MemAgentEvalSettings(
-        chunk_size=args.chunk_size, truncate_chunks=args.chunks, max_memory_tokens=args.memory_tokens,
-        max_final_tokens=args.final_tokens, prompt_length=args.prompt_length, batch_size=args.batch_size,
+        chunk_size=args.chunk_size,
+        truncate_chunks=args.chunks,
+        max_memory_tokens=args.memory_tokens,
+        max_final_tokens=args.final_tokens,
+        prompt_length=args.prompt_length,
+        batch_size=args.batch_size,
         memagent_style=False,
-    )  # fmt: skip
+    )
     evaluator = MemAgentEvaluator(args.model, settings, Path(args.work) / f"chunks-{args.chunks}")
     if args.warmup:  # the first requests pay one-off costs (allocator growth, lazy imports)
         evaluator.evaluate(args.rows, label="warm-up")
@@ -63,8 +70,18 @@ def _one_length(args: argparse.Namespace) -> None:
     summary = evaluator.evaluate(args.rows, label=f"{args.chunks} chunks")
     seconds = time.perf_counter() - start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    sys.stdout.write(json.dumps({"chunks": args.chunks, "seconds": round(seconds, 4), "peak_rss_mb": round(peak_mb, 1),
-                                 "generated_tokens": evaluator.server.generated_tokens, **summary}) + "\n")  # fmt: skip
+    sys.stdout.write(
+        json.dumps(
+            {
+                "chunks": args.chunks,
+                "seconds": round(seconds, 4),
+                "peak_rss_mb": round(peak_mb, 1),
+                "generated_tokens": evaluator.server.generated_tokens,
+                **summary,
+            }
+        )
+        + "\n"
+    )
 
 
 def run_memagent_bench(
@@ -104,14 +121,36 @@ def run_memagent_bench(
     # preprocess_hotpotqa counted each context with the model's own tokenizer, as the loop does.
     shortest = min(pq.read_table(rows, columns=["num_tokens"]).column("num_tokens").to_pylist())
     if shortest < max(chunks) * chunk_size:
-        raise ValueError(f"{rows}: a context has only {shortest} tokens, fewer than {max(chunks)} chunks of {chunk_size}")
+        raise ValueError(
+            f"{rows}: a context has only {shortest} tokens, fewer than {max(chunks)} chunks of {chunk_size}"
+        )
     prompt_length = chunk_size + memory_tokens + 512  # the template, the question and the cut marker
     results = []
     for k in chunks:
-        argv = [sys.executable, "-m", "memupdate.bench.memagent", "--model", str(model), "--rows", str(rows),
-                "--chunks", str(k), "--chunk-size", str(chunk_size), "--memory-tokens", str(memory_tokens),
-                "--final-tokens", str(final_tokens), "--prompt-length", str(prompt_length), "--work", str(work),
-                "--batch-size", str(questions), "--warmup"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "memupdate.bench.memagent",
+            "--model",
+            str(model),
+            "--rows",
+            str(rows),
+            "--chunks",
+            str(k),
+            "--chunk-size",
+            str(chunk_size),
+            "--memory-tokens",
+            str(memory_tokens),
+            "--final-tokens",
+            str(final_tokens),
+            "--prompt-length",
+            str(prompt_length),
+            "--work",
+            str(work),
+            "--batch-size",
+            str(questions),
+            "--warmup",
+        ]
         logger.info("memagent bench: %d chunks", k)
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
         if done.returncode:
@@ -124,18 +163,33 @@ def run_memagent_bench(
     peaks = [r["peak_rss_mb"] for r in results]
     spread = (max(peaks) - min(peaks)) / min(peaks)
     report = {
-        "model": str(model), "questions": questions, "chunk_size": chunk_size, "memory_tokens": memory_tokens,
-        "final_tokens": final_tokens, "lengths": results, "time_fit": fit,
-        "peak_memory_spread": round(spread, 4), "targets": TARGETS,
+        "model": str(model),
+        "questions": questions,
+        "chunk_size": chunk_size,
+        "memory_tokens": memory_tokens,
+        "final_tokens": final_tokens,
+        "lengths": results,
+        "time_fit": fit,
+        "peak_memory_spread": round(spread, 4),
+        "targets": TARGETS,
         "pass": {"r2": fit["r2"] >= TARGETS["r2"], "peak_memory_spread": spread <= TARGETS["peak_memory_spread"]},
-    }  # fmt: skip
+    }
     save_report(report, output)
     return report
 
 
 def format_memagent_bench(report: dict[str, Any]) -> str:
-    rows = [[r["chunks"], r["chunks"] * report["chunk_size"], r["seconds"], r["seconds"] / report["questions"],
-             r["peak_rss_mb"], r["generated_tokens"]] for r in report["lengths"]]  # fmt: skip
+    rows = [
+        [
+            r["chunks"],
+            r["chunks"] * report["chunk_size"],
+            r["seconds"],
+            r["seconds"] / report["questions"],
+            r["peak_rss_mb"],
+            r["generated_tokens"],
+        ]
+        for r in report["lengths"]
+    ]
     table = format_table(rows, ["chunks", "tokens read", "eval s", "s / question", "peak RSS MB", "tokens out"])
     fit = report["time_fit"]
     return (

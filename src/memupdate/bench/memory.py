@@ -125,7 +125,9 @@ async def tool_latency(
     return {op: percentiles_ms(t) for op, t in times.items()}
 
 
-def random_trial(base: BaseStore, texts: list[str], vectors: dict[str, np.ndarray], rng: random.Random, n: int) -> TrialStore:
+def random_trial(
+    base: BaseStore, texts: list[str], vectors: dict[str, np.ndarray], rng: random.Random, n: int
+) -> TrialStore:
     """A trial with ``n`` changes: creates, updates and deletes in roughly equal shares."""
     trial = TrialStore(base)
     for _ in range(n):
@@ -176,7 +178,10 @@ async def reward_throughput(
         "texts_embedded": len(questions) + len(new_texts),
         "reward_seconds": round(reward_seconds, 3),
         "embed_only_seconds": round(embed_seconds, 3),
-        "repeats": {"reward_seconds": [round(t, 3) for t in reward_times], "embed_only_seconds": [round(t, 3) for t in embed_times]},
+        "repeats": {
+            "reward_seconds": [round(t, 3) for t in reward_times],
+            "embed_only_seconds": [round(t, 3) for t in embed_times],
+        },
         "trials_per_second": round(n_trials / reward_seconds, 2),
         "embedding_bound_trials_per_second": round(n_trials / embed_seconds, 2),
         "ratio": round(embed_seconds / reward_seconds, 3),
@@ -188,7 +193,9 @@ async def reward_throughput(
     }
 
 
-def memory_per_trials(base: BaseStore, embedder: Embedder, conv: Conversation, n_trials: int, changes: int, seed: int) -> dict:
+def memory_per_trials(
+    base: BaseStore, embedder: Embedder, conv: Conversation, n_trials: int, changes: int, seed: int
+) -> dict:
     """Memory that ``n_trials`` live trial stores add: resident set size, and the bytes Python and NumPy
     allocated (tracemalloc), which is exact where RSS is blurred by the allocator reusing freed pages."""
     rng = random.Random(seed)
@@ -240,7 +247,12 @@ async def event_loop_lag(manager: MemoryStoreManager, conv: Conversation, episod
     seconds = time.perf_counter() - start
     done.set()
     await tick
-    return {"episodes": episodes, "tool_calls": episodes * calls * 2, "seconds": round(seconds, 2), **percentiles_ms(lags)}
+    return {
+        "episodes": episodes,
+        "tool_calls": episodes * calls * 2,
+        "seconds": round(seconds, 2),
+        **percentiles_ms(lags),
+    }
 
 
 def run_memory_bench(
@@ -294,14 +306,49 @@ def format_memory_bench(result: dict[str, Any]) -> str:
     rows = []
     for op, stats in result["tool_latency_excluding_embedding"].items():
         full = result["tool_latency_including_embedding"][op]
-        rows.append([f"tool {op}", f"{stats['p50_ms']:.3f} / {stats['p99_ms']:.3f} ms", f"{full['p50_ms']:.2f} / {full['p99_ms']:.2f} ms", "p99 < 5 ms"])
+        rows.append(
+            [
+                f"tool {op}",
+                f"{stats['p50_ms']:.3f} / {stats['p99_ms']:.3f} ms",
+                f"{full['p50_ms']:.2f} / {full['p99_ms']:.2f} ms",
+                "p99 < 5 ms",
+            ]
+        )
     rt = result["reward_throughput"]
-    rows.append(["reward throughput", f"{rt['trials_per_second']} trials/s", f"limit {rt['embedding_bound_trials_per_second']}/s, ratio {rt['ratio']}", "ratio >= 0.8"])
-    rows.append(["memory texts / context", f"max {rt['max_new_text_chars']} chars", f"mean retrieved context {rt['mean_context_chars']} chars", f"cap {result['max_content_chars']}, budget {rt['context_chars_budget']}"])
+    rows.append(
+        [
+            "reward throughput",
+            f"{rt['trials_per_second']} trials/s",
+            f"limit {rt['embedding_bound_trials_per_second']}/s, ratio {rt['ratio']}",
+            "ratio >= 0.8",
+        ]
+    )
+    rows.append(
+        [
+            "memory texts / context",
+            f"max {rt['max_new_text_chars']} chars",
+            f"mean retrieved context {rt['mean_context_chars']} chars",
+            f"cap {result['max_content_chars']}, budget {rt['context_chars_budget']}",
+        ]
+    )
     mem = result["memory"]
-    rows.append(["memory per 1000 trials", f"{mem['mb_per_1000_trials']} MB", f"{mem['trials']} trials x {mem['changes_per_trial']} changes", "< 50 MB"])
+    rows.append(
+        [
+            "memory per 1000 trials",
+            f"{mem['mb_per_1000_trials']} MB",
+            f"{mem['trials']} trials x {mem['changes_per_trial']} changes",
+            "< 50 MB",
+        ]
+    )
     lag = result["event_loop_lag"]
-    rows.append(["event-loop lag", f"p99 {lag['p99_ms']:.2f} ms", f"{lag['episodes']} episodes, {lag['tool_calls']} calls", "p99 < 10 ms"])
+    rows.append(
+        [
+            "event-loop lag",
+            f"p99 {lag['p99_ms']:.2f} ms",
+            f"{lag['episodes']} episodes, {lag['tool_calls']} calls",
+            "p99 < 10 ms",
+        ]
+    )
     checks = ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in result["checks"].items())
     header = ["measure", "value (p50 / p99)", "with embedding / context", "target"]
     return format_table(rows, header) + f"\n\n{checks}"

@@ -66,8 +66,9 @@ async def _replay(client: VLLMTokenClient, calls: list[tuple[list[int], int]], c
     return time.perf_counter() - start
 
 
-async def _measure(config, recorder: RecordingClient, client: VLLMTokenClient, train_file: str, prompts: int,
-                   n: int, repeats: int) -> list[dict[str, float]]:
+async def _measure(
+    config, recorder: RecordingClient, client: VLLMTokenClient, train_file: str, prompts: int, n: int, repeats: int
+) -> list[dict[str, float]]:
     """``repeats`` rounds of (one agent-loop step, then the same requests replayed raw), after a warm-up step.
 
     The two measurements alternate so both see the same machine state: on a shared 2-core machine a
@@ -88,9 +89,15 @@ async def _measure(config, recorder: RecordingClient, client: VLLMTokenClient, t
         loop_seconds = time.perf_counter() - start
         calls = list(recorder.calls)
         raw_seconds = await _replay(client, calls, concurrency=prompts * n)
-        rounds.append({"loop_seconds": loop_seconds, "raw_seconds": raw_seconds, "requests": len(calls),
-                       "generated_tokens": sum(t for _, t in calls),
-                       "prompt_tokens": sum(len(p) for p, _ in calls)})  # fmt: skip
+        rounds.append(
+            {
+                "loop_seconds": loop_seconds,
+                "raw_seconds": raw_seconds,
+                "requests": len(calls),
+                "generated_tokens": sum(t for _, t in calls),
+                "prompt_tokens": sum(len(p) for p, _ in calls),
+            }
+        )
     return rounds
 
 
@@ -115,8 +122,14 @@ def run_rollout_bench(
         model_dir, train_file, memories, embeddings, work, rollout_n=n, max_assistant_turns=max_assistant_turns
     )
     python = ensure_vllm_env()
-    with start_vllm_server(model_dir, served_model_name="bench", python=python, dtype="float32",
-                           max_model_len=LOOP_MAX_MODEL_LEN, log_path=work / "server.log") as server:
+    with start_vllm_server(
+        model_dir,
+        served_model_name="bench",
+        python=python,
+        dtype="float32",
+        max_model_len=LOOP_MAX_MODEL_LEN,
+        log_path=work / "server.log",
+    ) as server:
         startup = server.wait_until_ready(timeout_s=600)
         client = VLLMTokenClient(Endpoint(server.base_url, "bench"), max_tokens=max_tokens)
         rounds = asyncio.run(_measure(config, RecordingClient(client), client, train_file, prompts, n, repeats))
@@ -152,6 +165,8 @@ def format_rollout_bench(r: dict[str, Any]) -> str:
         ["raw server, same requests", "-", f"{r['raw_tokens_per_second']} tok/s"],
         ["ratio (target >= 0.8)", "-", str(r["ratio"])],
     ]
-    context = (f"{r['episodes']} episodes, {r['requests']} requests, {r['generated_tokens']} generated tokens per round; "
-               f"medians of {r['repeats']} rounds; ratio: median of the rounds' own (ratio per round: {r['ratio_per_round']})")  # fmt: skip
+    context = (
+        f"{r['episodes']} episodes, {r['requests']} requests, {r['generated_tokens']} generated tokens per round; "
+        f"medians of {r['repeats']} rounds; ratio: median of the rounds' own (ratio per round: {r['ratio_per_round']})"
+    )
     return format_table(rows, ["measure", "episodes", "tokens"]) + f"\n\n{context}"

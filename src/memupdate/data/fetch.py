@@ -43,9 +43,7 @@ def _download(url: str, dest: Path, timeout_s: float) -> None:
     with urllib.request.urlopen(request, timeout=timeout_s) as response, open(dest, "wb") as out:
         total = int(response.headers.get("Content-Length") or 0) or None
         received = 0
-        with tqdm(
-            total=total, unit="B", unit_scale=True, desc=Path(urllib.parse.urlparse(url).path).name
-        ) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=Path(urllib.parse.urlparse(url).path).name) as bar:
             while chunk := response.read(1 << 20):
                 out.write(chunk)
                 received += len(chunk)
@@ -83,9 +81,7 @@ def fetch_file(
     for mirror in mirrors:
         folder = Path(mirror)
         if not folder.is_dir():
-            logger.warning(
-                "data mirror folder %s does not exist; skipped (data.mirrors in config/config.yaml)", folder
-            )
+            logger.warning("data mirror folder %s does not exist; skipped (data.mirrors in config/config.yaml)", folder)
             tried.append(f"mirror folder {folder} (does not exist)")
             continue
         candidate = folder / name

@@ -244,12 +244,7 @@ def _parse_supporting_facts(rec: _Record) -> tuple[tuple[str, int], ...]:
     if isinstance(value, list):
         pairs = []
         for i, fact in enumerate(value):
-            if not (
-                isinstance(fact, list)
-                and len(fact) == 2
-                and isinstance(fact[0], str)
-                and _is_sent_id(fact[1])
-            ):
+            if not (isinstance(fact, list) and len(fact) == 2 and isinstance(fact[0], str) and _is_sent_id(fact[1])):
                 raise rec.error(field, f"item {i}: expected a [title, sent_id] pair, got {fact!r}")
             pairs.append((fact[0], fact[1]))
     elif isinstance(value, dict):
@@ -280,15 +275,8 @@ def _parse_context(rec: _Record) -> tuple[Paragraph, ...]:
     if isinstance(value, list):
         paragraphs = []
         for i, item in enumerate(value):
-            if not (
-                isinstance(item, list)
-                and len(item) == 2
-                and isinstance(item[0], str)
-                and _is_str_list(item[1])
-            ):
-                raise rec.error(
-                    field, f"item {i}: expected a [title, [sentences...]] pair, got {_kind(item)}"
-                )
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and _is_str_list(item[1])):
+                raise rec.error(field, f"item {i}: expected a [title, [sentences...]] pair, got {_kind(item)}")
             paragraphs.append(Paragraph(item[0], tuple(item[1])))
     elif isinstance(value, dict):
         titles, sentences = value.get("title"), value.get("sentences")
@@ -336,9 +324,7 @@ def _parse_record(raw: Any, file_name: str, index: int) -> HotpotExample:
         raise rec.error("supporting_facts", f"titles {missing} are not titles of any context paragraph")
     sentence_counts: dict[str, int] = {}
     for paragraph in example.context:
-        sentence_counts[paragraph.title] = max(
-            sentence_counts.get(paragraph.title, 0), len(paragraph.sentences)
-        )
+        sentence_counts[paragraph.title] = max(sentence_counts.get(paragraph.title, 0), len(paragraph.sentences))
     for i, (title, sent_id) in enumerate(example.supporting_facts):
         # A supporting fact names one sentence of its paragraph; one that is not there is a broken record.
         if not 0 <= sent_id < sentence_counts[title]:
@@ -514,9 +500,7 @@ class _Builder:
     ) -> tuple[list[str], list[str]]:
         """``(kept own documents, added pool documents)`` for ``num_docs`` documents in all."""
         if num_docs < len(gold):
-            raise ValueError(
-                f"question {example.id} has {len(gold)} gold paragraphs, more than num_docs={num_docs}"
-            )
+            raise ValueError(f"question {example.id} has {len(gold)} gold paragraphs, more than num_docs={num_docs}")
         if num_docs <= len(gold) + len(hard):
             # Fewer documents than the question's own context: gold plus some of its hard distractors.
             return gold + rng.sample(hard, num_docs - len(gold)), []
@@ -738,8 +722,7 @@ def preprocess_hotpotqa(
             "questions_in_file": len(examples),
             "pool_paragraphs": len(paragraph_pool(examples)),
             "pool_paragraphs_by_part": {
-                part: len(pool)
-                for part, pool in part_pools(examples, question_parts(examples, test_percent)).items()
+                part: len(pool) for part, pool in part_pools(examples, question_parts(examples, test_percent)).items()
             },
             "rows": table.num_rows,
             "rows_by_type": dict(sorted(types.items())),

@@ -230,9 +230,7 @@ def _parse_qa(raw: Any, path: Path, sample_id: str, index: int) -> LocomoQA:
     # prediction as wrong (or, for category 5, leave nothing to refuse), like a missing one.
     needed = "adversarial_answer" if category == 5 else "answer"
     if not str(adversarial if category == 5 else answer).strip():
-        raise LocomoFormatError(
-            f"{where}: field {needed!r} is empty (category {category} is scored against it)"
-        )
+        raise LocomoFormatError(f"{where}: field {needed!r} is empty (category {category} is scored against it)")
     evidence_raw = raw.get("evidence", [])
     if not isinstance(evidence_raw, list):
         raise LocomoFormatError(f"{where}: field 'evidence' must be a list, got {evidence_raw!r}")
@@ -272,9 +270,7 @@ def _parse_sessions(sample: dict, path: Path, sample_id: str) -> tuple[Session, 
             dia_id = _require(turn, "dia_id", str, t_where)
             # Evidence is resolved against these ids, so they must have the one shape evidence can name.
             if _DIA_ID.fullmatch(dia_id) is None:
-                raise LocomoFormatError(
-                    f"{t_where}: field 'dia_id' must look like D<session>:<turn>, got {dia_id!r}"
-                )
+                raise LocomoFormatError(f"{t_where}: field 'dia_id' must look like D<session>:<turn>, got {dia_id!r}")
             turns.append(
                 Turn(
                     speaker=_require(turn, "speaker", str, t_where),
@@ -479,9 +475,7 @@ ROW_SCHEMA = pa.schema(
                                         [
                                             (
                                                 "create_kwargs",
-                                                pa.struct(
-                                                    [("sample_id", pa.string()), ("namespace", pa.string())]
-                                                ),
+                                                pa.struct([("sample_id", pa.string()), ("namespace", pa.string())]),
                                             )
                                         ]
                                     ),
@@ -575,12 +569,12 @@ def resolve_split(conversations: Sequence[LocomoConversation], split: dict[str, 
     for name, ids in split.items():
         for sample_id in ids:
             if sample_id not in by_id:
-                raise ValueError(
-                    f"split {name!r} lists {sample_id!r}, which is not in the data (have {sorted(by_id)})"
-                )
+                raise ValueError(f"split {name!r} lists {sample_id!r}, which is not in the data (have {sorted(by_id)})")
             if sample_id in assigned:
-                where = f"twice in split {name!r}" if assigned[sample_id] == name else (
-                    f"in both split {assigned[sample_id]!r} and {name!r}"
+                where = (
+                    f"twice in split {name!r}"
+                    if assigned[sample_id] == name
+                    else (f"in both split {assigned[sample_id]!r} and {name!r}")
                 )
                 raise ValueError(f"{sample_id!r} is listed {where}; a conversation belongs to one split, once")
             assigned[sample_id] = name

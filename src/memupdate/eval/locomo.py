@@ -194,9 +194,17 @@ def _base_record(row: Mapping[str, Any], system: str, seed: int) -> dict[str, An
 
 class LocomoEvaluator:
     def __init__(
-        self, *, test_file: str, memories: str, embeddings: str, embedding_model: str, tool_config: str,
-        conversations: str | None, out_dir: str, settings: LocomoEvalSettings,
-    ):  # fmt: skip
+        self,
+        *,
+        test_file: str,
+        memories: str,
+        embeddings: str,
+        embedding_model: str,
+        tool_config: str,
+        conversations: str | None,
+        out_dir: str,
+        settings: LocomoEvalSettings,
+    ):
         self.test_file, self.memories, self.embeddings = test_file, memories, embeddings
         self.embedding_model, self.tool_config = embedding_model, tool_config
         self.conversations = conversations
@@ -242,9 +250,14 @@ class LocomoEvaluator:
         return [p for p in self.settings.protocols if p != "mem0" or record["category"] in MEM0_CATEGORIES]
 
     async def answer(
-        self, client: OpenAIClient, tokenizer: Any, record: dict[str, Any], memories: Sequence[Any] = (),
-        conversation: str | None = None, limit: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        client: OpenAIClient,
+        tokenizer: Any,
+        record: dict[str, Any],
+        memories: Sequence[Any] = (),
+        conversation: str | None = None,
+        limit: int | None = None,
+    ) -> None:
         """The QA model's answers to ``record``'s question from ``memories`` (or the whole ``conversation``),
         one per protocol, greedy: ``predictions``, ``context_tokens`` (the prompt the QA model saw, chat
         template included) and ``latency_s``. Every system answers through this one method. A prompt over
@@ -256,10 +269,15 @@ class LocomoEvaluator:
             prompts = {}
             for p in asked:
                 layout = load_prompts(p)
-                content = layout.render_context(conversation, record["question"], record["category"], record.get("choices"))
+                content = layout.render_context(
+                    conversation, record["question"], record["category"], record.get("choices")
+                )
                 prompts[p] = [{"role": layout.message_role, "content": content}]
         else:
-            prompts = {p: qa_messages(p, record["question"], record["category"], memories, record.get("choices")) for p in asked}
+            prompts = {
+                p: qa_messages(p, record["question"], record["category"], memories, record.get("choices"))
+                for p in asked
+            }
         tokens = {p: _chat_tokens(tokenizer, prompt) for p, prompt in prompts.items()}
         over = {p: n for p, n in tokens.items() if limit is not None and n > limit}
         began = time.perf_counter()
@@ -274,7 +292,9 @@ class LocomoEvaluator:
         record.update(predictions=dict(zip(asked, answers, strict=True)), context_tokens=tokens)
         record["latency_s"] = record.get("latency_s", 0.0) + time.perf_counter() - began
         if over:
-            record["skipped"] = "; ".join(f"{p}: {n} prompt tokens > {limit} the QA model can take" for p, n in over.items())
+            record["skipped"] = "; ".join(
+                f"{p}: {n} prompt tokens > {limit} the QA model can take" for p, n in over.items()
+            )
 
     # ------------------------------------------------------------------ no update / full context
 
@@ -334,13 +354,24 @@ class LocomoEvaluator:
         pq.write_table(pa.Table.from_pylist(todo), rows_file)
         # The memory episodes only: the QA model answers below, as it answers for no_update.
         cfg = LocalGRPOConfig(
-            model_path=load_marker(system.memory)["model_path"], train_files=[str(rows_file)], run_dir=str(run_dir),
-            tool_config=self.tool_config, memories=self.memories, embeddings=self.embeddings,
-            embedding_model=self.embedding_model, rollout_n=1, temperature=0.0, max_new_tokens=s.max_new_tokens,
-            prompt_length=s.prompt_length, response_length=s.response_length,
-            max_assistant_turns=s.max_assistant_turns, training_stage="memory", qa_phase=False, seed=s.seed,
+            model_path=load_marker(system.memory)["model_path"],
+            train_files=[str(rows_file)],
+            run_dir=str(run_dir),
+            tool_config=self.tool_config,
+            memories=self.memories,
+            embeddings=self.embeddings,
+            embedding_model=self.embedding_model,
+            rollout_n=1,
+            temperature=0.0,
+            max_new_tokens=s.max_new_tokens,
+            prompt_length=s.prompt_length,
+            response_length=s.response_length,
+            max_assistant_turns=s.max_assistant_turns,
+            training_stage="memory",
+            qa_phase=False,
+            seed=s.seed,
             max_content_chars=s.max_content_chars,
-        )  # fmt: skip
+        )
         config = run_config(cfg)
         worker = in_process_workers(config, VLLMTokenClient(memory, max_tokens=s.max_new_tokens), reward=False)
         dataset = RLHFDataset([str(rows_file)], worker.tokenizer, config.data)
@@ -366,7 +397,7 @@ class LocomoEvaluator:
                         # answer's time is added by answer().
                         latency_s=float(episode.get("generate_sequences", 0.0) + episode.get("tool_calls", 0.0))
                         or seconds,
-                    )  # fmt: skip
+                    )
                     episodes.append((record, extra[DELTA_KEY][j]))
 
                 async def one(record: dict[str, Any], delta: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -391,8 +422,7 @@ class LocomoEvaluator:
                 models[role] = {"path": str(folder), "manifest": sha256_file(found) if found else None}
         # The judge scores predictions after the fact; changing it re-judges, it does not re-predict.
         settings = {k: v for k, v in asdict(self.settings).items() if k != "judge"}
-        return {"kind": system.kind, "models": models, "settings": settings,
-                "test_file": sha256_file(self.test_file)}  # fmt: skip
+        return {"kind": system.kind, "models": models, "settings": settings, "test_file": sha256_file(self.test_file)}
 
     async def run(self, systems: Sequence[System]) -> dict[str, Path]:
         predictions = self.out_dir / "predictions"
@@ -407,9 +437,10 @@ class LocomoEvaluator:
             if not todo:
                 continue
             runner = {
-                "no_update": self.run_no_update, "full_context": self.run_full_context,
+                "no_update": self.run_no_update,
+                "full_context": self.run_full_context,
                 "memory": self.run_memory_system,
-            }[system.kind]  # fmt: skip
+            }[system.kind]
             with tqdm(total=len(todo), desc=system.name, unit="question", disable=None) as bar:
                 await runner(system, todo, path, bar)
         return paths
@@ -471,10 +502,21 @@ def _max_model_len(endpoint: Endpoint) -> int:
 
 
 def evaluate_locomo(
-    *, experiment: str, test_file: str, memories: str, embeddings: str, embedding_model: str, tool_config: str,
-    conversations: str | None, markers: Mapping[str, str], out_dir: str, settings: Mapping[str, Any] | None = None,
-    training_metrics: Mapping[str, str] | None = None, published: str | None = None, split: str | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    *,
+    experiment: str,
+    test_file: str,
+    memories: str,
+    embeddings: str,
+    embedding_model: str,
+    tool_config: str,
+    conversations: str | None,
+    markers: Mapping[str, str],
+    out_dir: str,
+    settings: Mapping[str, Any] | None = None,
+    training_metrics: Mapping[str, str] | None = None,
+    published: str | None = None,
+    split: str | None = None,
+) -> dict[str, Any]:
     """The ``eval_locomo`` rule: predict with every system the served models allow, then write the report
     (``split``: the name of the LoCoMo split the test file comes from, stated in the report).
 
@@ -495,9 +537,15 @@ def evaluate_locomo(
         if "stage2" in markers:
             systems.append(System("stage1+stage2", markers["stage2"], memory=markers["stage1"]))
     evaluator = LocomoEvaluator(
-        test_file=test_file, memories=memories, embeddings=embeddings, embedding_model=embedding_model,
-        tool_config=tool_config, conversations=conversations, out_dir=out_dir, settings=eval_settings,
-    )  # fmt: skip
+        test_file=test_file,
+        memories=memories,
+        embeddings=embeddings,
+        embedding_model=embedding_model,
+        tool_config=tool_config,
+        conversations=conversations,
+        out_dir=out_dir,
+        settings=eval_settings,
+    )
     judge_name = None
 
     async def main() -> dict[str, Path]:
@@ -515,6 +563,12 @@ def evaluate_locomo(
 
     paths = asyncio.run(main())
     return build_report(
-        out_dir, paths, experiment=experiment, settings=asdict(evaluator.settings), judge=judge_name,
-        training_metrics=training_metrics, published=published, split=split,
-    )  # fmt: skip
+        out_dir,
+        paths,
+        experiment=experiment,
+        settings=asdict(evaluator.settings),
+        judge=judge_name,
+        training_metrics=training_metrics,
+        published=published,
+        split=split,
+    )

@@ -86,10 +86,16 @@ class MemAgentEvaluator:
         self.configs = {}
         for style in s.styles:
             cfg = LocalGRPOConfig(
-                model_path=str(self.model_path), train_files=[], run_dir=str(Path(work_dir) / style),
-                agent_name="memagent", agent=agents[style], reward_manager="memupdate_memagent",
-                prompt_length=s.prompt_length, response_length=response, max_new_tokens=response,
-            )  # fmt: skip
+                model_path=str(self.model_path),
+                train_files=[],
+                run_dir=str(Path(work_dir) / style),
+                agent_name="memagent",
+                agent=agents[style],
+                reward_manager="memupdate_memagent",
+                prompt_length=s.prompt_length,
+                response_length=response,
+                max_new_tokens=response,
+            )
             self.configs[style] = run_config(cfg)
         if "memagent" in self.configs:
             # Evaluation batches are marked `validate`, so verl decodes them with val_kwargs (greedy by default).
@@ -149,19 +155,31 @@ class MemAgentEvaluator:
                 reply = values[ANSWER_KEY][i]
                 answers = [str(a) for a in row["reward_model"]["ground_truth"]]
                 haystack, dropped = int(values[CONTEXT_KEY][i]), int(values[TRUNCATED_TOKENS_KEY][i])
-                records.append({
-                    "id": extra["id"], "question": extra["question"], "answers": answers, "reply": reply,
-                    **score(reply, answers), "chunks_read": int(values[CHUNKS_KEY][i]),
-                    "chunks_total": int(values[CHUNKS_TOTAL_KEY][i]), "haystack_tokens": haystack,
-                    "context_tokens": haystack - dropped, "truncated_tokens": dropped,
-                    "memory_truncations": int(values[TRUNCATIONS_KEY][i] or 0), "seconds": round(seconds, 4),
-                })  # fmt: skip
+                records.append(
+                    {
+                        "id": extra["id"],
+                        "question": extra["question"],
+                        "answers": answers,
+                        "reply": reply,
+                        **score(reply, answers),
+                        "chunks_read": int(values[CHUNKS_KEY][i]),
+                        "chunks_total": int(values[CHUNKS_TOTAL_KEY][i]),
+                        "haystack_tokens": haystack,
+                        "context_tokens": haystack - dropped,
+                        "truncated_tokens": dropped,
+                        "memory_truncations": int(values[TRUNCATIONS_KEY][i] or 0),
+                        "seconds": round(seconds, 4),
+                    }
+                )
         return records
 
     def evaluate(
-        self, rows_file: str | Path, predictions: str | Path | None = None, label: str = "memagent eval",
+        self,
+        rows_file: str | Path,
+        predictions: str | Path | None = None,
+        label: str = "memagent eval",
         style: str = "ours",
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """Predictions for every row of ``rows_file`` in ``style`` (written as JSONL to ``predictions``) and
         their summary."""
         if style not in self.configs:
@@ -305,8 +323,10 @@ def memagent_length_curve(
     described: dict[str, dict[str, Any]] = {}
     for name, model in models.items():
         evaluator = MemAgentEvaluator(model, settings, out / "work" / name)
-        described[name] = {"path": str(evaluator.model_path),
-                           "served_as": evaluator.server.endpoint.model if evaluator.served else None}  # fmt: skip
+        described[name] = {
+            "path": str(evaluator.model_path),
+            "served_as": evaluator.server.endpoint.model if evaluator.served else None,
+        }
         for style in settings.styles:
             suffix = "" if style == "ours" else ".memagent_style"
             results[style][name] = {
@@ -361,15 +381,23 @@ def _plot(report: Mapping[str, Any], out: Path) -> list[str]:
 
 def _markdown(report: Mapping[str, Any]) -> str:
     truncate = report["settings"]["truncate_chunks"]
-    reading = ("every chunk of each haystack is read" if truncate is None else
-               f"haystacks are centre-truncated to {truncate} chunks")  # fmt: skip
-    lines = [f"# MemAgent evaluation: {report['experiment']}", "",
-             f"Scores in % over the same questions at each context length; {reading}. Tokens and chunks are "
-             "means per question; 'truncated' is the share of questions whose haystack was cut.", "",
-             "## Our evaluation (training's boxed prompt, greedy)", "",
-             "| model | length | questions | haystack tokens | tokens read | truncated | chunks read / total | EM | "
-             "sub-EM | F1 | boxed | memory cut | s / question |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    reading = (
+        "every chunk of each haystack is read"
+        if truncate is None
+        else f"haystacks are centre-truncated to {truncate} chunks"
+    )
+    lines = [
+        f"# MemAgent evaluation: {report['experiment']}",
+        "",
+        f"Scores in % over the same questions at each context length; {reading}. Tokens and chunks are "
+        "means per question; 'truncated' is the share of questions whose haystack was cut.",
+        "",
+        "## Our evaluation (training's boxed prompt, greedy)",
+        "",
+        "| model | length | questions | haystack tokens | tokens read | truncated | chunks read / total | EM | "
+        "sub-EM | F1 | boxed | memory cut | s / question |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, by_length in report["results"].items():
         for length, r in by_length.items():
             lines.append(
@@ -380,11 +408,16 @@ def _markdown(report: Mapping[str, Any]) -> str:
             )
     if "memagent_style" in report:
         style = report["memagent_style"]
-        lines += ["", "## MemAgent's own evaluation style (compare with the paper's numbers)", "",
-                  f"{style['protocol']}.", "",
-                  "| model | length | questions | haystack tokens | tokens read | truncated | sub-EM | EM | F1 | "
-                  "'the answer is' found | s / question |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            "",
+            "## MemAgent's own evaluation style (compare with the paper's numbers)",
+            "",
+            f"{style['protocol']}.",
+            "",
+            "| model | length | questions | haystack tokens | tokens read | truncated | sub-EM | EM | F1 | "
+            "'the answer is' found | s / question |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for name, by_length in style["results"].items():
             for length, r in by_length.items():
                 lines.append(

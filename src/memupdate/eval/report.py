@@ -130,11 +130,13 @@ def summarize(records: Sequence[Mapping[str, Any]], *, may_skip: bool = False) -
         "context_chars_mean": _mean([r.get("context_chars") for r in scored]),
         # The prompt the QA model saw (chat template included), per protocol.
         "context_tokens_mean": {p: _mean([(r.get("context_tokens") or {}).get(p) for r in records]) for p in protocols},
-        "latency_s": {"p50": _percentile([r.get("latency_s") for r in scored], 50),
-                      "p95": _percentile([r.get("latency_s") for r in scored], 95)},
+        "latency_s": {
+            "p50": _percentile([r.get("latency_s") for r in scored], 50),
+            "p95": _percentile([r.get("latency_s") for r in scored], 95),
+        },
         "termination": _counts(r.get("termination_reason") for r in scored if r.get("termination_reason")),
         "memory": _memory_stats([r["memory_stats"] for r in scored if r.get("memory_stats")]),
-    }  # fmt: skip
+    }
 
 
 MEMORY_STATS = ("initial_count", "final_count", "created", "updated", "deleted", "merged", "split")
@@ -204,17 +206,18 @@ async def judge_predictions(
             return
         if record.get("judge_model") == judge_name and record.get("judge_prompt") == prompt_sha:
             return
-        messages = judge_messages(
-            record["question"], record["answer"], prediction, prompts_dir=prompts_dir
-        )
+        messages = judge_messages(record["question"], record["answer"], prediction, prompts_dir=prompts_dir)
         reply = await judge.chat(
             messages, temperature=0.0, max_tokens=max_tokens, response_format=JUDGE_RESPONSE_FORMAT
         )
         label = parse_judge(reply)
         record.update(
-            judge=label, judge_unparsed=label is None, judge_reply=reply, judge_model=judge_name,
+            judge=label,
+            judge_unparsed=label is None,
+            judge_reply=reply,
+            judge_model=judge_name,
             judge_prompt=prompt_sha,
-        )  # fmt: skip
+        )
 
     await asyncio.gather(*(one(r) for r in records))
     write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
@@ -229,9 +232,22 @@ async def judge_predictions(
 
 def training_curves(metrics_files: Mapping[str, str | Path]) -> dict[str, list[dict[str, Any]]]:
     """Each training stage's per-step metrics (reward mean and spread, memories, turns, terminations)."""
-    keep = ("step", "reward_mean", "reward_std", "reward_min", "reward_max", "num_turns_mean",
-            "memories_final_mean", "ops_created_mean", "ops_updated_mean", "ops_deleted_mean",
-            "qa_initial_mean", "qa_final_mean", "response_tokens_mean", "termination")  # fmt: skip
+    keep = (
+        "step",
+        "reward_mean",
+        "reward_std",
+        "reward_min",
+        "reward_max",
+        "num_turns_mean",
+        "memories_final_mean",
+        "ops_created_mean",
+        "ops_updated_mean",
+        "ops_deleted_mean",
+        "qa_initial_mean",
+        "qa_final_mean",
+        "response_tokens_mean",
+        "termination",
+    )
     curves = {}
     for name, path in metrics_files.items():
         if Path(path).is_file():
@@ -283,11 +299,18 @@ def _plots(report: Mapping[str, Any], out_dir: Path) -> list[str]:
                 axes[3].plot(x, values, style, marker=".", label=f"{name}: {op}")
             # Share of episodes per termination reason, one line per (stage, reason).
             for reason in reasons:
-                shares = [(s["termination"] or {}).get(reason, 0) / max(1, sum((s["termination"] or {}).values()))
-                          for s in steps]  # fmt: skip
+                shares = [
+                    (s["termination"] or {}).get(reason, 0) / max(1, sum((s["termination"] or {}).values()))
+                    for s in steps
+                ]
                 axes[4].plot(x, shares, marker=".", label=f"{name}: {reason}")
-        titles = ("reward (mean ± std)", "turns per episode", "memories at the end", "edits per episode",
-                  "termination reasons (share)")  # fmt: skip
+        titles = (
+            "reward (mean ± std)",
+            "turns per episode",
+            "memories at the end",
+            "edits per episode",
+            "termination reasons (share)",
+        )
         for ax, title in zip(axes, titles, strict=True):
             ax.set_title(title)
             ax.set_xlabel("step")
@@ -324,16 +347,28 @@ def _published_markdown(report: Mapping[str, Any]) -> list[str]:
     published = report["published"]
     ours = report["systems"]
     models = "; ".join(f"{name}: {_models(row)}" for name, row in ours.items())
-    lines = ["", "## Beside published numbers", "",
-             f"Ours: {report['questions']} questions of the test conversations {', '.join(report['conversations'])} "
-             f"(a seeded sample of {report['settings'].get('questions_per_conversation') or 'all'} per conversation), "
-             f"top-{report['settings'].get('top_k')} retrieval; models {models}; judge "
-             f"{report['judge'] or 'none'}.", "", SETTING_NOTE, "", published["note"]]  # fmt: skip
+    lines = [
+        "",
+        "## Beside published numbers",
+        "",
+        f"Ours: {report['questions']} questions of the test conversations {', '.join(report['conversations'])} "
+        f"(a seeded sample of {report['settings'].get('questions_per_conversation') or 'all'} per conversation), "
+        f"top-{report['settings'].get('top_k')} retrieval; models {models}; judge "
+        f"{report['judge'] or 'none'}.",
+        "",
+        SETTING_NOTE,
+        "",
+        published["note"],
+    ]
     locomo = published.get("locomo")
     if locomo:
-        lines += ["", f"Official LoCoMo protocol: F1 in %, categories by numeric id ({locomo['source']}).", "",
-                  "| system | answer model | overall | " + " | ".join(f"{c} {n}" for c, n in CATEGORY_NAMES.items())
-                  + " |", "| --- | --- | --- |" + " --- |" * 5]  # fmt: skip
+        lines += [
+            "",
+            f"Official LoCoMo protocol: F1 in %, categories by numeric id ({locomo['source']}).",
+            "",
+            "| system | answer model | overall | " + " | ".join(f"{c} {n}" for c, n in CATEGORY_NAMES.items()) + " |",
+            "| --- | --- | --- |" + " --- |" * 5,
+        ]
         for name, row in ours.items():
             cells = [_pct(row["per_category"][str(c)]["locomo_f1"]) for c in CATEGORY_NAMES]
             lines.append(f"| ours: {name} | {_models(row)} | {_pct(row['locomo']['f1'])} | " + " | ".join(cells) + " |")
@@ -342,9 +377,13 @@ def _published_markdown(report: Mapping[str, Any]) -> list[str]:
             lines.append(f"| {row['system']} | {row['answer_model']} | {row['f1']} | " + " | ".join(cells) + " |")
     mem0 = published.get("mem0")
     if mem0:
-        lines += ["", "Mem0 protocol: categories 1-4, scores in %.", "",
-                  "| system | protocol | J | F1 | BLEU-1 | answer model | source |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            "",
+            "Mem0 protocol: categories 1-4, scores in %.",
+            "",
+            "| system | protocol | J | F1 | BLEU-1 | answer model | source |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for name, row in ours.items():
             lines.append(
                 f"| ours: {name} | Mem0 (cat 1-4), {row['mem0']['n']} q | {_pct(row['mem0']['j'])} | "
@@ -382,11 +421,14 @@ def _markdown(report: Mapping[str, Any]) -> str:
         "not answer scores 0 (column *unanswered*); only full_context may skip a question whose conversation "
         "does not fit the model, and is then scored on fewer questions (column *skipped*). Context: the QA "
         "prompt's tokens per protocol (chat template included). Latency: seconds per question (for a memory "
-        "system, its whole episode and the answers).", "", SETTING_NOTE, "",
+        "system, its whole episode and the answers).",
+        "",
+        SETTING_NOTE,
+        "",
         "| system | models | LoCoMo F1 (cat 1-5) | Mem0 F1 (1-4) | BLEU-1 (1-4) | J (1-4) | evidence recall@k | "
         "context tokens | latency p50 / p95 s | unanswered | skipped |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]  # fmt: skip
+    ]
     for name, row in systems.items():
         lines.append(
             f"| {name} | {_models(row)} | {_pct(row['locomo']['f1'])} | {_pct(row['mem0']['f1'])} | "
@@ -396,28 +438,54 @@ def _markdown(report: Mapping[str, Any]) -> str:
         )
     for name, row in systems.items():
         if row["skipped"]:
-            lines += ["", f"{name}: scored on {row['scored']} of {row['questions']} questions, not comparable with "
-                      f"the other rows; {row['skipped']} skipped ({'; '.join(row['skip_reasons'])})."]  # fmt: skip
+            lines += [
+                "",
+                f"{name}: scored on {row['scored']} of {row['questions']} questions, not comparable with "
+                f"the other rows; {row['skipped']} skipped ({'; '.join(row['skip_reasons'])}).",
+            ]
         if row["mem0"].get("j_unparsed"):
-            lines += ["", f"{name}: the judge's reply could not be parsed for {row['mem0']['j_unparsed']} questions; "
-                      "they count as not correct in J."]  # fmt: skip
+            lines += [
+                "",
+                f"{name}: the judge's reply could not be parsed for {row['mem0']['j_unparsed']} questions; "
+                "they count as not correct in J.",
+            ]
     header = "| system | " + " | ".join(f"{c} {n}" for c, n in CATEGORY_NAMES.items()) + " |"
-    lines += ["", "## Per category (by numeric id)", "", "LoCoMo F1 (n = questions answered):", "", header,
-              "| --- |" + " --- |" * 5]  # fmt: skip
+    lines += [
+        "",
+        "## Per category (by numeric id)",
+        "",
+        "LoCoMo F1 (n = questions answered):",
+        "",
+        header,
+        "| --- |" + " --- |" * 5,
+    ]
     for name, row in systems.items():
-        cells = [f"{_pct(row['per_category'][str(c)]['locomo_f1'])} (n={row['per_category'][str(c)]['n']})"
-                 for c in CATEGORY_NAMES]  # fmt: skip
+        cells = [
+            f"{_pct(row['per_category'][str(c)]['locomo_f1'])} (n={row['per_category'][str(c)]['n']})"
+            for c in CATEGORY_NAMES
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Mem0 protocol, J / F1 / BLEU-1 (category 5 is not part of it):", "", header, "| --- |" + " --- |" * 5]
+    lines += [
+        "",
+        "Mem0 protocol, J / F1 / BLEU-1 (category 5 is not part of it):",
+        "",
+        header,
+        "| --- |" + " --- |" * 5,
+    ]
     for name, row in systems.items():
-        cells = [" / ".join(_pct(row["per_category"][str(c)][k]) for k in ("j", "mem0_f1", "bleu1"))
-                 for c in CATEGORY_NAMES]  # fmt: skip
+        cells = [
+            " / ".join(_pct(row["per_category"][str(c)][k]) for k in ("j", "mem0_f1", "bleu1")) for c in CATEGORY_NAMES
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     episodes = {name: row for name, row in systems.items() if row.get("memory")}
     if episodes:
-        lines += ["", "## Memory episodes", "",
-                  "| system | memories before | after | created | updated | deleted | merged | split | terminations |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            "",
+            "## Memory episodes",
+            "",
+            "| system | memories before | after | created | updated | deleted | merged | split | terminations |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for name, row in episodes.items():
             m = row["memory"]
             cells = [_num(m[f"{k}_mean"], 1) for k in MEMORY_STATS]
@@ -466,8 +534,10 @@ def _html(markdown: str) -> str:
         elif line.strip():
             body.append(f"<p>{html.escape(line)}</p>")
     flush()
-    style = "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}" \
+    style = (
+        "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}img{max-width:100%}"
+    )
     return f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{''.join(body)}</body></html>\n"
 
 
@@ -556,8 +626,16 @@ def rebuild_report(
             settings = json.loads(meta.read_text(encoding="utf-8")).get("settings", {})
         judges |= {r["judge_model"] for r in load_jsonl(path) if r.get("judge_model")}
     if len(judges) > 1:
-        raise ValueError(f"predictions in {folder} were judged by different judges {sorted(judges)}; rerun the evaluation")
+        raise ValueError(
+            f"predictions in {folder} were judged by different judges {sorted(judges)}; rerun the evaluation"
+        )
     return build_report(
-        out_dir, predictions, experiment=experiment, settings=settings, judge=next(iter(judges), None),
-        training_metrics=training_metrics, published=published, split=split,
-    )  # fmt: skip
+        out_dir,
+        predictions,
+        experiment=experiment,
+        settings=settings,
+        judge=next(iter(judges), None),
+        training_metrics=training_metrics,
+        published=published,
+        split=split,
+    )

@@ -120,9 +120,7 @@ class EmbeddingCache:
         path = Path(path)
         if embedder is not None:
             if model_name is not None and canonical_model_name(model_name) != embedder.model_name:
-                raise ValueError(
-                    f"model_name {model_name!r} contradicts the embedder's {embedder.model_name!r}"
-                )
+                raise ValueError(f"model_name {model_name!r} contradicts the embedder's {embedder.model_name!r}")
             model_name = embedder.model_name
         manifest_path = path / MANIFEST_FILE
         if not manifest_path.is_file():
@@ -137,9 +135,7 @@ class EmbeddingCache:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         built_with, built_dim = manifest.get("model_name"), manifest.get("dim")
         wanted_dim = embedder.dim if embedder is not None else built_dim
-        if model_name is not None and (
-            canonical_model_name(model_name) != built_with or wanted_dim != built_dim
-        ):
+        if model_name is not None and (canonical_model_name(model_name) != built_with or wanted_dim != built_dim):
             raise EmbeddingModelMismatch(
                 f"embedding cache {path} was built with model {built_with!r} (dim {built_dim}), "
                 f"but model {canonical_model_name(model_name)!r} (dim {wanted_dim}) was asked for: "
@@ -157,9 +153,7 @@ class EmbeddingCache:
                 f"embedding cache {path} is inconsistent: manifest count {manifest['count']}, "
                 f"{len(keys)} keys, vectors {vectors.dtype}{list(vectors.shape)}; rebuild it"
             )
-        logger.info(
-            "loaded embedding cache %s: %d vectors of dim %d (%s)", path, len(keys), built_dim, built_with
-        )
+        logger.info("loaded embedding cache %s: %d vectors of dim %d (%s)", path, len(keys), built_dim, built_with)
         return cls(
             path,
             model_name=built_with,
@@ -237,9 +231,7 @@ class EmbeddingCache:
                     todo,
                 )
             batch_size = batch_size or self.embedder.batch_size
-            logger.info(
-                "embedding %d new texts with %s (batch size %d)", len(todo), self.model_name, batch_size
-            )
+            logger.info("embedding %d new texts with %s (batch size %d)", len(todo), self.model_name, batch_size)
             since_checkpoint = 0
             # disable=None: a bar on a terminal, nothing in Snakemake log files; the summary is logged.
             with tqdm(total=len(todo), unit="text", desc=f"embed {self.model_name}", disable=None) as bar:

@@ -93,9 +93,7 @@ def _load(model_name: str, device: str) -> _LoadedModel:
                 ) from e
             dim = model.get_embedding_dimension()
             if dim is None:
-                raise EmbedderLoadError(
-                    f"embedding model {model_name!r} does not report its output dimension"
-                )
+                raise EmbedderLoadError(f"embedding model {model_name!r} does not report its output dimension")
             _MODELS[key] = _LoadedModel(model, int(dim), threading.Lock())
         return _MODELS[key]
 
@@ -109,17 +107,13 @@ class Embedder:
     (dtype('float32'), (1, 384), 1.0)
     """
 
-    def __init__(
-        self, model_name: str | os.PathLike = DEFAULT_MODEL, *, device: str = "cpu", batch_size: int = 64
-    ):
+    def __init__(self, model_name: str | os.PathLike = DEFAULT_MODEL, *, device: str = "cpu", batch_size: int = 64):
         self.model_name = canonical_model_name(os.fspath(model_name))
         self.device = device
         self.batch_size = batch_size
         self._loaded = _load(self.model_name, device)
         # One request queue per event loop (verl workers and tests may run several loops over time).
-        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Queue] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Queue] = weakref.WeakKeyDictionary()
 
     @property
     def dim(self) -> int:
@@ -174,8 +168,12 @@ class Embedder:
             logger.warning(
                 "%s embeds at most %d word pieces; %d text(s) here are longer and are embedded by their "
                 "beginning only (longest: %d word pieces, %r...). Later cuts are counted, not logged.",
-                self.model_name, limit, len(cut), n, text[:80],
-            )  # fmt: skip
+                self.model_name,
+                limit,
+                len(cut),
+                n,
+                text[:80],
+            )
         self._loaded.truncated += len(cut)
 
     async def aencode(self, texts: Sequence[str], batch_size: int | None = None) -> np.ndarray:

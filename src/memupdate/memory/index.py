@@ -86,9 +86,7 @@ class VectorIndex:
         id_array, x = self._check(ids, vectors)
         present = sorted(self._ids.intersection(id_array.tolist()))
         if present:
-            raise ValueError(
-                f"ids already in the index: {present[:10]}; use update() to replace their vectors"
-            )
+            raise ValueError(f"ids already in the index: {present[:10]}; use update() to replace their vectors")
         if len(id_array):
             self._index.add_with_ids(x, id_array)
             self._ids.update(id_array.tolist())

@@ -109,9 +109,7 @@ class MemoryStoreManager:
     def _load_table(self) -> pa.Table:
         if self._table is None:
             source = self._memories_source
-            self._table = (
-                source if isinstance(source, pa.Table) else pq.read_table(source, columns=MEMORY_COLUMNS)
-            )
+            self._table = source if isinstance(source, pa.Table) else pq.read_table(source, columns=MEMORY_COLUMNS)
             logger.info("memories table: %d rows", self._table.num_rows)
         return self._table
 
@@ -136,9 +134,7 @@ class MemoryStoreManager:
             return base
         with self._load_lock:
             if sample_id not in self._bases:
-                self._bases[sample_id] = BaseStore.from_table(
-                    self._load_table(), sample_id, self._load_cache()
-                )
+                self._bases[sample_id] = BaseStore.from_table(self._load_table(), sample_id, self._load_cache())
                 logger.info("loaded base memories of %s: %d records", sample_id, len(self._bases[sample_id]))
             return self._bases[sample_id]
 
@@ -149,9 +145,7 @@ class MemoryStoreManager:
 
     # ------------------------------------------------------------------ trials
 
-    def open(
-        self, base_namespace: str, request_id: str, sample_id: str, *, exist_ok: bool = False
-    ) -> TrialStore:
+    def open(self, base_namespace: str, request_id: str, sample_id: str, *, exist_ok: bool = False) -> TrialStore:
         """A new, empty overlay on ``sample_id``'s base store under ``trial_namespace(base_namespace, request_id)``.
 
         With ``exist_ok``, the trial this same trajectory (base namespace, request id and sample) already

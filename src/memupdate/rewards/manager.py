@@ -65,13 +65,22 @@ from memupdate.settings import RewardSettings
 
 logger = logging.getLogger(__name__)
 
-ENV_KEYS = {"memories": "MEMUPDATE_MEMORIES", "embeddings": "MEMUPDATE_EMBEDDINGS", "embedding_model": "MEMUPDATE_EMBEDDING_MODEL"}
+ENV_KEYS = {
+    "memories": "MEMUPDATE_MEMORIES",
+    "embeddings": "MEMUPDATE_EMBEDDINGS",
+    "embedding_model": "MEMUPDATE_EMBEDDING_MODEL",
+}
 #: The manager's settings: the workflow's ``reward`` section (memupdate.settings.RewardSettings, less the
 #: judge's serve name, resolved to its marker) and what a run adds: paths, the trained role, the markers.
 SETTINGS = {
-    *ENV_KEYS, "training_stage", "reader_marker", "judge_marker", "qa_pool", "answer_metric",
+    *ENV_KEYS,
+    "training_stage",
+    "reader_marker",
+    "judge_marker",
+    "qa_pool",
+    "answer_metric",
     *(f.name for f in dataclasses.fields(RewardSettings) if f.name != "judge"),
-}  # fmt: skip
+}
 SCORERS = ("answer_recall", "evidence_recall", "reader", "judge")
 #: Scorers that ask served models, and the models each asks.
 SERVED_ROLES = {"reader": ("reader",), "judge": ("reader", "judge")}
@@ -172,13 +181,18 @@ async def _close_at_loop_shutdown(manager: MemoryRewardManager):
 
 @register("memupdate_memory")
 class MemoryRewardManager(RewardManagerBase):
-    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None, **kwargs):
+    def __init__(
+        self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None, **kwargs
+    ):
         super().__init__(config, tokenizer, compute_score)
         self.settings = reward_settings(config)
         self.reward_config = MemoryRewardConfig.from_dict(
-            {k: self.settings[k] for k in ("top_k", "context_chars", "other_questions", "efficiency")
-             if self.settings.get(k) is not None}
-        )  # fmt: skip
+            {
+                k: self.settings[k]
+                for k in ("top_k", "context_chars", "other_questions", "efficiency")
+                if self.settings.get(k) is not None
+            }
+        )
         self.pool = qa_pool(list(self.settings.get("qa_pool") or [])) if self.reward_config.other_questions else {}
         # Built and probed now, so a misconfigured scorer fails before any rollout.
         self._clients = {role: OpenAIClient(endpoint) for role, endpoint in served_endpoints(self.settings).items()}
@@ -202,9 +216,11 @@ class MemoryRewardManager(RewardManagerBase):
         if protocol not in PROTOCOLS:
             raise ValueError(f"reward setting qa_prompt must be one of {PROTOCOLS}, got {protocol!r}")
         reader = ReaderScorer(
-            self._clients["reader"], metric=self.settings.get("reader_metric") or PROTOCOL_METRIC[protocol],
-            max_tokens=int(self.settings.get("qa_max_tokens") or DEFAULT_QA_MAX_TOKENS), protocol=protocol,
-        )  # fmt: skip
+            self._clients["reader"],
+            metric=self.settings.get("reader_metric") or PROTOCOL_METRIC[protocol],
+            max_tokens=int(self.settings.get("qa_max_tokens") or DEFAULT_QA_MAX_TOKENS),
+            protocol=protocol,
+        )
         return reader if name == "reader" else JudgeScorer(reader, self._clients["judge"])
 
     async def _open_clients(self) -> None:
@@ -266,4 +282,7 @@ class MemoryRewardManager(RewardManagerBase):
         computer = await self.computer()
         (result,) = await computer.compute([RewardRequest(extra_info["sample_id"], delta, items, answers)])
         score = {"memory": result["score"], "qa": answer, "joint": result["score"] + answer}[stage]
-        return {"reward_score": score, "reward_extra_info": {**result, "memory_reward": result["score"], "answer_score": answer, "score": score}}
+        return {
+            "reward_score": score,
+            "reward_extra_info": {**result, "memory_reward": result["score"], "answer_score": answer, "score": score},
+        }

@@ -49,7 +49,9 @@ class MemAgentRewardManager(RewardManagerBase):
     """Scores a trajectory from its final turn (the last row verl hands over: all turns of a trajectory
     arrive together); memory turns earn nothing of their own and share the final advantage."""
 
-    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None, **kwargs):
+    def __init__(
+        self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None, **kwargs
+    ):
         super().__init__(config, tokenizer, compute_score)
 
     async def run_single(self, data: DataProto) -> dict[str, Any]:

@@ -242,6 +242,4 @@ class MemoryRewardComputer:
                 TrialStore(base), final, request.items, queries, self.scorer, self.config, request.answers
             )
 
-        return list(
-            await asyncio.gather(*(one(b, r, t) for b, r, t in zip(bases, requests, new_texts, strict=True)))
-        )
+        return list(await asyncio.gather(*(one(b, r, t) for b, r, t in zip(bases, requests, new_texts, strict=True))))

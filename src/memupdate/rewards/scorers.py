@@ -151,7 +151,10 @@ class ReaderScorer:
         return (await asyncio.shield(pending)).strip()
 
     async def answers(
-        self, items: Sequence[QAItem], retrieved: Sequence[Sequence[Retrieved]], given: Sequence[str | None] | None = None
+        self,
+        items: Sequence[QAItem],
+        retrieved: Sequence[Sequence[Retrieved]],
+        given: Sequence[str | None] | None = None,
     ) -> list[str]:
         """Per question, the given answer if there is one (already asked from these memories), else the model's."""
         given = given if given is not None else [None] * len(items)
@@ -204,8 +207,10 @@ class JudgeScorer:
             self.unparsed += 1
             logger.warning(
                 "judge reply without a CORRECT/WRONG label scored 0 (%d of %d unparsed so far): %r",
-                self.unparsed, self.judged, reply[:200],
-            )  # fmt: skip
+                self.unparsed,
+                self.judged,
+                reply[:200],
+            )
             return 0.0
         return label
 

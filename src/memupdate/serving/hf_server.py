@@ -62,7 +62,9 @@ class HFGenerateServer:
         key = f"{self.seed}:{request_id}:{self._turns[request_id]}"
         return int(hashlib.sha256(key.encode()).hexdigest()[:15], 16)
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs) -> TokenOutput:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs
+    ) -> TokenOutput:
         seed = self._seed_for(request_id)
         tokens = await asyncio.to_thread(self._generate, list(prompt_ids), sampling_params, seed)
         return TokenOutput(token_ids=tokens, log_probs=None, stop_reason="completed")

@@ -44,13 +44,12 @@ from memupdate.serving.vllm import (
     DEFAULT_ENV_PATH,
     ensure_vllm_env,
     error_lines,
-    free_port,
     start_vllm_server,
-    tail,
     wait_until_ready,
 )
 from memupdate.settings import ServeSettings, SlurmOptions, build
 from memupdate.utils.io import write_json_atomic
+from memupdate.utils.system import free_port, tail
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +100,7 @@ def _stop_local(pid: int, timeout_s: float) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-def stop_servers(
-    registry_dir: str | os.PathLike, timeout_s: float = 60.0, *, orphans_only: bool = False
-) -> list[str]:
+def stop_servers(registry_dir: str | os.PathLike, timeout_s: float = 60.0, *, orphans_only: bool = False) -> list[str]:
     """Stop every server recorded in ``registry_dir`` (by process group or Slurm job id) and delete its
     readiness marker, so no later run trusts it; returns their names.
 
@@ -160,19 +157,36 @@ def vllm_python(settings: ServeSettings) -> str:
 
 
 def supervisor_argv(
-    model_dir: Path, served_model_name: str, address_file: Path, settings: ServeSettings, python: str, *,
-    bind_host: str, watch_pid: int | None, marker: Path | None = None,
-) -> list[str]:  # fmt: skip
+    model_dir: Path,
+    served_model_name: str,
+    address_file: Path,
+    settings: ServeSettings,
+    python: str,
+    *,
+    bind_host: str,
+    watch_pid: int | None,
+    marker: Path | None = None,
+) -> list[str]:
     argv = [
-        sys.executable, "-m", MODULE, "run",
-        "--model", str(model_dir.resolve()),
-        "--served-model-name", served_model_name,
-        "--address-file", str(address_file.resolve()),
-        "--python", python,
-        "--bind-host", bind_host,
-        "--max-model-len", str(settings.max_model_len),
-        "--dtype", settings.dtype,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        MODULE,
+        "run",
+        "--model",
+        str(model_dir.resolve()),
+        "--served-model-name",
+        served_model_name,
+        "--address-file",
+        str(address_file.resolve()),
+        "--python",
+        python,
+        "--bind-host",
+        bind_host,
+        "--max-model-len",
+        str(settings.max_model_len),
+        "--dtype",
+        settings.dtype,
+    ]
     if watch_pid:
         argv += ["--watch-pid", str(watch_pid)]
     if marker is not None:
@@ -254,19 +268,35 @@ def serve_model(
     if launcher == "local":
         watch = os.environ.get(RUN_PID_ENV)
         argv = supervisor_argv(
-            model_dir, served_model_name, address_file, settings, python,
-            bind_host="127.0.0.1", watch_pid=int(watch) if watch else None, marker=marker,
-        )  # fmt: skip
+            model_dir,
+            served_model_name,
+            address_file,
+            settings,
+            python,
+            bind_host="127.0.0.1",
+            watch_pid=int(watch) if watch else None,
+            marker=marker,
+        )
         with server_log.open("w", encoding="utf-8") as log:
             process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **settings.env}, start_new_session=True,
-            )  # fmt: skip
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **settings.env},
+                start_new_session=True,
+            )
         _register(registry_dir, served_model_name, {"pid": process.pid, **record})
         logger.info("started server supervisor pid %d for %s (log %s)", process.pid, model_dir, server_log)
     else:
         argv = supervisor_argv(
-            model_dir, served_model_name, address_file, settings, python, bind_host="0.0.0.0", watch_pid=None,
+            model_dir,
+            served_model_name,
+            address_file,
+            settings,
+            python,
+            bind_host="0.0.0.0",
+            watch_pid=None,
             marker=marker,
         )
         env_prefix = [f"{k}={v}" for k, v in settings.env.items()]
@@ -330,9 +360,16 @@ def run_supervisor(args: argparse.Namespace) -> int:
     address_file = Path(args.address_file)
     log_path = address_file.with_name(address_file.name.replace(".address.json", ".vllm.log"))
     server = start_vllm_server(
-        args.model, served_model_name=args.served_model_name, host=args.bind_host, port=port, python=args.python,
-        max_model_len=args.max_model_len, dtype=args.dtype, log_path=log_path, extra_args=args.extra_arg,
-    )  # fmt: skip
+        args.model,
+        served_model_name=args.served_model_name,
+        host=args.bind_host,
+        port=port,
+        python=args.python,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        log_path=log_path,
+        extra_args=args.extra_arg,
+    )
     server.base_url = f"http://{advertised}:{port}/v1"
     child = server.process
     stop = {"why": None}
@@ -344,9 +381,14 @@ def run_supervisor(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     write_json_atomic(
         args.address_file,
-        {"base_url": server.base_url, "pid": os.getpid(), "server_pid": child.pid, "host": socket.gethostname(),
-         "vllm_log": str(log_path)},
-    )  # fmt: skip
+        {
+            "base_url": server.base_url,
+            "pid": os.getpid(),
+            "server_pid": child.pid,
+            "host": socket.gethostname(),
+            "vllm_log": str(log_path),
+        },
+    )
     logger.info("vLLM pid %d serving %s at %s (log %s)", child.pid, args.served_model_name, server.base_url, log_path)
     marker = Path(args.marker) if args.marker else None
     marked = False
@@ -401,4 +443,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

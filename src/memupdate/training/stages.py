@@ -98,7 +98,12 @@ def stage_reward(
     out = {**reward, "training_stage": training_stage}
     out.setdefault("qa_max_tokens", DEFAULT_QA_MAX_TOKENS)
     reader = served_endpoints(out).get("reader")
-    if reader and fixed and training_stage == "memory" and (reader.base_url, reader.model) != (fixed["base_url"], fixed["model"]):
+    if (
+        reader
+        and fixed
+        and training_stage == "memory"
+        and (reader.base_url, reader.model) != (fixed["base_url"], fixed["model"])
+    ):
         raise ValueError(
             f"the reward's reader ({reader.model} at {reader.base_url}, from {out['reader_marker']}) is not the "
             f"fixed QA model ({fixed['model']} at {fixed['base_url']}) whose QA-phase answers it scores"
@@ -133,24 +138,50 @@ def train_stage(
         from memupdate.training.local import local_config, train_local
 
         cfg = local_config(
-            dict(settings), model_path=model, train_files=train_files, memories=memories, embeddings=embeddings,
-            tool_config=tool_config, embedding_model=embedding_model, run_dir=run_dir, reward=reward,
-            max_content_chars=max_content_chars, training_stage=training_stage, qa_phase=fixed is not None or training_stage != "memory",
-            fixed_model=fixed, qa_max_tokens=reward["qa_max_tokens"],
-        )  # fmt: skip
+            dict(settings),
+            model_path=model,
+            train_files=train_files,
+            memories=memories,
+            embeddings=embeddings,
+            tool_config=tool_config,
+            embedding_model=embedding_model,
+            run_dir=run_dir,
+            reward=reward,
+            max_content_chars=max_content_chars,
+            training_stage=training_stage,
+            qa_phase=fixed is not None or training_stage != "memory",
+            fixed_model=fixed,
+            qa_max_tokens=reward["qa_max_tokens"],
+        )
         train_local(cfg)
         return Path(run_dir) / "ckpt"
     return train_verl(
-        training_stage=training_stage, settings=settings, model=model, train_files=train_files, memories=memories,
-        embeddings=embeddings, tool_config=tool_config, embedding_model=embedding_model, run_dir=run_dir,
-        reward=reward, fixed=fixed, verl=verl or {}, max_content_chars=max_content_chars,
-    )  # fmt: skip
+        training_stage=training_stage,
+        settings=settings,
+        model=model,
+        train_files=train_files,
+        memories=memories,
+        embeddings=embeddings,
+        tool_config=tool_config,
+        embedding_model=embedding_model,
+        run_dir=run_dir,
+        reward=reward,
+        fixed=fixed,
+        verl=verl or {},
+        max_content_chars=max_content_chars,
+    )
 
 
 def train_memagent(
-    *, backend: str, settings: Mapping[str, Any], loop: Mapping[str, Any], model: str, train_files: list[str],
-    run_dir: str, verl: Mapping[str, Any] | None = None,
-) -> Path:  # fmt: skip
+    *,
+    backend: str,
+    settings: Mapping[str, Any],
+    loop: Mapping[str, Any],
+    model: str,
+    train_files: list[str],
+    run_dir: str,
+    verl: Mapping[str, Any] | None = None,
+) -> Path:
     """Train a MemAgent policy (the ``memagent`` loop, ``memupdate_memagent`` reward) and return ``<run_dir>/ckpt``.
 
     ``loop`` holds the loop's budgets (chunk_size, max_chunks, max_memory_tokens, max_final_tokens);
@@ -162,18 +193,29 @@ def train_memagent(
         from memupdate.training.local import local_config, train_local
 
         cfg = local_config(
-            dict(settings), model_path=model, train_files=train_files, run_dir=run_dir, agent_name="memagent",
-            agent=dict(loop), reward_manager="memupdate_memagent",
-        )  # fmt: skip
+            dict(settings),
+            model_path=model,
+            train_files=train_files,
+            run_dir=run_dir,
+            agent_name="memagent",
+            agent=dict(loop),
+            reward_manager="memupdate_memagent",
+        )
         train_local(cfg)
         return Path(run_dir) / "ckpt"
     from memupdate.training.verl_launcher import prepare_memagent_ppo
 
     nnodes, gpus = verl_layout()
     argv = prepare_memagent_ppo(
-        model_path=model, train_files=train_files, val_files=(verl or {}).get("val_files") or train_files,
-        loop=loop, n_gpus_per_node=gpus, nnodes=nnodes, experiment_dir=run_dir, extra=dict(settings),
-    )  # fmt: skip
+        model_path=model,
+        train_files=train_files,
+        val_files=(verl or {}).get("val_files") or train_files,
+        loop=loop,
+        n_gpus_per_node=gpus,
+        nnodes=nnodes,
+        experiment_dir=run_dir,
+        extra=dict(settings),
+    )
     return run_verl(allocation_command(argv, run_dir, nnodes, gpus), {}, run_dir, model)
 
 
@@ -188,11 +230,22 @@ def slurm_layout(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
 
 
 def verl_commands(
-    *, training_stage: str, settings: Mapping[str, Any], model: str, train_files: list[str], memories: str,
-    embeddings: str, tool_config: str, embedding_model: str, run_dir: str, reward: Mapping[str, Any],
-    fixed: Mapping[str, Any] | None, verl: Mapping[str, Any], env: Mapping[str, str] = os.environ,
+    *,
+    training_stage: str,
+    settings: Mapping[str, Any],
+    model: str,
+    train_files: list[str],
+    memories: str,
+    embeddings: str,
+    tool_config: str,
+    embedding_model: str,
+    run_dir: str,
+    reward: Mapping[str, Any],
+    fixed: Mapping[str, Any] | None,
+    verl: Mapping[str, Any],
+    env: Mapping[str, str] = os.environ,
     max_content_chars: int | None = None,
-) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+) -> tuple[list[str], dict[str, str]]:
     """The command that starts Ray on every node of the allocation and runs ``main_ppo`` on the head,
     and its environment. ``settings`` are verl config keys (``trainer.total_training_steps: 100``);
     ``verl`` holds ``val_files`` and launcher options."""
@@ -200,11 +253,22 @@ def verl_commands(
 
     nnodes, gpus = verl_layout(env)
     argv, run_env = prepare_main_ppo(
-        training_stage, model_path=model, train_files=train_files, val_files=verl.get("val_files") or train_files,
-        tool_config=tool_config, memories=memories, embeddings=embeddings, n_gpus_per_node=gpus, nnodes=nnodes,
-        experiment_dir=run_dir, fixed_model_endpoint=fixed, embedding_model=embedding_model, reward=reward,
-        extra=dict(settings), max_content_chars=max_content_chars,
-    )  # fmt: skip
+        training_stage,
+        model_path=model,
+        train_files=train_files,
+        val_files=verl.get("val_files") or train_files,
+        tool_config=tool_config,
+        memories=memories,
+        embeddings=embeddings,
+        n_gpus_per_node=gpus,
+        nnodes=nnodes,
+        experiment_dir=run_dir,
+        fixed_model_endpoint=fixed,
+        embedding_model=embedding_model,
+        reward=reward,
+        extra=dict(settings),
+        max_content_chars=max_content_chars,
+    )
     return allocation_command(argv, run_dir, nnodes, gpus, env), run_env
 
 
@@ -252,7 +316,9 @@ def verl_run_record(run_dir: Path) -> dict[str, Any]:
 
     path = run_dir / RUN_INFO
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: a verl run is prepared by memupdate.training.verl_launcher, which writes it")
+        raise FileNotFoundError(
+            f"{path} is missing: a verl run is prepared by memupdate.training.verl_launcher, which writes it"
+        )
     info = json.loads(path.read_text(encoding="utf-8"))
     return {key: info[key] for key in ("git", "config_digest", "data_sha256")}
 
@@ -270,9 +336,17 @@ def export_verl_checkpoint(run_dir: Path, base_model: str) -> Path:
     final, tmp = run_dir / "ckpt", run_dir / ".ckpt.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     merge = [
-        sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
-        "--local_dir", str(steps[-1] / "actor"), "--target_dir", str(tmp),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "verl.model_merger",
+        "merge",
+        "--backend",
+        "fsdp",
+        "--local_dir",
+        str(steps[-1] / "actor"),
+        "--target_dir",
+        str(tmp),
+    ]
     subprocess.run(merge, check=True)
     step = int(steps[-1].name.rsplit("_", 1)[1])
     write_json_atomic(tmp / "manifest.json", {"backend": "verl", "step": step, "base_model": base_model, **record})

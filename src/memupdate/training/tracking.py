@@ -59,8 +59,11 @@ def git_state(root: str | os.PathLike = REPO_ROOT) -> dict[str, Any]:
         # --no-optional-locks: only read; status would otherwise refresh the index of a checkout in use.
         return subprocess.run(
             ["git", "--no-optional-locks", "-C", os.fspath(root), *args],
-            capture_output=True, text=True, check=True, timeout=60,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
 
     try:
         commit = git("rev-parse", "HEAD").strip()
@@ -68,9 +71,7 @@ def git_state(root: str | os.PathLike = REPO_ROOT) -> dict[str, Any]:
     except FileNotFoundError:
         return {"commit": None, "dirty": None, "reason": "git is not installed"}
     except subprocess.CalledProcessError as err:
-        why = (
-            err.stderr.strip().splitlines()[-1] if err.stderr.strip() else f"git exited with {err.returncode}"
-        )
+        why = err.stderr.strip().splitlines()[-1] if err.stderr.strip() else f"git exited with {err.returncode}"
         return {"commit": None, "dirty": None, "reason": f"{root} is not a git checkout ({why})"}
     return {"commit": commit, "dirty": bool(changes.strip())}
 
@@ -118,9 +119,7 @@ def write_run_info(run_dir: str | os.PathLike, info: Mapping[str, Any]) -> Path:
     if git.get("commit") is None:
         logger.warning("run %s records no commit: %s", run_dir, git.get("reason"))
     elif git.get("dirty"):
-        logger.warning(
-            "run %s: the code at %s has uncommitted changes (recorded as dirty)", run_dir, git["commit"]
-        )
+        logger.warning("run %s: the code at %s has uncommitted changes (recorded as dirty)", run_dir, git["commit"])
     return path
 
 
@@ -188,14 +187,10 @@ def open_tracker(
     backends = list(dict.fromkeys(backends))
     unknown = [b for b in backends if b not in Tracking.supported_backend]
     if unknown:
-        raise ValueError(
-            f"unknown tracking backends {unknown}; verl's Tracking supports {Tracking.supported_backend}"
-        )
+        raise ValueError(f"unknown tracking backends {unknown}; verl's Tracking supports {Tracking.supported_backend}")
     run_dir = Path(run_dir)
     own = {"tensorboard", "file"}
-    tracker = Tracking(
-        PROJECT, experiment_name(run_dir), [b for b in backends if b not in own], config=dict(config)
-    )
+    tracker = Tracking(PROJECT, experiment_name(run_dir), [b for b in backends if b not in own], config=dict(config))
     if "tensorboard" in backends:
         tracker.logger["tensorboard"] = RunTensorboard(run_dir / TENSORBOARD_DIR)
     if "file" in backends:

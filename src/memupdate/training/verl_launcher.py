@@ -177,9 +177,7 @@ def _fixed_model(stage: str, endpoint: Mapping[str, Any] | None) -> dict[str, An
         return None
     missing = [k for k in ("base_url", "model") if not endpoint.get(k)]
     if missing:
-        raise ValueError(
-            f"fixed_model_endpoint lacks {missing}: it needs base_url and model, got {dict(endpoint)}"
-        )
+        raise ValueError(f"fixed_model_endpoint lacks {missing}: it needs base_url and model, got {dict(endpoint)}")
     return dict(endpoint)
 
 
@@ -210,9 +208,14 @@ def tracking_env(experiment_dir: PathLike) -> dict[str, str]:
 
 
 def run_overrides(
-    model_path: PathLike, train_files: PathLike | Sequence[PathLike], val_files: PathLike | Sequence[PathLike],
-    n_gpus_per_node: int, nnodes: int, experiment_dir: PathLike, data: Mapping[str, PathLike | None] | None = None,
-) -> list[str]:  # fmt: skip
+    model_path: PathLike,
+    train_files: PathLike | Sequence[PathLike],
+    val_files: PathLike | Sequence[PathLike],
+    n_gpus_per_node: int,
+    nnodes: int,
+    experiment_dir: PathLike,
+    data: Mapping[str, PathLike | None] | None = None,
+) -> list[str]:
     """The overrides every run has: model, data, layout, and where the run's files go (all absolute, since
     Ray workers on other nodes do not share the driver's working directory); the trackers' folders; and
     the run's record (:func:`memupdate.training.tracking.run_record` of the train files and ``data``), which
@@ -235,7 +238,9 @@ def run_overrides(
         # Not a verl key: added, and given to the trackers with the rest of the config.
         f"++{RUN_RECORD}={hydra_value(run_record(data))}",
     ]
-    return overrides + [f"++{RAY_ENV_VARS}.{name}={hydra_value(value)}" for name, value in tracking_env(run_dir).items()]
+    return overrides + [
+        f"++{RAY_ENV_VARS}.{name}={hydra_value(value)}" for name, value in tracking_env(run_dir).items()
+    ]
 
 
 def _extra_overrides(extra: Mapping[str, Any] | Sequence[str]) -> list[str]:
@@ -298,9 +303,12 @@ def compose_overrides(
 
 
 def main_ppo_argv(
-    overrides: Sequence[str], *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR,
+    overrides: Sequence[str],
+    *,
+    python: str = sys.executable,
+    config_dir: PathLike = CONFIG_DIR,
     config_name: str = CONFIG_NAME,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     return [
         python,
         "-m",
@@ -327,7 +335,9 @@ def build_main_ppo_command(
 
 def _run_env(run: Mapping[str, Any]) -> dict[str, str]:
     return {
-        **tool_env(run["memories"], run["embeddings"], run.get("embedding_model", DEFAULT_MODEL), run.get("max_content_chars")),
+        **tool_env(
+            run["memories"], run["embeddings"], run.get("embedding_model", DEFAULT_MODEL), run.get("max_content_chars")
+        ),
         **tracking_env(run["experiment_dir"]),
     }
 
@@ -342,9 +352,7 @@ def _compose(config_dir: PathLike, config_name: str, overrides: Sequence[str]) -
 
 def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
     if isinstance(node, DictConfig) and len(node):
-        return [
-            k for key, child in node.items_ex(resolve=False) for k in _leaf_keys(child, f"{prefix}{key}.")
-        ]
+        return [k for key, child in node.items_ex(resolve=False) for k in _leaf_keys(child, f"{prefix}{key}.")]
     return [prefix.rstrip(".")]
 
 
@@ -370,9 +378,7 @@ def _check_delta(config_dir: PathLike, config_name: str) -> None:
         and not _defines(base, key)
     ]
     if unknown:
-        raise ConfigValidationError(
-            f"{path} sets keys verl's ppo_trainer does not define: {', '.join(unknown)}"
-        )
+        raise ConfigValidationError(f"{path} sets keys verl's ppo_trainer does not define: {', '.join(unknown)}")
 
 
 def _unknown_key_hint(config_dir: PathLike, config_name: str, key: str) -> str:
@@ -424,9 +430,7 @@ def validate_overrides(config_dir: PathLike, config_name: str, overrides: Sequen
     try:
         OmegaConf.resolve(config)
     except OmegaConfBaseException as err:
-        raise ConfigValidationError(
-            f"verl config {config_name} has an interpolation that fails: {err}"
-        ) from err
+        raise ConfigValidationError(f"verl config {config_name} has an interpolation that fails: {err}") from err
 
     _to_dataclass(config, "actor_rollout_ref.rollout")
     _to_dataclass(config, "actor_rollout_ref.actor")
@@ -435,9 +439,7 @@ def validate_overrides(config_dir: PathLike, config_name: str, overrides: Sequen
     from verl.utils.config import validate_config
 
     try:
-        validate_config(
-            config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
-        )
+        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     except (AssertionError, ValueError) as err:
         raise ConfigValidationError(f"verl's validate_config rejects {config_name}: {err}") from err
     return config
@@ -544,8 +546,11 @@ def memagent_overrides(
         reply = max(int(loop.get("max_memory_tokens", 1024)), int(loop.get("max_final_tokens", 256)))
         # The template and question take well under 1024 tokens.
         turn = int(loop.get("chunk_size", 5000)) + int(loop.get("max_memory_tokens", 1024)) + 1024
-        overrides += [f"actor_rollout_ref.rollout.response_length={reply}", f"data.max_response_length={reply}",
-                      f"actor_rollout_ref.rollout.prompt_length={turn}"]  # fmt: skip
+        overrides += [
+            f"actor_rollout_ref.rollout.response_length={reply}",
+            f"data.max_response_length={reply}",
+            f"actor_rollout_ref.rollout.prompt_length={turn}",
+        ]
     return overrides + _extra_overrides(extra)
 
 

@@ -42,9 +42,16 @@ class VLLMRollout:
     """
 
     def __init__(
-        self, model: torch.nn.Module, tokenizer: Any, run_dir: str | Path, *, settings: ServeSettings,
-        max_model_len: int, max_new_tokens: int, step: int = 0,
-    ):  # fmt: skip
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        run_dir: str | Path,
+        *,
+        settings: ServeSettings,
+        max_model_len: int,
+        max_new_tokens: int,
+        step: int = 0,
+    ):
         self.root = Path(run_dir) / "rollout"
         shutil.rmtree(self.root, ignore_errors=True)
         self.root.mkdir(parents=True)
@@ -52,10 +59,15 @@ class VLLMRollout:
         served = self._write(model, step)
         tokenizer.save_pretrained(served)
         self.server = start_vllm_server(
-            served, served_model_name="policy", python=vllm_python(settings), dtype=settings.dtype,
-            max_model_len=max_model_len, log_path=Path(run_dir) / "rollout_server.log", extra_args=settings.extra_args,
+            served,
+            served_model_name="policy",
+            python=vllm_python(settings),
+            dtype=settings.dtype,
+            max_model_len=max_model_len,
+            log_path=Path(run_dir) / "rollout_server.log",
+            extra_args=settings.extra_args,
             env={**settings.env, **DEV_MODE_ENV},
-        )  # fmt: skip
+        )
         try:
             startup = self.server.wait_until_ready(settings.startup_timeout_s)
         except BaseException:

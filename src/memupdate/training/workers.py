@@ -79,7 +79,9 @@ class MultiOutputAgentLoopWorker(AgentLoopWorker):
         factory = self._agent_loop_factories.get(agent_name)
         if factory is None:
             if agent_name not in _agent_loop_registry:
-                raise ValueError(f"agent loop {agent_name!r} is not registered; registered: {sorted(_agent_loop_registry)}")
+                raise ValueError(
+                    f"agent loop {agent_name!r} is not registered; registered: {sorted(_agent_loop_registry)}"
+                )
             factory = hydra.utils.instantiate(
                 config=_agent_loop_registry[agent_name],
                 _partial_=True,
@@ -97,9 +99,13 @@ class MultiOutputAgentLoopWorker(AgentLoopWorker):
 
     async def _run_agent_loop(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):
         with rollout_trace_attr(
-            step=trajectory["step"], sample_index=trajectory["sample_index"], rollout_n=trajectory["rollout_n"],
-            validate=trajectory["validate"], name="agent_loop", trace=trace,
-        ):  # fmt: skip
+            step=trajectory["step"],
+            sample_index=trajectory["sample_index"],
+            rollout_n=trajectory["rollout_n"],
+            validate=trajectory["validate"],
+            name="agent_loop",
+            trace=trace,
+        ):
             output = await self._new_agent_loop(agent_name).run(sampling_params, **kwargs)
             return await self._agent_loop_postprocess(output, trajectory["validate"], **kwargs)
 
@@ -128,7 +134,9 @@ class MultiOutputAgentLoopWorker(AgentLoopWorker):
         for turn in output[:-1]:
             turn.reward_score = final.reward_score
             turn.extra_fields["reward_extra_info"] = final.extra_fields.get("reward_extra_info", {})
-        return [await super(MultiOutputAgentLoopWorker, self)._agent_loop_postprocess(o, validate, **kwargs) for o in output]
+        return [
+            await super(MultiOutputAgentLoopWorker, self)._agent_loop_postprocess(o, validate, **kwargs) for o in output
+        ]
 
     def _postprocess(self, inputs, input_non_tensor_batch=None, validate=False):
         groups = [item if isinstance(item, list) else [item] for item in inputs]
@@ -168,8 +176,15 @@ LOOP_MAX_MODEL_LEN = 4096
 
 
 def vllm_loop_config(
-    model_dir: str, train_file: str, memories: str, embeddings: str, run_dir: str, *,
-    rollout_n: int, max_assistant_turns: int, response_length: int = 768,
+    model_dir: str,
+    train_file: str,
+    memories: str,
+    embeddings: str,
+    run_dir: str,
+    *,
+    rollout_n: int,
+    max_assistant_turns: int,
+    response_length: int = 768,
 ) -> DictConfig:
     """verl's config for our MemoryUpdate loop on ``train_file`` rows against a vLLM server of
     ``model_dir``, with the training reward (no memory-count cap, so a short episode is not penalised for
@@ -181,9 +196,18 @@ def vllm_loop_config(
         raise ValueError(
             f"response_length {response_length} + prompt {LOOP_PROMPT_LENGTH} exceeds the server's {LOOP_MAX_MODEL_LEN}"
         )
-    return run_config(LocalGRPOConfig(
-        model_path=str(model_dir), train_files=[str(train_file)], run_dir=str(run_dir),
-        tool_config="config/tools/memory_tools.yaml", memories=str(memories), embeddings=str(embeddings),
-        rollout_n=rollout_n, prompt_length=LOOP_PROMPT_LENGTH, response_length=response_length,
-        max_assistant_turns=max_assistant_turns, reward={"efficiency": {"max_total_memories": None}},
-    ))
+    return run_config(
+        LocalGRPOConfig(
+            model_path=str(model_dir),
+            train_files=[str(train_file)],
+            run_dir=str(run_dir),
+            tool_config="config/tools/memory_tools.yaml",
+            memories=str(memories),
+            embeddings=str(embeddings),
+            rollout_n=rollout_n,
+            prompt_length=LOOP_PROMPT_LENGTH,
+            response_length=response_length,
+            max_assistant_turns=max_assistant_turns,
+            reward={"efficiency": {"max_total_memories": None}},
+        )
+    )

@@ -5,7 +5,7 @@ setup_logging(snakemake.log[0])
 inputs, params = snakemake.input, snakemake.params
 train_stage(
     backend=params.backend,
-    training_stage="memory",
+    training_stage=params.training_stage,
     settings=params.settings,
     model=inputs.model,
     train_files=[inputs.train],
