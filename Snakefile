@@ -43,6 +43,10 @@ include: "rules/memagent.smk"
 include: "rules/default.smk"
 
 
+onstart:
+    start_run()
+
+
 onsuccess:
     stop_run_servers()
 

@@ -147,14 +147,19 @@ def server_request(wildcards):
 # Servers started by serve_model are recorded here and stopped when the run ends (Snakefile hooks).
 SERVER_REGISTRY = "logs/serve_model/running"
 
-# A server started by a local serve_model job watches this process and stops when it is gone, even
-# when the run is killed. Jobs re-read the Snakefile with it inherited, so only the main process sets it.
-if os.environ.setdefault("MEMUPDATE_RUN_PID", str(os.getpid())) == str(os.getpid()):
-    # Servers (and markers) left by a killed run would make this run trust dead endpoints.
+
+def start_run():
+    """onstart, so only a real run (never -n or --lint) does this. A server started by a local serve_model job
+    watches this process and stops when it is gone, even when the run is killed; jobs inherit the mark, so
+    only the run's own process sets it. Servers (and markers) left by a killed run would make this run trust
+    dead endpoints: they are stopped first."""
+    if os.environ.setdefault("MEMUPDATE_RUN_PID", str(os.getpid())) != str(os.getpid()):
+        return
     if os.path.isdir(SERVER_REGISTRY) and os.listdir(SERVER_REGISTRY):
         from memupdate.serving.launch import stop_servers
 
-        stop_servers(SERVER_REGISTRY, orphans_only=True)
+        for name in stop_servers(SERVER_REGISTRY, orphans_only=True):
+            logger.info(f"stopped the {name} server a killed run left")
 
 
 def stop_run_servers():

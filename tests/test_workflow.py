@@ -65,6 +65,28 @@ def test_lint_and_format_are_clean(repo_root):
         assert result.returncode == 0, f"{' '.join(command[1:])}:\n{result.stdout}{result.stderr}"
 
 
+def test_leftover_servers_are_cleared_by_a_real_run_not_by_reading_the_workflow(workdir, shared_data_dir):
+    """A killed run's server record (its run process gone) is cleared when the next real run starts, never
+    when the Snakefile is only read (-n, --lint)."""
+    if not shared_data_dir.is_dir():
+        pytest.skip("needs ../shared/data as the data mirror")
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    registry = workdir / "logs/serve_model/running"
+    registry.mkdir(parents=True)
+    marker = workdir / "results/old/serve/eval/qa-base.ready.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("{}")
+    record = registry / "old-eval-qa-base.json"
+    record.write_text(json.dumps({"name": "old-eval-qa-base", "run_pid": dead_pid.pid, "marker": str(marker)}))
+    assert snakemake(workdir, "-n", "all").returncode == 0
+    assert record.is_file() and marker.is_file()
+    run = snakemake(workdir, "--cores", "1", "resources/data/locomo10.json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not record.exists() and not marker.exists()
+    assert "stopped the old-eval-qa-base server a killed run left" in run.stdout + run.stderr
+
+
 def test_invalid_config_is_rejected_before_anything_runs(workdir):
     result = snakemake(workdir, "-n", "all", "--cores", "1", "--config", "scale=huge")
     assert result.returncode != 0

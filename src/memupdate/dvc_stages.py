@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ast
 import logging
-import os
 import re
 import tomllib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -109,27 +108,18 @@ def load_dag(root: Path, configfiles: Sequence[str] = (), targets: Iterable[str]
     )
 
     root = root.resolve()
-    # The Snakefile marks the process that loads it as the run's owner (MEMUPDATE_RUN_PID, rules/common.smk);
-    # this is not a run, so later runs started from this process must not inherit that mark.
-    saved = os.environ.get("MEMUPDATE_RUN_PID")
-    try:
-        with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
-            workflow_api = api.workflow(
-                resource_settings=ResourceSettings(),
-                config_settings=ConfigSettings(configfiles=[root / f for f in configfiles]),
-                snakefile=root / "Snakefile",
-                workdir=root,
-            )
-            workflow_api.dag(DAGSettings(targets=set(targets), forceall=True))
-            workflow = workflow_api._workflow
-            workflow._prepare_dag(forceall=True, ignore_incomplete=True, lock_warn_only=True, nolock=True)
-            workflow._build_dag()
-            return workflow
-    finally:
-        if saved is None:
-            os.environ.pop("MEMUPDATE_RUN_PID", None)
-        else:
-            os.environ["MEMUPDATE_RUN_PID"] = saved
+    with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+        workflow_api = api.workflow(
+            resource_settings=ResourceSettings(),
+            config_settings=ConfigSettings(configfiles=[root / f for f in configfiles]),
+            snakefile=root / "Snakefile",
+            workdir=root,
+        )
+        workflow_api.dag(DAGSettings(targets=set(targets), forceall=True))
+        workflow = workflow_api._workflow
+        workflow._prepare_dag(forceall=True, ignore_incomplete=True, lock_warn_only=True, nolock=True)
+        workflow._build_dag()
+        return workflow
 
 
 def _producers(dag: Any) -> dict[str, Any]:

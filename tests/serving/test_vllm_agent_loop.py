@@ -9,9 +9,10 @@ from verl import DataProto
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.agents.memory_loop import TERMINATION_REASONS
+from memupdate.bench.rollout import LOOP_MAX_MODEL_LEN, vllm_loop_config
 from memupdate.serving.client import Endpoint
 from memupdate.serving.vllm import VLLMTokenClient, start_vllm_server
-from memupdate.training.workers import LOOP_MAX_MODEL_LEN, in_process_workers, vllm_loop_config
+from memupdate.training.workers import in_process_workers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -14,7 +14,6 @@ from typing import Any
 import hydra
 import numpy as np
 import torch
-from omegaconf import DictConfig
 from verl.experimental.agent_loop.agent_loop import (
     AgentLoopWorker,
     DictConfigWrap,
@@ -166,48 +165,4 @@ def in_process_workers(
     scorer = RewardLoopWorker(config)
     return MultiOutputAgentLoopWorker(
         config, llm_client=llm_client, reward_loop_worker_handles=[InProcessRewardHandle(scorer, timer)]
-    )
-
-
-#: Prompt budget for LoCoMo rows: the system prompt with six tool schemas is ~2.2k tokens with the tiny
-#: tokenizer. A vLLM server for these episodes needs ``max_model_len >= LOOP_PROMPT_LENGTH + response_length``.
-LOOP_PROMPT_LENGTH = 3072
-LOOP_MAX_MODEL_LEN = 4096
-
-
-def vllm_loop_config(
-    model_dir: str,
-    train_file: str,
-    memories: str,
-    embeddings: str,
-    run_dir: str,
-    *,
-    rollout_n: int,
-    max_assistant_turns: int,
-    response_length: int = 768,
-) -> DictConfig:
-    """verl's config for our MemoryUpdate loop on ``train_file`` rows against a vLLM server of
-    ``model_dir``, with the training reward (no memory-count cap, so a short episode is not penalised for
-    the base store's size). Like :func:`~memupdate.training.local.run_config`, it writes
-    ``run_dir/agent_loops.yaml`` and sets the ``MEMUPDATE_*`` variables the tools YAML reads."""
-    from memupdate.training.local import LocalGRPOConfig, run_config  # local.py imports this module
-
-    if LOOP_PROMPT_LENGTH + response_length > LOOP_MAX_MODEL_LEN:
-        raise ValueError(
-            f"response_length {response_length} + prompt {LOOP_PROMPT_LENGTH} exceeds the server's {LOOP_MAX_MODEL_LEN}"
-        )
-    return run_config(
-        LocalGRPOConfig(
-            model_path=str(model_dir),
-            train_files=[str(train_file)],
-            run_dir=str(run_dir),
-            tool_config="config/tools/memory_tools.yaml",
-            memories=str(memories),
-            embeddings=str(embeddings),
-            rollout_n=rollout_n,
-            prompt_length=LOOP_PROMPT_LENGTH,
-            response_length=response_length,
-            max_assistant_turns=max_assistant_turns,
-            reward={"efficiency": {"max_total_memories": None}},
-        )
     )
