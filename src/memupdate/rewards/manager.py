@@ -106,14 +106,19 @@ def answer_score(answer: str | None, item: QAItem, metric: str) -> float:
     raise ValueError(f"answer_metric must be mem0_f1 or locomo_f1, got {metric!r}")
 
 
+def check_setting_names(settings: Mapping[str, Any]) -> None:
+    """Raise naming every key of ``settings`` the reward manager does not take."""
+    unknown = sorted(set(settings) - SETTINGS)
+    if unknown:
+        raise ValueError(f"unknown reward settings {unknown}; the reward manager takes {sorted(SETTINGS)}")
+
+
 def reward_settings(config: Any) -> dict[str, Any]:
     """``reward.custom_reward_function.reward_kwargs`` as a plain dict, memory paths filled from the env."""
     reward = config.get("reward", {}) if hasattr(config, "get") else {}
     custom = (reward.get("custom_reward_function") or {}) if reward else {}
     kwargs = dict(custom.get("reward_kwargs") or {})
-    unknown = set(kwargs) - SETTINGS
-    if unknown:
-        raise ValueError(f"unknown memupdate reward settings {sorted(unknown)}; allowed: {sorted(SETTINGS)}")
+    check_setting_names(kwargs)
     for key, env in ENV_KEYS.items():
         kwargs.setdefault(key, os.environ.get(env))
     kwargs["embedding_model"] = kwargs["embedding_model"] or "all-MiniLM-L6-v2"

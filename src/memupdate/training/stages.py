@@ -85,11 +85,9 @@ def stage_reward(
     workflow's reward settings with the trained role and the QA answer cap. Checked now, before the model
     loads: an unknown setting or scorer, a served scorer without its marker, or a dead server fails here,
     as does a reader that is not the fixed QA model whose QA-phase answers it scores in stage 1."""
-    from memupdate.rewards.manager import DEFAULT_QA_MAX_TOKENS, SETTINGS, served_endpoints
+    from memupdate.rewards.manager import DEFAULT_QA_MAX_TOKENS, check_setting_names, served_endpoints
 
-    unknown = sorted(set(reward) - SETTINGS)
-    if unknown:
-        raise ValueError(f"unknown reward settings {unknown}; the reward manager takes {sorted(SETTINGS)}")
+    check_setting_names(reward)
     if "qa_max_tokens" in settings:
         raise ValueError(
             "qa_max_tokens is the reward's (reward.qa_max_tokens in config/config.yaml): the QA phase and the "

@@ -48,6 +48,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from memupdate.memory.embedder import DEFAULT_MODEL
+from memupdate.settings import MemAgentLoopSettings, build
 from memupdate.training.tracking import (
     TENSORBOARD_DIR,
     TRACKING_FILE,
@@ -519,7 +520,6 @@ def prepare_main_ppo(
 
 
 MEMAGENT_CONFIG_NAME = "grpo_memagent"
-MEMAGENT_LOOP_KEYS = ("chunk_size", "max_chunks", "max_memory_tokens", "max_final_tokens")
 
 
 def memagent_overrides(
@@ -536,16 +536,15 @@ def memagent_overrides(
     """Hydra overrides for ``main_ppo --config-name grpo_memagent``: paths, layout, and the turn budgets the
     loop's ``loop`` settings imply (a turn's prompt holds a chunk and a memory; a reply is at most a memory or
     the answer), so verl pads to what the loop produces."""
-    unknown = sorted(set(loop) - set(MEMAGENT_LOOP_KEYS))
-    if unknown:
-        raise ValueError(f"unknown MemAgent loop settings {unknown}; known: {list(MEMAGENT_LOOP_KEYS)}")
+    # The loop's settings as the loop itself takes them: an unknown or ill-typed key fails here, named.
+    budgets = build(MemAgentLoopSettings, loop, "loop")
     if n_gpus_per_node < 1 or nnodes < 1:
         raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
     overrides = run_overrides(model_path, train_files, val_files, n_gpus_per_node, nnodes, experiment_dir)
     if loop:
-        reply = max(int(loop.get("max_memory_tokens", 1024)), int(loop.get("max_final_tokens", 256)))
+        reply = max(budgets.max_memory_tokens, budgets.max_final_tokens)
         # The template and question take well under 1024 tokens.
-        turn = int(loop.get("chunk_size", 5000)) + int(loop.get("max_memory_tokens", 1024)) + 1024
+        turn = budgets.chunk_size + budgets.max_memory_tokens + 1024
         overrides += [
             f"actor_rollout_ref.rollout.response_length={reply}",
             f"data.max_response_length={reply}",
