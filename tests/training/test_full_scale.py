@@ -48,7 +48,7 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
     table = read_table(repo_root / "profiles/slurm/resources.yaml", full["models"])
     reward = {k: v for k, v in full["reward"].items() if k != "judge"}
     # scorer auto with a QA model: the served base QA model reads (rules/common.smk get_stage1_reward).
-    reward.update(scorer="reader", reader_marker=str(tmp_path / "qa-base.ready.json"), training_stage="memory")
+    reward.update(scorer="reader", reader_marker=str(tmp_path / "qa-base.ready.json"))
     stages = [
         ("stage1", "memory", "policy"),
         *([("stage2", "qa", "qa_model")] if "stage2" in experiment else []),
