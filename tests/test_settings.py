@@ -187,6 +187,24 @@ def test_the_training_code_reads_the_same_definition():
         local_config({"stpes": 3}, model_path="m", train_files=["t"], run_dir="r")
 
 
+def test_a_config_built_in_code_is_held_to_the_settings_bounds():
+    """As TRL's GRPOConfig: the constraint is checked where the config is built, not only on user values."""
+    from memupdate.rollout.config import RolloutConfig
+    from memupdate.training.local import LocalGRPOConfig
+
+    paths = {"model_path": "m", "train_files": ["t"], "run_dir": "r"}
+    with pytest.raises(ConfigError, match="local GRPO config.rollout_n: 1 is below the minimum 2"):
+        LocalGRPOConfig(**paths, rollout_n=1)
+    with pytest.raises(ConfigError, match="lr: 0.0 must be greater than 0"):
+        LocalGRPOConfig(**paths, lr=0.0)
+    with pytest.raises(ValueError, match="rollout must be one of"):
+        LocalGRPOConfig(**paths, rollout="sglang")
+    # Evaluation rolls out once per question: a rollout configuration, not a GRPO one.
+    assert RolloutConfig(**paths).rollout_n == 1
+    with pytest.raises(ValueError, match="unknown agent_name 'tool_agent'"):
+        RolloutConfig(**paths, agent_name="tool_agent")
+
+
 def test_snakemake_dry_run_fails_on_a_bad_setting_and_honours_null(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("experiments:\n  smoke:\n    stage1:\n      stpes: 2\n")

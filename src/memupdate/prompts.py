@@ -1,6 +1,6 @@
 """The QA and judge prompts of the two LoCoMo evaluation protocols, verbatim, rendered as upstream fills them.
 
-The texts live in ``config/prompts/<protocol>.yaml`` (copied byte for byte from upstream, each with its
+The texts live in ``prompt_files/<protocol>.yaml`` beside this module (copied byte for byte from upstream, each with its
 source repository, path, commit and the sha256 of the upstream string); this module only fills them:
 
 - ``locomo`` (snap-research/LoCoMo ``task_eval/gpt_utils.py``, RAG mode): the retrieved memories, one
@@ -49,9 +49,8 @@ PROTOCOLS = ("locomo", "mem0")
 #: The QA prompt of training's QA phase and the reward's reader unless ``reward.qa_prompt`` says otherwise.
 DEFAULT_PROTOCOL = "locomo"
 
-#: ``config/prompts`` of the checkout this package is installed from (editable installs); pass
-#: ``prompts_dir`` explicitly when the package runs from elsewhere.
-DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parents[2] / "config" / "prompts"
+#: The verbatim prompt files, shipped with the package (package data).
+DEFAULT_PROMPTS_DIR = Path(__file__).resolve().with_name("prompt_files")
 
 #: The templates each protocol's file must hold.
 TEMPLATE_KEYS = {
@@ -222,8 +221,8 @@ def load_prompts(protocol: str, prompts_dir: str | Path | None = None) -> Prompt
 def _load(path: Path, protocol: str) -> Prompts:
     if not path.is_file():
         raise PromptFileError(
-            f"prompt file {path} for protocol {protocol!r} does not exist; pass prompts_dir= pointing at the "
-            "repository's config/prompts (the default only works from a checkout)"
+            f"prompt file {path} for protocol {protocol!r} does not exist; the package ships them in "
+            f"{DEFAULT_PROMPTS_DIR} (pass prompts_dir= for another folder)"
         )
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))

@@ -1,7 +1,7 @@
 """Typed settings: the one definition of every setting a user writes, checked when the Snakefile loads.
 
 Each section of ``config/config.yaml`` that the package reads as a whole is a dataclass here (training,
-evaluation, MemAgent's loop, serving, the reward, the model kinds). Its fields are the only list of keys: :func:`build` constructs it
+evaluation, MemAgent's loop, serving, the reward, the memory environment, the model kinds). Its fields are the only list of keys: :func:`build` constructs it
 from user values with the key's full path in every error, the code that runs the section builds it the
 same way, and ``config/schema/config.schema.yaml`` defers to it for these sections.
 :func:`check_config` runs everything at Snakefile load: the JSON schema of the top level (with its
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
+from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS
 from memupdate.rewards.efficiency import EfficiencyConfig
 
 #: A number in scientific notation without a dot, which YAML 1.2 reads as a float and PyYAML as a string.
@@ -272,7 +273,8 @@ class RewardSettings:
     )
     judge: Literal["qa-base", "base"] = setting("qa-base", help="served model that judges (scorer judge)")
     qa_prompt: Literal["locomo", "mem0"] = setting(
-        "locomo", help="protocol of the QA prompt (config/prompts/<protocol>.yaml) of the QA phase and the reader"
+        "locomo",
+        help="protocol of the QA prompt (memupdate/prompt_files/<protocol>.yaml) of the QA phase and the reader",
     )
     qa_max_tokens: int = setting(32, help="answer cap of the QA phase and of the reader (the same answers)", minimum=1)
     reader_metric: Literal["locomo_f1", "mem0_f1"] | None = setting(
@@ -285,6 +287,23 @@ class RewardSettings:
     other_questions: int = setting(0, help="other questions of the conversation averaged into S", minimum=0)
     efficiency: dict[str, Any] = setting(
         help="E's settings (memupdate.rewards.efficiency.EfficiencyConfig)", factory=dict, schema=EfficiencyConfig
+    )
+
+
+@dataclass
+class MemorySettings:
+    """The ``memory`` section: the model that embeds memories and queries, and the cap on memory text (the
+    run's :class:`~memupdate.memory.environment.MemoryEnvironment` carries both to its tools and reward)."""
+
+    embedding_model: str = setting(
+        DEFAULT_EMBEDDING_MODEL,
+        help="sentence-transformers model (name or local path); the default loads offline from a package",
+    )
+    embedding_batch_size: int = setting(64, help="texts per encode call when building the embedding cache", minimum=1)
+    max_content_chars: int = setting(
+        DEFAULT_MAX_CONTENT_CHARS,
+        help="longest memory text a memory tool writes; longer text is refused with an instruction",
+        minimum=1,
     )
 
 
@@ -308,7 +327,9 @@ class HFModel:
     name_or_path: str = setting(help="a local folder or a hub id")
     revision: str | None = None
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    chat_template: str | None = setting(None, help="a template of config/chat_templates (null: the model's own)")
+    chat_template: str | None = setting(
+        None, help="a template of memupdate/models/chat_template_files (null: the model's own)"
+    )
 
     def __post_init__(self) -> None:
         _check_chat_template(self.chat_template)
@@ -382,6 +403,27 @@ def clean(cls: type, values: Mapping[str, Any] | None, path: str) -> dict[str, A
     """The values :func:`build` passes to ``cls``: known keys only, typed (``"1e-6"`` -> ``1e-06``), a null
     where null is not allowed dropped (the default applies). Raises :class:`ConfigError`, naming the key."""
     return _checked(cls, values, path)[1]
+
+
+def check_bounds(obj: Any, path: str) -> None:
+    """Enforce the bounds (``minimum``, ``exclusiveMinimum``, ``maximum``) of a built settings object's fields,
+    so code that constructs a settings class directly gets the checks :func:`build` gives user values.
+
+    >>> check_bounds(TrainSettings(rollout_n=1), "train")
+    Traceback (most recent call last):
+    ...
+    memupdate.settings.ConfigError: train.rollout_n: 1 is below the minimum 2
+    """
+    errors = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            try:
+                _bounded(value, f.metadata, f"{path}.{f.name}")
+            except ConfigError as err:
+                errors.append(str(err))
+    if errors:
+        raise ConfigError("\n".join(errors))
 
 
 def _checked(cls: type[T], values: Mapping[str, Any] | None, path: str) -> tuple[T, dict[str, Any]]:
@@ -706,6 +748,10 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
     except ConfigError as err:
         errors.extend(str(err).splitlines())
     try:
+        config["memory"] = dataclasses.asdict(build(MemorySettings, config.get("memory"), "memory"))
+    except ConfigError as err:
+        errors.extend(str(err).splitlines())
+    try:
         # Rules read reward keys directly: every key present, defaults filled in.
         config["reward"] = dataclasses.asdict(build(RewardSettings, config.get("reward"), "reward"))
     except ConfigError as err:
@@ -760,7 +806,9 @@ def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
 
 
 #: Folders under results/ that are not experiments: shared artifacts and the default experiment's short paths.
-RESERVED_RESULTS = frozenset({"data", "embeddings", "models", "stage1", "stage2", "eval", "memagent", "memagent_eval"})
+RESERVED_RESULTS = frozenset(
+    {"data", "embeddings", "envs", "models", "stage1", "stage2", "eval", "memagent", "memagent_eval"}
+)
 
 
 def _dangling(path: str, name: Any, section: str, have: Mapping[str, Any]) -> str:

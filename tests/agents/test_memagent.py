@@ -10,9 +10,9 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.agents.memagent import FINAL_PROMPT, MEMORY_PROMPT, NO_MEMORY, split_chunks
 from memupdate.rewards.memagent import memagent_reward
+from memupdate.rollout.config import run_config
+from memupdate.rollout.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, TURN_INDEX_KEY, in_process_workers
 from memupdate.serving.hf_server import HFGenerateServer
-from memupdate.training.local import run_config
-from memupdate.training.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, TURN_INDEX_KEY, in_process_workers
 
 CHUNK, MAX_CHUNKS = 48, 3  # as the memagent_config fixture sets them
 

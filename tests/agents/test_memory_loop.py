@@ -10,38 +10,37 @@ from verl.experimental.agent_loop.tool_agent_loop import ToolListWrap
 from verl.tools.tool_registry import load_all_tools
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
+from memupdate.agents.context import LoopContext
 from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, QA_CONTEXT_KEY, STAGE_KEY, TERMINATION_KEY
 from memupdate.agents.memory_loop import MemoryUpdateAgentLoop
-from memupdate.memory.manager import manager_from_config
+from memupdate.memory.environment import MemoryEnvironment
+from memupdate.memory.manager import manager_for
 from memupdate.memory.store import TrialStore, within_budget
 from memupdate.prompts import qa_messages
 from memupdate.rewards.memory import MemoryRewardConfig
+from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.serving.hf_server import HFGenerateServer
-from memupdate.training.local import LocalGRPOConfig, verl_config
+from memupdate.tools.config import TOOL_CONFIG
 
 
 @pytest.fixture()
-def setup(tiny_models, locomo_rows, cache_dir, repo_root, monkeypatch, tmp_path):
+def setup(tiny_models, locomo_rows, cache_dir, tmp_path):
     models, rows = tiny_models, locomo_rows
-    monkeypatch.chdir(repo_root)
-    monkeypatch.setenv("MEMUPDATE_MEMORIES", str(rows["memories"]))
-    monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", str(cache_dir))
-    cfg = LocalGRPOConfig(
+    cfg = RolloutConfig(
         model_path=str(models / "policy"),
         train_files=[str(rows["train"])],
         run_dir=str(tmp_path),
-        tool_config="config/tools/memory_tools.yaml",
-        memories=str(rows["memories"]),
-        embeddings=str(cache_dir),
+        tool_config=str(TOOL_CONFIG),
+        memory=MemoryEnvironment(memories=rows["memories"], embeddings=cache_dir),
         prompt_length=4096,
         response_length=2048,
         max_new_tokens=12,
         max_assistant_turns=2,
     )
-    config = verl_config(cfg, tmp_path / "unused.yaml")
+    config = run_config(cfg)
     tokenizer = AutoTokenizer.from_pretrained(models / "policy")
     dataset = RLHFDataset(cfg.train_files, tokenizer, config.data)
-    tools = load_all_tools(cfg.tool_config, None)
+    tools = load_all_tools(config.actor_rollout_ref.rollout.multi_turn.tool_config_path, None)
     policy = HFGenerateServer(AutoModelForCausalLM.from_pretrained(models / "policy"), tokenizer, max_new_tokens=12)
     fixed = HFGenerateServer(
         AutoModelForCausalLM.from_pretrained(models / "fixed"), tokenizer, max_new_tokens=12, seed=7
@@ -99,7 +98,7 @@ def no_update_prompt_ids(setup, row, tokenizer):
     config = setup[0]
     info = row["extra_info"]
     reward = MemoryRewardConfig()
-    manager = manager_from_config(config.reward.custom_reward_function.reward_kwargs)
+    manager = manager_for(MemoryEnvironment.read(config.reward.custom_reward_function.reward_kwargs.memory_environment))
     store = TrialStore(manager.base(info["sample_id"]))
     hits = within_budget(
         store.search(manager.embedder.encode([info["question"]])[0], reward.top_k), reward.context_chars
@@ -169,32 +168,34 @@ def test_memory_stage_without_qa_phase_needs_no_fixed_model_and_qa_stage_does(se
         run_episode(setup, training_stage="qa", fixed_model=None)
 
 
-def test_fixed_model_from_agent_loops_yaml_becomes_one_metered_vllm_token_client():
+def test_fixed_model_from_agent_loops_yaml_becomes_one_metered_vllm_token_client_per_context():
     from omegaconf import OmegaConf
 
-    from memupdate.agents.memory_loop import fixed_client, fixed_clients
-    from memupdate.serving.vllm import GenerationMeter, VLLMTokenClient
+    from memupdate.agents.context import LoopContext
+    from memupdate.serving.token_client import GenerationMeter, VLLMTokenClient
 
+    context = LoopContext("test")
     spec = {"base_url": "http://127.0.0.1:8011/v1", "model": "qa"}
-    client = fixed_client(OmegaConf.create(spec), 64)
+    client = context.fixed_client(OmegaConf.create(spec), 64)
     assert isinstance(client, GenerationMeter) and isinstance(client.client, VLLMTokenClient)
     assert client.client.endpoint.model == "qa" and client.client.max_tokens == 64
-    # Every trajectory's loop gets the same client (one HTTP session, one context-length lookup) ...
-    assert fixed_client(dict(spec), 64) is client and client in fixed_clients()
-    # ... unless it asks for another endpoint or cap.
-    assert fixed_client({**spec, "max_tokens": 8}, 64) is not client
-    assert fixed_client(spec, 32) is not client
+    # Every trajectory's loop of a worker gets the same client (one HTTP session, one context-length lookup) ...
+    assert context.fixed_client(dict(spec), 64) is client and context.fixed_seconds() == 0.0
+    # ... unless it asks for another endpoint or cap; another worker's context has its own.
+    assert context.fixed_client({**spec, "max_tokens": 8}, 64) is not client
+    assert context.fixed_client(spec, 32) is not client
+    assert LoopContext("other").fixed_client(spec, 64) is not client
     with pytest.raises(ValueError, match="no model name"):
-        fixed_client({"base_url": "http://127.0.0.1:8011/v1", "model": ""}, 64)
+        context.fixed_client({"base_url": "http://127.0.0.1:8011/v1", "model": ""}, 64)
     with pytest.raises(ValueError, match="fixed_model must be an endpoint"):
-        fixed_client("qa-model", 64)
+        context.fixed_client("qa-model", 64)
 
 
 def test_prompt_ids_are_built_once_per_prompt_and_equal_the_builders(setup, monkeypatch):
     from memupdate.agents import memory_loop
 
     config, tokenizer, dataset, tools, policy, fixed = setup
-    monkeypatch.setattr(memory_loop, "_PROMPT_IDS", memory_loop.OrderedDict())
+    context = LoopContext("test")
     built = []
     original = memory_loop.ToolAgentLoop.ct_build_initial_tokens
 
@@ -215,6 +216,7 @@ def test_prompt_ids_are_built_once_per_prompt_and_equal_the_builders(setup, monk
                 dataset_cls=RLHFDataset,
                 data_config=DictConfigWrap(config.data),
                 tools=ToolListWrap(tools),
+                loop_context=context,
             )
             for _ in range(3)
         ]

@@ -22,7 +22,7 @@ from memupdate.eval.memagent import (
     model_source,
 )
 from memupdate.serving.readiness import write_marker
-from memupdate.serving.vllm import start_vllm_server
+from memupdate.serving.vllm_server import start_vllm_server
 from memupdate.settings import build
 
 # hotpot_rows' first three haystacks are 720, 735 and 1444 tiny-model tokens: 3, 3 and 6 chunks of 256.

@@ -131,6 +131,6 @@ def test_load_chat_template_reads_the_repository_file():
 
 def test_unknown_chat_template_names_where_it_looked():
     with pytest.raises(
-        FileNotFoundError, match=r"no chat template 'nope'.*chat_templates.*available: .*'chatml_tools'"
+        FileNotFoundError, match=r"no chat template 'nope'.*chat_template_files.*available: .*'chatml_tools'"
     ):
         load_chat_template("nope")

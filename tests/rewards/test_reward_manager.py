@@ -21,9 +21,11 @@ from omegaconf import OmegaConf
 from verl import DataProto
 
 from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, STAGE_KEY
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.store import TrialStore
 from memupdate.rewards.manager import MemoryRewardManager
 from memupdate.serving.readiness import ServerGone, write_marker
+from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training import stages
 
 QUESTION = "When did Caroline go to the LGBTQ support group?"
@@ -59,8 +61,10 @@ def target(locomo_rows):
 
 
 @pytest.fixture(scope="module")
-def store_paths(memories_parquet, cache_dir):
-    return {"memories": str(memories_parquet), "embeddings": str(cache_dir), "embedding_model": "all-MiniLM-L6-v2"}
+def store_paths(memories_parquet, cache_dir, tmp_path_factory):
+    """The reward's memory setting as a run gives it: the run's memory-environment file."""
+    environment = MemoryEnvironment(memories=memories_parquet, embeddings=cache_dir)
+    return {"memory_environment": str(environment.write(tmp_path_factory.mktemp("run")))}
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +110,13 @@ def test_a_misconfigured_scorer_fails_when_the_manager_starts(settings, error, m
         manager(settings)
 
 
+def test_a_manager_without_the_runs_memory_environment_fails_when_it_starts(tmp_path):
+    with pytest.raises(ValueError, match="needs reward_kwargs.memory_environment"):
+        manager({"scorer": "answer_recall"})
+    with pytest.raises(ValueError, match="no memory environment here"):
+        manager({"scorer": "answer_recall"}, memory_environment=str(tmp_path / "memory_environment.json"))
+
+
 def test_a_dead_reader_fails_when_the_manager_starts(tmp_path):
     marker = tmp_path / "qa-base.ready.json"
     # Port 9 (discard) on loopback: nothing serves it.
@@ -143,13 +154,10 @@ def test_stage_settings_carry_the_role_and_the_answer_cap_and_are_checked_before
         stages.stage_reward({"scorer": "auto"}, "memory", None, settings={})
 
 
-def test_reward_settings_reach_the_qa_phase_on_the_local_backend(tmp_path, repo_root, tiny_models, monkeypatch):
+def test_reward_settings_reach_the_qa_phase_on_the_local_backend(tmp_path, tiny_models):
     from memupdate.agents.memory_loop import qa_settings
-    from memupdate.training.local import LocalGRPOConfig, agent_loop_entry, run_config
-
-    # run_config points the tools at the run's data through these; restored after the test.
-    for name in ("MEMUPDATE_MEMORIES", "MEMUPDATE_EMBEDDINGS", "MEMUPDATE_EMBEDDING_MODEL"):
-        monkeypatch.setenv(name, "")
+    from memupdate.rollout.config import agent_loop_entry, run_config
+    from memupdate.training.local import LocalGRPOConfig
 
     reward = stages.stage_reward(
         {"scorer": "answer_recall", "qa_prompt": "mem0", "qa_max_tokens": 12, "top_k": 3, "context_chars": 200},
@@ -161,9 +169,8 @@ def test_reward_settings_reach_the_qa_phase_on_the_local_backend(tmp_path, repo_
         model_path=str(tiny_models / "policy"),
         train_files=[],
         run_dir=str(tmp_path / "run"),
-        tool_config=str(repo_root / "config/tools/memory_tools.yaml"),
-        memories="m",
-        embeddings="e",
+        tool_config=str(TOOL_CONFIG),
+        memory=MemoryEnvironment(memories="m", embeddings="e"),
         reward=reward,
         qa_max_tokens=reward["qa_max_tokens"],
     )
@@ -193,9 +200,8 @@ def test_reward_settings_reach_the_verl_reward_workers(tmp_path, repo_root, monk
         "model_path": model,
         "train_files": tmp_path / "train.parquet",
         "val_files": tmp_path / "val.parquet",
-        "tool_config": repo_root / "config/tools/memory_tools.yaml",
-        "memories": tmp_path / "memories.parquet",
-        "embeddings": tmp_path / "embeddings",
+        "tool_config": TOOL_CONFIG,
+        "memory": MemoryEnvironment(memories=tmp_path / "memories.parquet", embeddings=tmp_path / "embeddings"),
         "n_gpus_per_node": 8,
         "nnodes": 2,
         "experiment_dir": tmp_path / "run",
@@ -281,7 +287,7 @@ SERVED_NAME = "tiny-qa-base"
 @pytest.fixture(scope="module")
 def served_marker(vllm_python, tiny_model_dir, tmp_path_factory):
     """A vLLM server of the tiny model and its readiness marker, as the serve rule writes it."""
-    from memupdate.serving.vllm import start_vllm_server
+    from memupdate.serving.vllm_server import start_vllm_server
 
     root = tmp_path_factory.mktemp("served")
     with start_vllm_server(

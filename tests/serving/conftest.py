@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from memupdate.serving.vllm import start_vllm_server
+from memupdate.serving.vllm_server import start_vllm_server
 
 logger = logging.getLogger(__name__)
 

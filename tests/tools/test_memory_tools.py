@@ -1,32 +1,35 @@
 import asyncio
+import dataclasses
 import json
 
 import pytest
 from verl.tools.tool_registry import initialize_tools_from_config
 
-from memupdate.data.locomo import MEMORY_TOOLS
+from memupdate.data.rows import MEMORY_TOOLS
+from memupdate.memory.environment import DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment, MemoryEnvironmentError
+from memupdate.memory.manager import manager_for
+from memupdate.tools.config import TOOL_CONFIG, write_tool_config
 from memupdate.tools.memory_tools import (
-    DEFAULT_MAX_CONTENT_CHARS,
     DELTA_KEY,
     NAMESPACE_KEY,
     TOOL_CLASSES,
     ManageMemoryTool,
     agent_data_for,
     format_record,
-    manager_from_config,
 )
 
 BASE_NS = "conv-26-qa0-ff702917"
 
 
 @pytest.fixture(scope="module")
-def tool_config(memories_parquet, cache_dir, embedder):
-    return {
-        "type": "native",
-        "memories": str(memories_parquet),
-        "embeddings": str(cache_dir),
-        "embedding_model": embedder.model_name,
-    }
+def environment(memories_parquet, cache_dir, embedder):
+    return MemoryEnvironment(memories=memories_parquet, embeddings=cache_dir, embedding_model=embedder.model_name)
+
+
+@pytest.fixture(scope="module")
+def tool_config(environment, tmp_path_factory):
+    """A tool's config as a run's tools.yaml gives it: the run's memory-environment file."""
+    return {"type": "native", "environment": str(environment.write(tmp_path_factory.mktemp("run")))}
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +50,13 @@ def call(tools, agent_data, name, **params):
     return response.text, metrics["ok"]
 
 
-def test_tools_load_through_verls_registry_from_the_shipped_yaml(repo_root, tool_config, monkeypatch):
-    monkeypatch.setenv("MEMUPDATE_MEMORIES", tool_config["memories"])
-    monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", tool_config["embeddings"])
-    loaded = initialize_tools_from_config(str(repo_root / "config/tools/memory_tools.yaml"))
-    assert sorted(t.name for t in loaded) == sorted(MEMORY_TOOLS)
-    assert all(t.config["memories"] == tool_config["memories"] for t in loaded)
+def test_tools_load_through_verls_registry_from_a_runs_copy_of_the_shipped_yaml(
+    repo_root, environment, tool_config, tmp_path
+):
+    path = write_tool_config(TOOL_CONFIG, tool_config["environment"], tmp_path)
+    loaded = initialize_tools_from_config(str(path))
+    assert [t.name for t in loaded] == list(MEMORY_TOOLS)
+    assert all(t.environment == environment and t.manager is manager_for(environment) for t in loaded)
     schema = loaded[0].get_openai_tool_schema().model_dump()
     assert schema["function"]["parameters"]["required"] == ["query"]
 
@@ -155,7 +159,7 @@ def test_merge_and_split(tools):
         tools, agent, "merge_memory", memory_ids=[0, 1], content="Caroline's LGBTQ support group gave her courage."
     )
     assert ok and text.startswith("Merged [0], [1] into [184]")
-    merged = manager_from_config(tools["merge_memory"].config).get(agent.extra_fields[NAMESPACE_KEY]).get(184)
+    merged = tools["merge_memory"].manager.get(agent.extra_fields[NAMESPACE_KEY]).get(184)
     assert set(merged.evidence) == {"D1:3", "D1:7"}
     text, ok = call(
         tools, agent, "split_memory", memory_id=184, parts=["Caroline went to a support group.", "It gave her courage."]
@@ -213,7 +217,7 @@ def test_trajectories_are_isolated_and_parallel_first_calls_are_safe(tools, base
         return await asyncio.gather(*(trajectory(i) for i in range(16)))
 
     agents = asyncio.run(main())
-    manager = manager_from_config(tools["search_memory"].config)
+    manager = tools["search_memory"].manager
     for i, agent in enumerate(agents):
         store = manager.get(agent.extra_fields[NAMESPACE_KEY])
         created = [r.content for r in store.records() if r.source == "agent"]
@@ -234,19 +238,22 @@ WRITING_TOOLS = ("manage_memory", "merge_memory", "split_memory")
 
 
 def store_of(tools, agent):
-    return manager_from_config(tools["search_memory"].config).get(agent.extra_fields[NAMESPACE_KEY])
+    return tools["search_memory"].manager.get(agent.extra_fields[NAMESPACE_KEY])
 
 
-def test_the_content_cap_comes_from_the_shipped_yaml_and_is_stated_in_every_writing_schema(
-    repo_root, tool_config, monkeypatch
+def test_the_content_cap_comes_from_the_environment_and_is_stated_in_every_writing_schema(
+    repo_root, environment, tmp_path
 ):
-    monkeypatch.setenv("MEMUPDATE_MEMORIES", tool_config["memories"])
-    monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", tool_config["embeddings"])
-    path = str(repo_root / "config/tools/memory_tools.yaml")
-    default = {t.name: t for t in initialize_tools_from_config(path)}
+    template = TOOL_CONFIG
+    default = {
+        t.name: t
+        for t in initialize_tools_from_config(str(write_tool_config(template, environment.write(tmp_path), tmp_path)))
+    }
     assert all(default[name].max_content_chars == DEFAULT_MAX_CONTENT_CHARS == 300 for name in WRITING_TOOLS)
-    monkeypatch.setenv("MEMUPDATE_MAX_CONTENT_CHARS", "120")
-    loaded = {t.name: t for t in initialize_tools_from_config(path)}
+    capped = dataclasses.replace(environment, max_content_chars=120).write(tmp_path / "capped")
+    loaded = {
+        t.name: t for t in initialize_tools_from_config(str(write_tool_config(template, capped, tmp_path / "capped")))
+    }
     for name in WRITING_TOOLS:
         schema = json.dumps(loaded[name].get_openai_tool_schema().model_dump())
         assert loaded[name].max_content_chars == 120 and "at most 120 characters" in schema, name
@@ -254,9 +261,20 @@ def test_the_content_cap_comes_from_the_shipped_yaml_and_is_stated_in_every_writ
 
 
 @pytest.mark.parametrize("value", [0, -5, "many", 2.5, True])
-def test_a_bad_content_cap_fails_at_construction_naming_the_key(tool_config, value):
-    with pytest.raises(ValueError, match="max_content_chars must be a positive integer"):
-        ManageMemoryTool({**tool_config, "max_content_chars": value})
+def test_a_bad_content_cap_fails_naming_the_file_and_field(environment, tmp_path, value):
+    path = environment.write(tmp_path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_content_chars": value}))
+    with pytest.raises(
+        MemoryEnvironmentError, match=f"{path}: memory environment: max_content_chars must be a positive"
+    ):
+        ManageMemoryTool({"environment": str(path)})
+
+
+def test_a_tool_without_an_environment_says_where_it_comes_from(tmp_path):
+    with pytest.raises(ValueError, match="no 'environment': use the run's tools.yaml"):
+        ManageMemoryTool({"type": "native"})
+    with pytest.raises(MemoryEnvironmentError, match="no memory environment here"):
+        ManageMemoryTool({"environment": str(tmp_path / "memory_environment.json")})
 
 
 @pytest.mark.parametrize(
@@ -346,37 +364,6 @@ def test_evidence_comes_only_from_the_memories_a_memory_derives_from(tools):
     )
     assert ok and [store_for().get(i).evidence for i in (186, 187)] == [("D1:3", "D1:7")] * 2
     assert all(not set(cited[1:]) & set(r.evidence) for r in store_for().records())
-
-
-def test_the_cap_reaches_the_tools_from_the_training_config(repo_root, tool_config, tmp_path, monkeypatch):
-    """memory.max_content_chars -> train_stage -> the local backend's config (or the verl launcher's Ray
-    environment) -> MEMUPDATE_MAX_CONTENT_CHARS -> the shipped tools YAML, as the embedding model goes."""
-    from memupdate.training.local import LocalGRPOConfig, run_config
-    from memupdate.training.verl_launcher import tool_env
-
-    for name in (
-        "MEMUPDATE_MEMORIES",
-        "MEMUPDATE_EMBEDDINGS",
-        "MEMUPDATE_EMBEDDING_MODEL",
-        "MEMUPDATE_MAX_CONTENT_CHARS",
-    ):
-        monkeypatch.delenv(name, raising=False)  # restored after the test: run_config sets them
-    yaml = str(repo_root / "config/tools/memory_tools.yaml")
-    common = dict(
-        model_path="unused",
-        train_files=[],
-        run_dir=str(tmp_path),
-        tool_config=yaml,
-        memories=tool_config["memories"],
-        embeddings=tool_config["embeddings"],
-    )
-    run_config(LocalGRPOConfig(**common, max_content_chars=120))
-    assert {t.name: t.max_content_chars for t in initialize_tools_from_config(yaml)}["manage_memory"] == 120
-    run_config(LocalGRPOConfig(**common))  # a later run without a cap does not inherit 120
-    assert {t.name: t.max_content_chars for t in initialize_tools_from_config(yaml)}["manage_memory"] == 300
-
-    assert tool_env("m", "e", max_content_chars=120)["MEMUPDATE_MAX_CONTENT_CHARS"] == "120"
-    assert "MEMUPDATE_MAX_CONTENT_CHARS" not in tool_env("m", "e")
 
 
 # ----------------------------------------------------------------------------------- issue 15: hostile arguments

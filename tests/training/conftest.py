@@ -4,6 +4,8 @@ import pytest
 from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
+from memupdate.memory.environment import MemoryEnvironment
+from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training.local import LocalGRPOConfig
 
 
@@ -37,9 +39,8 @@ def grpo_config(tmp_path, locomo_rows, cache_dir):
             model_path=str(model),
             train_files=[str(locomo_rows["train"])],
             run_dir=str(run_dir or tmp_path / "run"),
-            tool_config="config/tools/memory_tools.yaml",
-            memories=str(locomo_rows["memories"]),
-            embeddings=str(cache_dir),
+            tool_config=str(TOOL_CONFIG),
+            memory=MemoryEnvironment(memories=locomo_rows["memories"], embeddings=cache_dir),
             prompts_per_step=2,
             rollout_n=4,
             max_new_tokens=16,
@@ -52,10 +53,3 @@ def grpo_config(tmp_path, locomo_rows, cache_dir):
         return LocalGRPOConfig(**{**base, **overrides})
 
     return make
-
-
-@pytest.fixture()
-def memory_env(monkeypatch, repo_root, locomo_rows, cache_dir):
-    monkeypatch.chdir(repo_root)
-    monkeypatch.setenv("MEMUPDATE_MEMORIES", str(locomo_rows["memories"]))
-    monkeypatch.setenv("MEMUPDATE_EMBEDDINGS", str(cache_dir))

@@ -8,7 +8,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from memupdate.cluster import read_table
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.settings import check_config
+from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training import verl_launcher as vl
 from memupdate.training.stages import verl_commands
 
@@ -53,6 +55,7 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
         ("stage1", "memory", "policy"),
         *([("stage2", "qa", "qa_model")] if "stage2" in experiment else []),
     ]
+    memory_settings = {k: full["memory"][k] for k in ("embedding_model", "max_content_chars")}
     for section, training_stage, role in stages:
         model = experiment[role]
         run_dir = tmp_path / name / section
@@ -61,16 +64,15 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
             settings=experiment[section],
             model=full["models"][model]["name_or_path"],
             train_files=[str(tmp_path / "train.parquet")],
-            memories=str(tmp_path / "memories.parquet"),
-            embeddings=str(tmp_path / "embeddings"),
-            tool_config=str(repo_root / "config/tools/memory_tools.yaml"),
-            embedding_model=full["memory"]["embedding_model"],
+            memory=MemoryEnvironment(
+                memories=tmp_path / "memories.parquet", embeddings=tmp_path / "embeddings", **memory_settings
+            ),
+            tool_config=str(TOOL_CONFIG),
             run_dir=str(run_dir),
             reward={**reward, "training_stage": training_stage},
             fixed=ENDPOINT,
             verl={},
             env=slurm_env(table, f"train_{section}", model),
-            max_content_chars=full["memory"]["max_content_chars"],
         )
         resolved = OmegaConf.load(run_dir / vl.RESOLVED_CONFIG)
         job = table.job(f"train_{section}", model)

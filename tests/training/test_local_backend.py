@@ -46,7 +46,7 @@ def next_second():
 
 
 @pytest.mark.slow
-def test_memory_reward_run_writes_a_checkpoint_that_loads(tmp_path, tiny_model, grpo_config, memory_env):
+def test_memory_reward_run_writes_a_checkpoint_that_loads(tmp_path, tiny_model, grpo_config):
     from transformers import AutoModelForCausalLM
 
     cfg = grpo_config(tiny_model, steps=2)
@@ -87,7 +87,7 @@ def test_memory_reward_run_writes_a_checkpoint_that_loads(tmp_path, tiny_model, 
 
 
 @pytest.mark.slow
-def test_grpo_learns_a_toy_reward_changes_weights_and_resumes(tmp_path, tiny_model, grpo_config, memory_env):
+def test_grpo_learns_a_toy_reward_changes_weights_and_resumes(tmp_path, tiny_model, grpo_config):
     cfg = grpo_config(
         tiny_model,
         steps=20,
@@ -139,7 +139,7 @@ def test_grpo_learns_a_toy_reward_changes_weights_and_resumes(tmp_path, tiny_mod
 
 
 @pytest.mark.slow
-def test_a_step_without_advantages_skips_the_update(tmp_path, tiny_model, grpo_config, memory_env):
+def test_a_step_without_advantages_skips_the_update(tmp_path, tiny_model, grpo_config):
     """Every rollout scores the same: the step has nothing to learn, so no backward, no optimizer step, and
     metrics.jsonl says so; a step with spread in its rewards still updates."""
     # verl's float32 group mean of 8 equal scores misses them by an ulp, which the std division blows up
@@ -166,7 +166,7 @@ def test_a_step_without_advantages_skips_the_update(tmp_path, tiny_model, grpo_c
 
 
 @pytest.mark.slow
-def test_same_seed_gives_the_same_weights(tmp_path, tiny_model, grpo_config, memory_env):
+def test_same_seed_gives_the_same_weights(tmp_path, tiny_model, grpo_config):
     runs = []
     for name in ("a", "b"):
         cfg = grpo_config(tiny_model, run_dir=tmp_path / name / "run", steps=2, reward_manager="test_token_share")

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
+from memupdate.rollout.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, in_process_workers
 from memupdate.training.local import LocalGRPOTrainer, train_local
-from memupdate.training.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, in_process_workers
 
 
 @register("test_final_token_share")

@@ -9,7 +9,9 @@ import sys
 import pytest
 import yaml
 
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.serving.readiness import ServerGone, write_marker
+from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training import stages
 
 SLURM_ENV = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "4"}
@@ -70,7 +72,6 @@ def run(tmp_path, repo_root):
         "train_files": [str(tmp_path / "train.parquet")],
         "memories": str(tmp_path / "memories.parquet"),
         "embeddings": str(tmp_path / "embeddings"),
-        "tool_config": str(repo_root / "config" / "tools" / "memory_tools.yaml"),
         "embedding_model": "all-MiniLM-L6-v2",
         "run_dir": str(tmp_path / "results" / "exp" / "stage2"),
         "reward": config["reward"],
@@ -78,10 +79,19 @@ def run(tmp_path, repo_root):
     }
 
 
+def verl_run(run):
+    """The run's arguments as verl_commands takes them: the memory paths as one MemoryEnvironment."""
+    run = dict(run)
+    memory = MemoryEnvironment(
+        memories=run.pop("memories"), embeddings=run.pop("embeddings"), embedding_model=run.pop("embedding_model")
+    )
+    return {**run, "memory": memory, "tool_config": str(TOOL_CONFIG)}
+
+
 def test_verl_command_spans_the_allocation(run):
     fixed = {"base_url": "http://n1:8000/v1", "model": "exp-stage1"}
     command, env = stages.verl_commands(
-        training_stage="qa", settings={"trainer.total_training_steps": 3}, fixed=fixed, env=SLURM_ENV, **run
+        training_stage="qa", settings={"trainer.total_training_steps": 3}, fixed=fixed, env=SLURM_ENV, **verl_run(run)
     )
     # One task per node; each starts its Ray node, rank 0 runs main_ppo once both joined.
     assert command[:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
@@ -91,7 +101,8 @@ def test_verl_command_spans_the_allocation(run):
     assert trainer[1:3] == ["-m", "verl.trainer.main_ppo"]
     assert "trainer.nnodes=2" in trainer and "trainer.n_gpus_per_node=4" in trainer
     assert "trainer.total_training_steps=3" in trainer
-    assert env["MEMUPDATE_MEMORIES"] == run["memories"]
+    assert set(env) == {"TENSORBOARD_DIR", "VERL_FILE_LOGGER_PATH"}  # the memory paths travel in a file
+    assert MemoryEnvironment.read(f"{run['run_dir']}/memory_environment.json").memories == run["memories"]
     # prepare_main_ppo validated the config and wrote the run's agent loop with the served memory model.
     loops = yaml.safe_load(open(f"{run['run_dir']}/agent_loops.yaml"))
     assert loops[0]["training_stage"] == "qa" and loops[0]["fixed_model"] == fixed
@@ -99,13 +110,17 @@ def test_verl_command_spans_the_allocation(run):
 
 def test_verl_backend_refuses_a_machine_without_gpus(run):
     with pytest.raises(RuntimeError, match="needs GPUs"):
-        stages.verl_commands(training_stage="memory", settings={}, fixed=None, env={}, **run)
+        stages.verl_commands(training_stage="memory", settings={}, fixed=None, env={}, **verl_run(run))
 
 
 def test_a_typo_in_verl_settings_fails_before_anything_runs(run):
     with pytest.raises(ValueError, match="total_training_step"):
         stages.verl_commands(
-            training_stage="memory", settings={"trainer.total_training_step": 3}, fixed=None, env=SLURM_ENV, **run
+            training_stage="memory",
+            settings={"trainer.total_training_step": 3},
+            fixed=None,
+            env=SLURM_ENV,
+            **verl_run(run),
         )
 
 

@@ -15,6 +15,9 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from memupdate.memory.environment import MemoryEnvironment
+from memupdate.tools.config import TOOL_CONFIG
+from memupdate.tools.memory_tools import TOOL_CLASSES
 from memupdate.training import verl_launcher as vl
 from memupdate.utils.io import sha256_file
 
@@ -31,9 +34,10 @@ def run(tmp_path, repo_root):
         "model_path": model,
         "train_files": tmp_path / "data" / "train.parquet",
         "val_files": [tmp_path / "data" / "val.parquet"],
-        "tool_config": repo_root / "config" / "tools" / "memory_tools.yaml",
-        "memories": tmp_path / "data" / "memories.parquet",
-        "embeddings": tmp_path / "embeddings" / "memories",
+        "tool_config": TOOL_CONFIG,
+        "memory": MemoryEnvironment(
+            memories=tmp_path / "data" / "memories.parquet", embeddings=tmp_path / "embeddings" / "memories"
+        ),
         "n_gpus_per_node": 8,
         "nnodes": 2,
         "experiment_dir": tmp_path / "results" / "exp" / "stage1",
@@ -105,17 +109,19 @@ def test_stage1_command(run):
     assert got["trainer.n_gpus_per_node"] == 8 and got["trainer.nnodes"] == 2
     assert got["++reward.custom_reward_function.reward_kwargs.scorer"] == run["reward"]["scorer"]
     assert got["++reward.custom_reward_function.reward_kwargs.efficiency.max_total_memories"] is None
+    # Tools and reward read the run's memory environment, from files in the run (on the shared file system).
+    assert got["actor_rollout_ref.rollout.multi_turn.tool_config_path"] == f"{run_dir}/tools.yaml"
+    assert got["++reward.custom_reward_function.reward_kwargs.memory_environment"] == (
+        f"{run_dir}/memory_environment.json"
+    )
     assert env == {
-        "MEMUPDATE_MEMORIES": str(run["memories"]),
-        "MEMUPDATE_EMBEDDINGS": str(run["embeddings"]),
-        "MEMUPDATE_EMBEDDING_MODEL": "all-MiniLM-L6-v2",
         # verl's tensorboard and file trackers write into the run, not the Ray worker's working directory.
         "TENSORBOARD_DIR": f"{run_dir}/tensorboard",
         "VERL_FILE_LOGGER_PATH": f"{run_dir}/tracking.jsonl",
     }
-    # The same variables go to every Ray worker, as strings (Ray rejects other env values).
-    for name, value in env.items():
-        assert got[f"++ray_kwargs.ray_init.runtime_env.env_vars.{name}"] == value
+    # The same variables go to every Ray worker, as strings (Ray rejects other env values), and no others.
+    ray_env = {k.rsplit(".", 1)[1]: v for k, v in got.items() if k.startswith("++ray_kwargs.ray_init.runtime_env.")}
+    assert ray_env == env
 
 
 def test_stage2_command_needs_the_served_memory_model(run):
@@ -145,8 +151,7 @@ def test_paths_become_absolute(run, tmp_path, monkeypatch):
         "model_path": "models/tiny",
         "train_files": "data/train.parquet",
         "val_files": ["data/val.parquet"],
-        "memories": "data/memories.parquet",
-        "embeddings": "embeddings/memories",
+        "memory": MemoryEnvironment(memories="data/memories.parquet", embeddings="embeddings/memories"),
         "experiment_dir": "results/exp/stage1",
         "tool_config": os.path.relpath(run["tool_config"], tmp_path),
     }
@@ -160,12 +165,10 @@ def test_paths_become_absolute(run, tmp_path, monkeypatch):
         rollout.agent.agent_loop_config_path,
         config.trainer.default_local_dir,
         config.trainer.validation_data_dir,
-        config.ray_kwargs.ray_init.runtime_env.env_vars.MEMUPDATE_MEMORIES,
-        config.ray_kwargs.ray_init.runtime_env.env_vars.MEMUPDATE_EMBEDDINGS,
+        config.reward.custom_reward_function.reward_kwargs.memory_environment,
+        *config.memupdate_run.data_sha256.memories[0].path.split("\0"),
     ]
-    assert all(os.path.isabs(p) for p in paths), paths
-    assert rollout.multi_turn.tool_config_path == str(run["tool_config"])
-    assert all(p.startswith(f"{tmp_path}/") for p in paths if p != rollout.multi_turn.tool_config_path), paths
+    assert all(p.startswith(f"{tmp_path}/") for p in paths), paths
 
 
 def test_hub_model_id_stays_a_hub_id(run):
@@ -191,7 +194,11 @@ def test_every_override_composes_against_verl(run, stage, endpoint):
         "register",
         "memupdate_memory",
     )
-    assert OmegaConf.to_container(config.reward.custom_reward_function.reward_kwargs) == run["reward"]
+    memory_environment = str(run["experiment_dir"] / "memory_environment.json")
+    assert OmegaConf.to_container(config.reward.custom_reward_function.reward_kwargs) == {
+        **run["reward"],
+        "memory_environment": memory_environment,
+    }
     assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (2, 8)
 
 
@@ -255,6 +262,14 @@ def test_prepare_writes_the_run_files(run):
     assert resolved.actor_rollout_ref.rollout.response_length == resolved.data.max_response_length
     assert resolved.actor_rollout_ref.rollout.agent.agent_loop_config_path == str(run_dir / "agent_loops.yaml")
     assert OmegaConf.to_container(resolved.ray_kwargs.ray_init.runtime_env.env_vars) == env
+    # The memory environment and the tools that read it, both in the run, as verl's registry builds them.
+    environment = MemoryEnvironment.read(run_dir / "memory_environment.json")
+    assert environment == MemoryEnvironment(
+        memories=os.path.abspath(run["memory"].memories), embeddings=os.path.abspath(run["memory"].embeddings)
+    )
+    tools = OmegaConf.load(resolved.actor_rollout_ref.rollout.multi_turn.tool_config_path).tools
+    assert [t.class_name for t in tools] == [f"{c.__module__}.{c.__qualname__}" for c in TOOL_CLASSES]
+    assert all(t.config.environment == str(run_dir / "memory_environment.json") for t in tools)
 
     # verl's AgentLoopWorker loads this list and builds a loop with hydra.utils.instantiate(entry, ...):
     # every key but _target_ becomes a constructor kwarg. builtins.dict stands in for the loop class.
@@ -286,7 +301,7 @@ def test_runs_track_offline_and_record_commit_config_and_data(run, repo_root):
     assert config.algorithm.filter_groups.enable is True and config.algorithm.filter_groups.metric == "reward"
     record = OmegaConf.to_container(config[vl.RUN_RECORD])
     assert record["data_sha256"]["train_files"] == [{"path": str(data), "sha256": sha256_file(data)}]
-    assert record["data_sha256"]["memories"] == [{"path": str(run["memories"]), "sha256": None}]
+    assert record["data_sha256"]["memories"] == [{"path": run["memory"].memories, "sha256": None}]
     assert len(record["git"]["commit"]) == 40
 
     vl.prepare_main_ppo("memory", **run)

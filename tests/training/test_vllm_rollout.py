@@ -63,9 +63,7 @@ def test_the_server_samples_from_the_weights_it_was_last_given(tiny_model_dir, v
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_grpo_with_the_vllm_rollout_learns_the_toy_reward(
-    tmp_path, tiny_model_dir, vllm_python, grpo_config, memory_env
-):
+def test_grpo_with_the_vllm_rollout_learns_the_toy_reward(tmp_path, tiny_model_dir, vllm_python, grpo_config):
     """Only an on-policy rollout learns: without the weight updates the server would keep sampling from
     the initial model and the reward would not move."""
     cfg = grpo_config(

@@ -10,7 +10,6 @@ evaluate_locomo(
     memories=inputs.memories,
     embeddings=inputs.embeddings,
     embedding_model=params.embedding_model,
-    tool_config=params.tool_config,
     conversations=inputs.conversations,
     markers={name: marker for name, marker in markers.items() if marker},
     out_dir=params.out_dir,

@@ -11,7 +11,6 @@ train_stage(
     train_files=[inputs.train],
     memories=inputs.memories,
     embeddings=inputs.embeddings,
-    tool_config=params.tool_config,
     embedding_model=params.embedding_model,
     max_content_chars=params.max_content_chars,
     run_dir=params.run_dir,

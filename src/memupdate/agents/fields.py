@@ -3,14 +3,23 @@
 verl loads ``memupdate.verl_plugin`` at the end of ``import verl``, and the plugin imports every module
 that registers with verl. When the first module of a process to import verl is one of ours, that module
 is still half-initialised while the plugin runs, so no registration module may import a name from
-another one: the names they share (``extra_fields`` keys, request ids) live here, and this module
+another one: the names they share (``extra_fields`` keys, the agent loops' classes, the reward managers'
+names) live here, and this module
 imports nothing of verl.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
+from memupdate.data.rows import MEMAGENT_AGENT, MEMORY_AGENT
+
+#: Where each agent loop's class lives (verl's agent-loop config ``_target_``), by the name rows carry.
+AGENT_LOOPS = {
+    MEMORY_AGENT: "memupdate.agents.memory_loop.MemoryUpdateAgentLoop",
+    MEMAGENT_AGENT: "memupdate.agents.memagent.MemAgentLoop",
+}
+
+#: The reward managers, by the name verl's reward-loop registry knows them (``reward.reward_manager.name``).
+MEMORY_REWARD, MEMAGENT_REWARD = "memupdate_memory", "memupdate_memagent"
 
 #: The trajectory's store delta (memory tools and the memory loop write it; rewards and evaluation read it).
 DELTA_KEY = "memory_delta"
@@ -32,23 +41,3 @@ MEMAGENT_ANSWER_KEY, TRUNCATIONS_KEY, CONTEXT_KEY = (
 #: How much of the haystack a trajectory read: its chunks before any truncation and the tokens centre
 #: truncation dropped (0 unless ``max_chunks`` cut it).
 CHUNKS_TOTAL_KEY, TRUNCATED_TOKENS_KEY = "memagent_chunks_total", "memagent_truncated_tokens"
-
-# Deterministic request ids: a prefix the local backend resets each step, and a per-process counter.
-_ids = {"prefix": "", "counter": itertools.count()}
-
-
-def reset_request_ids(prefix: str) -> None:
-    """Restart deterministic request ids (the local backend calls this before each rollout)."""
-    _ids["prefix"], _ids["counter"] = prefix, itertools.count()
-
-
-def next_request_id() -> str:
-    """The next deterministic request id: 8 hex digits of a per-process counter (ids sort in the order they
-    were made), then a hash of the prefix :func:`reset_request_ids` set and the counter.
-
-    >>> reset_request_ids("seed:0"); a = next_request_id(); reset_request_ids("seed:0")
-    >>> next_request_id() == a and a.startswith("00000000") and len(a) == 32
-    True
-    """
-    n = next(_ids["counter"])
-    return f"{n:08x}" + hashlib.sha256(f"{_ids['prefix']}:{n}".encode()).hexdigest()[:24]

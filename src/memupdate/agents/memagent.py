@@ -6,7 +6,7 @@ that chunk, and writes the new memory, which replaces the old one; a final turn 
 in ``\\boxed{}``. Every turn is its own conversation (its prompt never holds an earlier chunk), so one
 trajectory yields one :class:`AgentLoopOutput` per turn, returned as a list: verl 0.9.1's V1 trainer
 stores each one as its own row and gives them all the advantage of the final turn
-(``compute_advantage_for_multi_trajectories``); :class:`memupdate.training.workers.MultiOutputAgentLoopWorker`
+(``compute_advantage_for_multi_trajectories``); :class:`memupdate.rollout.workers.MultiOutputAgentLoopWorker`
 does the same for the local backend.
 
 Fixes over upstream: the final turn has its own token limit (upstream reused the memory limit); the
@@ -25,6 +25,7 @@ from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
+from memupdate.agents.context import LoopContext, process_context
 from memupdate.agents.fields import (
     CHUNKS_KEY,
     CHUNKS_TOTAL_KEY,
@@ -33,9 +34,10 @@ from memupdate.agents.fields import (
     TRUNCATED_TOKENS_KEY,
     TRUNCATIONS_KEY,
     TURN_KEY,
-    next_request_id,
 )
 from memupdate.agents.fields import MEMAGENT_ANSWER_KEY as ANSWER_KEY
+from memupdate.data.rows import MEMAGENT_AGENT
+from memupdate.settings import MemAgentLoopSettings
 
 logger = logging.getLogger(__name__)
 
@@ -96,18 +98,19 @@ def memory_text(text: str, finished: bool, limit: int) -> str:
     return text + ("" if finished else TRUNCATION_MARK.format(limit=limit))
 
 
-@register("memagent")
+@register(MEMAGENT_AGENT)
 class MemAgentLoop(AgentLoopBase):
     def __init__(
         self,
         *args,
-        chunk_size: int = 5000,
-        max_chunks: int | None = 8,
-        max_memory_tokens: int = 1024,
-        max_final_tokens: int = 256,
+        chunk_size: int = MemAgentLoopSettings.chunk_size,
+        max_chunks: int | None = MemAgentLoopSettings.max_chunks,
+        max_memory_tokens: int = MemAgentLoopSettings.max_memory_tokens,
+        max_final_tokens: int = MemAgentLoopSettings.max_final_tokens,
         final_prompt: str = "boxed",
         context_key: str = "context",
         deterministic_ids: bool = False,
+        loop_context: LoopContext | None = None,
         **kwargs,
     ):
         """Defaults are MemAgent's training budgets (5000-token chunks, 8 chunks, 1024-token memory), except the
@@ -132,6 +135,7 @@ class MemAgentLoop(AgentLoopBase):
         self.max_memory_tokens, self.max_final_tokens = int(max_memory_tokens), int(max_final_tokens)
         self.context_key = context_key
         self.deterministic_ids = deterministic_ids
+        self.loop_context = loop_context or process_context()
         response_length = self.rollout_config.response_length
         if max(self.max_memory_tokens, self.max_final_tokens) > response_length:
             raise ValueError(
@@ -181,7 +185,7 @@ class MemAgentLoop(AgentLoopBase):
                 f"(row index {extra_info.get('index')!r}); build rows with `memupdate preprocess hotpotqa`"
             )
         # One id for the whole trajectory: servers keep a trajectory's requests together (sticky sessions).
-        request_id = next_request_id() if self.deterministic_ids else uuid.uuid4().hex
+        request_id = self.loop_context.next_request_id() if self.deterministic_ids else uuid.uuid4().hex
         context_ids = await self.loop.run_in_executor(
             None, lambda: self.tokenizer(str(context), add_special_tokens=False, verbose=False)["input_ids"]
         )

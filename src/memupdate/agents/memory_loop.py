@@ -12,17 +12,14 @@ MemoryUpdate needs, through verl's extension points only:
 - request ids can be made deterministic (``deterministic_ids``) for the local backend's reproducible
   runs; they stay unique per process, as trial namespaces (keyed by the whole id) need.
 
-Registered as ``memupdate_agent`` (the rows' ``agent_name``); ``config/verl/agent_loops.yaml`` wires the
+Registered as ``memupdate_agent`` (the rows' ``agent_name``); ``memupdate/training/verl_config/agent_loops.yaml`` wires the
 same class for the verl backend.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +29,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
+from memupdate.agents.context import LoopContext, process_context
 from memupdate.agents.fields import (
     ANSWER_KEY,
     DELTA_KEY,
@@ -39,51 +37,17 @@ from memupdate.agents.fields import (
     STAGE_KEY,
     STATS_KEY,
     TERMINATION_KEY,
-    next_request_id,
 )
+from memupdate.data.rows import MEMORY_AGENT
 from memupdate.memory.store import within_budget
 from memupdate.prompts import DEFAULT_PROTOCOL, qa_messages
 from memupdate.rewards.memory import MemoryRewardConfig
-from memupdate.serving.client import Endpoint
-from memupdate.serving.vllm import GenerationMeter, VLLMTokenClient
+from memupdate.settings import RewardSettings
 
 logger = logging.getLogger(__name__)
 
 TERMINATION_REASONS = ("done", "no_tool_call", "response_budget", "max_assistant_turns", "max_user_turns")
 STAGES = ("memory", "qa", "joint")
-
-# Initial prompt ids by (template, messages, tools): a GRPO batch holds every prompt n times, and
-# rendering the chat template with six tool schemas and tokenising ~2k tokens is the loop's largest
-# per-episode CPU cost, on the event loop's executor while other episodes wait. Bounded; oldest out first.
-_PROMPT_IDS: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-PROMPT_CACHE_SIZE = 1024
-
-# Fixed-model clients by (endpoint, max_tokens); see fixed_client.
-_FIXED_CLIENTS: dict[str, GenerationMeter] = {}
-
-
-def fixed_client(spec: Any, max_tokens: int) -> Any:
-    """The fixed model's client: an object with verl's ``generate`` is used as is; an endpoint mapping
-    (``{base_url, model, ...}``, as agent_loops.yaml gives it) becomes a :class:`VLLMTokenClient` behind a
-    :class:`GenerationMeter`. The mapping's ``max_tokens`` caps each of its turns (default ``max_tokens``),
-    as the policy's own cap does.
-
-    One client per endpoint and cap in a process, shared by every trajectory: verl builds a loop per
-    trajectory, and a client of its own would open an HTTP session and ask the server for its context
-    length each time. :func:`fixed_clients` lists them (the local backend reads their meters)."""
-    if spec is None or hasattr(spec, "generate"):
-        return spec
-    if isinstance(spec, DictConfig):
-        spec = OmegaConf.to_container(spec, resolve=True)
-    if not isinstance(spec, Mapping):
-        raise ValueError(f"fixed_model must be an endpoint {{base_url, model}} or a client, got {spec!r}")
-    spec = dict(spec)
-    max_tokens = int(spec.pop("max_tokens", max_tokens))
-    key = json.dumps([spec, max_tokens], sort_keys=True, default=str)
-    client = _FIXED_CLIENTS.get(key)
-    if client is None:
-        client = _FIXED_CLIENTS[key] = GenerationMeter(VLLMTokenClient(Endpoint.from_dict(spec), max_tokens=max_tokens))
-    return client
 
 
 def qa_settings(config: Any) -> dict[str, Any]:
@@ -108,11 +72,6 @@ def qa_settings(config: Any) -> dict[str, Any]:
     }
 
 
-def fixed_clients() -> list[GenerationMeter]:
-    """The fixed-model clients this process has made (see :func:`fixed_client`)."""
-    return list(_FIXED_CLIENTS.values())
-
-
 @dataclass
 class QAAnswer:
     """The QA phase's turn: its own prompt (the QA prompt with the final store's memories), the answer."""
@@ -124,7 +83,7 @@ class QAAnswer:
     seconds: float
 
 
-@register("memupdate_agent")
+@register(MEMORY_AGENT)
 class MemoryUpdateAgentLoop(ToolAgentLoop):
     def __init__(
         self,
@@ -135,13 +94,14 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         qa_phase: bool = False,
         fixed_model: Any = None,
         fixed_temperature: float | None = 0.0,
-        qa_max_tokens: int = 32,
+        qa_max_tokens: int = RewardSettings.qa_max_tokens,
+        loop_context: LoopContext | None = None,
         **kwargs,
     ):
         """``training_stage`` says which role the policy plays and which tokens enter the loss: ``memory``
         (edits memory; a QA phase, if any, is answered by ``fixed_model``), ``qa`` (answers from memory
         that ``fixed_model`` edited) or ``joint`` (both, one policy). ``fixed_model`` is any object with
-        verl's ``generate`` (a served model's :class:`~memupdate.serving.vllm.VLLMTokenClient`, or a local
+        verl's ``generate`` (a served model's :class:`~memupdate.serving.token_client.VLLMTokenClient`, or a local
         generator); it decodes at ``fixed_temperature`` (greedy by default, so a GRPO group varies only in
         what is trained; None = the rollout's sampling).
 
@@ -162,7 +122,9 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
                 "(a served model: run the serve rule, its readiness marker names the endpoint)"
             )
         self.fixed_role = fixed_role
-        self.fixed_model = fixed_client(fixed_model, self.response_length)
+        # What outlives this trajectory (prompt ids, fixed-model clients, request ids): the worker's.
+        self.loop_context = loop_context or process_context()
+        self.fixed_model = self.loop_context.fixed_client(fixed_model, self.response_length)
         self.fixed_temperature = fixed_temperature
         self.qa_max_tokens = int(qa_max_tokens)
         # The QA phase retrieves as the reward scores: one definition, the reward's settings.
@@ -178,7 +140,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         if not memory_tools:
             raise ValueError(
                 "memupdate_agent needs the memory tools: set actor_rollout_ref.rollout.multi_turn.tool_config_path "
-                "to config/tools/memory_tools.yaml"
+                "to the run's tools.yaml (memupdate.tools.config.write_tool_config)"
             )
         self._memory_tool = memory_tools[0]
         self._use_chatml_builder()
@@ -207,8 +169,8 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         if not (self.deterministic_ids or full_determinism):
             return super()._make_request_id(priority, False)
         # verl's own deterministic id ("det-<priority>") is the same for every trajectory of a batch,
-        # which would put them all in one trial store; a per-process counter keeps them apart.
-        return next_request_id()
+        # which would put them all in one trial store; the context's counter keeps them apart.
+        return self.loop_context.next_request_id()
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput | list[AgentLoopOutput]:
         info = kwargs.get("extra_info") or {}
@@ -250,28 +212,17 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
     ):
         if images or videos or audios:
             return await super().ct_build_initial_tokens(messages, tools, images, videos, audios, mm_inputs_out)
-        key = hashlib.sha256(
-            json.dumps(
-                [
-                    getattr(self.tokenizer, "name_or_path", ""),
-                    getattr(self.tokenizer, "chat_template", None),
-                    type(self.continuous_token_builder).__name__,
-                    self.apply_chat_template_kwargs,
-                    self.rollout_config.prompt_length,
-                    messages,
-                    tools,
-                ],
-                sort_keys=True,
-                default=str,
-            ).encode()
-        ).hexdigest()
-        ids = _PROMPT_IDS.get(key)
-        if ids is None:
-            ids = tuple(await super().ct_build_initial_tokens(messages, tools, mm_inputs_out=mm_inputs_out))
-            _PROMPT_IDS[key] = ids
-            if len(_PROMPT_IDS) > PROMPT_CACHE_SIZE:
-                _PROMPT_IDS.popitem(last=False)
-        return list(ids)
+        key = [
+            getattr(self.tokenizer, "name_or_path", ""),
+            getattr(self.tokenizer, "chat_template", None),
+            type(self.continuous_token_builder).__name__,
+            self.apply_chat_template_kwargs,
+            self.rollout_config.prompt_length,
+            messages,
+            tools,
+        ]
+        build = super().ct_build_initial_tokens
+        return await self.loop_context.prompt_ids(key, lambda: build(messages, tools, mm_inputs_out=mm_inputs_out))
 
     def _export_and_release(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         if self._namespace is None:

@@ -32,11 +32,13 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentData
 from memupdate.bench.report import format_table, percentiles_ms, save_report
 from memupdate.data.locomo import load_locomo
 from memupdate.memory.embedder import Embedder
+from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
 from memupdate.memory.manager import MemoryStoreManager
 from memupdate.memory.store import BaseStore, TrialStore
 from memupdate.rewards.memory import MemoryRewardComputer, MemoryRewardConfig, RewardRequest
 from memupdate.rewards.scorers import AnswerRecallScorer, QAItem
-from memupdate.tools.memory_tools import DEFAULT_MAX_CONTENT_CHARS, TOOL_CLASSES, MemoryTool, agent_data_for
+from memupdate.tools.config import ENVIRONMENT_KEY
+from memupdate.tools.memory_tools import TOOL_CLASSES, MemoryTool, agent_data_for
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +82,11 @@ def load_conversation(locomo_path: str, sample_id: str, max_chars: int = DEFAULT
     return Conversation(sample_id, questions, fitting)
 
 
-def make_tools(manager: MemoryStoreManager) -> dict[str, MemoryTool]:
+def make_tools(manager: MemoryStoreManager, environment: MemoryEnvironment) -> dict[str, MemoryTool]:
+    """The six tools of ``environment``, serving trajectories from ``manager`` (which may embed differently)."""
     tools = {}
     for cls in TOOL_CLASSES:
-        tool = cls({"type": "native"})
+        tool = cls({"type": "native", ENVIRONMENT_KEY: environment})
         tool.use_manager(manager)
         tools[tool.name] = tool
     return tools
@@ -98,11 +101,16 @@ async def _timed(tool: MemoryTool, params: dict, agent: AgentData, times: list[f
 
 
 async def tool_latency(
-    manager: MemoryStoreManager, conv: Conversation, n_ops: int, seed: int, ops_per_trial: int = 10
+    manager: MemoryStoreManager,
+    environment: MemoryEnvironment,
+    conv: Conversation,
+    n_ops: int,
+    seed: int,
+    ops_per_trial: int = 10,
 ) -> dict:
     """Latency of each op, on trial stores of ``ops_per_trial`` rounds each (a trajectory's worth)."""
     rng = random.Random(seed)
-    tools = make_tools(manager)
+    tools = make_tools(manager, environment)
     times: dict[str, list[float]] = {"search": [], "create": [], "update": [], "delete": []}
     agent = None
     for i in tqdm(range(n_ops), desc="tool latency", disable=None):
@@ -220,9 +228,11 @@ def memory_per_trials(
     }
 
 
-async def event_loop_lag(manager: MemoryStoreManager, conv: Conversation, episodes: int, calls: int) -> dict:
+async def event_loop_lag(
+    manager: MemoryStoreManager, environment: MemoryEnvironment, conv: Conversation, episodes: int, calls: int
+) -> dict:
     """Lag of a 1 ms ticker while ``episodes`` concurrent episodes call tools with the real embedder."""
-    tools = make_tools(manager)
+    tools = make_tools(manager, environment)
     lags: list[float] = []
     done = asyncio.Event()
 
@@ -261,7 +271,7 @@ def run_memory_bench(
     locomo: str,
     *,
     sample_id: str = "conv-26",
-    model: str = "all-MiniLM-L6-v2",
+    model: str = DEFAULT_EMBEDDING_MODEL,
     n_ops: int = 300,
     reward_trials: int = 512,
     memory_trials: int = 1000,
@@ -278,17 +288,18 @@ def run_memory_bench(
     exact = MemoryStoreManager(memories, embeddings, embedder)
     latency_texts = [q.question for q in conv.questions] + conv.new_texts + ["warm-up"]
     exact.embedder = PrecomputedEmbedder(embedder, latency_texts)
-    timed_with_embedding = asyncio.run(tool_latency(real, conv, max(20, n_ops // 10), seed))
+    environment = MemoryEnvironment(memories=memories, embeddings=embeddings, embedding_model=model)
+    timed_with_embedding = asyncio.run(tool_latency(real, environment, conv, max(20, n_ops // 10), seed))
     result: dict[str, Any] = {
         "sample_id": sample_id,
         "base_memories": len(base),
-        "max_content_chars": DEFAULT_MAX_CONTENT_CHARS,
+        "max_content_chars": environment.max_content_chars,
         "model": embedder.model_name,
-        "tool_latency_excluding_embedding": asyncio.run(tool_latency(exact, conv, n_ops, seed)),
+        "tool_latency_excluding_embedding": asyncio.run(tool_latency(exact, environment, conv, n_ops, seed)),
         "tool_latency_including_embedding": timed_with_embedding,
         "reward_throughput": asyncio.run(reward_throughput(base, embedder, conv, reward_trials, changes, seed)),
         "memory": memory_per_trials(base, embedder, conv, memory_trials, changes, seed),
-        "event_loop_lag": asyncio.run(event_loop_lag(real, conv, episodes, calls_per_episode)),
+        "event_loop_lag": asyncio.run(event_loop_lag(real, environment, conv, episodes, calls_per_episode)),
         "targets": TARGETS,
     }
     p99 = max(v["p99_ms"] for v in result["tool_latency_excluding_embedding"].values())

@@ -30,11 +30,15 @@ from verl import DataProto
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.bench.report import format_table, save_report
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.models.prepare import prepare_model
+from memupdate.rollout.config import RolloutConfig, run_config
+from memupdate.rollout.workers import in_process_workers
 from memupdate.serving.client import Endpoint
-from memupdate.serving.vllm import VLLMTokenClient, ensure_vllm_env, start_vllm_server
-from memupdate.training.local import LocalGRPOConfig, run_config
-from memupdate.training.workers import in_process_workers
+from memupdate.serving.token_client import VLLMTokenClient
+from memupdate.serving.vllm_env import ensure_vllm_env
+from memupdate.serving.vllm_server import start_vllm_server
+from memupdate.tools.config import TOOL_CONFIG
 
 logger = logging.getLogger(__name__)
 
@@ -58,20 +62,18 @@ def vllm_loop_config(
 ) -> DictConfig:
     """verl's config for our MemoryUpdate loop on ``train_file`` rows against a vLLM server of
     ``model_dir``, with the training reward (no memory-count cap, so a short episode is not penalised for
-    the base store's size). Like :func:`~memupdate.training.local.run_config`, it writes
-    ``run_dir/agent_loops.yaml`` and sets the ``MEMUPDATE_*`` variables the tools YAML reads."""
+    the base store's size). :func:`~memupdate.rollout.config.run_config` writes the run's files into ``run_dir``."""
     if LOOP_PROMPT_LENGTH + response_length > LOOP_MAX_MODEL_LEN:
         raise ValueError(
             f"response_length {response_length} + prompt {LOOP_PROMPT_LENGTH} exceeds the server's {LOOP_MAX_MODEL_LEN}"
         )
     return run_config(
-        LocalGRPOConfig(
+        RolloutConfig(
             model_path=str(model_dir),
             train_files=[str(train_file)],
             run_dir=str(run_dir),
-            tool_config="config/tools/memory_tools.yaml",
-            memories=str(memories),
-            embeddings=str(embeddings),
+            tool_config=str(TOOL_CONFIG),
+            memory=MemoryEnvironment(memories=memories, embeddings=embeddings),
             rollout_n=rollout_n,
             prompt_length=LOOP_PROMPT_LENGTH,
             response_length=response_length,

@@ -48,6 +48,7 @@ from typing import Any
 import pyarrow as pa
 from tqdm.auto import tqdm
 
+from memupdate.data.rows import MEMAGENT_AGENT
 from memupdate.utils.io import (
     atomic_outputs,
     read_text_utf8,
@@ -59,7 +60,6 @@ from memupdate.utils.io import (
 logger = logging.getLogger(__name__)
 
 DATA_SOURCE = "hotpotqa"
-AGENT_NAME = "memagent"
 REWARD_STYLE = "rule"
 DERIVED_ID_PREFIX = "hf-"
 DERIVED_ID_HEX_DIGITS = 12
@@ -564,7 +564,7 @@ def build_rows(
         rows.append(
             {
                 "data_source": DATA_SOURCE,
-                "agent_name": AGENT_NAME,
+                "agent_name": MEMAGENT_AGENT,
                 "prompt": [{"role": "user", "content": example.question}],
                 "context": context,
                 "reward_model": {"style": REWARD_STYLE, "ground_truth": [example.answer]},

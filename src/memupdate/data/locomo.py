@@ -30,6 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from memupdate.data.rows import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.utils.io import (
     atomic_outputs,
     read_text_utf8,
@@ -48,16 +49,7 @@ _SOURCE_FIELDS = {
     "session_summary": "session_summary",
     "dialogue": "conversation",
 }
-MEMORY_TOOLS = (
-    "search_memory",
-    "manage_memory",
-    "delete_memory",
-    "merge_memory",
-    "split_memory",
-    "sample_memory",
-)
 DATA_SOURCE_PREFIX = "locomo"
-AGENT_NAME = "memupdate_agent"
 
 _DIA_ID = re.compile(r"D:?(\d+):(\d+)")
 _SESSION_KEY = re.compile(r"session_(\d+)")
@@ -538,7 +530,7 @@ def build_rows(
             rows.append(
                 {
                     "data_source": f"{DATA_SOURCE_PREFIX}-{conv.sample_id}",
-                    "agent_name": AGENT_NAME,
+                    "agent_name": MEMORY_AGENT,
                     "prompt": build_prompt(conv, qa.question, memory_counts[conv.sample_id]),
                     "ability": "memory",
                     "reward_model": {"style": "memory_delta", "ground_truth": qa.answer},

@@ -46,13 +46,15 @@ from tqdm.auto import tqdm
 
 from memupdate.agents.fields import DELTA_KEY, STATS_KEY, TERMINATION_KEY
 from memupdate.eval.report import MEM0_CATEGORIES
-from memupdate.memory.manager import manager_from_config
+from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
+from memupdate.memory.manager import manager_for
 from memupdate.memory.store import Hit, TrialStore, within_budget
 from memupdate.prompts import load_prompts, qa_messages
 from memupdate.rewards.memory import DEFAULT_CONTEXT_CHARS
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.readiness import load_marker, read_marker
 from memupdate.settings import LocomoEvalSettings, build
+from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import sha256_file, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -197,24 +199,19 @@ class LocomoEvaluator:
         self,
         *,
         test_file: str,
-        memories: str,
-        embeddings: str,
-        embedding_model: str,
-        tool_config: str,
+        memory: MemoryEnvironment,
+        tool_config: str | Path,
         conversations: str | None,
         out_dir: str,
         settings: LocomoEvalSettings,
     ):
-        self.test_file, self.memories, self.embeddings = test_file, memories, embeddings
-        self.embedding_model, self.tool_config = embedding_model, tool_config
+        self.test_file, self.memory, self.tool_config = test_file, memory, str(tool_config)
         self.conversations = conversations
         self.out_dir = Path(out_dir)
         # Unset, evaluation retrieves within the reward's budget (the rule passes reward.context_chars).
         self.settings = settings if settings.context_chars else replace(settings, context_chars=DEFAULT_CONTEXT_CHARS)
         self.rows = ask_rows(select_rows(test_file, settings.questions_per_conversation, settings.seed), settings.seed)
-        self.manager = manager_from_config(
-            {"memories": memories, "embeddings": embeddings, "embedding_model": embedding_model}
-        )
+        self.manager = manager_for(memory)
         self._tokenizers: dict[str, Any] = {}
 
     def tokenizer(self, marker: str):
@@ -341,9 +338,10 @@ class LocomoEvaluator:
         from verl import DataProto
         from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
-        from memupdate.serving.vllm import VLLMTokenClient
-        from memupdate.training.local import LocalGRPOConfig, run_config
-        from memupdate.training.workers import in_process_workers
+        from memupdate.agents.context import LoopContext
+        from memupdate.rollout.config import RolloutConfig, run_config
+        from memupdate.rollout.workers import in_process_workers
+        from memupdate.serving.token_client import VLLMTokenClient
 
         memory = read_marker(system.memory, timeout_s=30.0)
         qa = read_marker(system.qa, timeout_s=30.0)
@@ -353,14 +351,12 @@ class LocomoEvaluator:
         rows_file = run_dir / "rows.parquet"
         pq.write_table(pa.Table.from_pylist(todo), rows_file)
         # The memory episodes only: the QA model answers below, as it answers for no_update.
-        cfg = LocalGRPOConfig(
+        cfg = RolloutConfig(
             model_path=load_marker(system.memory)["model_path"],
             train_files=[str(rows_file)],
             run_dir=str(run_dir),
             tool_config=self.tool_config,
-            memories=self.memories,
-            embeddings=self.embeddings,
-            embedding_model=self.embedding_model,
+            memory=self.memory,
             rollout_n=1,
             temperature=0.0,
             max_new_tokens=s.max_new_tokens,
@@ -370,10 +366,10 @@ class LocomoEvaluator:
             training_stage="memory",
             qa_phase=False,
             seed=s.seed,
-            max_content_chars=s.max_content_chars,
         )
         config = run_config(cfg)
-        worker = in_process_workers(config, VLLMTokenClient(memory, max_tokens=s.max_new_tokens), reward=False)
+        client = VLLMTokenClient(memory, max_tokens=s.max_new_tokens)
+        worker = in_process_workers(config, client, reward=False, loop_context=LoopContext(system.name))
         dataset = RLHFDataset([str(rows_file)], worker.tokenizer, config.data)
         tokenizer = self.tokenizer(system.qa)
         async with OpenAIClient(qa) as client:
@@ -459,7 +455,7 @@ def _invalidate_if_changed(path: Path, fingerprint: dict[str, Any]) -> None:
 def locomo_full_context(conv: Any, start_prompt: str) -> str:
     """The whole conversation as LoCoMo's full-context evaluation lays it out (``get_input_context`` and
     ``get_gpt_answers`` in snap-research/LoCoMo ``task_eval/gpt_utils.py``, commit in
-    config/prompts/locomo.yaml), without its token budget (a prompt that does not fit is skipped instead):
+    memupdate/prompt_files/locomo.yaml), without its token budget (a prompt that does not fit is skipped instead):
     ``CONV_START_PROMPT`` with the two speakers, then each session prepended to the ones before it as
     ``DATE: <date>\nCONVERSATION:\n`` and ``<speaker> said, "<text>"\n`` per turn (an image turn adds
     `` and shared <caption>.``), each turn followed by a blank line. Upstream names the speakers in the
@@ -507,10 +503,10 @@ def evaluate_locomo(
     test_file: str,
     memories: str,
     embeddings: str,
-    embedding_model: str,
-    tool_config: str,
     conversations: str | None,
     markers: Mapping[str, str],
+    embedding_model: str = DEFAULT_EMBEDDING_MODEL,
+    tool_config: str | Path = TOOL_CONFIG,
     out_dir: str,
     settings: Mapping[str, Any] | None = None,
     training_metrics: Mapping[str, str] | None = None,
@@ -536,11 +532,15 @@ def evaluate_locomo(
         systems.append(System("stage1+qa_base", markers["qa-base"], memory=markers["stage1"]))
         if "stage2" in markers:
             systems.append(System("stage1+stage2", markers["stage2"], memory=markers["stage1"]))
-    evaluator = LocomoEvaluator(
-        test_file=test_file,
+    memory = MemoryEnvironment(
         memories=memories,
         embeddings=embeddings,
         embedding_model=embedding_model,
+        max_content_chars=eval_settings.max_content_chars or DEFAULT_MAX_CONTENT_CHARS,
+    )
+    evaluator = LocomoEvaluator(
+        test_file=test_file,
+        memory=memory,
         tool_config=tool_config,
         conversations=conversations,
         out_dir=out_dir,

@@ -48,6 +48,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from memupdate.agents.fields import MEMAGENT_REWARD
+from memupdate.data.rows import MEMAGENT_AGENT
 from memupdate.settings import MemAgentEvalSettings, build
 from memupdate.utils.io import write_json_atomic, write_text_atomic
 
@@ -72,7 +74,7 @@ class MemAgentEvaluator:
         from omegaconf import OmegaConf
         from transformers import AutoTokenizer
 
-        from memupdate.training.local import LocalGRPOConfig, run_config
+        from memupdate.rollout.config import RolloutConfig, run_config
 
         self.settings = s = settings
         self.model_path, endpoint = model_source(model)
@@ -85,13 +87,13 @@ class MemAgentEvaluator:
         }
         self.configs = {}
         for style in s.styles:
-            cfg = LocalGRPOConfig(
+            cfg = RolloutConfig(
                 model_path=str(self.model_path),
                 train_files=[],
                 run_dir=str(Path(work_dir) / style),
-                agent_name="memagent",
+                agent_name=MEMAGENT_AGENT,
                 agent=agents[style],
-                reward_manager="memupdate_memagent",
+                reward_manager=MEMAGENT_REWARD,
                 prompt_length=s.prompt_length,
                 response_length=response,
                 max_new_tokens=response,
@@ -104,7 +106,7 @@ class MemAgentEvaluator:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.served = endpoint is not None
         if self.served:
-            from memupdate.serving.vllm import VLLMTokenClient
+            from memupdate.serving.token_client import VLLMTokenClient
 
             self.server = VLLMTokenClient(endpoint, max_tokens=response)
         else:
@@ -135,7 +137,7 @@ class MemAgentEvaluator:
         )
         from memupdate.agents.fields import MEMAGENT_ANSWER_KEY as ANSWER_KEY
         from memupdate.rewards.memagent import memagent_reward
-        from memupdate.training.workers import FINAL_MASK_KEY, in_process_workers
+        from memupdate.rollout.workers import FINAL_MASK_KEY, in_process_workers
 
         score = memagent_reward if style == "ours" else memagent_style_scores
         worker = in_process_workers(self.configs[style], self.server, reward=False)

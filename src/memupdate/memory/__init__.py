@@ -6,29 +6,38 @@ stores (:class:`BaseStore`, read-only initial memories; :class:`TrialStore`, one
 registered per trial by :class:`MemoryStoreManager`. None of them knows about LLMs or verl.
 """
 
-from memupdate.memory.cache import (
-    EmbeddingCache,
-    EmbeddingCacheError,
-    EmbeddingModelMismatch,
-    MissingEmbeddings,
-    build_embedding_cache,
-)
-from memupdate.memory.embedder import DEFAULT_MODEL, Embedder, EmbedderLoadError
-from memupdate.memory.index import VectorIndex
-from memupdate.memory.manager import MemoryStoreManager, NamespaceInUse, UnknownNamespace, trial_namespace
-from memupdate.memory.store import (
-    BaseStore,
-    Hit,
-    InvalidMemoryOperation,
-    MemoryRecord,
-    MemoryStoreError,
-    TrialStore,
-    UnknownMemoryId,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
+#: Where each name lives. Imported on first use: the store, the cache and the embedder bring numpy, pyarrow
+#: and faiss (a second at start-up), which the CLI and the Snakefile need only for the defaults in
+#: :mod:`memupdate.memory.environment`.
+_EXPORTS = {
+    "EmbeddingCache": "cache",
+    "EmbeddingCacheError": "cache",
+    "EmbeddingModelMismatch": "cache",
+    "MissingEmbeddings": "cache",
+    "build_embedding_cache": "cache",
+    "Embedder": "embedder",
+    "EmbedderLoadError": "embedder",
+    "DEFAULT_EMBEDDING_MODEL": "environment",
+    "MemoryEnvironment": "environment",
+    "VectorIndex": "index",
+    "MemoryStoreManager": "manager",
+    "NamespaceInUse": "manager",
+    "UnknownNamespace": "manager",
+    "trial_namespace": "manager",
+    "BaseStore": "store",
+    "Hit": "store",
+    "InvalidMemoryOperation": "store",
+    "MemoryRecord": "store",
+    "MemoryStoreError": "store",
+    "TrialStore": "store",
+    "UnknownMemoryId": "store",
+}
 __all__ = [
-    "DEFAULT_MODEL",
     "BaseStore",
+    "DEFAULT_EMBEDDING_MODEL",
     "Embedder",
     "EmbedderLoadError",
     "EmbeddingCache",
@@ -36,6 +45,7 @@ __all__ = [
     "EmbeddingModelMismatch",
     "Hit",
     "InvalidMemoryOperation",
+    "MemoryEnvironment",
     "MemoryRecord",
     "MemoryStoreError",
     "MemoryStoreManager",
@@ -48,3 +58,31 @@ __all__ = [
     "build_embedding_cache",
     "trial_namespace",
 ]
+
+if TYPE_CHECKING:
+    from memupdate.memory.cache import (
+        EmbeddingCache,
+        EmbeddingCacheError,
+        EmbeddingModelMismatch,
+        MissingEmbeddings,
+        build_embedding_cache,
+    )
+    from memupdate.memory.embedder import Embedder, EmbedderLoadError
+    from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, MemoryEnvironment
+    from memupdate.memory.index import VectorIndex
+    from memupdate.memory.manager import MemoryStoreManager, NamespaceInUse, UnknownNamespace, trial_namespace
+    from memupdate.memory.store import (
+        BaseStore,
+        Hit,
+        InvalidMemoryOperation,
+        MemoryRecord,
+        MemoryStoreError,
+        TrialStore,
+        UnknownMemoryId,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

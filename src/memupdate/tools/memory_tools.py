@@ -31,19 +31,17 @@ from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from memupdate.agents.fields import DELTA_KEY
-from memupdate.data.locomo import MEMORY_TOOLS
-from memupdate.memory.manager import MemoryStoreManager, manager_from_config
+from memupdate.data.rows import DELETE_TOOL, MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SAMPLE_TOOL, SEARCH_TOOL, SPLIT_TOOL
+from memupdate.memory.environment import MemoryEnvironment
+from memupdate.memory.manager import MemoryStoreManager, manager_for
 from memupdate.memory.store import SOURCES, InvalidMemoryOperation, MemoryRecord, TrialStore, UnknownMemoryId
+from memupdate.tools.config import ENVIRONMENT_KEY
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE_KEY = "memory_namespace"
 MAX_TOP_K = 20
 MAX_SHOWN_CHARS = 300
-#: Longest memory text a tool writes (``memory.max_content_chars``). LoCoMo observations run to 180
-#: characters (mean 88, p99 148 over all ten conversations), so 300 holds any of them, or a merge of
-#: three typical ones, but not a question with the text of its search results pasted after it.
-DEFAULT_MAX_CONTENT_CHARS = 300
 
 
 class ToolArgumentError(ValueError):
@@ -147,23 +145,6 @@ def _metadata_arg(params: dict) -> dict[str, Any]:
     return metadata
 
 
-def content_cap(config: dict[str, Any]) -> int:
-    """The tool config's ``max_content_chars`` (default :data:`DEFAULT_MAX_CONTENT_CHARS`)."""
-    value = config.get("max_content_chars")
-    if value is None or value == "":
-        return DEFAULT_MAX_CONTENT_CHARS
-    try:
-        cap = int(value)  # from the environment (oc.env) it arrives as a string
-    except (TypeError, ValueError):
-        cap = 0
-    if cap < 1 or str(cap) != str(value).strip():
-        raise ValueError(
-            f"memory tool config: max_content_chars must be a positive integer, got {value!r} "
-            "(config/tools/memory_tools.yaml, set from memory.max_content_chars)"
-        )
-    return cap
-
-
 def _check_length(text: str, cap: int, what: str, advice: str) -> str:
     if len(text) > cap:
         raise ToolArgumentError(f"{what} is {len(text):,} characters; the limit is {cap:,}: {advice}.")
@@ -206,9 +187,21 @@ class MemoryTool(BaseTool):
     MUTATES = False
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None = None):
+        """``config["environment"]`` gives the store and the cap on memory text: the run's memory-environment
+        file, as the run's ``tools.yaml`` names it (:func:`memupdate.tools.config.write_tool_config`), or a
+        :class:`MemoryEnvironment` itself when a tool is built in process (benchmarks, tests)."""
         # BaseTool.__init__ prints the schema on every construction; set the same fields quietly.
         self.config = config
-        self.max_content_chars = content_cap(config)
+        environment = config.get(ENVIRONMENT_KEY)
+        if not environment:
+            raise ValueError(
+                f"memory tool config has no {ENVIRONMENT_KEY!r}: use the run's tools.yaml "
+                "(memupdate.tools.config.write_tool_config), not the template memory_tools.yaml itself"
+            )
+        self.environment = (
+            environment if isinstance(environment, MemoryEnvironment) else MemoryEnvironment.read(environment)
+        )
+        self.max_content_chars = self.environment.max_content_chars
         self.tool_schema = tool_schema or OpenAIFunctionToolSchema.model_validate(
             {"type": "function", "function": self._filled(self.SCHEMA)}
         )
@@ -238,7 +231,7 @@ class MemoryTool(BaseTool):
 
     @property
     def manager(self) -> MemoryStoreManager:
-        return self._manager if self._manager is not None else manager_from_config(self.config)
+        return self._manager if self._manager is not None else manager_for(self.environment)
 
     async def store_for(self, agent_data: Any) -> TrialStore:
         """The trajectory's trial store, opened on its first tool call."""
@@ -283,7 +276,7 @@ class MemoryTool(BaseTool):
 
 class SearchMemoryTool(MemoryTool):
     SCHEMA = {
-        "name": "search_memory",
+        "name": SEARCH_TOOL,
         "description": "Search the memory database by meaning. Returns the most similar memories with their ids.",
         "parameters": {
             "type": "object",
@@ -321,7 +314,7 @@ class SearchMemoryTool(MemoryTool):
 class ManageMemoryTool(MemoryTool):
     MUTATES = True
     SCHEMA = {
-        "name": "manage_memory",
+        "name": MANAGE_TOOL,
         "description": (
             "Create a new memory, or update the content or details of an existing one by its id. "
             "A memory's text is at most {max_content_chars} characters."
@@ -371,7 +364,7 @@ class ManageMemoryTool(MemoryTool):
 class DeleteMemoryTool(MemoryTool):
     MUTATES = True
     SCHEMA = {
-        "name": "delete_memory",
+        "name": DELETE_TOOL,
         "description": "Delete a wrong, duplicated or useless memory by its id.",
         "parameters": {
             "type": "object",
@@ -393,7 +386,7 @@ class DeleteMemoryTool(MemoryTool):
 class MergeMemoryTool(MemoryTool):
     MUTATES = True
     SCHEMA = {
-        "name": "merge_memory",
+        "name": MERGE_TOOL,
         "description": (
             "Replace 2 to 5 related memories by one memory whose text you write, at most {max_content_chars} "
             "characters."
@@ -424,7 +417,7 @@ class MergeMemoryTool(MemoryTool):
 class SplitMemoryTool(MemoryTool):
     MUTATES = True
     SCHEMA = {
-        "name": "split_memory",
+        "name": SPLIT_TOOL,
         "description": (
             "Replace one memory that mixes several facts by 2 to 5 memories whose texts you write, each at "
             "most {max_content_chars} characters."
@@ -454,7 +447,7 @@ class SplitMemoryTool(MemoryTool):
 
 class SampleMemoryTool(MemoryTool):
     SCHEMA = {
-        "name": "sample_memory",
+        "name": SAMPLE_TOOL,
         "description": "List some memories to get an overview of the database.",
         "parameters": {
             "type": "object",

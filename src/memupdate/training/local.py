@@ -29,19 +29,17 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import random
 import shutil
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import verl
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -51,9 +49,11 @@ from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from verl.workers.config import ActorConfig
 
-from memupdate.agents import fields, memory_loop
+from memupdate.agents.context import LoopContext
+from memupdate.rollout.config import RolloutConfig, run_config
+from memupdate.rollout.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, TURN_INDEX_KEY, in_process_workers
 from memupdate.serving.hf_server import HFGenerateServer
-from memupdate.settings import ServeSettings, TrainSettings, build, clean
+from memupdate.settings import ServeSettings, TrainSettings, build, check_bounds, clean
 from memupdate.training.tracking import (
     PROJECT,
     TENSORBOARD_DIR,
@@ -66,7 +66,6 @@ from memupdate.training.tracking import (
     write_run_info,
 )
 from memupdate.training.vllm_rollout import VLLMRollout, exit_on_sigterm
-from memupdate.training.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, TURN_INDEX_KEY, in_process_workers
 from memupdate.utils.io import write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -76,38 +75,14 @@ ROLLOUTS = ("hf", "vllm")
 
 
 @dataclass(kw_only=True)
-class LocalGRPOConfig(TrainSettings):
+class LocalGRPOConfig(TrainSettings, RolloutConfig):
     """Everything a local run depends on; its hash names the run in the checkpoint manifest. The user's
-    settings are :class:`memupdate.settings.TrainSettings`' (their one definition); these add the run's
-    paths and roles."""
-
-    model_path: str
-    train_files: list[str]
-    run_dir: str
-    #: The memory tools and the base store (MemoryUpdate; a MemAgent run has neither).
-    tool_config: str | None = None
-    memories: str | None = None
-    embeddings: str | None = None
-    embedding_model: str = "all-MiniLM-L6-v2"
-    #: Longest memory text the tools accept (``memory.max_content_chars``; None = the tools' default).
-    max_content_chars: int | None = None
-    #: The agent loop (a key of AGENT_LOOPS), and settings passed to it (MemAgent's chunk_size, ...).
-    agent_name: str = "memupdate_agent"
-    agent: dict[str, Any] = field(default_factory=dict)
-    #: Reward manager registered with verl's reward loop (``memupdate_memory`` for MemoryUpdate,
-    #: ``memupdate_memagent`` for MemAgent).
-    reward_manager: str = "memupdate_memory"
-    reward: dict[str, Any] = field(default_factory=dict)
-    #: Which role is trained (memory | qa | joint); see memupdate.agents.memory_loop.
-    training_stage: str = "memory"
-    #: Add the QA phase to memory-stage episodes (implied by the qa and joint stages).
-    qa_phase: bool = False
-    #: The served model playing the other role, ``{base_url, model}`` (from its readiness marker).
-    fixed_model: dict[str, Any] | None = None
-    #: Answer cap of the QA phase (its retrieval and prompt are the reward's: top_k, context_chars, qa_prompt).
-    qa_max_tokens: int = 32
+    settings are :class:`memupdate.settings.TrainSettings`' (their one definition, bounds included: a GRPO
+    group needs ``rollout_n >= 2``); the rollout's paths and roles are :class:`RolloutConfig`'s."""
 
     def __post_init__(self) -> None:
+        RolloutConfig.__post_init__(self)
+        check_bounds(self, "local GRPO config")
         if self.rollout not in ROLLOUTS:
             raise ValueError(f"rollout must be one of {ROLLOUTS}, got {self.rollout!r}")
 
@@ -120,97 +95,6 @@ class LocalGRPOConfig(TrainSettings):
         if self.fixed_model:
             settings["fixed_model"] = {k: v for k, v in self.fixed_model.items() if k != "base_url"}
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def verl_config(cfg: LocalGRPOConfig, agent_loop_config: Path):
-    """verl 0.9.1's full trainer config with our settings; the worker and reward loop read it."""
-    base = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
-    conf = OmegaConf.load(base)
-    overrides = {
-        "actor_rollout_ref.model.path": cfg.model_path,
-        # The worker validates the rollout config; the name only has to be a known backend.
-        "actor_rollout_ref.rollout.name": "vllm",
-        "actor_rollout_ref.rollout.n": cfg.rollout_n,
-        "actor_rollout_ref.rollout.temperature": cfg.temperature,
-        "actor_rollout_ref.rollout.top_p": cfg.top_p,
-        "actor_rollout_ref.rollout.prompt_length": cfg.prompt_length,
-        "actor_rollout_ref.rollout.response_length": cfg.response_length,
-        "actor_rollout_ref.rollout.calculate_log_probs": False,
-        "actor_rollout_ref.rollout.multi_turn.enable": True,
-        "actor_rollout_ref.rollout.multi_turn.format": "hermes",
-        "actor_rollout_ref.rollout.multi_turn.tool_config_path": cfg.tool_config,
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": cfg.max_assistant_turns,
-        "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": cfg.max_parallel_calls,
-        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": cfg.max_tool_response_length,
-        "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(agent_loop_config),
-        "data.max_prompt_length": cfg.prompt_length,
-        "data.max_response_length": cfg.response_length,
-        "data.return_raw_chat": True,
-        # RLHFDataset draws its max_samples subset with this seed (unseeded by default).
-        "data.seed": cfg.seed,
-        "reward.reward_manager.source": "register",
-        "reward.reward_manager.name": cfg.reward_manager,
-        "reward.custom_reward_function.reward_kwargs": {
-            **(
-                {"memories": cfg.memories, "embeddings": cfg.embeddings, "embedding_model": cfg.embedding_model}
-                if cfg.memories
-                else {}
-            ),
-            **cfg.reward,
-        },
-    }
-    for key, value in overrides.items():
-        OmegaConf.update(conf, key, value, force_add=True)
-    return conf
-
-
-#: The agent loops a local run can use, by the rows' ``agent_name``.
-AGENT_LOOPS = {
-    "memupdate_agent": "memupdate.agents.memory_loop.MemoryUpdateAgentLoop",
-    "memagent": "memupdate.agents.memagent.MemAgentLoop",
-}
-
-
-def agent_loop_entry(cfg: LocalGRPOConfig) -> dict[str, Any]:
-    """The run's entry of verl's agent-loop config (``agent_loops.yaml``)."""
-    if cfg.agent_name not in AGENT_LOOPS:
-        raise ValueError(f"unknown agent_name {cfg.agent_name!r}; known: {sorted(AGENT_LOOPS)}")
-    entry = {"name": cfg.agent_name, "_target_": AGENT_LOOPS[cfg.agent_name], "deterministic_ids": True}
-    if cfg.agent_name == "memupdate_agent":
-        # The served role's turns get the same per-turn cap as the policy's.
-        fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.max_new_tokens}
-        entry.update(
-            training_stage=cfg.training_stage,
-            qa_phase=cfg.qa_phase,
-            fixed_model=fixed_model,
-            fixed_temperature=cfg.fixed_temperature,
-            qa_max_tokens=cfg.qa_max_tokens,
-        )
-    return {**entry, **cfg.agent}
-
-
-def run_config(cfg: LocalGRPOConfig):
-    """Write the run's ``agent_loops.yaml`` into ``cfg.run_dir``, point the memory tools at the run's data
-    (environment variables the tools YAML reads) and return verl's config for the in-process workers."""
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    agent_loop_config = run_dir / "agent_loops.yaml"
-    agent_loop_config.write_text(OmegaConf.to_yaml([agent_loop_entry(cfg)]))
-    if cfg.memories:
-        # One tools YAML serves every run: it reads the memory paths from the environment.
-        os.environ.update(
-            {
-                "MEMUPDATE_MEMORIES": cfg.memories,
-                "MEMUPDATE_EMBEDDINGS": cfg.embeddings or "",
-                "MEMUPDATE_EMBEDDING_MODEL": cfg.embedding_model,
-            }
-        )
-        # Set or cleared, so a run never inherits an earlier run's cap in the same process.
-        if cfg.max_content_chars is None:
-            os.environ.pop("MEMUPDATE_MAX_CONTENT_CHARS", None)
-        else:
-            os.environ["MEMUPDATE_MAX_CONTENT_CHARS"] = str(int(cfg.max_content_chars))
-    return verl_config(cfg, agent_loop_config)
 
 
 def constant_groups(batch: DataProto) -> np.ndarray:
@@ -273,7 +157,11 @@ class LocalGRPOTrainer:
             self.run_dir / "resolved_config.json",
             {"memupdate": asdict(cfg), "verl": OmegaConf.to_container(self.config, resolve=True)},
         )
-        data = {"train_files": cfg.train_files, "memories": cfg.memories, "embeddings": cfg.embeddings}
+        memory = cfg.memory
+        data = {
+            "train_files": cfg.train_files,
+            **({"memories": memory.memories, "embeddings": memory.embeddings} if memory else {}),
+        }
         self.run_info = run_info(cfg.digest(), run_record(data), backend="local", base_model=cfg.model_path)
         write_run_info(self.run_dir, self.run_info)
         # rollout: vllm starts its server when training starts (train()), not for a trainer only inspected.
@@ -414,7 +302,7 @@ class LocalGRPOTrainer:
         """One policy-gradient step on ``batch``; skipped (no reference forward, no backward, no optimizer
         step) when no token has a non-zero advantage: the policy-gradient term is zero, and the KL term alone
         would only pull the policy back towards the reference with nothing learnt. DAPO's dynamic sampling
-        (verl's algorithm.filter_groups, on in config/verl; an option in MemAgent's fork) drops such
+        (verl's algorithm.filter_groups, on in verl_config/; an option in MemAgent's fork) drops such
         zero-variance groups from a batch entirely; a step made only of them is dropped here. AdamW would
         otherwise still move the weights by its momentum."""
         mask = batch.batch["response_mask"].float()
@@ -500,7 +388,8 @@ class LocalGRPOTrainer:
 
     async def _train(self) -> dict[str, Any]:
         cfg = self.cfg
-        worker = in_process_workers(self.config, self.server, self.timer)
+        # Named: the HF server seeds each request by its id, so a rerun's ids must be the same.
+        worker = in_process_workers(self.config, self.server, self.timer, loop_context=LoopContext("train"))
         metrics: dict[str, Any] = {}
         metrics_path = self.run_dir / "metrics.jsonl"
         # verl's Tracking has no resume: a resumed run logs from its checkpoint's step on.
@@ -510,9 +399,9 @@ class LocalGRPOTrainer:
                 while self.step < cfg.steps:
                     self.timer["reward"] = 0.0
                     tokens_before, generation_before = self.server.generated_tokens, self.server.seconds
-                    fixed_before = self._fixed_model_seconds()
+                    fixed_before = worker.loop_context.fixed_seconds()
                     start = time.perf_counter()
-                    fields.reset_request_ids(f"{cfg.seed}:{self.step}")
+                    worker.loop_context.reset_request_ids(f"{cfg.seed}:{self.step}")
                     prompts = self._prompts()
                     batch = await worker.generate_sequences(prompts)
                     # The worker returns rollouts in prompt order (a trajectory's turns together) but not the
@@ -535,7 +424,7 @@ class LocalGRPOTrainer:
                         update_seconds,
                         self.server.generated_tokens - tokens_before,
                         self.server.seconds - generation_before,
-                        self._fixed_model_seconds() - fixed_before,
+                        worker.loop_context.fixed_seconds() - fixed_before,
                         sync_seconds,
                     )
                     with metrics_path.open("a") as fh:
@@ -560,10 +449,6 @@ class LocalGRPOTrainer:
             "logger": list(self.cfg.logger),
         }
         return {"trainer": trainer, "run_info": self.run_info, "memupdate": asdict(self.cfg)}
-
-    @staticmethod
-    def _fixed_model_seconds() -> float:
-        return sum(client.seconds for client in memory_loop.fixed_clients())
 
     def _metrics(self, batch, update, rollout_s, update_s, tokens, generation_s, fixed_s, sync_s) -> dict[str, Any]:
         rows = batch.batch["rm_scores"].size(0)

@@ -28,7 +28,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from memupdate.agents.fields import MEMAGENT_REWARD
+from memupdate.data.rows import MEMAGENT_AGENT
+from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
 from memupdate.serving.readiness import load_marker, read_marker
+from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import sha256_file, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -118,18 +122,22 @@ def train_stage(
     train_files: list[str],
     memories: str,
     embeddings: str,
-    tool_config: str,
-    embedding_model: str,
     run_dir: str,
     reward: Mapping[str, Any],
+    embedding_model: str = DEFAULT_EMBEDDING_MODEL,
+    max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
+    tool_config: str | Path = TOOL_CONFIG,
     fixed_marker: str | None = None,
     verl: Mapping[str, Any] | None = None,
-    max_content_chars: int | None = None,
 ) -> Path:
-    """Train one stage and return its ``<run_dir>/ckpt`` folder. ``max_content_chars`` caps the memory
-    texts the tools accept (``memory.max_content_chars``; None = the tools' default)."""
+    """Train one stage and return its ``<run_dir>/ckpt`` folder. The memory tools (``tool_config``'s) edit
+    the store of ``memories`` with its embeddings, writing memory texts of at most ``max_content_chars``
+    characters (``memory.max_content_chars``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    memory = MemoryEnvironment(
+        memories=memories, embeddings=embeddings, embedding_model=embedding_model, max_content_chars=max_content_chars
+    )
     fixed = fixed_model_endpoint(fixed_marker, model)
     reward = stage_reward(reward, training_stage, fixed, settings)
     if backend == "local":
@@ -139,13 +147,10 @@ def train_stage(
             dict(settings),
             model_path=model,
             train_files=train_files,
-            memories=memories,
-            embeddings=embeddings,
-            tool_config=tool_config,
-            embedding_model=embedding_model,
+            memory=memory,
+            tool_config=str(tool_config),
             run_dir=run_dir,
             reward=reward,
-            max_content_chars=max_content_chars,
             training_stage=training_stage,
             qa_phase=fixed is not None or training_stage != "memory",
             fixed_model=fixed,
@@ -158,15 +163,12 @@ def train_stage(
         settings=settings,
         model=model,
         train_files=train_files,
-        memories=memories,
-        embeddings=embeddings,
-        tool_config=tool_config,
-        embedding_model=embedding_model,
+        memory=memory,
+        tool_config=str(tool_config),
         run_dir=run_dir,
         reward=reward,
         fixed=fixed,
         verl=verl or {},
-        max_content_chars=max_content_chars,
     )
 
 
@@ -195,9 +197,9 @@ def train_memagent(
             model_path=model,
             train_files=train_files,
             run_dir=run_dir,
-            agent_name="memagent",
+            agent_name=MEMAGENT_AGENT,
             agent=dict(loop),
-            reward_manager="memupdate_memagent",
+            reward_manager=MEMAGENT_REWARD,
         )
         train_local(cfg)
         return Path(run_dir) / "ckpt"
@@ -233,16 +235,13 @@ def verl_commands(
     settings: Mapping[str, Any],
     model: str,
     train_files: list[str],
-    memories: str,
-    embeddings: str,
+    memory: MemoryEnvironment,
     tool_config: str,
-    embedding_model: str,
     run_dir: str,
     reward: Mapping[str, Any],
     fixed: Mapping[str, Any] | None,
     verl: Mapping[str, Any],
     env: Mapping[str, str] = os.environ,
-    max_content_chars: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command that starts Ray on every node of the allocation and runs ``main_ppo`` on the head,
     and its environment. ``settings`` are verl config keys (``trainer.total_training_steps: 100``);
@@ -256,16 +255,13 @@ def verl_commands(
         train_files=train_files,
         val_files=verl.get("val_files") or train_files,
         tool_config=tool_config,
-        memories=memories,
-        embeddings=embeddings,
+        memory=memory,
         n_gpus_per_node=gpus,
         nnodes=nnodes,
         experiment_dir=run_dir,
         fixed_model_endpoint=fixed,
-        embedding_model=embedding_model,
         reward=reward,
         extra=dict(settings),
-        max_content_chars=max_content_chars,
     )
     return allocation_command(argv, run_dir, nnodes, gpus, env), run_env
 

@@ -1,6 +1,6 @@
 """Launcher of the ``verl`` training backend: ``python -m verl.trainer.main_ppo`` on GPU nodes.
 
-``config/verl/grpo_memupdate.yaml`` is a hydra delta over verl's packaged ``ppo_trainer``; this module adds
+``verl_config/grpo_memupdate.yaml`` (shipped with the package, beside this module) is a hydra delta over verl's packaged ``ppo_trainer``; this module adds
 what changes per run as hydra overrides (:func:`compose_overrides`), builds the command and the
 environment the memory tools read (:func:`build_main_ppo_command`), and checks everything before a job
 is submitted (:func:`validate_overrides`): the overrides are composed with hydra's compose API exactly as
@@ -15,7 +15,7 @@ Per run, under ``experiment_dir``:
 - ``run_info.json``: that record and the config digest, the sha256 of ``resolved_config.yaml``
   (:mod:`memupdate.training.tracking`);
 - ``tensorboard/`` (verl's tensorboard backend of ``trainer.logger``; ``tracking.jsonl`` for ``file``);
-- ``agent_loops.yaml``: ``config/verl/agent_loops.yaml`` with the run's ``training_stage`` and
+- ``agent_loops.yaml``: ``verl_config/agent_loops.yaml`` with the run's ``training_stage`` and
   ``fixed_model`` (verl passes an agent-loop entry's keys to the loop's constructor);
 - ``checkpoints/`` (verl's ``trainer.default_local_dir``), ``validation/`` (validation generations),
   ``hydra/`` (main_ppo's hydra output).
@@ -24,11 +24,14 @@ A stage is an override set, not a config file: ``memory`` trains the memory role
 single-stage MemoryUpdate), ``qa`` trains the QA role while the stage-1 model is served as the fixed
 memory model (stage 2), ``joint`` trains both. Only the agent loop's arguments differ between them.
 
-The memory paths reach the tools (``config/tools/memory_tools.yaml``) and the reward manager through
-``MEMUPDATE_*`` environment variables: returned for the driver, and forwarded to every Ray worker
-through ``ray_kwargs.ray_init.runtime_env.env_vars``, which ``main_ppo`` merges over
-``get_ppo_ray_runtime_env()`` before ``ray.init``. verl's tracking backends read their folders the same
-way (``TENSORBOARD_DIR``, ``VERL_FILE_LOGGER_PATH``: :func:`tracking_env`), so they write into the run.
+The memory tools and the reward manager read the run's ``memory_environment.json``
+(:class:`~memupdate.memory.environment.MemoryEnvironment`: memories, embedding cache and model, content
+cap), written into the run folder on the shared file system: the tools through the run's ``tools.yaml``
+(``multi_turn.tool_config_path``), the reward manager through its ``memory_environment`` setting. verl's
+tracking backends read their folders from environment variables (``TENSORBOARD_DIR``,
+``VERL_FILE_LOGGER_PATH``: :func:`tracking_env`), forwarded to every Ray worker through
+``ray_kwargs.ray_init.runtime_env.env_vars`` (``main_ppo`` merges it over ``get_ppo_ray_runtime_env()``),
+so they write into the run.
 """
 
 from __future__ import annotations
@@ -47,8 +50,13 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from memupdate.memory.embedder import DEFAULT_MODEL
+from memupdate.agents.fields import AGENT_LOOPS
+from memupdate.data.rows import MEMAGENT_AGENT, MEMORY_AGENT
+from memupdate.memory.environment import FILE_NAME as MEMORY_ENVIRONMENT_FILE
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.settings import MemAgentLoopSettings, build
+from memupdate.tools.config import FILE_NAME as TOOLS_FILE
+from memupdate.tools.config import write_tool_config
 from memupdate.training.tracking import (
     TENSORBOARD_DIR,
     TRACKING_FILE,
@@ -61,10 +69,11 @@ from memupdate.utils.io import sha256_file, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
-CONFIG_DIR = Path(__file__).resolve().parents[3] / "config" / "verl"
+#: The hydra deltas over verl's trainer config and the agent-loop template: package data, so the launcher
+#: works from an installed package as from a checkout.
+CONFIG_DIR = Path(__file__).resolve().with_name("verl_config")
 CONFIG_NAME = "grpo_memupdate"
 AGENT_LOOP_TEMPLATE = "agent_loops.yaml"
-AGENT_LOOP_NAME = "memupdate_agent"
 TRAINING_STAGES = ("memory", "qa", "joint")
 
 # Files and folders of one run, under experiment_dir.
@@ -76,16 +85,10 @@ HYDRA_DIR = "hydra"
 #: Top-level key of the run's record (commit, data sha256s) in the config verl gives its trackers.
 RUN_RECORD = "memupdate_run"
 
-# Where our reward manager (memupdate_memory) reads its settings; see config/verl/grpo_memupdate.yaml.
+# Where our reward manager (memupdate_memory) reads its settings; see verl_config/grpo_memupdate.yaml.
 REWARD_KWARGS = "reward.custom_reward_function.reward_kwargs"
 # main_ppo merges this over verl's own runtime_env, so these variables reach every Ray worker.
 RAY_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
-TOOL_ENV = {
-    "memories": "MEMUPDATE_MEMORIES",
-    "embeddings": "MEMUPDATE_EMBEDDINGS",
-    "embedding_model": "MEMUPDATE_EMBEDDING_MODEL",
-    "max_content_chars": "MEMUPDATE_MAX_CONTENT_CHARS",
-}
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _KEY = re.compile(r"^[A-Za-z_][\w-]*$")
@@ -182,25 +185,6 @@ def _fixed_model(stage: str, endpoint: Mapping[str, Any] | None) -> dict[str, An
     return dict(endpoint)
 
 
-def tool_env(
-    memories: PathLike, embeddings: PathLike, embedding_model: str = DEFAULT_MODEL, max_content_chars: int | None = None
-) -> dict[str, str]:
-    """The ``MEMUPDATE_*`` variables ``config/tools/memory_tools.yaml`` and the reward manager read.
-
-    A local embedding model folder becomes absolute; a model name stays a name. Without
-    ``max_content_chars`` the tools keep their default cap.
-    """
-    model = _abs(embedding_model) if os.path.exists(embedding_model) else embedding_model
-    env = {
-        TOOL_ENV["memories"]: _abs(memories),
-        TOOL_ENV["embeddings"]: _abs(embeddings),
-        TOOL_ENV["embedding_model"]: model,
-    }
-    if max_content_chars is not None:
-        env[TOOL_ENV["max_content_chars"]] = str(int(max_content_chars))
-    return env
-
-
 def tracking_env(experiment_dir: PathLike) -> dict[str, str]:
     """Where verl's tensorboard and file tracking backends write: inside the run (they read these variables,
     and otherwise write into the working directory of the Ray worker that runs the trainer)."""
@@ -265,21 +249,19 @@ def compose_overrides(
     train_files: PathLike | Sequence[PathLike],
     val_files: PathLike | Sequence[PathLike],
     tool_config: PathLike,
-    memories: PathLike,
-    embeddings: PathLike,
+    memory: MemoryEnvironment,
     n_gpus_per_node: int,
     nnodes: int,
     experiment_dir: PathLike,
     fixed_model_endpoint: Mapping[str, Any] | None = None,
-    embedding_model: str = DEFAULT_MODEL,
     reward: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | Sequence[str] = (),
-    max_content_chars: int | None = None,
 ) -> list[str]:
     """Hydra overrides for ``main_ppo --config-name grpo_memupdate`` for one run.
 
     ``stage`` is a training stage (``memory``, ``qa`` or ``joint``); it and ``fixed_model_endpoint``
-    go into the run's ``agent_loops.yaml`` (written by :func:`prepare_main_ppo`). ``reward`` holds our
+    go into the run's ``agent_loops.yaml``, ``memory`` into its ``memory_environment.json`` and ``tool_config``'s
+    tools into its ``tools.yaml`` (all written by :func:`prepare_main_ppo`). ``reward`` holds our
     reward manager's settings (:func:`memupdate.training.stages.stage_reward`: scorer, the served scorers'
     readiness markers, top_k, other_questions, efficiency, ...); they reach the manager in every reward
     worker as ``reward.custom_reward_function.reward_kwargs``, and the QA phase reads its retrieval and
@@ -290,16 +272,16 @@ def compose_overrides(
     _fixed_model(stage, fixed_model_endpoint)
     if n_gpus_per_node < 1 or nnodes < 1:
         raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
-    data = {"memories": memories, "embeddings": embeddings}
+    data = {"memories": memory.memories, "embeddings": memory.embeddings}
     overrides = run_overrides(model_path, train_files, val_files, n_gpus_per_node, nnodes, experiment_dir, data)
-    overrides.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path={hydra_value(_abs(tool_config))}")
+    run_dir = Path(_abs(experiment_dir))
+    overrides.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path={hydra_value(run_dir / TOOLS_FILE)}")
     # The reward settings are our manager's own namespace, not verl's schema, so they are added or
     # replaced (++) leaf by leaf; the manager rejects an unknown setting when it starts. The served
     # scorers' readiness markers are read by reward workers on every node: absolute paths.
     reward = {k: _abs(v) if k.endswith("_marker") and v else v for k, v in (reward or {}).items()}
+    reward["memory_environment"] = str(run_dir / MEMORY_ENVIRONMENT_FILE)
     overrides += [f"++{key}={hydra_value(value)}" for key, value in _flatten(REWARD_KWARGS, reward)]
-    env = tool_env(memories, embeddings, embedding_model, max_content_chars)
-    overrides += [f"++{RAY_ENV_VARS}.{name}={hydra_value(value)}" for name, value in env.items()]
     return overrides + _extra_overrides(extra)
 
 
@@ -327,20 +309,10 @@ def build_main_ppo_command(
 ) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` for one run; ``run`` takes :func:`compose_overrides`' keyword arguments.
 
-    ``env`` holds only the ``MEMUPDATE_*`` variables and the trackers' folders (:func:`tracking_env`): run
-    ``argv`` with ``{**os.environ, **env}``.
+    ``env`` holds only the trackers' folders (:func:`tracking_env`): run ``argv`` with ``{**os.environ, **env}``.
     """
     argv = main_ppo_argv(compose_overrides(stage, **run), python=python, config_dir=config_dir)
-    return argv, _run_env(run)
-
-
-def _run_env(run: Mapping[str, Any]) -> dict[str, str]:
-    return {
-        **tool_env(
-            run["memories"], run["embeddings"], run.get("embedding_model", DEFAULT_MODEL), run.get("max_content_chars")
-        ),
-        **tracking_env(run["experiment_dir"]),
-    }
+    return argv, tracking_env(run["experiment_dir"])
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -483,9 +455,9 @@ def write_agent_loop_config(
     loops = OmegaConf.load(template)
     if not isinstance(loops, ListConfig):
         raise ValueError(f"{template} must be a list of agent loops (verl's agent_loop_config_path format)")
-    entries = [entry for entry in loops if entry.get("name") == AGENT_LOOP_NAME]
+    entries = [entry for entry in loops if entry.get("name") == MEMORY_AGENT]
     if not entries:
-        raise ValueError(f"{template} has no agent loop named {AGENT_LOOP_NAME!r}")
+        raise ValueError(f"{template} has no agent loop named {MEMORY_AGENT!r}")
     entries[0].training_stage = training_stage
     entries[0].fixed_model = fixed
     if qa_max_tokens is not None:
@@ -499,8 +471,8 @@ def write_agent_loop_config(
 def prepare_main_ppo(
     stage: str, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, **run: Any
 ) -> tuple[list[str], dict[str, str]]:
-    """Everything before the exec: compose and validate the config, write the run's
-    ``agent_loops.yaml`` and ``resolved_config.yaml``, and return ``(argv, env)``.
+    """Everything before the exec: compose and validate the config, write the run's ``agent_loops.yaml``,
+    ``memory_environment.json``, ``tools.yaml`` and ``resolved_config.yaml``, and return ``(argv, env)``.
 
     Takes :func:`compose_overrides`' keyword arguments. Nothing is written when validation fails.
     """
@@ -514,9 +486,10 @@ def prepare_main_ppo(
         template=Path(config_dir) / AGENT_LOOP_TEMPLATE,
         qa_max_tokens=(run.get("reward") or {}).get("qa_max_tokens"),
     )
+    write_tool_config(run["tool_config"], run["memory"].write(run_dir), run_dir)
     write_run_files(run_dir, config, run["model_path"])
     logger.info("verl run prepared in %s (stage %s, %d overrides)", run_dir, stage, len(overrides))
-    return main_ppo_argv(overrides, python=python, config_dir=config_dir), _run_env(run)
+    return main_ppo_argv(overrides, python=python, config_dir=config_dir), tracking_env(run_dir)
 
 
 MEMAGENT_CONFIG_NAME = "grpo_memagent"
@@ -562,7 +535,7 @@ def prepare_memagent_ppo(
     overrides = memagent_overrides(loop=loop, **run)
     config = validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides)
     run_dir = Path(_abs(run["experiment_dir"]))
-    entry = {"name": "memagent", "_target_": "memupdate.agents.memagent.MemAgentLoop", **dict(loop)}
+    entry = {"name": MEMAGENT_AGENT, "_target_": AGENT_LOOPS[MEMAGENT_AGENT], **dict(loop)}
     header = f"# Written for this run by {__name__}.\n"
     write_text_atomic(run_dir / AGENT_LOOPS_FILE, header + OmegaConf.to_yaml([entry]))
     write_run_files(run_dir, config, run["model_path"])

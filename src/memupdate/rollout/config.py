@@ -1,0 +1,150 @@
+"""A rollout's configuration: what training, evaluation and the benchmarks run their agent loops with.
+
+A :class:`RolloutConfig` says which model runs which agent loop on which rows, with which tools, memory
+environment and reward, sampled how. :func:`run_config` turns it into the files and the verl config the
+in-process workers (:mod:`memupdate.rollout.workers`) read: ``<run>/agent_loops.yaml`` (the loop and its
+arguments), ``<run>/memory_environment.json`` and ``<run>/tools.yaml`` (the tools, pointed at it).
+
+The local trainer's :class:`~memupdate.training.local.LocalGRPOConfig` is a rollout configuration plus
+the optimiser's settings; evaluation and benchmarks build a rollout configuration alone (one rollout
+per prompt, no optimiser).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import verl
+from omegaconf import DictConfig, OmegaConf
+
+from memupdate.agents.fields import AGENT_LOOPS, MEMORY_REWARD
+from memupdate.data.rows import MEMORY_AGENT
+from memupdate.memory.environment import MemoryEnvironment
+from memupdate.settings import RewardSettings, TrainSettings
+from memupdate.tools.config import write_tool_config
+from memupdate.utils.io import write_text_atomic
+
+#: The roles an episode of the memory loop trains (memupdate.agents.memory_loop).
+STAGES = ("memory", "qa", "joint")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """The rows, the model, the agent loop with its tools and reward, and how the policy samples. Sampling
+    and length defaults are the training settings' (:class:`memupdate.settings.TrainSettings`)."""
+
+    model_path: str
+    train_files: list[str]
+    run_dir: str
+    #: The memory tools' template (memupdate.tools.config.TOOL_CONFIG) and the store they edit (MemoryUpdate;
+    #: a MemAgent rollout has neither).
+    tool_config: str | None = None
+    memory: MemoryEnvironment | None = None
+    #: The agent loop (a key of memupdate.agents.fields.AGENT_LOOPS), and settings passed to it (MemAgent's
+    #: chunk_size, ...).
+    agent_name: str = MEMORY_AGENT
+    agent: dict[str, Any] = field(default_factory=dict)
+    #: Reward manager registered with verl's reward loop, and its settings.
+    reward_manager: str = MEMORY_REWARD
+    reward: dict[str, Any] = field(default_factory=dict)
+    #: Which role is trained (memory | qa | joint); see memupdate.agents.memory_loop.
+    training_stage: str = "memory"
+    #: Add the QA phase to memory-stage episodes (implied by the qa and joint stages).
+    qa_phase: bool = False
+    #: The served model playing the other role, ``{base_url, model}`` (from its readiness marker).
+    fixed_model: dict[str, Any] | None = None
+    #: Answer cap of the QA phase (its retrieval and prompt are the reward's: top_k, context_chars, qa_prompt).
+    qa_max_tokens: int = RewardSettings.qa_max_tokens
+    #: Rollouts per prompt (evaluation: one; GRPO needs a group).
+    rollout_n: int = 1
+    temperature: float = TrainSettings.temperature
+    top_p: float = TrainSettings.top_p
+    max_new_tokens: int = TrainSettings.max_new_tokens
+    prompt_length: int = TrainSettings.prompt_length
+    response_length: int = TrainSettings.response_length
+    max_assistant_turns: int = TrainSettings.max_assistant_turns
+    max_parallel_calls: int = TrainSettings.max_parallel_calls
+    max_tool_response_length: int = TrainSettings.max_tool_response_length
+    seed: int = TrainSettings.seed
+    fixed_temperature: float | None = TrainSettings.fixed_temperature
+
+    def __post_init__(self) -> None:
+        if self.agent_name not in AGENT_LOOPS:
+            raise ValueError(f"unknown agent_name {self.agent_name!r}; known: {sorted(AGENT_LOOPS)}")
+        if self.training_stage not in STAGES:
+            raise ValueError(f"training_stage must be one of {STAGES}, got {self.training_stage!r}")
+        if self.rollout_n < 1:
+            raise ValueError(f"rollout_n must be at least 1, got {self.rollout_n}")
+        if (self.memory is None) != (self.tool_config is None):
+            raise ValueError("the memory tools need both tool_config and memory (a MemAgent rollout has neither)")
+
+
+def verl_config(cfg: RolloutConfig, agent_loop_config: Path, tool_config: Path | None, memory: Path | None):
+    """verl 0.9.1's full trainer config with ``cfg``'s settings and the run's files (its agent loops, tools and
+    memory environment); the in-process workers and the reward loop read it."""
+    base = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+    conf = OmegaConf.load(base)
+    overrides = {
+        "actor_rollout_ref.model.path": cfg.model_path,
+        # The worker validates the rollout config; the name only has to be a known backend.
+        "actor_rollout_ref.rollout.name": "vllm",
+        "actor_rollout_ref.rollout.n": cfg.rollout_n,
+        "actor_rollout_ref.rollout.temperature": cfg.temperature,
+        "actor_rollout_ref.rollout.top_p": cfg.top_p,
+        "actor_rollout_ref.rollout.prompt_length": cfg.prompt_length,
+        "actor_rollout_ref.rollout.response_length": cfg.response_length,
+        "actor_rollout_ref.rollout.calculate_log_probs": False,
+        "actor_rollout_ref.rollout.multi_turn.enable": True,
+        "actor_rollout_ref.rollout.multi_turn.format": "hermes",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path": str(tool_config) if tool_config else None,
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": cfg.max_assistant_turns,
+        "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": cfg.max_parallel_calls,
+        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": cfg.max_tool_response_length,
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(agent_loop_config),
+        "data.max_prompt_length": cfg.prompt_length,
+        "data.max_response_length": cfg.response_length,
+        "data.return_raw_chat": True,
+        # RLHFDataset draws its max_samples subset with this seed (unseeded by default).
+        "data.seed": cfg.seed,
+        "reward.reward_manager.source": "register",
+        "reward.reward_manager.name": cfg.reward_manager,
+        "reward.custom_reward_function.reward_kwargs": {
+            **({"memory_environment": str(memory)} if memory else {}),
+            **cfg.reward,
+        },
+    }
+    for key, value in overrides.items():
+        OmegaConf.update(conf, key, value, force_add=True)
+    return conf
+
+
+def agent_loop_entry(cfg: RolloutConfig) -> dict[str, Any]:
+    """The run's entry of verl's agent-loop config (``agent_loops.yaml``)."""
+    entry = {"name": cfg.agent_name, "_target_": AGENT_LOOPS[cfg.agent_name], "deterministic_ids": True}
+    if cfg.agent_name == MEMORY_AGENT:
+        # The served role's turns get the same per-turn cap as the policy's.
+        fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.max_new_tokens}
+        entry.update(
+            training_stage=cfg.training_stage,
+            qa_phase=cfg.qa_phase,
+            fixed_model=fixed_model,
+            fixed_temperature=cfg.fixed_temperature,
+            qa_max_tokens=cfg.qa_max_tokens,
+        )
+    return {**entry, **cfg.agent}
+
+
+def run_config(cfg: RolloutConfig) -> DictConfig:
+    """Write the run's ``agent_loops.yaml`` and, for the memory tools, its ``memory_environment.json`` and
+    ``tools.yaml`` into ``cfg.run_dir``, and return verl's config for the in-process workers."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    agent_loops = run_dir / "agent_loops.yaml"
+    write_text_atomic(agent_loops, OmegaConf.to_yaml([agent_loop_entry(cfg)]))
+    memory = tools = None
+    if cfg.memory is not None:
+        memory = cfg.memory.write(run_dir)
+        tools = write_tool_config(cfg.tool_config, memory, run_dir)
+    return verl_config(cfg, agent_loops, tools, memory)

@@ -1,0 +1,257 @@
+"""verl's token-in/token-out ``generate`` over a vLLM OpenAI server's HTTP API.
+
+:class:`VLLMTokenClient` serves the fixed model of two-stage training, the local backend's vLLM rollout
+server and evaluation; :class:`GenerationMeter` counts what a client generated and for how long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
+from memupdate.serving.readiness import get_models
+
+logger = logging.getLogger(__name__)
+
+#: Sampling keys vLLM's /v1/completions accepts that are passed through unchanged when given.
+PASSTHROUGH_SAMPLING_KEYS = frozenset(
+    {
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_p",
+        "seed",
+        "ignore_eos",
+        "min_tokens",
+        "stop",
+        "include_stop_str_in_output",
+        "length_penalty",
+    }
+)
+#: Keys verl sets that mean nothing over HTTP (log-probs are always returned).
+_IGNORED_SAMPLING_KEYS = frozenset({"logprobs", "n", "detokenize"})
+
+
+class VLLMTokenClient:
+    """verl's ``generate(request_id, *, prompt_ids, sampling_params) -> TokenOutput`` against a vLLM server.
+
+    The prompt goes as raw token ids to ``/v1/completions`` (no chat template is applied server-side:
+    the agent loop already rendered it), and the answer comes back as token ids with their log-probs,
+    so what the trainer sees is exactly what was sampled. ``max_tokens`` caps every request; a smaller
+    ``sampling_params["max_tokens"]`` wins; and, like verl's own vLLM server, a request never asks
+    for more than the context has left (``max_model_len``, read once from ``/v1/models`` unless
+    given), because vLLM rejects that with HTTP 400. One aiohttp session per event loop (verl runs
+    one loop per worker; tests run one per ``asyncio.run``); timeouts and retries are the
+    :class:`Endpoint`'s.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        max_tokens: int,
+        *,
+        max_model_len: int | None = None,
+        max_concurrency: int = 64,
+    ):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.endpoint = endpoint
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        self.max_concurrency = max_concurrency
+        # loop -> (its client, the async generator that closes that client when the loop shuts down)
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[OpenAIClient, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._warned: set[str] = set()
+
+    # Ray ships agent-loop arguments to workers by pickling; sessions belong to one process and loop.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_clients"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._clients = weakref.WeakKeyDictionary()
+
+    async def _client(self) -> OpenAIClient:
+        loop = asyncio.get_running_loop()
+        entry = self._clients.get(loop)
+        if entry is None:
+            client = OpenAIClient(self.endpoint, max_concurrency=self.max_concurrency)
+            # Neither step suspends, so no other coroutine can slip in and open a second session.
+            await client.__aenter__()
+            closer = _close_at_loop_shutdown(client)
+            await closer.__anext__()
+            entry = self._clients[loop] = (client, closer)
+        return entry[0]
+
+    async def close(self) -> None:
+        """Close this event loop's session now (otherwise it closes when its loop shuts down)."""
+        with contextlib.suppress(RuntimeError):
+            entry = self._clients.pop(asyncio.get_running_loop(), None)
+            if entry is not None:
+                await entry[1].aclose()
+
+    async def __aenter__(self) -> VLLMTokenClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _context_length(self) -> int | None:
+        if self.max_model_len is None:
+            cards = await asyncio.to_thread(get_models, self.endpoint.base_url, self.endpoint.timeout_s)
+            lengths = [c.get("max_model_len") for c in cards if c["id"] == self.endpoint.model]
+            # 0 = unknown (not a vLLM server, or the model is not listed): no clamping, vLLM decides.
+            self.max_model_len = int(lengths[0]) if lengths and lengths[0] else 0
+        return self.max_model_len or None
+
+    def build_payload(
+        self, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any], max_model_len: int | None = None
+    ) -> dict[str, Any]:
+        """The /v1/completions request body for verl-style ``sampling_params``.
+
+        >>> c = VLLMTokenClient(Endpoint("http://127.0.0.1:1/v1", "m"), max_tokens=8)
+        >>> p = c.build_payload([1, 2], {"temperature": 0, "max_tokens": 99, "logprobs": True})
+        >>> p["prompt"], p["max_tokens"], p["logprobs"], p["return_token_ids"]
+        ([1, 2], 8, 0, True)
+        >>> c.build_payload([1, 2], {}, max_model_len=5)["max_tokens"]
+        3
+        """
+        params = dict(sampling_params)
+        requested = params.pop("max_tokens", None) or params.pop("max_new_tokens", None) or self.max_tokens
+        max_tokens = min(int(requested), self.max_tokens)
+        if max_model_len:
+            room = max_model_len - len(prompt_ids)
+            if room < 1:
+                raise ValueError(
+                    f"prompt of {len(prompt_ids)} tokens leaves no room to generate within max_model_len "
+                    f"{max_model_len} of {self.endpoint.model} at {self.endpoint.base_url}"
+                )
+            max_tokens = min(max_tokens, room)
+        payload: dict[str, Any] = {
+            "model": self.endpoint.model,
+            "prompt": [int(t) for t in prompt_ids],
+            "max_tokens": max(1, max_tokens),
+            "temperature": float(params.pop("temperature", 1.0)),
+            "top_p": float(params.pop("top_p", 1.0)),
+            "top_k": int(params.pop("top_k", -1) or -1),
+            "stop_token_ids": [int(t) for t in params.pop("stop_token_ids", None) or []],
+            "return_token_ids": True,
+            # 0 = the sampled token's own log-prob, no alternatives: what the policy loss needs.
+            "logprobs": 0,
+            # Special tokens (<|im_end|>, tool tags) are part of the trajectory; keep them in the text.
+            "skip_special_tokens": False,
+        }
+        for key in list(params):
+            if key in PASSTHROUGH_SAMPLING_KEYS:
+                payload[key] = params.pop(key)
+            elif key in _IGNORED_SAMPLING_KEYS:
+                params.pop(key)
+        unknown = sorted(set(params) - self._warned)
+        if unknown:
+            self._warned.update(unknown)
+            logger.warning("VLLMTokenClient ignores sampling params it does not know: %s", unknown)
+        return payload
+
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any
+    ) -> Any:
+        """Generate from ``prompt_ids``; returns verl's ``TokenOutput`` (token ids, log-probs, stop reason).
+
+        ``request_id`` is logged on errors only: vLLM assigns its own ids, and verl's ids repeat
+        across turns of one trajectory. Multi-modal ``kwargs`` (image_data, ...) are not supported.
+        """
+        from verl.workers.rollout.replica import TokenOutput
+
+        if any(kwargs.get(k) is not None for k in ("image_data", "video_data", "audio_data")):
+            raise NotImplementedError("VLLMTokenClient serves text models only (no image/video/audio data)")
+        payload = self.build_payload(prompt_ids, sampling_params, await self._context_length())
+        client = await self._client()
+        try:
+            data = await client._post(self.endpoint.completions_url, payload)
+        except EndpointError as exc:
+            raise EndpointError(f"request {request_id}: {exc}") from exc
+        token_ids, log_probs, finish_reason = parse_completion(data, self.endpoint.completions_url)
+        stop_reason = {"stop": "completed", "length": "completed", "abort": "aborted"}.get(
+            finish_reason or "", finish_reason
+        )
+        # Like verl's own servers, log-probs come back only when asked for: an episode whose policy turns
+        # carry none (calculate_log_probs off) cannot take them for the served role's turns either.
+        if not sampling_params.get("logprobs", True):
+            log_probs = None
+        return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop_reason)
+
+
+class GenerationMeter:
+    """A verl ``generate`` client that counts generated tokens and the seconds generation was under way:
+    the union of the requests' time in flight, so concurrent requests are not counted twice. Both only
+    grow: a caller takes differences (the local backend, per step)."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.generated_tokens = 0
+        self.seconds = 0.0
+        self._in_flight = 0
+        self._since = 0.0
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs):
+        if self._in_flight == 0:
+            self._since = time.perf_counter()
+        self._in_flight += 1
+        try:
+            output = await self.client.generate(
+                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
+            )
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.seconds += time.perf_counter() - self._since
+        self.generated_tokens += len(output.token_ids)
+        return output
+
+
+async def _close_at_loop_shutdown(client: OpenAIClient):
+    """Suspended until closed: ``asyncio.run`` (``loop.shutdown_asyncgens``) closes every unfinished
+    async generator before it closes the loop, which closes the session without the caller having to,
+    as verl's agent loops never call ``close()``."""
+    try:
+        yield
+    finally:
+        await client.close()
+
+
+def parse_completion(
+    data: Mapping[str, Any], url: str = "/v1/completions"
+) -> tuple[list[int], list[float], str | None]:
+    """(generated token ids, their log-probs, finish_reason) from a vLLM /v1/completions response.
+
+    vLLM puts the ids in ``choices[0].token_ids`` (with ``return_token_ids``) and the log-probs in
+    ``choices[0].logprobs.token_logprobs`` (with ``logprobs: 0``), one per generated token.
+
+    >>> parse_completion({"choices": [{"token_ids": [5, 7], "finish_reason": "length",
+    ...                                "logprobs": {"token_logprobs": [-0.5, -1.25]}}]})
+    ([5, 7], [-0.5, -1.25], 'length')
+    """
+    try:
+        choice = data["choices"][0]
+        token_ids = [int(t) for t in choice["token_ids"]]
+        logprobs = choice.get("logprobs") or {}
+        raw = logprobs.get("token_logprobs") or []
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise EndpointError(
+            f"{url}: response has no choices[0].token_ids (is this vLLM with return_token_ids?): {str(data)[:300]}"
+        ) from exc
+    if len(raw) != len(token_ids):
+        raise EndpointError(f"{url}: {len(token_ids)} token ids but {len(raw)} log-probs in {str(data)[:300]}")
+    # vLLM sends -inf as -9999.0 (JSON has no infinity); None would mean "not computed".
+    log_probs = [float("-inf") if lp is None else float(lp) for lp in raw]
+    return token_ids, log_probs, choice.get("finish_reason")
