@@ -1,6 +1,7 @@
 """Registrations with verl, loaded by ``import verl`` in every process through the ``verl.plugins``
-entry point (pyproject.toml), so Ray workers see our agent loops, tools and reward managers without a
-patched verl.
+entry point (pyproject.toml), so Ray workers see our agent loops, tools, reward managers and the ``cpu``
+platform without a forked verl; then the narrow patches of :mod:`memupdate.verl_ext.patches` (inert
+unless the ``cpu`` platform is selected).
 
 verl swallows plugin import errors at DEBUG level, so each registration module is imported here
 explicitly and a failure is logged at ERROR before it is re-raised.
@@ -11,10 +12,13 @@ from __future__ import annotations
 import importlib
 import logging
 
+from memupdate.verl_ext.patches import apply_patches
+
 logger = logging.getLogger(__name__)
 
-# Modules whose import registers something with verl (agent loops, reward managers).
+# Modules whose import registers something with verl (agent loops, reward managers, the cpu platform).
 REGISTRATION_MODULES: tuple[str, ...] = (
+    "memupdate.verl_ext.cpu_platform",
     "memupdate.agents.memory_loop",
     "memupdate.agents.memagent",
     "memupdate.rewards.manager",
@@ -27,3 +31,5 @@ for _module in REGISTRATION_MODULES:
     except Exception:
         logger.exception("memupdate verl plugin: importing %s failed", _module)
         raise
+
+apply_patches()

@@ -15,6 +15,13 @@ Every task runs :func:`run_ray_cluster` with its rank (``SLURM_PROCID``):
   cluster instead of starting its own, and then writes ``<cluster id>.stop`` with the exit code;
 - on that file every rank stops its own Ray node; rank 0 exits with the command's exit code.
 
+The cluster uses Ray's token authentication with a token of its own: rank 0 writes a fresh one to
+``<shared-dir>/<cluster id>.token`` (mode 0600) before the head starts, and every ``ray start``, the
+readiness check and the command find it through ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH``, the
+only way Ray takes them. Without this the outcome would depend on ``~/.ray/auth_token``: Ray 2.60
+creates that file on the first local ``ray.init()``, ``ray start --head`` then turns authentication on,
+and a joining node or driver given an explicit address does not, so it is refused.
+
 Stopping is scoped to this cluster: each rank sends SIGTERM to the ``ray start --block`` process it
 started, whose handler stops exactly that node's Ray processes. ``ray stop`` would kill every Ray process
 of the user on the host: another job's, or the other "node" when two share a host.
@@ -35,6 +42,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -83,8 +91,16 @@ class ClusterFiles:
     def stop(self) -> Path:
         return self.shared_dir / f"{self.cluster_id}.stop"
 
+    @property
+    def token(self) -> Path:
+        return self.shared_dir / f"{self.cluster_id}.token"
+
     def log(self, rank: int) -> Path:
         return self.shared_dir / f"{self.cluster_id}.rank{rank}.ray.log"
+
+    def auth_env(self) -> dict[str, str]:
+        """The environment that makes a Ray process use this cluster's token."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token)}
 
     def stopped(self, rank: int) -> Path:
         return self.shared_dir / f"{self.cluster_id}.rank{rank}.stopped"
@@ -161,6 +177,14 @@ def ray_start_argv(
         if value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def _write_token(path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secrets.token_hex(32))
+    os.replace(tmp, path)
 
 
 def _start_node(argv: list[str], log_path: Path) -> subprocess.Popen:
@@ -256,6 +280,7 @@ def _run_head(
         if stale.exists():
             logger.warning("removing %s left by an earlier run with cluster id %s", stale, files.cluster_id)
             stale.unlink()
+    _write_token(files.token)
     node_ip = node_argv["node_ip"]
     port = port or free_port(node_ip)
     address = f"{node_ip}:{port}"
@@ -337,6 +362,11 @@ def run_ray_cluster(
     cluster_id = re.sub(r"[^\w.-]", "_", cluster_id)
     files = ClusterFiles(Path(shared_dir).resolve(), cluster_id)
     files.shared_dir.mkdir(parents=True, exist_ok=True)
+    # Ray reads its authentication settings only from the environment. Set here, in the launcher's own
+    # process, they reach the Ray nodes it starts, its readiness check and the command it runs; Ray caches
+    # its config on import, so it is read again (what ray.init does when it turns token auth on itself).
+    os.environ.update(files.auth_env())
+    ray._raylet.Config.initialize("")
     node_ip = node_ip or ray.util.get_node_ip_address()
     node_argv = {
         "node_ip": node_ip,
