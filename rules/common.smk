@@ -186,6 +186,13 @@ def memory_inputs():
     }
 
 
+def validation_inputs(experiment):
+    """verl validates on the held-out validation conversation(s); the local backend does not validate."""
+    if experiment["backend"] != "verl":
+        return {}
+    return {"val": "results/data/locomo/val.parquet"}
+
+
 def get_qa_model(wildcards):
     experiment = get_experiment(wildcards)
     if "qa_model" not in experiment:
@@ -256,6 +263,7 @@ def get_stage1_inputs(wildcards):
     inputs = {
         "model": f"results/models/{experiment['policy']}",
         **memory_inputs(),
+        **validation_inputs(experiment),
         **rollout_env_inputs(experiment["stage1"]),
     }
     # Without a QA model stage 1 is single-stage MemoryUpdate: no QA phase, nothing served.
@@ -268,6 +276,7 @@ def get_stage2_inputs(wildcards):
     return {
         "model": f"results/models/{get_qa_model(wildcards)}",
         **memory_inputs(),
+        **validation_inputs(get_experiment(wildcards)),
         **rollout_env_inputs(get_stage2_settings(wildcards)),
         "fixed": serve_marker(wildcards.exp, "stage1", "train"),
     }
@@ -318,10 +327,17 @@ def vllm_env_inputs(serving):
 
 
 def rollout_env_inputs(settings):
-    """A training stage's: its rollout server's environment, for `rollout: vllm`."""
-    if settings.get("rollout") != "vllm":
-        return {}
-    return vllm_env_inputs({**config["serving"], **settings.get("rollout_server", {})})
+    """A training stage's: its rollout server's environment, for `rollout: vllm` (local backend) or
+    verl's memupdate_vllm rollout (set, or the default of trainer.device: cpu)."""
+    if settings.get("rollout") == "vllm":
+        return vllm_env_inputs(
+            {**config["serving"], **settings.get("rollout_server", {})}
+        )
+    rollout = settings.get("actor_rollout_ref.rollout.name")
+    cpu = settings.get("trainer.device") == "cpu"
+    if rollout == "memupdate_vllm" or (rollout is None and cpu):
+        return vllm_env_inputs(config["serving"])
+    return {}
 
 
 def get_serve_inputs(wildcards):

@@ -21,6 +21,8 @@ rule train_memagent:
         settings=get_memagent_train_settings,
         loop=get_memagent_loop,
         run_dir=get_memagent_run_dir,
+        # The verl backend's own rollout server (memupdate_vllm, on CPU) runs with these.
+        serving=config["serving"],
     script:
         "../workflow/scripts/train_memagent.py"
 

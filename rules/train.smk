@@ -25,6 +25,8 @@ rule train_stage1:
         embedding_model=EMBEDDING_MODEL,
         max_content_chars=MAX_CONTENT_CHARS,
         reward=get_stage1_reward,
+        # The verl backend's own rollout server (memupdate_vllm, on CPU) runs with these.
+        serving=config["serving"],
     script:
         "../workflow/scripts/train_stage.py"
 
@@ -52,5 +54,6 @@ rule train_stage2:
         embedding_model=EMBEDDING_MODEL,
         max_content_chars=MAX_CONTENT_CHARS,
         reward=get_stage2_reward,
+        serving=config["serving"],
     script:
         "../workflow/scripts/train_stage.py"

@@ -22,8 +22,10 @@ from memupdate.training import ray_cluster as rc
 def test_slurm_rank_reads_the_task_environment():
     assert rc.slurm_rank({"SLURM_PROCID": "1", "SLURM_NNODES": "2"}) == (1, 2)
     assert rc.slurm_rank({"SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "4"}) == (0, 4)
+    # Outside Slurm this machine is the one node; inside a job the task variables must be there.
+    assert rc.slurm_rank({}) == (0, 1)
     with pytest.raises(rc.RayClusterError, match="srun"):
-        rc.slurm_rank({})
+        rc.slurm_rank({"SLURM_JOB_ID": "7"})
     with pytest.raises(rc.RayClusterError, match="outside"):
         rc.slurm_rank({"SLURM_PROCID": "2", "SLURM_NNODES": "2"})
 
@@ -178,4 +180,42 @@ def test_a_rank_that_never_joins_fails_the_start_up_naming_it(tmp_path):
         assert "only 1 of 2 Ray nodes joined" in proc.stderr and "missing ranks [1]" in proc.stderr
         assert json.loads((tmp_path / "t3.stop").read_text()) == {"exit_code": 1}
     finally:
+        shutil.rmtree(temp_root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_sigterm_outside_slurm_stops_the_command_and_the_ray_node(tmp_path):
+    """A cancelled job (Snakemake stopping, scancel) must not leave its Ray node or its trainer running;
+    ray.init replaces the launcher's SIGTERM handler, which the launcher puts back. Outside Slurm the
+    machine is the one node."""
+    temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
+    started = tmp_path / "started"
+    command = rc.cluster_command(
+        [sys.executable, "-c", f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(600)"],
+        shared_dir=tmp_path / "shared",
+        node_ip="127.0.0.1",
+        num_cpus=1,
+        object_store_memory=100 * 1024 * 1024,
+        temp_root=temp_root,
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen: dict[tuple[int, float], psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert started.exists(), launcher.communicate(timeout=30)[0].decode(errors="replace")
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            seen.setdefault((child.pid, child.create_time()), child)
+        launcher.terminate()
+        output = launcher.communicate(timeout=120)[0].decode(errors="replace")
+        assert launcher.returncode == 128 + 15, output
+        psutil.wait_procs(list(seen.values()), timeout=10)
+        assert _alive(seen) == [], f"outlived the cancelled launcher: {_alive(seen)}\n{output}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for proc in _alive(seen):
+            proc.kill()
         shutil.rmtree(temp_root, ignore_errors=True)

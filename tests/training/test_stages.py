@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 
@@ -127,6 +128,20 @@ def test_a_typo_in_verl_settings_fails_before_anything_runs(run):
 def test_unknown_backend(run):
     with pytest.raises(ValueError, match="backend must be one of"):
         stages.train_stage(backend="deepspeed", training_stage="memory", settings={}, **run)
+
+
+def test_a_cpu_run_asks_ray_for_cpu_slots_not_gpus(run, tmp_path):
+    settings = {"trainer.device": "cpu", "trainer.n_gpus_per_node": 2}
+    assert stages.verl_layout(settings, {}) == (1, 2)
+    assert stages.verl_layout({"trainer.device": "cpu"}, SLURM_ENV) == (2, 1)
+    verl = {"serving": {"python": sys.executable}}
+    command, env = stages.verl_commands(
+        training_stage="memory", settings=settings, fixed=None, env={}, **{**verl_run(run), "verl": verl}
+    )
+    assert json.loads(command[command.index("--resources") + 1]) == {"cpu_slot": 2}
+    assert int(command[command.index("--num-cpus") + 1]) > os.cpu_count() and "--num-gpus" not in command
+    assert env["VERL_PLATFORM"] == "cpu"
+    assert "trainer.n_gpus_per_node=2" in command and "trainer.device='cpu'" in command
 
 
 def test_only_a_multi_node_allocation_sruns_one_ray_node_per_node(tmp_path):

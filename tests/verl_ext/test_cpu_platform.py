@@ -17,23 +17,7 @@ from memupdate.verl_ext import cpu_device
 from memupdate.verl_ext.cpu_platform import RAY_RESOURCE, PlatformCPU
 
 
-def run_python(code: str, platform: str | None = "cpu", **env: str) -> str:
-    """Run ``code`` in a fresh interpreter (``VERL_PLATFORM=platform``) and return its last stdout line."""
-    child = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
-    if platform:
-        child["VERL_PLATFORM"] = platform
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env={**child, **env},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1]
-
-
-def test_selected_by_name_through_verls_registry():
+def test_selected_by_name_through_verls_registry(run_python):
     got = run_python(
         """
         import json, verl
@@ -42,10 +26,10 @@ def test_selected_by_name_through_verls_registry():
                           device.get_torch_device().__name__, device.get_device_id(), device.is_device_available()]))
         """
     )
-    assert json.loads(got) == ["cpu", "gloo", RAY_RESOURCE, "memupdate.verl_ext.cpu_device", 0, True]
+    assert json.loads(got) == ["cpu", "gloo", RAY_RESOURCE, "memupdate.verl_ext.cpu_device", "cpu", True]
 
 
-def test_never_auto_detected_so_gpu_clusters_keep_verls_choice():
+def test_never_auto_detected_so_gpu_clusters_keep_verls_choice(run_python):
     assert PlatformCPU().is_platform_available(use_smi_check=True) is False
     # Without VERL_PLATFORM, verl picks what it picked before the plugin (here, with no GPU: its fallback).
     got = run_python("import verl; from verl.utils import device; print(device.get_device_name())", platform=None)
@@ -114,7 +98,7 @@ def test_verls_worker_process_group_is_gloo_across_two_processes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.verl_cpu
-def test_verl_places_workers_on_cpu_slots_and_says_when_there_are_too_few():
+def test_verl_places_workers_on_cpu_slots_and_says_when_there_are_too_few(run_python):
     got = run_python(
         f"""
         import json, ray, verl

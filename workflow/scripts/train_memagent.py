@@ -2,11 +2,13 @@ from memupdate.training.stages import train_memagent
 from memupdate.utils.logging import setup_logging
 
 setup_logging(snakemake.log[0])
+inputs, params = snakemake.input, snakemake.params
 train_memagent(
-    backend=snakemake.params.backend,
-    settings=snakemake.params.settings,
-    loop=snakemake.params.loop,
-    model=snakemake.input.model,
-    train_files=[snakemake.input.train],
-    run_dir=snakemake.params.run_dir,
+    backend=params.backend,
+    settings=params.settings,
+    loop=params.loop,
+    model=inputs.model,
+    train_files=[inputs.train],
+    run_dir=params.run_dir,
+    verl={"serving": params.serving, "vllm_env": inputs.get("vllm_env")},
 )

@@ -10,6 +10,8 @@ imports nothing of verl.
 
 from __future__ import annotations
 
+from typing import Any
+
 from memupdate.data.rows import MEMAGENT_AGENT, MEMORY_AGENT
 
 #: Where each agent loop's class lives (verl's agent-loop config ``_target_``), by the name rows carry.
@@ -30,6 +32,28 @@ STATS_KEY = "memory_stats"
 ANSWER_KEY = "qa_answer"
 STAGE_KEY = "training_stage"
 QA_CONTEXT_KEY = "qa_context_tokens"
+
+#: The policy versions (training steps) whose weights sampled a row: verl's server client puts them in each reply's
+#: ``extra_fields`` and verl's V1 trainer needs them on every row (its staleness metrics).
+WEIGHT_VERSION_KEYS = ("min_global_steps", "max_global_steps")
+
+
+def weight_versions(*replies: Any) -> dict[str, Any]:
+    """The oldest and newest policy version among ``replies`` (verl ``TokenOutput`` objects); None where a
+    reply carries none (a server that is not verl's, e.g. the local backend's or the fixed model's).
+
+    >>> from types import SimpleNamespace as R
+    >>> weight_versions(R(extra_fields={"min_global_steps": 3, "max_global_steps": 3}),
+    ...                 R(extra_fields={"min_global_steps": 4, "max_global_steps": 5}))
+    {'min_global_steps': 3, 'max_global_steps': 5}
+    >>> weight_versions(R(extra_fields={}))
+    {'min_global_steps': None, 'max_global_steps': None}
+    """
+    lows = [r.extra_fields.get("min_global_steps") for r in replies]
+    highs = [r.extra_fields.get("max_global_steps") for r in replies]
+    lows, highs = [v for v in lows if v is not None], [v for v in highs if v is not None]
+    return {"min_global_steps": min(lows) if lows else None, "max_global_steps": max(highs) if highs else None}
+
 
 #: MemAgent's keys, carried by every turn (verl batches rows by key).
 TURN_KEY, FINAL_KEY, CHUNKS_KEY = "memagent_turn", "memagent_final", "memagent_chunks"

@@ -34,6 +34,7 @@ from memupdate.agents.fields import (
     TRUNCATED_TOKENS_KEY,
     TRUNCATIONS_KEY,
     TURN_KEY,
+    weight_versions,
 )
 from memupdate.agents.fields import MEMAGENT_ANSWER_KEY as ANSWER_KEY
 from memupdate.data.rows import MEMAGENT_AGENT
@@ -168,7 +169,7 @@ class MemAgentLoop(AgentLoopBase):
         seconds = time.perf_counter() - start
         ids = list(out.token_ids)[:max_tokens]
         logprobs = list(out.log_probs)[: len(ids)] if out.log_probs else None
-        return prompt_ids, ids, logprobs, seconds
+        return prompt_ids, ids, logprobs, seconds, weight_versions(out)
 
     def _finished(self, ids: list[int], max_tokens: int) -> bool:
         """Whether the model ended its reply itself (an end token, or fewer tokens than the cap)."""
@@ -192,23 +193,23 @@ class MemAgentLoop(AgentLoopBase):
         chunks, dropped = split_chunks(list(context_ids), self.chunk_size, self.max_chunks)
         chunks_total = max(1, -(-len(context_ids) // self.chunk_size))
         memory, cut = NO_MEMORY, 0
-        turns: list[tuple[list[int], list[int], list[float] | None, float]] = []
+        turns: list[tuple[list[int], list[int], list[float] | None, float, dict[str, Any]]] = []
         for i, chunk in enumerate(chunks):
             chunk_text = self.tokenizer.decode(chunk, skip_special_tokens=True)
             content = MEMORY_PROMPT.format(question=question, memory=memory, chunk=chunk_text)
-            prompt_ids, ids, logprobs, seconds = await self._turn(
+            prompt_ids, ids, logprobs, seconds, versions = await self._turn(
                 request_id, content, sampling_params, self.max_memory_tokens, i
             )
             finished = self._finished(ids, self.max_memory_tokens)
             cut += not finished
             memory = memory_text(self.tokenizer.decode(ids, skip_special_tokens=True), finished, self.max_memory_tokens)
-            turns.append((prompt_ids, ids, logprobs, seconds))
+            turns.append((prompt_ids, ids, logprobs, seconds, versions))
         content = self.final_prompt.format(question=question, memory=memory)
         final = await self._turn(request_id, content, sampling_params, self.max_final_tokens, len(chunks))
         turns.append(final)
         answer = self.tokenizer.decode(final[1], skip_special_tokens=True).strip()
         outputs = []
-        for i, (prompt_ids, ids, logprobs, seconds) in enumerate(turns):
+        for i, (prompt_ids, ids, logprobs, seconds, versions) in enumerate(turns):
             last = i == len(turns) - 1
             outputs.append(
                 AgentLoopOutput(
@@ -227,6 +228,7 @@ class MemAgentLoop(AgentLoopBase):
                         TRUNCATED_TOKENS_KEY: dropped,
                         TRUNCATIONS_KEY: cut,
                         ANSWER_KEY: answer if last else None,
+                        **versions,
                     },
                 )
             )

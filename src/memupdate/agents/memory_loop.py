@@ -37,6 +37,7 @@ from memupdate.agents.fields import (
     STAGE_KEY,
     STATS_KEY,
     TERMINATION_KEY,
+    weight_versions,
 )
 from memupdate.data.rows import MEMORY_AGENT
 from memupdate.memory.store import within_budget
@@ -81,6 +82,8 @@ class QAAnswer:
     logprobs: list[float] | None
     text: str
     seconds: float
+    #: The policy versions that sampled it (:func:`~memupdate.agents.fields.weight_versions`).
+    versions: dict[str, Any]
 
 
 @register(MEMORY_AGENT)
@@ -202,7 +205,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
             response_logprobs=qa.logprobs,
             num_turns=2,
             metrics=metrics,
-            extra_fields=dict(output.extra_fields),
+            extra_fields={**output.extra_fields, **qa.versions},
         )
         # Stage qa: the memory transcript is all fixed-role tokens (nothing to train), so only the QA row.
         return answer if self.training_stage == "qa" else [output, answer]
@@ -247,10 +250,17 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         if fixed:
             self.server_manager = self.fixed_model
             sampling_params = self._fixed_sampling(sampling_params)
+        # verl's ToolAgentLoop keeps the first reply's extra_fields (the policy version that sampled it, which
+        # verl's trainer needs on every row) only while extra_fields is empty, and the memory tools have put
+        # the store's namespace there already: it is set aside for that turn (no tool runs during it).
+        ours = {} if agent_data.assistant_turns else agent_data.extra_fields.copy()
+        for key in ours:
+            del agent_data.extra_fields[key]
         try:
             state = await super()._handle_generating_state(agent_data, sampling_params, ignore_termination)
         finally:
             self.server_manager = policy_server
+            agent_data.extra_fields.update(ours)
         if fixed:
             agent_data.response_mask[start:] = [0] * (len(agent_data.response_mask) - start)
         if state == AgentState.TERMINATED:
@@ -295,7 +305,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         ids = list(out.token_ids)[: self.qa_max_tokens]
         logprobs = list(out.log_probs)[: len(ids)] if out.log_probs else None
         text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
-        return QAAnswer(prompt_ids, ids, logprobs, text, time.perf_counter() - began)
+        return QAAnswer(prompt_ids, ids, logprobs, text, time.perf_counter() - began, weight_versions(out))
 
     async def _handle_processing_tools_state(self, agent_data: AgentData) -> AgentState:
         state = await super()._handle_processing_tools_state(agent_data)

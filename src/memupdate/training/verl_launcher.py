@@ -74,6 +74,16 @@ logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().with_name("verl_config")
 CONFIG_NAME = "grpo_memupdate"
 AGENT_LOOP_TEMPLATE = "agent_loops.yaml"
+#: What a run on CPU nodes changes (``trainer.device: cpu``): flat verl keys, the README's "verl on CPU".
+CPU_CONFIG = "cpu.yaml"
+#: verl's platform selector, in the driver's and every Ray worker's environment for ``trainer.device: cpu``.
+CPU_ENV = {"VERL_PLATFORM": "cpu"}
+#: The rollout served by a vLLM server process of its own (memupdate.verl_ext.external_vllm.NAME).
+EXTERNAL_ROLLOUT = "memupdate_vllm"
+#: Its settings in the rollout config (memupdate.verl_ext.external_vllm reads them there).
+EXTERNAL_ROLLOUT_SETTINGS = "actor_rollout_ref.rollout.custom"
+#: The serving settings the external rollout's server takes (the rest are about serving rules' jobs).
+_ROLLOUT_SERVER_KEYS = ("engine", "python", "dtype", "startup_timeout_s", "extra_args", "env")
 TRAINING_STAGES = ("memory", "qa", "joint")
 
 # Files and folders of one run, under experiment_dir.
@@ -192,6 +202,63 @@ def tracking_env(experiment_dir: PathLike) -> dict[str, str]:
     return {"TENSORBOARD_DIR": str(run_dir / TENSORBOARD_DIR), "VERL_FILE_LOGGER_PATH": str(run_dir / TRACKING_FILE)}
 
 
+def _setting(extra: Mapping[str, Any] | Sequence[str], key: str) -> Any:
+    """The value ``extra`` gives ``key`` (None if it does not), from a mapping or override strings."""
+    if isinstance(extra, Mapping):
+        return extra.get(key)
+    for override in extra:
+        name, _, value = override.partition("=")
+        if name.lstrip("+") == key:
+            return value.strip("'\"")
+    return None
+
+
+def run_device(extra: Mapping[str, Any] | Sequence[str]) -> str:
+    """``trainer.device`` of a run: ``cpu`` selects verl's cpu platform (:data:`CPU_CONFIG`), else ``cuda``."""
+    return str(_setting(extra, "trainer.device") or "cuda")
+
+
+def run_env(experiment_dir: PathLike, extra: Mapping[str, Any] | Sequence[str] = ()) -> dict[str, str]:
+    """The environment ``main_ppo`` runs with: the trackers' folders, and verl's platform on CPU."""
+    return {**tracking_env(experiment_dir), **(CPU_ENV if run_device(extra) == "cpu" else {})}
+
+
+def uses_external_rollout(extra: Mapping[str, Any] | Sequence[str]) -> bool:
+    """Whether the run's rollout is :data:`EXTERNAL_ROLLOUT` (set, or the CPU default)."""
+    name = _setting(extra, "actor_rollout_ref.rollout.name")
+    return name == EXTERNAL_ROLLOUT or (name is None and run_device(extra) == "cpu")
+
+
+def device_overrides(
+    extra: Mapping[str, Any] | Sequence[str],
+    experiment_dir: PathLike,
+    rollout_server: Mapping[str, Any] | None,
+    config_dir: PathLike = CONFIG_DIR,
+) -> list[str]:
+    """What the device and the rollout add: on CPU the keys of :data:`CPU_CONFIG` and verl's platform in every
+    Ray worker; with the :data:`EXTERNAL_ROLLOUT` rollout, its server's settings (``rollout_server``: the
+    ``serving`` keys with the vLLM interpreter resolved) and where the weights go (``<run>/rollout``)."""
+    overrides: list[str] = []
+    cpu = run_device(extra) == "cpu"
+    if cpu:
+        values = OmegaConf.to_container(OmegaConf.load(Path(config_dir) / CPU_CONFIG))
+        overrides += [f"{key}={hydra_value(value)}" for key, value in values.items()]
+        overrides += [f"++{RAY_ENV_VARS}.{name}={hydra_value(value)}" for name, value in CPU_ENV.items()]
+    if uses_external_rollout(extra):
+        if rollout_server is None:
+            raise ValueError(
+                f"rollout {EXTERNAL_ROLLOUT} serves the policy from a vLLM server: pass rollout_server (the serving "
+                "settings, with python the vLLM interpreter)"
+            )
+        serving = {key: rollout_server[key] for key in _ROLLOUT_SERVER_KEYS if key in rollout_server}
+        if not serving.get("python"):
+            raise ValueError(f"rollout {EXTERNAL_ROLLOUT}: rollout_server.python (the vLLM interpreter) is not set")
+        custom = {EXTERNAL_ROLLOUT: {"serving": serving, "weights_dir": _abs(Path(experiment_dir) / "rollout")}}
+        # A field of verl's RolloutConfig its YAML leaves out: added (++).
+        overrides.append(f"++{EXTERNAL_ROLLOUT_SETTINGS}={hydra_value(custom)}")
+    return overrides
+
+
 def run_overrides(
     model_path: PathLike,
     train_files: PathLike | Sequence[PathLike],
@@ -256,6 +323,7 @@ def compose_overrides(
     fixed_model_endpoint: Mapping[str, Any] | None = None,
     reward: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | Sequence[str] = (),
+    rollout_server: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Hydra overrides for ``main_ppo --config-name grpo_memupdate`` for one run.
 
@@ -266,7 +334,8 @@ def compose_overrides(
     readiness markers, top_k, other_questions, efficiency, ...); they reach the manager in every reward
     worker as ``reward.custom_reward_function.reward_kwargs``, and the QA phase reads its retrieval and
     prompt there too. ``extra`` is either a mapping of config keys to values, or override strings passed
-    as they are (e.g. ``"trainer.total_epochs=1"``). Every path becomes absolute, since Ray workers on
+    as they are (e.g. ``"trainer.total_epochs=1"``); :func:`device_overrides` come before it (with
+    ``rollout_server`` for the external vLLM rollout). Every path becomes absolute, since Ray workers on
     other nodes do not share the driver's working directory.
     """
     _fixed_model(stage, fixed_model_endpoint)
@@ -282,6 +351,7 @@ def compose_overrides(
     reward = {k: _abs(v) if k.endswith("_marker") and v else v for k, v in (reward or {}).items()}
     reward["memory_environment"] = str(run_dir / MEMORY_ENVIRONMENT_FILE)
     overrides += [f"++{key}={hydra_value(value)}" for key, value in _flatten(REWARD_KWARGS, reward)]
+    overrides += device_overrides(extra, run_dir, rollout_server)
     return overrides + _extra_overrides(extra)
 
 
@@ -309,10 +379,11 @@ def build_main_ppo_command(
 ) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` for one run; ``run`` takes :func:`compose_overrides`' keyword arguments.
 
-    ``env`` holds only the trackers' folders (:func:`tracking_env`): run ``argv`` with ``{**os.environ, **env}``.
+    ``env`` holds the trackers' folders and the platform (:func:`run_env`): run ``argv`` with
+    ``{**os.environ, **env}``.
     """
     argv = main_ppo_argv(compose_overrides(stage, **run), python=python, config_dir=config_dir)
-    return argv, tracking_env(run["experiment_dir"])
+    return argv, run_env(run["experiment_dir"], run.get("extra", ()))
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -489,7 +560,7 @@ def prepare_main_ppo(
     write_tool_config(run["tool_config"], run["memory"].write(run_dir), run_dir)
     write_run_files(run_dir, config, run["model_path"])
     logger.info("verl run prepared in %s (stage %s, %d overrides)", run_dir, stage, len(overrides))
-    return main_ppo_argv(overrides, python=python, config_dir=config_dir), tracking_env(run_dir)
+    return main_ppo_argv(overrides, python=python, config_dir=config_dir), run_env(run_dir, run.get("extra", ()))
 
 
 MEMAGENT_CONFIG_NAME = "grpo_memagent"
@@ -505,6 +576,7 @@ def memagent_overrides(
     nnodes: int,
     experiment_dir: PathLike,
     extra: Mapping[str, Any] | Sequence[str] = (),
+    rollout_server: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Hydra overrides for ``main_ppo --config-name grpo_memagent``: paths, layout, and the turn budgets the
     loop's ``loop`` settings imply (a turn's prompt holds a chunk and a memory; a reply is at most a memory or
@@ -523,6 +595,7 @@ def memagent_overrides(
             f"data.max_response_length={reply}",
             f"actor_rollout_ref.rollout.prompt_length={turn}",
         ]
+    overrides += device_overrides(extra, experiment_dir, rollout_server)
     return overrides + _extra_overrides(extra)
 
 
@@ -531,7 +604,7 @@ def prepare_memagent_ppo(
 ) -> list[str]:
     """Compose and validate ``grpo_memagent`` with :func:`memagent_overrides`, write the run's
     ``agent_loops.yaml`` (the ``memagent`` loop with ``loop``'s budgets) and ``resolved_config.yaml``, and
-    return ``main_ppo``'s argv. Nothing is written when validation fails."""
+    return ``main_ppo``'s ``(argv, env)``. Nothing is written when validation fails."""
     overrides = memagent_overrides(loop=loop, **run)
     config = validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides)
     run_dir = Path(_abs(run["experiment_dir"]))
@@ -539,4 +612,5 @@ def prepare_memagent_ppo(
     header = f"# Written for this run by {__name__}.\n"
     write_text_atomic(run_dir / AGENT_LOOPS_FILE, header + OmegaConf.to_yaml([entry]))
     write_run_files(run_dir, config, run["model_path"])
-    return main_ppo_argv(overrides, python=python, config_dir=config_dir, config_name=MEMAGENT_CONFIG_NAME)
+    argv = main_ppo_argv(overrides, python=python, config_dir=config_dir, config_name=MEMAGENT_CONFIG_NAME)
+    return argv, run_env(run_dir, run.get("extra", ()))

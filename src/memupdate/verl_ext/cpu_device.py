@@ -26,9 +26,11 @@ def __getattr__(name: str) -> Any:
     return getattr(torch.cpu, name)
 
 
-def current_device() -> int:
-    """verl builds ``torch.device(f"{device_name}:{index}")`` from it; ``cpu:0`` is the host."""
-    return 0
+def current_device() -> str:
+    """verl hands it to torch wherever a device goes (``module.to(device=get_device_id())``,
+    ``torch.device(get_device_id())``), where an integer means accelerator ``n``: the host is ``"cpu"``.
+    (Only code paths that need a GPU anyway format it into ``f"{device_name}:{index}"``.)"""
+    return "cpu"
 
 
 def empty_cache() -> None:

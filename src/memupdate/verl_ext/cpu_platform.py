@@ -9,7 +9,9 @@ What it answers:
 - a Ray resource of its own, :data:`RAY_RESOURCE` (``cpu_slot``): verl places each worker on one slot as it
   places it on one GPU (``{"CPU": k, "cpu_slot": 1}`` bundles), and a node offers as many slots as it should
   run workers (``ray start --resources '{"cpu_slot": N}'``, or ``ray_kwargs.ray_init.resources``);
-- no-ops for profiling ranges and allocator settings; no IPC, no CUDA runtime.
+- no-ops for profiling ranges and allocator settings; no IPC, no CUDA runtime;
+- verl's FSDP training engines (``fsdp``, ``fsdp2``) for the ``cpu`` device: verl's ``EngineRegistry`` keys an
+  engine by device and registers them for ``cuda`` and ``npu`` only (:func:`register_engines`).
 
 It is never auto-detected (``is_platform_available`` is False): on a GPU cluster verl keeps choosing its
 own platform exactly as without this plugin, and a run selects ``cpu`` explicitly with ``VERL_PLATFORM=cpu``
@@ -32,6 +34,10 @@ from memupdate.verl_ext import cpu_device
 NAME = "cpu"
 #: The Ray resource a verl worker takes one of, as it takes one GPU elsewhere.
 RAY_RESOURCE = "cpu_slot"
+#: Logical CPUs each Ray node of a cpu run offers. verl reserves one per actor (trainer ranks, agent-loop and
+#: reward workers, TransferQueue's storage units, its controller, the task runner), most of which wait on the
+#: others: with only the cores a node has, the trainer's start-up waits forever for a CPU (seen on 2 cores).
+RAY_NUM_CPUS = 32
 
 
 @PlatformRegistry.register(platform=NAME)
@@ -57,7 +63,7 @@ class PlatformCPU(PlatformBase):
         # Selected only by name (VERL_PLATFORM=cpu): auto-detection must keep verl's own choice.
         return False
 
-    def current_device(self) -> int:
+    def current_device(self) -> str:
         return cpu_device.current_device()
 
     def device_count(self) -> int:
@@ -112,3 +118,20 @@ class PlatformCPU(PlatformBase):
 
     def cudart(self) -> Any:
         return None
+
+
+def register_engines() -> None:
+    """Offer verl's FSDP engines (language and value models) on the ``cpu`` device, through verl's own
+    ``EngineRegistry``. Only in a process that runs on this platform: importing the engines pulls in
+    verl's whole training stack, which no other process of the workflow needs."""
+    from verl.plugin.platform import get_platform
+
+    if get_platform().device_name != NAME:
+        return
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    for model_type, engine in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        for backend in ("fsdp", "fsdp2"):
+            if NAME not in EngineRegistry._engines.get(model_type, {}).get(backend, {}):
+                EngineRegistry.register(model_type=model_type, backend=backend, device=NAME)(engine)

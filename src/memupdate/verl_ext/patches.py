@@ -1,5 +1,5 @@
-"""Where verl 0.9.1 assumes an accelerator beyond what a platform answers: the narrowest patches, each active
-only when the ``cpu`` platform is selected (elsewhere the wrapped verl function runs unchanged).
+"""Where verl 0.9.1 assumes an accelerator beyond what a platform answers: the narrowest patches, installed
+only in a process that runs on the ``cpu`` platform (anywhere else verl is exactly as shipped).
 
 Each :class:`Patch` names verl's function, its file and line in verl 0.9.1, why it is patched, and the
 sha256 of the function's source as verl 0.9.1 ships it. ``tests/verl_ext/test_patches.py`` checks that
@@ -77,8 +77,6 @@ class Patch:
 
 def _resource_check(original: Callable[..., Any]) -> Callable[..., Any]:
     def check(self) -> None:
-        if not on_cpu():
-            return original(self)
         import ray
 
         from memupdate.verl_ext.cpu_platform import RAY_RESOURCE
@@ -99,11 +97,25 @@ def _resource_check(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _process_group(original: Callable[..., Any]) -> Callable[..., Any]:
     def initialize(timeout_second=None, backend=None):
-        if backend is None and on_cpu():
+        if backend is None:
             backend = "gloo"
         return original(timeout_second=timeout_second, backend=backend)
 
     return initialize
+
+
+def _host_offload(original: Callable[..., Any]) -> Callable[..., Any]:
+    def build(self, module):
+        # The name is a global of verl's module, read when the policy is built; swapped for this call only.
+        namespace = original.__globals__
+        policy = namespace["CPUOffloadPolicy"]
+        namespace["CPUOffloadPolicy"] = lambda *args, **kwargs: policy(*args, **{**kwargs, "pin_memory": False})
+        try:
+            return original(self, module)
+        finally:
+            namespace["CPUOffloadPolicy"] = policy
+
+    return build
 
 
 PATCHES = (
@@ -124,9 +136,21 @@ PATCHES = (
         wrap=_process_group,
         bound_in=("verl.workers.engine_workers",),
     ),
+    Patch(
+        target="verl.workers.engine.fsdp.transformer_impl:FSDPEngine._build_fsdp_module",
+        where="verl/workers/engine/fsdp/transformer_impl.py:462",
+        why="FSDP2 keeps the reference model's shards on the host with CPUOffloadPolicy(pin_memory=True), and "
+        "pinning host memory needs an accelerator; on cpu the policy is built with pin_memory=False (the "
+        "shards are host memory either way)",
+        source_sha256="35b7b539858443e45894da2d9675fb5a1d7b2bbb7c7c8b35605b0746d3179213",
+        wrap=_host_offload,
+    ),
 )
 
 
 def apply_patches() -> None:
+    """Install every patch, in a process on the ``cpu`` platform only."""
+    if not on_cpu():
+        return
     for patch in PATCHES:
         patch.apply()
