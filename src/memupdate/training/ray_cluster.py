@@ -38,6 +38,7 @@ Several nodes on one host (CI runs two slurmd daemons on one machine) must not c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -207,11 +208,14 @@ def _start_node(argv: list[str], log_path: Path) -> subprocess.Popen:
 
 def _stop_node(proc: subprocess.Popen) -> None:
     """SIGTERM to our own ``ray start --block``: it stops its node's processes and exits. Whatever of its
-    process tree outlives it (Ray's agents hang when the GCS is already gone) is killed by PID."""
+    process tree outlives it (Ray's agents hang when the GCS is already gone) is killed by PID, and so are the
+    process groups its workers started in sessions of their own (a rollout server's vLLM and its engine:
+    Ray kills a worker's children, which orphans their own children)."""
     try:
         tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
     except psutil.NoSuchProcess:
         tree = []
+    groups = {_pgid(p) for p in tree} - {None, os.getpgid(0)}
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -226,6 +230,34 @@ def _stop_node(proc: subprocess.Popen) -> None:
         for leftover in alive:
             leftover.kill()
         psutil.wait_procs(alive, timeout=5)
+    for pgid in groups:
+        _stop_group(pgid)
+
+
+def _pgid(process: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(process.pid)
+    except OSError:
+        return None
+
+
+def _stop_group(pgid: int, timeout_s: float = 30.0) -> None:
+    """SIGTERM process group ``pgid``, SIGKILL what is left of it after ``timeout_s``."""
+    members = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if _pgid(process) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                members.append(process)
+    if not members:
+        return
+    logger.info("stopping process group %d started by the node's workers: %s", pgid, [p.pid for p in members])
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    _, alive = psutil.wait_procs(members, timeout=timeout_s)
+    if alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=10)
 
 
 def _wait_for_gcs(proc: subprocess.Popen, node_ip: str, port: int, log_path: Path, deadline: float) -> None:

@@ -35,10 +35,13 @@ from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CO
 from memupdate.serving.readiness import load_marker, read_marker
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import sha256_file, write_json_atomic
+from memupdate.utils.system import tail
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("local", "verl")
+#: The verl trainer's own output (Ray's workers included), in the run's folder.
+TRAINER_LOG = "main_ppo.log"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
@@ -334,9 +337,14 @@ def allocation_command(
 
 
 def run_verl(command: list[str], run_env: Mapping[str, str], run_dir: str, model: str) -> Path:
-    """Run a verl training command to its end and export its last checkpoint to ``<run_dir>/ckpt``."""
-    logger.info("running %s", " ".join(command))
-    subprocess.run(command, env={**os.environ, **run_env}, check=True)
+    """Run a verl training command to its end, its output in ``<run_dir>/main_ppo.log`` (Ray's workers and
+    the trainer: follow it with ``tail -f``), and export its last checkpoint to ``<run_dir>/ckpt``."""
+    log = Path(run_dir) / TRAINER_LOG
+    logger.info("running %s\nits output: %s", " ".join(command), log)
+    with log.open("w", encoding="utf-8") as out:
+        code = subprocess.run(command, env={**os.environ, **run_env}, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise RuntimeError(f"verl's trainer exited with code {code}; the end of {log}:\n{tail(log, 60)}")
     return export_verl_checkpoint(Path(run_dir), model)
 
 

@@ -19,7 +19,9 @@ local backend does:
   own (CPU) has nothing to give back, and both are no-ops there.
 
 The server runs under the project's supervisor (``python -m memupdate.serving.launch run``) watching the
-actor's pid, so a server whose actor is killed with its Ray cluster stops within a second.
+actor's pid. The supervisor is started outside the actor's process tree: Ray kills a worker's children when
+the worker exits (at the end of every run), which would kill the supervisor and orphan vLLM, whose engine
+lives in a session of its own; detached, the supervisor sees the actor gone and stops vLLM's process group.
 
 Settings: ``rollout.custom.memupdate_vllm`` = ``{serving: <ServeSettings keys, python resolved>,
 weights_dir: <folder on the node>}``, written by the verl launcher.
@@ -33,13 +35,14 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 import ray.util.scheduling_strategies
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY, BaseRollout
@@ -158,6 +161,33 @@ def _post(base_url: str, path: str, params: str = "", timeout_s: float = 600.0) 
         response.read()
 
 
+#: Starts argv[2:] in a session of its own, output to argv[1], prints its pid and exits: the started process
+#: is then nobody's child here (see the module docstring).
+_DETACH = (
+    "import subprocess, sys\n"
+    "with open(sys.argv[1], 'w') as log:\n"
+    "    child = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,"
+    " start_new_session=True)\n"
+    "print(child.pid)"
+)
+
+
+class _Detached:
+    """A process this one did not start, polled as a ``Popen`` is (what ``wait_until_ready`` watches)."""
+
+    returncode = None
+
+    def __init__(self, process: psutil.Process):
+        self.process = process
+
+    def poll(self) -> int | None:
+        try:
+            running = self.process.is_running() and self.process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            running = False
+        return None if running else -1
+
+
 class ExternalVLLMServer:
     """One vLLM server process of a rollout replica, owned by a Ray actor (see the module docstring)."""
 
@@ -170,7 +200,7 @@ class ExternalVLLMServer:
         self.model_path = Path(model_config.path)
         self.max_model_len = int(config.max_model_len or config.prompt_length + config.response_length)
         self.sleep_mode = bool(config.enable_sleep_mode and config.free_cache_engine)
-        self.supervisor: subprocess.Popen | None = None
+        self.supervisor: _Detached | None = None
         self.client: VLLMTokenClient | None = None
         self.base_url: str | None = None
         self.global_steps: int | None = None
@@ -202,21 +232,20 @@ class ExternalVLLMServer:
             bind_host="127.0.0.1",
             watch_pid=os.getpid(),
         )
-        with log_path.open("w", encoding="utf-8") as log:
-            self.supervisor = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **settings.env, **DEV_MODE_ENV},
-                start_new_session=True,
-            )
+        started = subprocess.run(
+            [sys.executable, "-c", _DETACH, str(log_path), *argv],
+            env={**os.environ, **settings.env, **DEV_MODE_ENV},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        self.supervisor = _Detached(psutil.Process(int(started.stdout)))
         deadline = time.monotonic() + settings.startup_timeout_s
         while not address_file.is_file():
             if self.supervisor.poll() is not None:
                 raise RuntimeError(
-                    f"the rollout server of replica {self.replica_rank} exited with code {self.supervisor.returncode} "
-                    f"before it started vLLM; {log_path}:\n{tail(log_path, 30)}"
+                    f"the rollout server of replica {self.replica_rank} exited before it started vLLM; "
+                    f"{log_path}:\n{tail(log_path, 30)}"
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the rollout server of replica {self.replica_rank} did not start; see {log_path}")
@@ -310,15 +339,6 @@ class ExternalVLLMServer:
 
     async def stop_profile(self) -> None:
         """No profiler (see start_profile)."""
-
-    def shutdown(self) -> None:
-        """Stop the server (its supervisor stops vLLM's process group)."""
-        if self.supervisor is not None and self.supervisor.poll() is None:
-            self.supervisor.send_signal(signal.SIGTERM)
-            try:
-                self.supervisor.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.supervisor.kill()
 
 
 def _post_json(base_url: str, path: str, payload: Mapping[str, Any], timeout_s: float = 600.0) -> None:

