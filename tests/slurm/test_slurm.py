@@ -121,6 +121,55 @@ def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
 
 
+
+@pytest.mark.verl_cpu
+@pytest.mark.vllm
+def test_verl_stage1_trains_across_two_slurm_nodes(slurm_cluster, slurm_workdir, vllm_python, run_name, monkeypatch):
+    """The cluster path as a user runs it: the brief's command for experiment verl_cpu's stage 1 (verl's
+    main_ppo, backend verl) with the profile's row for its model (profiles/slurm/resources.yaml: two CPU
+    nodes). The rule's srun starts a Ray node on each; verl places an FSDP rank and a rollout server on each."""
+    monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(vllm_python.parent.parent))
+    (slurm_workdir / "slurm-ci.yaml").write_text(SLURM_SERVING)
+    start = time.time()
+    args = [
+        "--profile",
+        "profiles/slurm",
+        "results/verl_cpu/stage1/ckpt",
+        "--slurm-init-seconds-before-status-checks",
+        "2",
+        "--slurm-jobname-prefix",
+        run_name,
+        "--configfile",
+        "slurm-ci.yaml",
+    ]
+    result = snakemake(slurm_workdir, *args)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-5000:]
+    jobs = {r["Comment"]: r for r in jobs_since(start, run_name)}
+    train = jobs["rule_train_stage1_wildcards_verl_cpu"]
+    assert train["State"] == "COMPLETED" and train["NNodes"] == "2", train
+    # Its batch step ran the rule; the srun step (one task per node) ran the Ray nodes and the trainer.
+    steps = subprocess.run(
+        ["sacct", "-n", "-P", "-j", train["JobID"], "-o", "JobID,NodeList,NTasks,State"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    ray_steps = [s.split("|") for s in steps if s.split("|")[0] == f"{train['JobID']}.0"]
+    assert ray_steps and ray_steps[0][1:] == ["n[1-2]", "2", "COMPLETED"], steps
+    run_dir = slurm_workdir / "results/verl_cpu/stage1"
+    manifest = json.loads((run_dir / "ckpt/manifest.json").read_text())
+    assert manifest["backend"] == "verl" and manifest["step"] == 2, manifest
+    # Two FSDP ranks (one per node), so two rollout replicas, each with its own vLLM server; each was synced
+    # to the weights of the last update.
+    replicas = sorted(p.name for p in (run_dir / "rollout").glob("replica*"))
+    assert replicas == ["replica0", "replica1"], replicas
+    assert all((run_dir / "rollout" / r / "step000002").is_dir() for r in replicas)
+    resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
+    # verl's resource pool asks for one rank on each of two nodes (a bundle per Ray node).
+    assert resolved["trainer"]["nnodes"] == 2 and resolved["trainer"]["n_gpus_per_node"] == 1
+
+
 CHECK = textwrap.dedent(
     """
     import json, os, sys

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -244,12 +245,35 @@ def rollout_server(settings: Mapping[str, Any], verl: Mapping[str, Any]) -> dict
 
 def slurm_layout(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
     """``(nnodes, gpus_per_node)`` of the current Slurm allocation (1 node, its visible GPUs outside Slurm)."""
-    nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    nnodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    if nnodes is None and env.get("SLURM_JOB_ID"):
+        # snakemake-executor-plugin-slurm-jobstep (0.6) runs a rule with only the allocation's identity left of
+        # the SLURM_* variables (SLURM_JOB_ID, ...): the allocation's size comes from Slurm itself.
+        nnodes = allocation_nodes(env["SLURM_JOB_ID"])
+    nnodes = int(nnodes or 1)
     gpus = env.get("SLURM_GPUS_ON_NODE")
     if gpus is None:
         visible = env.get("CUDA_VISIBLE_DEVICES", "")
         gpus = len([d for d in visible.split(",") if d.strip()])
     return nnodes, int(gpus)
+
+
+def allocation_nodes(job_id: str) -> int:
+    """Nodes of Slurm job ``job_id`` (``scontrol show job``'s ``NumNodes``)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    return num_nodes(out.stdout, f"`scontrol show job -o {job_id}` (exit {out.returncode}: {out.stderr.strip()})")
+
+
+def num_nodes(record: str, where: str) -> int:
+    """``NumNodes`` of a job record of ``scontrol show job -o``.
+
+    >>> num_nodes("JobId=72 JobName=x NodeList=n[1-2] NumNodes=2 NumCPUs=4", "scontrol")
+    2
+    """
+    match = re.search(r"\bNumNodes=(\d+)", record)
+    if match is None:
+        raise RuntimeError(f"no NumNodes in the output of {where}: {record[:300]!r}")
+    return int(match.group(1))
 
 
 def verl_commands(
