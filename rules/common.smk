@@ -258,10 +258,35 @@ def get_stage2_reward(wildcards):
     return reward
 
 
+def policy_model(wildcards):
+    """The policy before any training: the prepared model of the experiment's `policy`."""
+    return f"results/models/{get_experiment(wildcards)['policy']}"
+
+
+def get_stage1_model(wildcards):
+    """Where stage 1 starts: the cold start's checkpoint when the experiment has an `sft` section."""
+    if "sft" in get_experiment(wildcards):
+        return f"results/{wildcards.exp}/sft/ckpt"
+    return policy_model(wildcards)
+
+
+def get_sft_settings(wildcards):
+    return get_experiment(wildcards)["sft"]
+
+
+def get_sft_run_dir(wildcards):
+    return f"results/{wildcards.exp}/sft"
+
+
+def get_sft_reward(wildcards):
+    """The workflow's reward settings; the demonstrations are scored offline (memupdate.training.sft)."""
+    return {k: v for k, v in config["reward"].items() if k != "judge"}
+
+
 def get_stage1_inputs(wildcards):
     experiment = get_experiment(wildcards)
     inputs = {
-        "model": f"results/models/{experiment['policy']}",
+        "model": get_stage1_model(wildcards),
         **memory_inputs(),
         **validation_inputs(experiment),
         **rollout_env_inputs(experiment["stage1"]),

@@ -1,5 +1,35 @@
 # Training: the two GRPO stages. Stage 1 trains the memory role (the QA role is the served base QA
-# model); stage 2 trains the QA role (the memory role is the served stage-1 model).
+# model); stage 2 trains the QA role (the memory role is the served stage-1 model). An experiment with an
+# `sft` section starts stage 1 from its cold start: the policy fine-tuned on the scripted expert's
+# demonstration episodes of the train rows (memupdate.training.demonstrations).
+
+
+rule train_sft:
+    input:
+        **memory_inputs(),
+        model=policy_model,
+    output:
+        ckpt=directory("results/{exp}/sft/ckpt"),
+    log:
+        "logs/train_sft/{exp}.log",
+    benchmark:
+        "benchmarks/train_sft/{exp}.tsv"
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    threads: 2
+    resources:
+        runtime=120,
+        mem_mb=8000,
+    params:
+        settings=get_sft_settings,
+        # The demonstrations are stage 1's episodes: its lengths and turns.
+        stage=get_stage1_settings,
+        run_dir=get_sft_run_dir,
+        embedding_model=EMBEDDING_MODEL,
+        max_content_chars=MAX_CONTENT_CHARS,
+        reward=get_sft_reward,
+    script:
+        "../workflow/scripts/train_sft.py"
 
 
 rule train_stage1:

@@ -133,6 +133,23 @@ def test_the_briefs_short_paths_build_the_default_experiment(workdir):
     )
 
 
+def test_an_experiment_with_a_cold_start_trains_stage1_from_it(workdir):
+    """An `sft` section adds the cold start (train_sft) and stage 1 starts from its checkpoint."""
+    (workdir / "sft.yaml").write_text("experiments:\n  smoke:\n    sft: {max_rows: 4, epochs: 1}\n")
+    result = snakemake(workdir, "-n", "results/smoke/stage1/ckpt", "--configfile", "sft.yaml")
+    assert result.returncode == 0, result.stderr[-3000:]
+    by_rule = {job["rule"]: job for job in dry_run_jobs(result.stdout)}
+    assert by_rule["train_sft"]["output"] == "results/smoke/sft/ckpt"
+    assert "results/models/smollm2-135m" in by_rule["train_sft"]["input"]
+    assert by_rule["train_stage1"]["input"].startswith("results/smoke/sft/ckpt")
+    without = snakemake(workdir, "-n", "results/smoke/stage1/ckpt")
+    assert "train_sft" not in without.stdout
+    # Settings are checked when the Snakefile loads.
+    (workdir / "bad.yaml").write_text("experiments:\n  smoke:\n    sft: {epochs: 0}\n")
+    bad = snakemake(workdir, "-n", "results/smoke/stage1/ckpt", "--configfile", "bad.yaml")
+    assert bad.returncode != 0 and "experiments.smoke.sft.epochs" in bad.stdout + bad.stderr
+
+
 def test_evaluation_servers_wait_for_the_checkpoints_they_evaluate(workdir):
     """The base QA model exists long before training ends; its evaluation server must not idle through it."""
     result = snakemake(workdir, "-n", "results/smoke/serve/eval/qa-base.ready.json")

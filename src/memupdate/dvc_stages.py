@@ -54,6 +54,7 @@ STAGE_KINDS = (
     StageKind("models", "prepare_model", ("prepare_model",)),
     # MemAgent's haystacks: every length of the scale, split into train and test questions.
     StageKind("hotpotqa", "hotpotqa_data", ("fetch_data", "preprocess_hotpotqa", "split_hotpotqa", "hotpotqa_data")),
+    StageKind("sft", "train_sft", ("train_sft",), per_experiment=True),
     StageKind("stage1", "train_stage1", ("vllm_env", "serve_model", "train_stage1"), per_experiment=True),
     StageKind("stage2", "train_stage2", ("vllm_env", "serve_model", "train_stage2"), per_experiment=True),
     StageKind("eval", "eval_locomo", ("vllm_env", "serve_model", "eval_locomo"), per_experiment=True),

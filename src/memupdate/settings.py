@@ -169,6 +169,22 @@ class TrainSettings:
 
 
 @dataclass
+class SFTSettings:
+    """An experiment's ``sft``: the cold start before stage 1 (:mod:`memupdate.training.sft`), fine-tuning the
+    policy on the scripted expert's demonstration episodes of the train rows. The episodes are stage 1's
+    (its loop, tools, reward and lengths); these are the optimiser's settings."""
+
+    epochs: int = setting(2, help="passes over the kept demonstrations", minimum=1)
+    batch_size: int = setting(8, help="episodes per optimiser step", minimum=1)
+    micro_batch_size: int = setting(2, help="episodes per forward/backward pass (bounds peak memory)", minimum=1)
+    lr: float = setting(5e-5, help="AdamW learning rate", exclusiveMinimum=0)
+    weight_decay: float = setting(0.0, minimum=0)
+    max_grad_norm: float = setting(1.0, exclusiveMinimum=0)
+    max_rows: int | None = setting(None, help="train questions played by the expert (null = all)", minimum=1)
+    seed: int = 0
+
+
+@dataclass
 class MemAgentTrainSettings(TrainSettings):
     """MemAgent's ``train``: the haystack length trained on, and the GRPO run's settings."""
 
@@ -605,7 +621,12 @@ def _type_schema(hint: Any) -> dict[str, Any]:
 
 #: Typed sections of an experiment, by the experiment's kind and backend (verl stage settings are verl's).
 SECTIONS = {
-    ("memupdate", "local"): {"stage1": TrainSettings, "stage2": TrainSettings, "eval": LocomoEvalSettings},
+    ("memupdate", "local"): {
+        "sft": SFTSettings,
+        "stage1": TrainSettings,
+        "stage2": TrainSettings,
+        "eval": LocomoEvalSettings,
+    },
     ("memupdate", "verl"): {"eval": LocomoEvalSettings},
     ("memagent", "local"): {
         "loop": MemAgentLoopSettings,
@@ -739,6 +760,11 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
                 experiment[section] = clean(cls, experiment[section], path)
             except ConfigError as err:
                 errors.extend(str(err).splitlines())
+        if "sft" in experiment and (kind, backend) != ("memupdate", "local"):
+            errors.append(
+                f"experiments.{name}.sft: the cold start runs with backend local on MemoryUpdate experiments only "
+                f"(this one is {kind} with backend {backend})"
+            )
         if backend == "verl":
             for section in VERL_SECTIONS[kind]:
                 if section in experiment:

@@ -121,7 +121,6 @@ def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
 
 
-
 @pytest.mark.verl_cpu
 @pytest.mark.vllm
 def test_verl_stage1_trains_across_two_slurm_nodes(slurm_cluster, slurm_workdir, vllm_python, run_name, monkeypatch):

@@ -1,0 +1,226 @@
+"""Demonstration episodes for the cold start: a scripted expert plays the memory agent, through the real
+agent loop and tools, on the *train* conversations.
+
+An untrained small model never calls a tool, so every GRPO reward is 0 and nothing is learnt. The field's
+answer is a short supervised cold start on demonstrations in the exact format RL samples; here they are
+made by :class:`MemoryExpert`, a scripted policy with one privileged input: LoCoMo's evidence ids (which
+dialogue turns answer a question) and the seed memories that cite them. Its program, per question:
+
+1. ``search_memory`` with the question as the query (``top_k`` = :data:`SEARCH_TOP_K`);
+2. the memories shown that cite the question's evidence are made self-contained and dated, the system
+   prompt's "correct, specific, dated": two or more are merged (``merge_memory``, in the order shown, as
+   many as fit in ``max_content_chars``) into one memory holding each one's text after its date; a single
+   one is rewritten (``manage_memory`` update) with its date in front. The date comes from the memory's
+   metadata, which the search result shows, and answers "when" questions that a text without it cannot;
+   one merged memory also holds what the question needs within the reward's retrieval budget;
+3. reply ``DONE`` (the system prompt's way to stop), also straight after the search when no memory shown
+   cites the evidence.
+
+It never writes the gold answer into memory and only uses ids it was shown, so a policy can learn every
+step from what it sees. It reads its transcript as a policy does (the question from the prompt, the ids
+from the search result) and is served to verl's ``AgentLoopWorker`` like any model (verl's ``generate``),
+so the episodes' token ids, response masks (tool outputs and prompts masked) and rewards are exactly
+those of a GRPO rollout. Episodes whose reward is negative are dropped (:func:`keep_episode`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.parquet as pq
+from verl.workers.rollout.replica import TokenOutput
+
+from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
+
+logger = logging.getLogger(__name__)
+
+#: Memories the expert's search asks for (the tool's default is 5): evidence often ranks below the top 5.
+SEARCH_TOP_K = 10
+#: Most memories one merge takes (the tool's limit).
+MAX_MERGE = 5
+#: The expert's last reply; the system prompt tells the model to stop with it.
+DONE = "DONE"
+
+_SPEAKERS = re.compile(r"a conversation between (.+?) and (.+?), from ")
+_QUESTION = re.compile(r"Target question: (.+?)\n\nImprove the memory database")
+_SHOWN = re.compile(r"^\[(\d+)\]", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Memory:
+    content: str
+    evidence: frozenset[str]
+    #: The session's date and time as LoCoMo gives it ("1:56 pm on 8 May, 2023"), or None.
+    date: str | None = None
+
+    def dated(self) -> str:
+        """The text with its day in front, unless the text already names it.
+
+        >>> Memory("Ann moved to Oslo.", frozenset(), "1:56 pm on 8 May, 2023").dated()
+        '8 May, 2023: Ann moved to Oslo.'
+        """
+        day = self.date.rsplit(" on ", 1)[-1] if self.date else None
+        return self.content if not day or day in self.content else f"{day}: {self.content}"
+
+
+def tool_call(name: str, arguments: Mapping[str, Any]) -> str:
+    """A reply with one tool call, in the hermes format the loop parses (``multi_turn.format: hermes``).
+
+    >>> tool_call("search_memory", {"query": "Where?"})
+    '<tool_call>\\n{"name": "search_memory", "arguments": {"query": "Where?"}}\\n</tool_call>'
+    """
+    return (
+        "<tool_call>\n"
+        + json.dumps({"name": name, "arguments": dict(arguments)}, ensure_ascii=False)
+        + "\n</tool_call>"
+    )
+
+
+def edit_plan(
+    shown: Iterable[int], evidence: Iterable[str], memories: Mapping[int, Memory], max_chars: int
+) -> tuple[str, dict[str, Any]] | None:
+    """The expert's edit, as a tool name and its arguments, or None: the memories among ``shown`` that cite
+    the question's ``evidence`` (in the order shown, as many as fit in ``max_chars`` once dated and joined),
+    merged if two or more, else the one rewritten dated; None when there is nothing to improve.
+
+    >>> mems = {1: Memory("Ann moved to Oslo.", frozenset({"D1:2"}), "8 May, 2023"),
+    ...         2: Memory("Ann loves tea.", frozenset()), 3: Memory("Bo came too.", frozenset({"D1:3"}))}
+    >>> edit_plan([2, 3, 1], ["D1:2", "D1:3"], mems, 300)
+    ('merge_memory', {'memory_ids': [3, 1], 'content': 'Bo came too. 8 May, 2023: Ann moved to Oslo.'})
+    >>> edit_plan([2, 1], ["D1:2"], mems, 300)
+    ('manage_memory', {'operation': 'update', 'memory_id': 1, 'content': '8 May, 2023: Ann moved to Oslo.'})
+    >>> edit_plan([2, 3], ["D1:3"], mems, 300) is None  # already as good as the expert makes it
+    True
+    """
+    wanted = set(evidence)
+    ids, texts = [], []
+    for memory_id in dict.fromkeys(shown):
+        memory = memories.get(memory_id)
+        if memory is None or not memory.evidence & wanted or len(ids) == MAX_MERGE:
+            continue
+        if len(" ".join([*texts, memory.dated()])) > max_chars:
+            continue
+        ids.append(memory_id)
+        texts.append(memory.dated())
+    if len(ids) >= 2:
+        return MERGE_TOOL, {"memory_ids": ids, "content": " ".join(texts)}
+    if len(ids) == 1 and texts[0] != memories[ids[0]].content:
+        return MANAGE_TOOL, {"operation": "update", "memory_id": ids[0], "content": texts[0]}
+    return None
+
+
+def read_memories(path: str) -> dict[str, dict[int, Memory]]:
+    """The seed memories of the memories table (``preprocess_locomo``'s), per conversation and id."""
+    table = pq.read_table(path, columns=["sample_id", "memory_id", "content", "evidence", "date"]).to_pylist()
+    out: dict[str, dict[int, Memory]] = defaultdict(dict)
+    for row in table:
+        memory = Memory(row["content"], frozenset(row["evidence"] or ()), row["date"])
+        out[row["sample_id"]][int(row["memory_id"])] = memory
+    return dict(out)
+
+
+class MemoryExpert:
+    """The scripted expert, with verl's ``generate``. It finds its question in the prompt (speakers and
+    question, as the row's user message states them), so one expert serves a whole batch of rows;
+    ``rows`` are the rows' ``extra_info`` with the row's speakers (:func:`expert_rows`)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        rows: Iterable[Mapping[str, Any]],
+        memories_path: str,
+        max_content_chars: int,
+        max_new_tokens: int,
+    ):
+        self.tokenizer = tokenizer
+        self.max_content_chars = max_content_chars
+        self.max_new_tokens = max_new_tokens
+        self.memories = read_memories(memories_path)
+        self.rows: dict[tuple[str, str, str], Mapping[str, Any]] = {}
+        for row in rows:
+            self.rows.setdefault((row["speaker_a"], row["speaker_b"], row["question"]), row)
+        #: What the expert did per episode (request id -> actions), for the demonstrations' record.
+        self.actions: dict[str, list[str]] = defaultdict(list)
+        self.generated_tokens = 0
+        self.seconds = 0.0
+
+    def reply(self, request_id: str, transcript: str) -> str:
+        """The next reply of episode ``request_id`` given everything it has seen (``transcript``)."""
+        actions = self.actions[request_id]
+        row = self._row(transcript)
+        if not actions:
+            reply = tool_call(SEARCH_TOOL, {"query": row["question"], "top_k": SEARCH_TOP_K})
+            actions.append(SEARCH_TOOL)
+        elif actions[-1] == SEARCH_TOOL:
+            # The ids shown by the search: the text after the last call (the tool's response).
+            shown = [int(i) for i in _SHOWN.findall(transcript.rsplit("</tool_call>", 1)[-1])]
+            plan = edit_plan(shown, row["evidence"], self.memories.get(row["sample_id"], {}), self.max_content_chars)
+            if plan is None:
+                reply = DONE
+                actions.append(DONE)
+            else:
+                reply = tool_call(*plan)
+                actions.append(plan[0])
+        else:
+            reply = DONE
+            actions.append(DONE)
+        return reply
+
+    def _row(self, transcript: str) -> Mapping[str, Any]:
+        speakers, question = _SPEAKERS.search(transcript), _QUESTION.search(transcript)
+        key = speakers and question and (speakers.group(1), speakers.group(2), question.group(1))
+        if not key or key not in self.rows:
+            raise ValueError(f"the expert has no row for this prompt (speakers and question {key!r})")
+        return self.rows[key]
+
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any
+    ) -> TokenOutput:
+        transcript = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        text = self.reply(request_id, transcript)
+        ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
+        if len(ids) > self.max_new_tokens:
+            raise ValueError(
+                f"the expert's reply has {len(ids)} tokens, over stage 1's max_new_tokens ({self.max_new_tokens}): "
+                f"a policy capped there could never make this call; raise max_new_tokens. The reply: {text[:200]!r}"
+            )
+        self.generated_tokens += len(ids)
+        return TokenOutput(token_ids=ids, log_probs=None, stop_reason="completed")
+
+
+def expert_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The expert's view of training rows (verl's layout: ``prompt``, ``extra_info``): what it may know of
+    each (question, evidence, conversation) keyed as its prompt shows them."""
+    out = []
+    for row in rows:
+        user = next(m["content"] for m in row["prompt"] if m["role"] == "user")
+        speakers = _SPEAKERS.search(user)
+        if speakers is None:
+            raise ValueError(f"row {row['extra_info'].get('namespace')!r}: its user message names no speakers")
+        info = row["extra_info"]
+        out.append(
+            {
+                "speaker_a": speakers.group(1),
+                "speaker_b": speakers.group(2),
+                "question": info["question"],
+                "evidence": list(info["evidence"] or ()),
+                "sample_id": info["sample_id"],
+            }
+        )
+    return out
+
+
+def keep_episode(reward: float) -> bool:
+    """Demonstrations teach the format and a safe program, never a harmful edit: an episode that lowered
+    the reward's QA score is dropped.
+
+    >>> [keep_episode(r) for r in (0.0, 0.5, -0.25)]
+    [True, True, False]
+    """
+    return reward >= 0.0

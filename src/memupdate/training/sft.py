@@ -1,0 +1,287 @@
+"""The cold start before GRPO: supervised fine-tuning on demonstration episodes (local backend).
+
+:func:`make_demonstrations` runs the scripted expert (:mod:`memupdate.training.demonstrations`) through the
+in-process agent loop worker on the train rows, so each demonstration is a GRPO rollout's row: prompt,
+response, ``response_mask`` (1 on the policy's own tokens; tool outputs and the prompt 0) and the
+reward the RL run would give it. :func:`train_sft` keeps the episodes :func:`keep_episode` accepts and
+minimises the token-mean negative log-likelihood of the masked response tokens, with AdamW.
+
+A run writes ``<run>/demonstrations.jsonl`` (one record per episode: question, reward, kept, the
+policy's text), ``<run>/metrics.jsonl`` (loss per optimiser step), ``<run>/resolved_config.json`` and
+``<run>/ckpt`` in the layout every trainer writes (``manifest.json`` with ``kind: sft``), which stage 1
+then starts from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from verl import DataProto
+from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+from memupdate.agents.context import LoopContext
+from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
+from memupdate.rollout.config import RolloutConfig, run_config
+from memupdate.rollout.workers import TRAJECTORY_KEY, in_process_workers
+from memupdate.settings import SFTSettings, TrainSettings, build
+from memupdate.tools.config import TOOL_CONFIG
+from memupdate.training.demonstrations import MemoryExpert, expert_rows, keep_episode
+from memupdate.training.local import response_log_probs
+from memupdate.training.tracking import run_info, run_record, write_run_info
+from memupdate.utils.io import write_json_atomic, write_text_atomic
+
+logger = logging.getLogger(__name__)
+
+DEMONSTRATIONS = "demonstrations.jsonl"
+#: Rows the expert plays at once (its replies cost nothing; the tools and the reward batch across them).
+EPISODES_PER_BATCH = 16
+
+
+@dataclass(kw_only=True)
+class SFTConfig(SFTSettings):
+    """The SFT settings, the rollout the demonstrations are episodes of (stage 1's loop, tools, reward and
+    lengths) and the memory text cap the expert writes within."""
+
+    rollout: RolloutConfig
+    max_content_chars: int
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+async def make_demonstrations(cfg: SFTConfig, tokenizer: Any) -> tuple[DataProto, list[dict[str, Any]]]:
+    """Every train row (up to ``max_rows``) played once by the expert: the rows (verl's layout) and a record per
+    episode."""
+    rollout = cfg.rollout
+    config = run_config(rollout)
+    dataset = RLHFDataset(rollout.train_files, tokenizer, config.data, max_samples=cfg.max_rows or -1)
+    table = [row for path in rollout.train_files for row in pq.read_table(path).to_pylist()]
+    expert = MemoryExpert(
+        tokenizer, expert_rows(table), rollout.memory.memories, cfg.max_content_chars, rollout.max_new_tokens
+    )
+    worker = in_process_workers(config, expert, loop_context=LoopContext("sft"))
+    parts, records = [], []
+    with tqdm(total=len(dataset), desc="demonstrations", unit="episode", disable=None) as bar:
+        for start in range(0, len(dataset), EPISODES_PER_BATCH):
+            indices = range(start, min(start + EPISODES_PER_BATCH, len(dataset)))
+            prompts = DataProto.from_single_dict(collate_fn([dataset[i] for i in indices]))
+            prompts.non_tensor_batch["uid"] = np.array([str(i) for i in indices], dtype=object)
+            prompts.meta_info["global_steps"] = 0
+            batch = await worker.generate_sequences(prompts)
+            parts.append(batch)
+            records.extend(episode_records(batch, prompts, tokenizer))
+            bar.update(len(indices))
+    return DataProto.concat(parts), records
+
+
+def episode_records(batch: DataProto, prompts: DataProto, tokenizer: Any) -> list[dict[str, Any]]:
+    """One record per episode of ``batch`` (the rollouts of ``prompts``): which question, its reward, what the
+    policy's tokens say."""
+    scores = batch.batch["rm_scores"].sum(-1).tolist()
+    extra = batch.non_tensor_batch
+    out = []
+    for i, score in enumerate(scores):
+        mask = batch.batch["response_mask"][i].bool()
+        policy_text = tokenizer.decode(batch.batch["responses"][i][mask], skip_special_tokens=False)
+        info = prompts.non_tensor_batch["extra_info"][extra[TRAJECTORY_KEY][i]]
+        out.append(
+            {
+                "namespace": info["namespace"],
+                "question": info["question"],
+                "reward": score,
+                "kept": keep_episode(score),
+                "tool_calls": policy_text.count("<tool_call>"),
+                "policy_tokens": int(mask.sum()),
+                "termination": str(extra["termination_reason"][i]),
+                "policy_text": policy_text,
+            }
+        )
+    return out
+
+
+class SFTTrainer:
+    def __init__(self, cfg: SFTConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.rollout.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model_path)
+        self.policy = AutoModelForCausalLM.from_pretrained(cfg.rollout.model_path, dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        write_json_atomic(self.run_dir / "resolved_config.json", {"memupdate": asdict(cfg)})
+        memory = cfg.rollout.memory
+        data = {"train_files": cfg.rollout.train_files, "memories": memory.memories, "embeddings": memory.embeddings}
+        self.run_info = run_info(
+            cfg.digest(), run_record(data), backend="local", kind="sft", base_model=cfg.rollout.model_path
+        )
+        write_run_info(self.run_dir, self.run_info)
+
+    def train(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        batch, records = asyncio.run(make_demonstrations(self.cfg, self.tokenizer))
+        write_text_atomic(self.run_dir / DEMONSTRATIONS, "".join(json.dumps(r) + "\n" for r in records))
+        kept = np.array([r["kept"] for r in records], dtype=bool)
+        summary = demonstration_summary(records, time.perf_counter() - start)
+        logger.info("demonstrations: %s", json.dumps(summary))
+        if not kept.any():
+            raise RuntimeError(f"no demonstration was kept (every episode lowered the reward); see {DEMONSTRATIONS}")
+        data = batch[np.flatnonzero(kept)]
+        metrics = self._fit(data)
+        return self.export({**metrics, "demonstrations": summary})
+
+    def _fit(self, data: DataProto) -> dict[str, Any]:
+        cfg = self.cfg
+        order = list(range(len(data)))
+        rng = random.Random(cfg.seed)
+        steps_per_epoch = -(-len(data) // cfg.batch_size)
+        metrics_path = self.run_dir / "metrics.jsonl"
+        metrics_path.unlink(missing_ok=True)
+        step, last = 0, {}
+        self.policy.train()
+        with tqdm(total=cfg.epochs * steps_per_epoch, desc="SFT", unit="step", disable=None) as bar:
+            for epoch in range(cfg.epochs):
+                rng.shuffle(order)
+                for first in range(0, len(order), cfg.batch_size):
+                    began = time.perf_counter()
+                    batch = data[order[first : first + cfg.batch_size]]
+                    loss, tokens, grad_norm = self._step(batch)
+                    step += 1
+                    last = {
+                        "step": step,
+                        "epoch": epoch + 1,
+                        "loss": loss,
+                        "tokens": tokens,
+                        "grad_norm": grad_norm,
+                        "seconds": round(time.perf_counter() - began, 3),
+                    }
+                    with metrics_path.open("a") as fh:
+                        fh.write(json.dumps(last) + "\n")
+                    bar.set_postfix(loss=f"{loss:.3f}")
+                    bar.update(1)
+        return last
+
+    def _step(self, batch: DataProto) -> tuple[float, int, float]:
+        """One AdamW step on the token-mean NLL of the policy's tokens of ``batch``, over micro-batches."""
+        total = batch.batch["response_mask"].sum().clamp(min=1)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for mb in batch.split(self.cfg.micro_batch_size):
+            mask = mb.batch["response_mask"].float()
+            if not mask.any():
+                continue
+            log_prob = response_log_probs(self.policy, mb, True)
+            loss = -(log_prob * mask).sum() / total
+            loss.backward()
+            loss_sum += loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        return loss_sum, int(total), float(grad_norm)
+
+    def export(self, metrics: dict[str, Any]) -> Path:
+        """``<run>/ckpt``: the model, its tokenizer and the manifest, placed atomically."""
+        final = self.run_dir / "ckpt"
+        tmp = final.with_name(".ckpt.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.policy.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        manifest = {
+            "backend": "local",
+            "kind": "sft",
+            "step": metrics.get("step", 0),
+            "config_digest": self.cfg.digest(),
+            "git": self.run_info["git"],
+            "data_sha256": self.run_info["data_sha256"],
+            "base_model": self.cfg.rollout.model_path,
+            "metrics": metrics,
+        }
+        write_json_atomic(tmp / "manifest.json", manifest)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        return final
+
+
+def demonstration_summary(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """Counts the SFT run reports: episodes, kept, how many merged, the kept episodes' mean reward.
+
+    >>> demonstration_summary([{"kept": True, "reward": 0.5, "tool_calls": 2},
+    ...                        {"kept": False, "reward": -0.5, "tool_calls": 2}], 1.0)["kept_reward_mean"]
+    0.5
+    """
+    kept = [r for r in records if r["kept"]]
+    return {
+        "episodes": len(records),
+        "kept": len(kept),
+        "kept_with_merge": sum(r["tool_calls"] >= 2 for r in kept),
+        "kept_reward_mean": float(np.mean([r["reward"] for r in kept])) if kept else None,
+        "dropped_reward_mean": float(np.mean([r["reward"] for r in records if not r["kept"]]))
+        if len(kept) < len(records)
+        else None,
+        "seconds": round(seconds, 1),
+    }
+
+
+def train_sft(cfg: SFTConfig) -> Path:
+    """Make the demonstrations, fine-tune on them and return ``<run>/ckpt``."""
+    return SFTTrainer(cfg).train()
+
+
+#: The offline scorer demonstrations are filtered by (no served model: the cold start runs before any).
+DEMONSTRATION_SCORER = "answer_recall"
+#: Stage settings that shape an episode, which the demonstrations take from stage 1.
+EPISODE_KEYS = (
+    "max_new_tokens",
+    "prompt_length",
+    "response_length",
+    "max_assistant_turns",
+    "max_parallel_calls",
+    "max_tool_response_length",
+)
+
+
+def cold_start(
+    *,
+    settings: Mapping[str, Any],
+    stage: Mapping[str, Any],
+    model: str,
+    train_files: list[str],
+    memories: str,
+    embeddings: str,
+    run_dir: str,
+    reward: Mapping[str, Any],
+    embedding_model: str = DEFAULT_EMBEDDING_MODEL,
+    max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
+) -> Path:
+    """The experiment's ``sft`` run: demonstrations of stage 1's episodes (its lengths, from ``stage``: its
+    :class:`~memupdate.settings.TrainSettings`), scored by the workflow's ``reward`` with the offline
+    :data:`DEMONSTRATION_SCORER`, and the fine-tuned policy in ``<run_dir>/ckpt``."""
+    sft = asdict(build(SFTSettings, settings, "sft"))
+    episode = {k: v for k, v in asdict(build(TrainSettings, stage, "stage1")).items() if k in EPISODE_KEYS}
+    memory = MemoryEnvironment(
+        memories=memories, embeddings=embeddings, embedding_model=embedding_model, max_content_chars=max_content_chars
+    )
+    rollout = RolloutConfig(
+        model_path=model,
+        train_files=train_files,
+        run_dir=run_dir,
+        tool_config=str(TOOL_CONFIG),
+        memory=memory,
+        reward={**reward, "scorer": DEMONSTRATION_SCORER, "training_stage": "memory"},
+        seed=sft["seed"],
+        **episode,
+    )
+    return train_sft(SFTConfig(**sft, rollout=rollout, max_content_chars=max_content_chars))

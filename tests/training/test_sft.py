@@ -1,0 +1,94 @@
+"""The cold start (memupdate.training.sft): the scripted expert's demonstrations through the real loop and
+tools, and supervised fine-tuning on the policy's own tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
+from memupdate.training.demonstrations import DONE, SEARCH_TOP_K
+from memupdate.training.sft import DEMONSTRATIONS, cold_start
+
+pytestmark = pytest.mark.slow
+
+#: Stage 1's episode lengths: the merged memory's call is the longest reply (~300 characters of text).
+STAGE = {
+    "max_new_tokens": 512,
+    "prompt_length": 4096,
+    "response_length": 2048,
+    "max_assistant_turns": 4,
+    "max_tool_response_length": 2048,
+}
+
+
+@pytest.fixture(scope="module")
+def sft_run(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("sft") / "run"
+    ckpt = cold_start(
+        settings={"epochs": 2, "batch_size": 4, "micro_batch_size": 2, "lr": 1e-3, "max_rows": 8},
+        stage=STAGE,
+        model=str(tiny_model_dir),
+        train_files=[str(locomo_rows["train"])],
+        memories=str(locomo_rows["memories"]),
+        embeddings=str(cache_dir),
+        run_dir=str(run_dir),
+        reward={"efficiency": {"max_total_memories": None}},
+    )
+    return run_dir, ckpt
+
+
+def test_demonstrations_are_the_experts_program_in_the_loops_format(sft_run, tiny_model_dir):
+    run_dir, _ = sft_run
+    records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
+    assert len(records) == 8
+    for record in records:
+        # Search with the question; merge or rewrite (dated) the memories shown that cite the evidence; stop.
+        text = record["policy_text"]
+        calls = [json.loads(c.split("</tool_call>")[0]) for c in text.split("<tool_call>\n")[1:]]
+        assert calls[0] == {"name": SEARCH_TOOL, "arguments": {"query": record["question"], "top_k": SEARCH_TOP_K}}
+        assert [c["name"] for c in calls[1:]] in ([], [MERGE_TOOL], [MANAGE_TOOL])
+        assert text.rstrip().endswith(DONE + "<|im_end|>")
+        # Only the expert's own replies are trained: the tool's output (search results) never is.
+        assert "Found " not in text and "Merged [" not in text
+        assert record["termination"] == "done"
+        assert record["kept"] == (record["reward"] >= 0)
+    assert any(r["tool_calls"] == 2 for r in records), records
+
+
+def test_sft_moves_the_policy_towards_the_demonstrations(sft_run, tiny_model_dir):
+    run_dir, ckpt = sft_run
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["kind"] == "sft" and manifest["base_model"] == str(tiny_model_dir)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kept = manifest["metrics"]["demonstrations"]["kept"]
+    assert len(steps) == 2 * -(-kept // 4)
+    # Two epochs on the same episodes: the loss falls.
+    first_epoch = [s["loss"] for s in steps if s["epoch"] == 1]
+    second_epoch = [s["loss"] for s in steps if s["epoch"] == 2]
+    assert sum(second_epoch) / len(second_epoch) < sum(first_epoch) / len(first_epoch), steps
+    trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(base[name], tensor) for name, tensor in trained.items())
+    assert (
+        AutoTokenizer.from_pretrained(ckpt).chat_template == AutoTokenizer.from_pretrained(tiny_model_dir).chat_template
+    )
+
+
+def test_a_reply_cap_the_expert_cannot_keep_is_refused(tiny_model_dir, locomo_rows, cache_dir, tmp_path):
+    """Demonstrations longer than stage 1 lets the policy reply would teach calls it can never finish."""
+    with pytest.raises(ValueError, match="over stage 1's max_new_tokens \\(16\\)"):
+        cold_start(
+            settings={"max_rows": 2},
+            stage={**STAGE, "max_new_tokens": 16},
+            model=str(tiny_model_dir),
+            train_files=[str(locomo_rows["train"])],
+            memories=str(locomo_rows["memories"]),
+            embeddings=str(cache_dir),
+            run_dir=str(tmp_path / "run"),
+            reward={},
+        )
+    assert not (tmp_path / "run" / "ckpt").exists()
