@@ -1,0 +1,65 @@
+"""Intervals for comparisons of systems on the same questions.
+
+Two policies scored on the same questions are compared by their per-question differences, resampled
+together (a paired bootstrap): the question-to-question spread, which is most of the variance on LoCoMo,
+cancels out of the comparison instead of widening it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+#: Bootstrap resamples: the 2.5% and 97.5% quantiles of 10,000 means move by well under 0.01 between seeds.
+RESAMPLES = 10_000
+
+
+def paired_bootstrap(
+    a: Sequence[float], b: Sequence[float], *, resamples: int = RESAMPLES, seed: int = 0, level: float = 0.95
+) -> dict[str, Any]:
+    """Mean of ``a - b`` over paired items (one per question) and its percentile bootstrap interval.
+
+    ``excludes_zero`` says whether the interval lies wholly on one side of 0: the difference is then beyond
+    the noise of which questions were asked.
+
+    >>> r = paired_bootstrap([0.5, 0.75, 1.0, 0.5], [0.25, 0.5, 0.5, 0.25])
+    >>> r["mean_difference"], r["n"], r["excludes_zero"]
+    (0.3125, 4, True)
+    >>> paired_bootstrap([0.0, 1.0], [1.0, 0.0])["excludes_zero"]
+    False
+    """
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.shape != y.shape or x.ndim != 1 or not len(x):
+        raise ValueError(f"paired_bootstrap needs two equally long, non-empty lists; got {x.shape} and {y.shape}")
+    diff = x - y
+    rng = np.random.default_rng(seed)
+    means = diff[rng.integers(0, len(diff), size=(resamples, len(diff)))].mean(axis=1)
+    tail = (1 - level) / 2
+    low, high = (float(v) for v in np.quantile(means, [tail, 1 - tail]))
+    return {
+        "mean_difference": float(diff.mean()),
+        "low": low,
+        "high": high,
+        "level": level,
+        "n": len(diff),
+        "excludes_zero": low > 0 or high < 0,
+    }
+
+
+def paired_by_key(a: Mapping[str, float], b: Mapping[str, float], **kwargs: Any) -> dict[str, Any]:
+    """:func:`paired_bootstrap` over the keys (questions) both mappings score; refuses disjoint mappings.
+
+    >>> paired_by_key({"q1": 1.0, "q2": 0.5}, {"q2": 0.0, "q1": 0.5})["mean_difference"]
+    0.5
+    """
+    keys = sorted(a.keys() & b.keys())
+    if not keys:
+        raise ValueError("the two systems scored no question in common")
+    if len(keys) != len(a) or len(keys) != len(b):
+        raise ValueError(
+            f"the two systems scored different questions ({len(a)} and {len(b)}, {len(keys)} in common): "
+            "a paired comparison needs the same ones"
+        )
+    return paired_bootstrap([a[k] for k in keys], [b[k] for k in keys], **kwargs)

@@ -1,0 +1,61 @@
+"""Held-out episodes of a memory policy scored by the training reward (memupdate.eval.policy), and the
+paired comparison of policies on the same questions (memupdate.eval.stats)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memupdate.eval.policy import EPISODES, compare_policies, evaluate_policy
+from memupdate.memory import build_embedding_cache
+
+pytestmark = pytest.mark.slow
+
+STAGE = {"max_new_tokens": 24, "prompt_length": 4096, "response_length": 256, "max_assistant_turns": 2}
+
+
+@pytest.fixture(scope="module")
+def held_out_cache(locomo_rows, embedder, tmp_path_factory):
+    """Vectors of the memories of conv-26 (train) and conv-30 (held out)."""
+    path = tmp_path_factory.mktemp("held-out") / "memories"
+    build_embedding_cache(locomo_rows["memories"], path, embedder.model_name, batch_size=64, embedder=embedder)
+    return path
+
+
+def test_a_policy_is_scored_on_held_out_questions_with_n_rollouts_each(
+    tiny_model_dir, locomo_rows, held_out_cache, tmp_path
+):
+    runs = {}
+    for name in ("base", "again"):
+        runs[name] = evaluate_policy(
+            model=str(tiny_model_dir),
+            rows=str(locomo_rows["test"]),
+            memories=str(locomo_rows["memories"]),
+            embeddings=str(held_out_cache),
+            out_dir=str(tmp_path / name),
+            stage=STAGE,
+            reward={"scorer": "answer_recall", "efficiency": {"max_total_memories": None}},
+            n=2,
+            questions=3,
+            server="hf",
+        )
+    summary = runs["base"]
+    assert summary["episodes"] == 6 and summary["questions"] == 3 and len(summary["per_question"]) == 3
+    records = [json.loads(line) for line in (tmp_path / "base" / EPISODES).read_text().splitlines()]
+    assert len(records) == 6 and {r["namespace"] for r in records} == set(summary["per_question"])
+    # Only conv-30's (held-out) questions.
+    assert all(r["namespace"].startswith("conv-30-") for r in records)
+    # A random model makes no well-formed call, so its store is the initial one and every reward is 0.
+    assert summary["well_formed_rate"] == 0.0 and summary["reward_mean"] == 0.0
+    assert summary["groups_with_spread"] == 0.0
+    # The same policy against itself on the same questions: no difference, an interval around 0.
+    (comparison,) = compare_policies(runs, [("again", "base")])
+    assert comparison["mean_difference"] == 0.0 and not comparison["excludes_zero"] and comparison["n"] == 3
+
+
+def test_policies_scored_on_different_questions_are_not_compared():
+    with pytest.raises(ValueError, match="different questions"):
+        compare_policies(
+            {"a": {"per_question": {"q1": 1.0}}, "b": {"per_question": {"q1": 0.0, "q2": 1.0}}}, [("a", "b")]
+        )
