@@ -1,9 +1,11 @@
 # Shared helpers: scale selection, wildcard constraints and input functions (no logic in rules).
 
+import dataclasses
 import os
 from pathlib import Path
 
 from memupdate.cluster import read_table
+from memupdate.settings import PolicyEvalSettings, build
 
 SCALE = config["scales"][config["scale"]]
 # The experiment of the short paths results/stage1/ckpt, results/stage2/ckpt, results/eval/report.json.
@@ -428,6 +430,65 @@ def get_training_metrics(wildcards):
         ["stage1", "stage2"] if "stage2" in get_experiment(wildcards) else ["stage1"]
     )
     return {s: f"results/{wildcards.exp}/{s}/metrics.jsonl" for s in stages}
+
+
+def get_policy_eval_settings(wildcards):
+    experiment = get_experiment(wildcards)
+    if "policy_eval" not in experiment:
+        raise ValueError(
+            f"experiment {wildcards.exp!r} has no policy_eval section in config/config.yaml"
+        )
+    # Every key, defaults filled in: the input function reads the split.
+    section = f"experiments.{wildcards.exp}.policy_eval"
+    return dataclasses.asdict(
+        build(PolicyEvalSettings, experiment["policy_eval"], section)
+    )
+
+
+def policy_checkpoint(wildcards):
+    """The checkpoint a policy name stands for: base (the prepared policy), sft, stage1."""
+    if wildcards.policy == "base":
+        return policy_model(wildcards)
+    if wildcards.policy == "sft" and "sft" not in get_experiment(wildcards):
+        raise ValueError(
+            f"experiment {wildcards.exp!r} has no sft section: no cold start to evaluate"
+        )
+    return f"results/{wildcards.exp}/{wildcards.policy}/ckpt"
+
+
+def get_policy_eval_inputs(wildcards):
+    settings = get_policy_eval_settings(wildcards)
+    inputs = {
+        "model": policy_checkpoint(wildcards),
+        "rows": f"results/data/locomo/{settings['split']}.parquet",
+        "memories": "results/data/locomo/memories.parquet",
+        "embeddings": f"{EMBEDDINGS}/memories",
+    }
+    if settings.get("server", "vllm") == "vllm":
+        inputs.update(vllm_env_inputs(config["serving"]))
+    return inputs
+
+
+def get_policy_eval_reward(wildcards):
+    """The training reward of stage 1, which must be offline: the policies are compared without a served model."""
+    scorer = get_reward_scorer(wildcards)
+    if scorer in SERVED_SCORERS:
+        raise ValueError(
+            f"policy_eval of {wildcards.exp!r} scores with the training reward offline, but its scorer is "
+            f"{scorer!r}: set reward.scorer to answer_recall or evidence_recall"
+        )
+    return {**get_sft_reward(wildcards), "scorer": scorer}
+
+
+def get_policy_summaries(wildcards):
+    policies = (
+        ["base", "sft", "stage1"]
+        if "sft" in get_experiment(wildcards)
+        else ["base", "stage1"]
+    )
+    return {
+        p: f"results/{wildcards.exp}/policy_eval/{p}/summary.json" for p in policies
+    }
 
 
 def get_eval_dir(wildcards):

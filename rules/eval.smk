@@ -27,3 +27,50 @@ rule eval_locomo:
         split=config["data"]["locomo"]["split"],
     script:
         "../workflow/scripts/eval_locomo.py"
+
+
+# The memory policies' held-out episodes (experiments with `policy_eval`): the base policy, the cold start
+# (`sft`) and stage 1 play stage 1's episodes on the same held-out questions, scored by the training reward;
+# the report pairs them (memupdate.eval.policy).
+rule eval_policy:
+    input:
+        unpack(get_policy_eval_inputs),
+    output:
+        summary="results/{exp}/policy_eval/{policy}/summary.json",
+    log:
+        "logs/eval_policy/{exp}-{policy}.log",
+    benchmark:
+        "benchmarks/eval_policy/{exp}-{policy}.tsv"
+    wildcard_constraints:
+        policy="base|sft|stage1",
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    threads: 2
+    resources:
+        runtime=120,
+        mem_mb=6000,
+    params:
+        settings=get_policy_eval_settings,
+        stage=get_stage1_settings,
+        reward=get_policy_eval_reward,
+        out_dir=subpath(output.summary, parent=True),
+        serving=config["serving"],
+        embedding_model=EMBEDDING_MODEL,
+        max_content_chars=MAX_CONTENT_CHARS,
+    script:
+        "../workflow/scripts/eval_policy.py"
+
+
+rule policy_report:
+    input:
+        unpack(get_policy_summaries),
+    output:
+        report="results/{exp}/policy_eval/report.json",
+    log:
+        "logs/policy_report/{exp}.log",
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    params:
+        training_metrics=lambda wildcards: f"results/{wildcards.exp}/stage1/metrics.jsonl",
+    script:
+        "../workflow/scripts/policy_report.py"

@@ -150,6 +150,26 @@ def test_an_experiment_with_a_cold_start_trains_stage1_from_it(workdir):
     assert bad.returncode != 0 and "experiments.smoke.sft.epochs" in bad.stdout + bad.stderr
 
 
+def test_policy_evaluation_compares_base_cold_start_and_stage1_on_held_out_questions(workdir):
+    (workdir / "policies.yaml").write_text(
+        "reward: {scorer: answer_recall}\n"
+        "experiments:\n  smoke:\n    sft: {max_rows: 4}\n    policy_eval: {n: 2, questions: 5}\n"
+    )
+    result = snakemake(workdir, "-n", "results/smoke/policy_eval/report.json", "--configfile", "policies.yaml")
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = dry_run_jobs(result.stdout)
+    evals = {job["output"]: job for job in jobs if job["rule"] == "eval_policy"}
+    assert set(evals) == {f"results/smoke/policy_eval/{p}/summary.json" for p in ("base", "sft", "stage1")}
+    # Held-out rows: the validation conversation(s), the same for every policy.
+    assert all("results/data/locomo/val.parquet" in job["input"] for job in evals.values())
+    assert evals["results/smoke/policy_eval/sft/summary.json"]["input"].startswith("results/smoke/sft/ckpt")
+    assert any(job["rule"] == "policy_report" for job in jobs)
+    # A served reward scorer cannot compare policies offline: refused before anything runs.
+    (workdir / "served.yaml").write_text("experiments:\n  smoke:\n    policy_eval: {n: 2}\n")
+    served = snakemake(workdir, "-n", "results/smoke/policy_eval/report.json", "--configfile", "served.yaml")
+    assert served.returncode != 0 and "scores with the training reward offline" in served.stdout + served.stderr
+
+
 def test_evaluation_servers_wait_for_the_checkpoints_they_evaluate(workdir):
     """The base QA model exists long before training ends; its evaluation server must not idle through it."""
     result = snakemake(workdir, "-n", "results/smoke/serve/eval/qa-base.ready.json")

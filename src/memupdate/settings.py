@@ -185,6 +185,19 @@ class SFTSettings:
 
 
 @dataclass
+class PolicyEvalSettings:
+    """An experiment's ``policy_eval``: its memory policies (base, the cold start, stage 1) play stage 1's
+    episodes on held-out questions, scored by the training reward (:mod:`memupdate.eval.policy`)."""
+
+    split: Literal["val", "test"] = setting(
+        "val", help="held-out rows: the validation conversation(s); settings are never tuned on test"
+    )
+    n: int = setting(4, help="rollouts per question (a GRPO group: its reward spread is the signal)", minimum=2)
+    questions: int | None = setting(40, help="questions with a gold answer (null = all)", minimum=1)
+    server: Literal["vllm", "hf"] = setting("vllm", help="vllm: a vLLM server of the policy; hf: in-process")
+
+
+@dataclass
 class MemAgentTrainSettings(TrainSettings):
     """MemAgent's ``train``: the haystack length trained on, and the GRPO run's settings."""
 
@@ -623,6 +636,7 @@ def _type_schema(hint: Any) -> dict[str, Any]:
 SECTIONS = {
     ("memupdate", "local"): {
         "sft": SFTSettings,
+        "policy_eval": PolicyEvalSettings,
         "stage1": TrainSettings,
         "stage2": TrainSettings,
         "eval": LocomoEvalSettings,
@@ -760,11 +774,12 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
                 experiment[section] = clean(cls, experiment[section], path)
             except ConfigError as err:
                 errors.extend(str(err).splitlines())
-        if "sft" in experiment and (kind, backend) != ("memupdate", "local"):
-            errors.append(
-                f"experiments.{name}.sft: the cold start runs with backend local on MemoryUpdate experiments only "
-                f"(this one is {kind} with backend {backend})"
-            )
+        for section in ("sft", "policy_eval"):
+            if section in experiment and (kind, backend) != ("memupdate", "local"):
+                errors.append(
+                    f"experiments.{name}.{section}: runs with backend local on MemoryUpdate experiments only "
+                    f"(this one is {kind} with backend {backend})"
+                )
         if backend == "verl":
             for section in VERL_SECTIONS[kind]:
                 if section in experiment:

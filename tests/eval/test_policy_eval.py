@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from memupdate.eval.policy import EPISODES, compare_policies, evaluate_policy
+from memupdate.eval.policy import EPISODES, compare_policies, evaluate_policy, policy_report
 from memupdate.memory import build_embedding_cache
 
 pytestmark = pytest.mark.slow
@@ -52,6 +52,19 @@ def test_a_policy_is_scored_on_held_out_questions_with_n_rollouts_each(
     # The same policy against itself on the same questions: no difference, an interval around 0.
     (comparison,) = compare_policies(runs, [("again", "base")])
     assert comparison["mean_difference"] == 0.0 and not comparison["excludes_zero"] and comparison["n"] == 3
+
+    # The report pairs the policies it has (here stage 1 against base) and plots stage 1's training curve.
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "reward_mean": 0.1 * i, "kl": 0.01}) + "\n" for i in (1, 2)))
+    report = policy_report(
+        {"base": tmp_path / "base/summary.json", "stage1": tmp_path / "again/summary.json"},
+        metrics,
+        tmp_path / "report/report.json",
+    )
+    assert [(c["a"], c["b"]) for c in report["comparisons"]] == [("stage1", "base")]
+    assert json.loads((tmp_path / "report/report.json").read_text()) == report
+    assert (tmp_path / "report/training.png").stat().st_size > 0
+    assert "| stage1 - base | +0.0000 |" in (tmp_path / "report/report.md").read_text()
 
 
 def test_policies_scored_on_different_questions_are_not_compared():

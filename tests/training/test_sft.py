@@ -55,7 +55,7 @@ def test_demonstrations_are_the_experts_program_in_the_loops_format(sft_run, tin
         assert text.rstrip().endswith(DONE + "<|im_end|>")
         # Only the expert's own replies are trained: the tool's output (search results) never is.
         assert "Found " not in text and "Merged [" not in text
-        assert record["termination"] == "done"
+        assert record["termination"] == "done" and record["well_formed_call"]
         assert record["kept"] == (record["reward"] >= 0)
     assert any(r["tool_calls"] == 2 for r in records), records
 

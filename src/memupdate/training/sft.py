@@ -37,7 +37,8 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from memupdate.agents.context import LoopContext
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
 from memupdate.rollout.config import RolloutConfig, run_config
-from memupdate.rollout.workers import TRAJECTORY_KEY, in_process_workers
+from memupdate.rollout.episodes import episode_records
+from memupdate.rollout.workers import in_process_workers
 from memupdate.settings import SFTSettings, TrainSettings, build
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training.demonstrations import MemoryExpert, expert_rows, keep_episode
@@ -84,34 +85,9 @@ async def make_demonstrations(cfg: SFTConfig, tokenizer: Any) -> tuple[DataProto
             prompts.meta_info["global_steps"] = 0
             batch = await worker.generate_sequences(prompts)
             parts.append(batch)
-            records.extend(episode_records(batch, prompts, tokenizer))
+            records.extend({**r, "kept": keep_episode(r["reward"])} for r in episode_records(batch, prompts, tokenizer))
             bar.update(len(indices))
     return DataProto.concat(parts), records
-
-
-def episode_records(batch: DataProto, prompts: DataProto, tokenizer: Any) -> list[dict[str, Any]]:
-    """One record per episode of ``batch`` (the rollouts of ``prompts``): which question, its reward, what the
-    policy's tokens say."""
-    scores = batch.batch["rm_scores"].sum(-1).tolist()
-    extra = batch.non_tensor_batch
-    out = []
-    for i, score in enumerate(scores):
-        mask = batch.batch["response_mask"][i].bool()
-        policy_text = tokenizer.decode(batch.batch["responses"][i][mask], skip_special_tokens=False)
-        info = prompts.non_tensor_batch["extra_info"][extra[TRAJECTORY_KEY][i]]
-        out.append(
-            {
-                "namespace": info["namespace"],
-                "question": info["question"],
-                "reward": score,
-                "kept": keep_episode(score),
-                "tool_calls": policy_text.count("<tool_call>"),
-                "policy_tokens": int(mask.sum()),
-                "termination": str(extra["termination_reason"][i]),
-                "policy_text": policy_text,
-            }
-        )
-    return out
 
 
 class SFTTrainer:
@@ -135,6 +111,9 @@ class SFTTrainer:
         start = time.perf_counter()
         batch, records = asyncio.run(make_demonstrations(self.cfg, self.tokenizer))
         write_text_atomic(self.run_dir / DEMONSTRATIONS, "".join(json.dumps(r) + "\n" for r in records))
+        if len(records) != len(batch):
+            # One row per episode: the kept mask below indexes the batch's rows by episode.
+            raise RuntimeError(f"{len(records)} demonstration episodes in {len(batch)} rows: expected one row each")
         kept = np.array([r["kept"] for r in records], dtype=bool)
         summary = demonstration_summary(records, time.perf_counter() - start)
         logger.info("demonstrations: %s", json.dumps(summary))
