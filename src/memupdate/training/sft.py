@@ -107,7 +107,8 @@ class SFTTrainer:
         )
         write_run_info(self.run_dir, self.run_info)
 
-    def train(self) -> dict[str, Any]:
+    def train(self) -> Path:
+        """Make the demonstrations, fine-tune on the kept ones and return ``<run>/ckpt``."""
         start = time.perf_counter()
         batch, records = asyncio.run(make_demonstrations(self.cfg, self.tokenizer))
         write_text_atomic(self.run_dir / DEMONSTRATIONS, "".join(json.dumps(r) + "\n" for r in records))
