@@ -272,6 +272,11 @@ def get_stage1_model(wildcards):
     return policy_model(wildcards)
 
 
+def get_tool_settings(wildcards):
+    """The memory tools the experiment's policy is given (memupdate.settings.ToolSettings; {}: all, full schemas)."""
+    return get_experiment(wildcards).get("tools", {})
+
+
 def get_sft_settings(wildcards):
     return get_experiment(wildcards)["sft"]
 

@@ -23,6 +23,7 @@ rule eval_locomo:
         training_metrics=get_training_metrics,
         out_dir=get_eval_dir,
         embedding_model=EMBEDDING_MODEL,
+        tools=get_tool_settings,
         published="config/published_locomo.yaml",
         split=config["data"]["locomo"]["split"],
     script:
@@ -57,6 +58,7 @@ rule eval_policy:
         serving=config["serving"],
         embedding_model=EMBEDDING_MODEL,
         max_content_chars=MAX_CONTENT_CHARS,
+        tools=get_tool_settings,
     script:
         "../workflow/scripts/eval_policy.py"
 

@@ -27,6 +27,7 @@ rule train_sft:
         run_dir=get_sft_run_dir,
         embedding_model=EMBEDDING_MODEL,
         max_content_chars=MAX_CONTENT_CHARS,
+        tools=get_tool_settings,
         reward=get_sft_reward,
     script:
         "../workflow/scripts/train_sft.py"
@@ -54,6 +55,7 @@ rule train_stage1:
         run_dir=get_stage1_run_dir,
         embedding_model=EMBEDDING_MODEL,
         max_content_chars=MAX_CONTENT_CHARS,
+        tools=get_tool_settings,
         reward=get_stage1_reward,
         # The verl backend's own rollout server (memupdate_vllm, on CPU) runs with these.
         serving=config["serving"],
@@ -83,6 +85,7 @@ rule train_stage2:
         run_dir=get_stage2_run_dir,
         embedding_model=EMBEDDING_MODEL,
         max_content_chars=MAX_CONTENT_CHARS,
+        tools=get_tool_settings,
         reward=get_stage2_reward,
         serving=config["serving"],
     script:

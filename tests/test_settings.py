@@ -91,6 +91,18 @@ def test_the_shipped_configs_pass_and_keep_their_values():
             "experiments.memagent_smoke.eval.max_chunks: training's budget",
         ),
         (
+            {"experiments": {"smoke": {"tools": {"names": ["manage_memory"]}}}},
+            "experiments.smoke.tools: names must include search_memory",
+        ),
+        (
+            {"experiments": {"smoke": {"tools": {"names": ["search_memory", "forget"]}}}},
+            "experiments.smoke.tools.names[1]: 'forget' is not one of search_memory",
+        ),
+        (
+            {"experiments": {"smoke": {"sft": {}, "tools": {"names": ["search_memory", "manage_memory"]}}}},
+            "experiments.smoke.tools.names: the cold start's expert uses search_memory, manage_memory, merge_memory",
+        ),
+        (
             {"experiments": {"smoke": {"polciy": "x"}}},
             "experiments.smoke.polciy: unknown setting; did you mean policy?",
         ),

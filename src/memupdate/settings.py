@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
+from memupdate.data.rows import MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SEARCH_TOOL
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS
 from memupdate.rewards.efficiency import EfficiencyConfig
 
@@ -181,7 +182,47 @@ class SFTSettings:
     weight_decay: float = setting(0.0, minimum=0)
     max_grad_norm: float = setting(1.0, exclusiveMinimum=0)
     max_rows: int | None = setting(None, help="train questions played by the expert (null = all)", minimum=1)
+    search_top_k: int = setting(
+        10,
+        help="top_k of the expert's search: evidence often ranks below the top 5, but each result shown "
+        "lengthens the episode by about 40 tokens",
+        minimum=1,
+        maximum=20,
+    )
     seed: int = 0
+
+    #: The tools the expert's program uses (memupdate.training.demonstrations): the experiment must give them.
+    TOOLS: ClassVar[tuple[str, ...]] = (SEARCH_TOOL, MANAGE_TOOL, MERGE_TOOL)
+
+
+#: A memory tool's name, as its schema gives it to the model.
+ToolName = Literal[MEMORY_TOOLS]
+
+
+@dataclass
+class ToolSettings:
+    """An experiment's ``tools``: which memory tools its policy is given and how their schemas read. Every run
+    of the experiment's memory policy (cold start, stages, evaluations) gets the same, through its memory
+    environment. The schemas are most of a small model's prompt: six full ones are about 1,000 SmolLM2
+    tokens against 270 for the instructions; search, manage and merge in compact form are about 400."""
+
+    names: list[ToolName] = setting(
+        help="the tools the policy is given, search_memory among them", factory=lambda: list(MEMORY_TOOLS)
+    )
+    compact: bool = setting(False, help="compact schemas: each tool's main arguments with one-line descriptions")
+
+    def __post_init__(self) -> None:
+        if SEARCH_TOOL not in self.names:
+            raise ValueError(f"names must include {SEARCH_TOOL}: the other tools need the ids a search shows")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"names repeat a tool: {self.names}")
+
+    @classmethod
+    def environment(cls, values: Mapping[str, Any] | None, path: str = "tools") -> dict[str, Any]:
+        """The :class:`~memupdate.memory.environment.MemoryEnvironment` fields for an experiment's ``tools``
+        values (None: every tool, full schemas)."""
+        tools = build(cls, values, path)
+        return {"tools": tuple(tools.names), "compact_schemas": tools.compact}
 
 
 @dataclass
@@ -635,13 +676,14 @@ def _type_schema(hint: Any) -> dict[str, Any]:
 #: Typed sections of an experiment, by the experiment's kind and backend (verl stage settings are verl's).
 SECTIONS = {
     ("memupdate", "local"): {
+        "tools": ToolSettings,
         "sft": SFTSettings,
         "policy_eval": PolicyEvalSettings,
         "stage1": TrainSettings,
         "stage2": TrainSettings,
         "eval": LocomoEvalSettings,
     },
-    ("memupdate", "verl"): {"eval": LocomoEvalSettings},
+    ("memupdate", "verl"): {"tools": ToolSettings, "eval": LocomoEvalSettings},
     ("memagent", "local"): {
         "loop": MemAgentLoopSettings,
         "train": MemAgentTrainSettings,
@@ -774,6 +816,12 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
                 experiment[section] = clean(cls, experiment[section], path)
             except ConfigError as err:
                 errors.extend(str(err).splitlines())
+        names = experiment.get("tools", {}).get("names", MEMORY_TOOLS)
+        if "sft" in experiment and not set(SFTSettings.TOOLS) <= set(names):
+            errors.append(
+                f"experiments.{name}.tools.names: the cold start's expert uses {', '.join(SFTSettings.TOOLS)}; "
+                f"give the policy all of them (it has {', '.join(names)})"
+            )
         for section in ("sft", "policy_eval"):
             if section in experiment and (kind, backend) != ("memupdate", "local"):
                 errors.append(

@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -77,3 +80,22 @@ def test_normalize_rows_keeps_zero_rows():
     x = normalize_rows(np.array([[3.0, 4.0], [0.0, 0.0]]))
     assert x.dtype == np.float32 and x.flags.c_contiguous
     np.testing.assert_allclose(x, [[0.6, 0.8], [0.0, 0.0]])
+
+
+def test_searching_leaves_torch_its_threads():
+    """faiss and torch share one OpenMP runtime: a thread count set for faiss once, at import, left every
+    training process on one core. In a fresh process, since this one has imported the module already."""
+    pytest.importorskip("torch")
+    code = """
+import numpy as np, torch
+before = torch.get_num_threads()
+from memupdate.memory.index import VectorIndex
+index = VectorIndex(2)
+index.add([1, 2], np.array([[1, 0], [0, 1]], dtype=np.float32))
+index.update([2], np.array([[0.5, 0.5]], dtype=np.float32))
+index.search(np.array([[1, 0]], dtype=np.float32), k=1)
+index.remove([1])
+print(before, torch.get_num_threads())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == out[1], out

@@ -464,3 +464,53 @@ def test_after_a_refused_surrogate_the_delta_still_encodes(tools):
     delta = agent.extra_fields[DELTA_KEY]
     assert [r["content"] for r in delta["created"]] == ["Ana loves bees \U0001f41d"]
     json.dumps(delta, ensure_ascii=False).encode("utf-8")
+
+
+# ----------------------------------------------------------------------------------- issue 19: shorter prompts
+
+
+def test_an_environment_gives_the_policy_only_its_tools_in_compact_form(repo_root, environment, tmp_path):
+    """A CPU experiment's prompt is mostly tool schemas: its environment keeps three, compact, and every
+    worker that builds the tools from the run's tools.yaml gets the same."""
+    few = dataclasses.replace(
+        environment, tools=("search_memory", "manage_memory", "merge_memory"), compact_schemas=True
+    ).write(tmp_path / "few")
+    loaded = initialize_tools_from_config(str(write_tool_config(TOOL_CONFIG, few, tmp_path / "few")))
+    assert [t.name for t in loaded] == ["search_memory", "manage_memory", "merge_memory"]
+    full = {
+        t.name: t
+        for t in initialize_tools_from_config(
+            str(write_tool_config(TOOL_CONFIG, environment.write(tmp_path), tmp_path))
+        )
+    }
+    sizes = {"compact": 0, "full": 0}
+    for tool in loaded:
+        compact = json.dumps(tool.get_openai_tool_schema().model_dump(exclude_none=True))
+        sizes["compact"] += len(compact)
+        sizes["full"] += len(json.dumps(full[tool.name].get_openai_tool_schema().model_dump(exclude_none=True)))
+        # The required arguments and the content cap are still stated.
+        assert tool.get_openai_tool_schema().function.parameters.required == (
+            full[tool.name].get_openai_tool_schema().function.parameters.required
+        )
+        assert tool.name == "search_memory" or "at most 300 characters" in compact
+    assert sizes["compact"] < 0.7 * sizes["full"], sizes
+    # The compact tools take the same arguments.
+    tools = {t.name: t for t in loaded}
+    text, ok = call(tools, new_agent_data(), "search_memory", query="LGBTQ support group", top_k=2, speaker="Caroline")
+    assert ok and text.startswith("Found 2 memories:")
+
+
+def test_an_environment_naming_a_tool_the_template_lacks_fails_naming_both(environment, tmp_path):
+    template = tmp_path / "two.yaml"
+    template.write_text(
+        "tools:\n  - {name: search_memory, class_name: memupdate.tools.memory_tools.SearchMemoryTool}\n"
+    )
+    path = dataclasses.replace(environment, tools=("search_memory", "merge_memory")).write(tmp_path)
+    with pytest.raises(ValueError, match=f"{template}: the memory environment {path} names tools \\['merge_memory'\\]"):
+        write_tool_config(template, path, tmp_path)
+
+
+@pytest.mark.parametrize("tools", [(), ("search_memory", "search_memory"), ("search_memory", "forget")])
+def test_a_bad_tool_list_fails_in_the_environment(environment, tools):
+    with pytest.raises(MemoryEnvironmentError, match="memory environment: tools"):
+        dataclasses.replace(environment, tools=tools)

@@ -203,3 +203,36 @@ def test_log_probs_are_those_of_the_policy_that_sampled_at_the_rollout_temperatu
     )
     with pytest.raises(ValueError, match="positive sampling temperature"):
         response_log_probs(model, batch, False, 0.0)
+
+
+def test_log_probs_skip_the_padding_no_row_uses(tiny_model):
+    """Prompts are left-padded and responses right-padded to their budgets; the forward pass skips columns no
+    row uses (most of a short episode's budget) and gives the same log-probs, 0 on padding."""
+    from transformers import AutoModelForCausalLM
+    from verl import DataProto
+
+    from memupdate.training.local import response_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    # Two rows: prompts of 3 and 2 tokens (left-padded to 5), responses of 3 and 2 (right-padded to 6).
+    prompts = torch.tensor([[0, 0, 5, 9, 14], [0, 0, 0, 8, 3]])
+    responses = torch.tensor([[7, 2, 11, 0, 0, 0], [4, 6, 0, 0, 0, 0]])
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 1, 1]])
+    response_mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
+    attention = torch.cat([prompt_mask, response_mask], dim=1)
+    batch = DataProto.from_single_dict(
+        {
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+            "responses": responses,
+        }
+    )
+    got = response_log_probs(model, batch, False)
+    assert got.shape == responses.shape
+    for row, (n_prompt, n_response) in enumerate([(3, 3), (2, 2)]):
+        ids = torch.cat([prompts[row, -n_prompt:], responses[row, :n_response]])[None]
+        logits = model(input_ids=ids).logits[0, n_prompt - 1 : -1].float()
+        expected = torch.log_softmax(logits, dim=-1).gather(-1, responses[row, :n_response, None]).squeeze(-1)
+        assert torch.allclose(got[row, :n_response], expected, atol=1e-5), row
+    assert torch.equal(got[:, 3:], torch.zeros(2, 3))

@@ -7,14 +7,18 @@ import json
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
-from memupdate.training.demonstrations import DONE, SEARCH_TOP_K
+from memupdate.training.demonstrations import DONE
 from memupdate.training.sft import DEMONSTRATIONS, cold_start
 
 pytestmark = pytest.mark.slow
+
+#: The tools the expert uses, in compact form: the prompt a CPU experiment gives its policy.
+TOOLS = {"names": [SEARCH_TOOL, MANAGE_TOOL, MERGE_TOOL], "compact": True}
 
 #: Stage 1's episode lengths: the merged memory's call is the longest reply (~300 characters of text).
 STAGE = {
@@ -30,7 +34,7 @@ STAGE = {
 def sft_run(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("sft") / "run"
     ckpt = cold_start(
-        settings={"epochs": 2, "batch_size": 4, "micro_batch_size": 2, "lr": 1e-3, "max_rows": 8},
+        settings={"epochs": 2, "batch_size": 4, "micro_batch_size": 2, "lr": 1e-3, "max_rows": 8, "search_top_k": 5},
         stage=STAGE,
         model=str(tiny_model_dir),
         train_files=[str(locomo_rows["train"])],
@@ -38,6 +42,7 @@ def sft_run(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
         embeddings=str(cache_dir),
         run_dir=str(run_dir),
         reward={"efficiency": {"max_total_memories": None}},
+        tools=TOOLS,
     )
     return run_dir, ckpt
 
@@ -50,7 +55,7 @@ def test_demonstrations_are_the_experts_program_in_the_loops_format(sft_run, tin
         # Search with the question; merge or rewrite (dated) the memories shown that cite the evidence; stop.
         text = record["policy_text"]
         calls = [json.loads(c.split("</tool_call>")[0]) for c in text.split("<tool_call>\n")[1:]]
-        assert calls[0] == {"name": SEARCH_TOOL, "arguments": {"query": record["question"], "top_k": SEARCH_TOP_K}}
+        assert calls[0] == {"name": SEARCH_TOOL, "arguments": {"query": record["question"], "top_k": 5}}
         assert [c["name"] for c in calls[1:]] in ([], [MERGE_TOOL], [MANAGE_TOOL])
         assert text.rstrip().endswith(DONE + "<|im_end|>")
         # Only the expert's own replies are trained: the tool's output (search results) never is.
@@ -58,6 +63,26 @@ def test_demonstrations_are_the_experts_program_in_the_loops_format(sft_run, tin
         assert record["termination"] == "done" and record["well_formed_call"]
         assert record["kept"] == (record["reward"] >= 0)
     assert any(r["tool_calls"] == 2 for r in records), records
+    # The policy was shown the experiment's tools only, in compact form.
+    tools = yaml.safe_load((run_dir / "tools.yaml").read_text())["tools"]
+    assert [t["name"] for t in tools] == TOOLS["names"]
+    environment = json.loads((run_dir / "memory_environment.json").read_text())
+    assert environment["tools"] == TOOLS["names"] and environment["compact_schemas"] is True
+
+
+def test_the_expert_needs_its_tools(tiny_model_dir, locomo_rows, cache_dir, tmp_path):
+    with pytest.raises(ValueError, match="the expert uses search_memory, manage_memory, merge_memory, but the policy"):
+        cold_start(
+            settings={"max_rows": 2},
+            stage=STAGE,
+            model=str(tiny_model_dir),
+            train_files=[str(locomo_rows["train"])],
+            memories=str(locomo_rows["memories"]),
+            embeddings=str(cache_dir),
+            run_dir=str(tmp_path / "run"),
+            reward={},
+            tools={"names": [SEARCH_TOOL, MANAGE_TOOL]},
+        )
 
 
 def test_sft_moves_the_policy_towards_the_demonstrations(sft_run, tiny_model_dir):

@@ -10,6 +10,7 @@ evaluate_locomo(
     memories=inputs.memories,
     embeddings=inputs.embeddings,
     embedding_model=params.embedding_model,
+    tools=params.tools,
     conversations=inputs.conversations,
     markers={name: marker for name, marker in markers.items() if marker},
     out_dir=params.out_dir,

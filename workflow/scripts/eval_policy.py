@@ -19,4 +19,5 @@ evaluate_policy(
     vllm_env=inputs.get("vllm_env"),
     embedding_model=params.embedding_model,
     max_content_chars=params.max_content_chars,
+    tools=params.tools,
 )

@@ -12,6 +12,7 @@ cold_start(
     embeddings=inputs.embeddings,
     embedding_model=params.embedding_model,
     max_content_chars=params.max_content_chars,
+    tools=params.tools,
     run_dir=params.run_dir,
     reward=params.reward,
 )

@@ -13,6 +13,7 @@ train_stage(
     embeddings=inputs.embeddings,
     embedding_model=params.embedding_model,
     max_content_chars=params.max_content_chars,
+    tools=params.tools,
     run_dir=params.run_dir,
     reward=params.reward,
     fixed_marker=inputs.get("fixed"),

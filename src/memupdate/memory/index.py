@@ -17,15 +17,26 @@ more similar", in [-1, 1]. The index holds no text.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import faiss
 import numpy as np
 
-# A conversation's index holds a few hundred vectors: an exact search is microseconds on one thread, while
-# faiss's OpenMP fan-out competes with torch and vLLM for the cores (measured under a loaded 2-core machine:
-# search p50 7.5 ms with faiss's threads, 0.13 ms with one).
-faiss.omp_set_num_threads(1)
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run faiss on the calling thread only. A conversation's index holds a few hundred vectors: an exact
+    search is microseconds on one thread, while faiss's OpenMP fan-out competes with torch and vLLM for the
+    cores (measured under a loaded 2-core machine: search p50 7.5 ms with faiss's threads, 0.13 ms with one).
+    Not set once at import: faiss and torch share one OpenMP runtime, whose thread count is per calling
+    thread, so that would leave torch's training on that thread one core (measured: SFT at 100% CPU of 200%)."""
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(threads)
 
 
 def normalize_rows(vectors: np.ndarray) -> np.ndarray:
@@ -88,7 +99,8 @@ class VectorIndex:
         if present:
             raise ValueError(f"ids already in the index: {present[:10]}; use update() to replace their vectors")
         if len(id_array):
-            self._index.add_with_ids(x, id_array)
+            with _one_thread():
+                self._index.add_with_ids(x, id_array)
             self._ids.update(id_array.tolist())
 
     def remove(self, ids: Iterable[int]) -> int:
@@ -96,7 +108,8 @@ class VectorIndex:
         present = np.array(sorted(self._ids.intersection(int(i) for i in ids)), dtype=np.int64)
         if len(present) == 0:
             return 0
-        removed = int(self._index.remove_ids(present))
+        with _one_thread():
+            removed = int(self._index.remove_ids(present))
         self._ids.difference_update(present.tolist())
         return removed
 
@@ -107,7 +120,8 @@ class VectorIndex:
         if missing:
             raise KeyError(f"ids not in the index: {missing[:10]}")
         self.remove(id_array)
-        self._index.add_with_ids(x, id_array)
+        with _one_thread():
+            self._index.add_with_ids(x, id_array)
         self._ids.update(id_array.tolist())
 
     def vector(self, id_: int) -> np.ndarray:
@@ -129,5 +143,6 @@ class VectorIndex:
         k = min(k, len(self))
         if k == 0:
             return np.empty((len(q), 0), dtype=np.int64), np.empty((len(q), 0), dtype=np.float32)
-        scores, ids = self._index.search(q, k)
+        with _one_thread():
+            scores, ids = self._index.search(q, k)
         return ids, scores

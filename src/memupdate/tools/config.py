@@ -2,8 +2,9 @@
 
 :data:`TOOL_CONFIG` (``memory_tools.yaml``, shipped with the package) lists the tools once, without data.
 A run writes ``<run>/tools.yaml``:
-the same tools, each told where the run's :class:`~memupdate.memory.environment.MemoryEnvironment` file is
-(``environment``), so every worker that builds the tools, on any node, reads the same typed record.
+the tools its :class:`~memupdate.memory.environment.MemoryEnvironment` names (``tools``), each told where the
+run's environment file is (``environment``), so every worker that builds the tools, on any node, reads the
+same typed record.
 This module imports nothing of verl: the verl launcher writes the copy before verl starts.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.utils.io import write_text_atomic
 
 #: The memory tools' config template.
@@ -26,9 +28,10 @@ FILE_NAME = "tools.yaml"
 def write_tool_config(
     template: str | os.PathLike, environment: str | os.PathLike, directory: str | os.PathLike
 ) -> Path:
-    """Write ``<directory>/tools.yaml``: ``template``'s tools, each with ``environment`` (an absolute path)
-    in its config; returns its absolute path. A template that is not a verl tool list fails here, naming
-    the file, not in a worker."""
+    """Write ``<directory>/tools.yaml``: those of ``template``'s tools that the memory environment written at
+    ``environment`` names, in the template's order, each with ``environment`` (an absolute path) in its
+    config; returns its absolute path. A template that is not a verl tool list, or lacks a tool the
+    environment names, fails here, naming the file, not in a worker."""
     template = Path(template)
     try:
         conf = yaml.safe_load(template.read_text())
@@ -38,9 +41,14 @@ def write_tool_config(
     if not isinstance(tools, list) or not tools:
         raise ValueError(f"{template}: expected a non-empty list under 'tools' (verl's tool config format)")
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or not tool.get("class_name"):
-            raise ValueError(f"{template}: tools[{i}] needs a class_name")
+        if not isinstance(tool, dict) or not tool.get("class_name") or not tool.get("name"):
+            raise ValueError(f"{template}: tools[{i}] needs a name and a class_name")
         tool["config"] = {"type": "native", **(tool.get("config") or {}), ENVIRONMENT_KEY: os.path.abspath(environment)}
+    wanted = MemoryEnvironment.read(environment).tools
+    missing = sorted(set(wanted) - {tool["name"] for tool in tools})
+    if missing:
+        raise ValueError(f"{template}: the memory environment {environment} names tools {missing} that it lacks")
+    conf["tools"] = [tool for tool in tools if tool["name"] in wanted]
     path = Path(directory).resolve() / FILE_NAME
     write_text_atomic(path, yaml.safe_dump(conf, sort_keys=False))
     return path

@@ -151,6 +151,30 @@ def _check_length(text: str, cap: int, what: str, advice: str) -> str:
     return text
 
 
+def compact_schema(schema: dict[str, Any], description: str, **arguments: str | None) -> dict[str, Any]:
+    """``schema`` cut to ``description`` and the named ``arguments``, each with its type from ``schema`` and the
+    short description given (None: none). Most of a small model's prompt is tool schemas; a compact one
+    costs about half the tokens (the ``compact_schemas`` switch of a memory environment).
+
+    >>> full = {"name": "f", "description": "Long.", "parameters": {"type": "object", "properties": {
+    ...     "q": {"type": "string", "description": "Long."}, "k": {"type": "integer"}}, "required": ["q"]}}
+    >>> compact_schema(full, "Short.", q=None)["parameters"]
+    {'type': 'object', 'properties': {'q': {'type': 'string'}}, 'required': ['q']}
+    """
+    properties = schema["parameters"]["properties"]
+    kept = {}
+    for name, text in arguments.items():
+        kept[name] = {k: v for k, v in properties[name].items() if k != "description"}
+        if text:
+            kept[name]["description"] = text
+    required = [name for name in schema["parameters"].get("required", []) if name in kept]
+    return {
+        "name": schema["name"],
+        "description": description,
+        "parameters": {"type": "object", "properties": kept, "required": required},
+    }
+
+
 def agent_data_for(request_id: str, sample_id: str, namespace: str) -> AgentData:
     """verl's per-trajectory state as ``ToolAgentLoop`` builds it for a LoCoMo row, for calling the tools
     outside a loop (benchmarks, tests)."""
@@ -183,6 +207,9 @@ class MemoryTool(BaseTool):
     #: OpenAI function schema (name, description, parameters) of the tool. ``{max_content_chars}`` in a
     #: description is replaced by the configured cap, so the model reads the limit it is held to.
     SCHEMA: dict[str, Any] = {}
+    #: The same tool told in fewer tokens (:func:`compact_schema`), for a memory environment with
+    #: ``compact_schemas``; the tool accepts the same arguments either way.
+    COMPACT_SCHEMA: dict[str, Any] = {}
     #: Whether the tool changes the store (then the delta is refreshed after it).
     MUTATES = False
 
@@ -202,8 +229,9 @@ class MemoryTool(BaseTool):
             environment if isinstance(environment, MemoryEnvironment) else MemoryEnvironment.read(environment)
         )
         self.max_content_chars = self.environment.max_content_chars
+        schema = self.COMPACT_SCHEMA if self.environment.compact_schemas else self.SCHEMA
         self.tool_schema = tool_schema or OpenAIFunctionToolSchema.model_validate(
-            {"type": "function", "function": self._filled(self.SCHEMA)}
+            {"type": "function", "function": self._filled(schema)}
         )
         self.name = self.tool_schema.function.name
         self._manager: MemoryStoreManager | None = None
@@ -295,6 +323,13 @@ class SearchMemoryTool(MemoryTool):
         },
     }
 
+    COMPACT_SCHEMA = compact_schema(
+        SCHEMA,
+        "Search memories by meaning; returns them with their ids.",
+        query=None,
+        top_k=f"1-{MAX_TOP_K}, default 5",
+    )
+
     async def run(self, store, params):
         query = _text_arg(params, "query", "pass a few words describing what to look for")
         top_k = _int_arg(params, "top_k", default=5, low=1, high=MAX_TOP_K)
@@ -340,6 +375,14 @@ class ManageMemoryTool(MemoryTool):
         },
     }
 
+    COMPACT_SCHEMA = compact_schema(
+        SCHEMA,
+        "Create a memory, or update one by id. Text: one dated fact, at most {max_content_chars} characters.",
+        operation=None,
+        content=None,
+        memory_id="update only",
+    )
+
     async def run(self, store, params):
         operation = params.get("operation")
         metadata = _metadata_arg(params)
@@ -376,6 +419,8 @@ class DeleteMemoryTool(MemoryTool):
         },
     }
 
+    COMPACT_SCHEMA = compact_schema(SCHEMA, "Delete a memory by id.", memory_id=None)
+
     async def run(self, store, params):
         memory_id = _int_arg(params, "memory_id")
         record = store.delete(memory_id)
@@ -403,6 +448,13 @@ class MergeMemoryTool(MemoryTool):
             "required": ["memory_ids", "content"],
         },
     }
+
+    COMPACT_SCHEMA = compact_schema(
+        SCHEMA,
+        "Replace 2-5 memories by one whose text you write, at most {max_content_chars} characters.",
+        memory_ids="2-5 ids",
+        content=None,
+    )
 
     async def run(self, store, params):
         ids = _id_list(params, "memory_ids", 2, 5)
@@ -436,6 +488,13 @@ class SplitMemoryTool(MemoryTool):
         },
     }
 
+    COMPACT_SCHEMA = compact_schema(
+        SCHEMA,
+        "Replace one memory by 2-5 whose texts you write, each at most {max_content_chars} characters.",
+        memory_id=None,
+        parts="2-5 texts",
+    )
+
     async def run(self, store, params):
         memory_id = _int_arg(params, "memory_id")
         parts = _text_list(params, "parts", 2, 5)
@@ -462,6 +521,8 @@ class SampleMemoryTool(MemoryTool):
             "required": [],
         },
     }
+
+    COMPACT_SCHEMA = compact_schema(SCHEMA, "List some memories for an overview.", k=f"1-{MAX_TOP_K}, default 5")
 
     async def run(self, store, params):
         k = _int_arg(params, "k", default=5, low=1, high=MAX_TOP_K)

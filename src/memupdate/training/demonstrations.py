@@ -6,7 +6,7 @@ answer is a short supervised cold start on demonstrations in the exact format RL
 made by :class:`MemoryExpert`, a scripted policy with one privileged input: LoCoMo's evidence ids (which
 dialogue turns answer a question) and the seed memories that cite them. Its program, per question:
 
-1. ``search_memory`` with the question as the query (``top_k`` = :data:`SEARCH_TOP_K`);
+1. ``search_memory`` with the question as the query (``top_k`` from the experiment's ``sft.search_top_k``);
 2. the memories shown that cite the question's evidence are made self-contained and dated, the system
    prompt's "correct, specific, dated": two or more are merged (``merge_memory``, in the order shown, as
    many as fit in ``max_content_chars``) into one memory holding each one's text after its date; a single
@@ -40,8 +40,6 @@ from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 
 logger = logging.getLogger(__name__)
 
-#: Memories the expert's search asks for (the tool's default is 5): evidence often ranks below the top 5.
-SEARCH_TOP_K = 10
 #: Most memories one merge takes (the tool's limit).
 MAX_MERGE = 5
 #: The expert's last reply; the system prompt tells the model to stop with it.
@@ -137,8 +135,10 @@ class MemoryExpert:
         memories_path: str,
         max_content_chars: int,
         max_new_tokens: int,
+        search_top_k: int,
     ):
         self.tokenizer = tokenizer
+        self.search_top_k = search_top_k
         self.max_content_chars = max_content_chars
         self.max_new_tokens = max_new_tokens
         self.memories = read_memories(memories_path)
@@ -155,7 +155,7 @@ class MemoryExpert:
         actions = self.actions[request_id]
         row = self._row(transcript)
         if not actions:
-            reply = tool_call(SEARCH_TOOL, {"query": row["question"], "top_k": SEARCH_TOP_K})
+            reply = tool_call(SEARCH_TOOL, {"query": row["question"], "top_k": self.search_top_k})
             actions.append(SEARCH_TOOL)
         elif actions[-1] == SEARCH_TOOL:
             # The ids shown by the search: the text after the last call (the tool's response).

@@ -118,16 +118,21 @@ def response_log_probs(model, batch: DataProto, grad: bool, temperature: float =
         raise ValueError(f"log-probs need a positive sampling temperature, got {temperature}")
     input_ids, attention = batch.batch["input_ids"], batch.batch["attention_mask"]
     positions, responses = batch.batch["position_ids"], batch.batch["responses"]
-    # Prompts are left-padded to the configured prompt length; skip the columns no row uses.
-    first = int(attention.any(dim=0).float().argmax())
-    input_ids, attention, positions = input_ids[:, first:], attention[:, first:], positions[..., first:]
+    # Prompts are left-padded to the configured prompt length and responses right-padded to the response
+    # length: skip the columns no row uses (often most of an episode's budget; their log-probs are 0).
+    used = attention.any(dim=0).nonzero()
+    first, last = int(used.min()), int(used.max()) + 1
+    unused = attention.size(1) - last
+    input_ids, attention, positions = input_ids[:, first:last], attention[:, first:last], positions[..., first:last]
+    responses = responses[:, : responses.size(1) - unused]
     with torch.set_grad_enabled(grad):
         # Only the response positions need logits: keeping them alone saves a [B, T, vocab] tensor.
         logits = model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, logits_to_keep=responses.size(1) + 1
         ).logits
         logits = logits[:, :-1].float() / temperature
-        return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        return torch.nn.functional.pad(log_probs, (0, unused))
 
 
 class LocalGRPOTrainer:

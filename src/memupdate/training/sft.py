@@ -39,7 +39,7 @@ from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CO
 from memupdate.rollout.config import EPISODE_KEYS, RolloutConfig, run_config
 from memupdate.rollout.episodes import episode_records
 from memupdate.rollout.workers import in_process_workers
-from memupdate.settings import SFTSettings, TrainSettings, build
+from memupdate.settings import SFTSettings, ToolSettings, TrainSettings, build
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training.demonstrations import MemoryExpert, expert_rows, keep_episode
 from memupdate.training.local import response_log_probs
@@ -72,8 +72,16 @@ async def make_demonstrations(cfg: SFTConfig, tokenizer: Any) -> tuple[DataProto
     config = run_config(rollout)
     dataset = RLHFDataset(rollout.train_files, tokenizer, config.data, max_samples=cfg.max_rows or -1)
     table = [row for path in rollout.train_files for row in pq.read_table(path).to_pylist()]
+    missing = [name for name in SFTSettings.TOOLS if name not in rollout.memory.tools]
+    if missing:
+        raise ValueError(f"the expert uses {', '.join(SFTSettings.TOOLS)}, but the policy is not given {missing}")
     expert = MemoryExpert(
-        tokenizer, expert_rows(table), rollout.memory.memories, cfg.max_content_chars, rollout.max_new_tokens
+        tokenizer,
+        expert_rows(table),
+        rollout.memory.memories,
+        cfg.max_content_chars,
+        rollout.max_new_tokens,
+        cfg.search_top_k,
     )
     worker = in_process_workers(config, expert, loop_context=LoopContext("sft"))
     parts, records = [], []
@@ -236,15 +244,21 @@ def cold_start(
     reward: Mapping[str, Any],
     embedding_model: str = DEFAULT_EMBEDDING_MODEL,
     max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
+    tools: Mapping[str, Any] | None = None,
 ) -> Path:
     """The experiment's ``sft`` run: demonstrations of stage 1's episodes (its lengths, from ``stage``: its
     :class:`~memupdate.settings.TrainSettings`), scored by the workflow's ``reward`` with the offline
-    :data:`DEMONSTRATION_SCORER`, and the fine-tuned policy in ``<run_dir>/ckpt``."""
+    :data:`DEMONSTRATION_SCORER`, and the fine-tuned policy in ``<run_dir>/ckpt``. The expert uses the tools
+    of the experiment's ``tools`` (:class:`~memupdate.settings.ToolSettings` values), as the policy will."""
     sft = asdict(build(SFTSettings, settings, "sft"))
     stage_settings = build(TrainSettings, stage, "stage1")
     episode = {k: getattr(stage_settings, k) for k in EPISODE_KEYS}
     memory = MemoryEnvironment(
-        memories=memories, embeddings=embeddings, embedding_model=embedding_model, max_content_chars=max_content_chars
+        memories=memories,
+        embeddings=embeddings,
+        embedding_model=embedding_model,
+        max_content_chars=max_content_chars,
+        **ToolSettings.environment(tools),
     )
     rollout = RolloutConfig(
         model_path=model,

