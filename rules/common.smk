@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 from memupdate.cluster import read_table
-from memupdate.settings import PolicyEvalSettings, build
+from memupdate.settings import EPISODE_KEYS, SAMPLING_KEYS, PolicyEvalSettings, build
 
 SCALE = config["scales"][config["scale"]]
 # The experiment of the short paths results/stage1/ckpt, results/stage2/ckpt, results/eval/report.json.
@@ -26,7 +26,7 @@ wildcard_constraints:
     ndocs=r"\d+",
     model="|".join(config["models"]),
     exp="|".join(config["experiments"]),
-    served="qa-base|base|stage1|stage2|memagent",
+    served="qa-base|base|sft|stage1|stage2|memagent",
     purpose="train|eval",
     stage="stage1|stage2|memagent",
     report="eval|memagent_eval",
@@ -209,12 +209,17 @@ def get_qa_model(wildcards):
 SERVED_SCORERS = ("reader", "judge")
 
 
+def get_reward_config(wildcards):
+    """The reward section of an experiment: the workflow's, with the experiment's own `reward` keys over it."""
+    return {**config["reward"], **get_experiment(wildcards).get("reward", {})}
+
+
 def get_reward_scorer(wildcards):
     """reward.scorer for an experiment: auto is reader when it has a QA model (two-stage), else the
     offline answer_recall. A served scorer without a QA model fails here, before any job runs.
     """
     experiment = get_experiment(wildcards)
-    scorer = config["reward"]["scorer"]
+    scorer = get_reward_config(wildcards)["scorer"]
     if scorer == "auto":
         return "reader" if "qa_model" in experiment else "answer_recall"
     if scorer in SERVED_SCORERS and "qa_model" not in experiment:
@@ -236,7 +241,7 @@ def get_reward_markers(wildcards):
     markers = {"reader": serve_marker(wildcards.exp, "qa-base", "train")}
     if scorer == "judge":
         markers["judge"] = serve_marker(
-            wildcards.exp, config["reward"]["judge"], "train"
+            wildcards.exp, get_reward_config(wildcards)["judge"], "train"
         )
     return markers
 
@@ -244,7 +249,7 @@ def get_reward_markers(wildcards):
 def get_stage1_reward(wildcards):
     """The reward manager's settings for stage 1: config's reward section, the scorer resolved and the
     served models' marker paths (listed as inputs too, so their servers run)."""
-    reward = {k: v for k, v in config["reward"].items() if k != "judge"}
+    reward = {k: v for k, v in get_reward_config(wildcards).items() if k != "judge"}
     reward["scorer"] = get_reward_scorer(wildcards)
     for role, marker in get_reward_markers(wildcards).items():
         reward[f"{role}_marker"] = marker
@@ -255,7 +260,7 @@ def get_stage2_reward(wildcards):
     """Stage 2 is rewarded by its answer's F1; a served scorer has no reader there (qa-base is not
     served for it), so only an offline one adds the memory reward's components to the log.
     """
-    reward = {k: v for k, v in config["reward"].items() if k != "judge"}
+    reward = {k: v for k, v in get_reward_config(wildcards).items() if k != "judge"}
     reward["scorer"] = get_reward_scorer(wildcards)
     return reward
 
@@ -270,6 +275,14 @@ def get_stage1_model(wildcards):
     if "sft" in get_experiment(wildcards):
         return f"results/{wildcards.exp}/sft/ckpt"
     return policy_model(wildcards)
+
+
+def get_stage1_episode(wildcards):
+    """Stage 1's settings that shape its episodes (memupdate.settings.EPISODE_KEYS, SAMPLING_KEYS, seed): the
+    cold start and the policy evaluation play them, and are not redone when stage 1's training changes.
+    """
+    keys = (*EPISODE_KEYS, *SAMPLING_KEYS, "seed")
+    return {k: v for k, v in get_stage1_settings(wildcards).items() if k in keys}
 
 
 def get_tool_settings(wildcards):
@@ -287,7 +300,7 @@ def get_sft_run_dir(wildcards):
 
 def get_sft_reward(wildcards):
     """The workflow's reward settings; the demonstrations are scored offline (memupdate.training.sft)."""
-    return {k: v for k, v in config["reward"].items() if k != "judge"}
+    return {k: v for k, v in get_reward_config(wildcards).items() if k != "judge"}
 
 
 def get_stage1_inputs(wildcards):
@@ -298,8 +311,9 @@ def get_stage1_inputs(wildcards):
         **validation_inputs(experiment),
         **rollout_env_inputs(experiment["stage1"]),
     }
-    # Without a QA model stage 1 is single-stage MemoryUpdate: no QA phase, nothing served.
-    if "qa_model" in experiment:
+    # The QA phase (the served QA model answering after the memory turns) is what a served scorer reads.
+    # Without a QA model, or with an offline scorer, stage 1 is single-role MemoryUpdate: nothing served.
+    if "qa_model" in experiment and get_reward_scorer(wildcards) in SERVED_SCORERS:
         inputs["fixed"] = serve_marker(wildcards.exp, "qa-base", "train")
     return {**inputs, **get_reward_markers(wildcards)}
 
@@ -391,7 +405,11 @@ def get_evaluated_checkpoints(wildcards):
     if is_memagent(wildcards.exp):
         stages = ["memagent"]
     else:
-        stages = ["stage1", *(["stage2"] if "stage2" in experiment else [])]
+        stages = [
+            *(["sft"] if "sft" in experiment else []),
+            "stage1",
+            *(["stage2"] if "stage2" in experiment else []),
+        ]
     return {f"ckpt_{s}": f"results/{wildcards.exp}/{s}/ckpt" for s in stages}
 
 
@@ -415,6 +433,10 @@ def get_eval_inputs(wildcards):
         "qa_base": serve_marker(wildcards.exp, "qa-base", "eval"),
         "stage1": serve_marker(wildcards.exp, "stage1", "eval"),
     }
+    if "sft" in experiment:
+        # What each training step adds: the untrained policy and the cold start as memory models too.
+        inputs["base"] = serve_marker(wildcards.exp, "base", "eval")
+        inputs["sft"] = serve_marker(wildcards.exp, "sft", "eval")
     if "stage2" in experiment:
         inputs["stage2"] = serve_marker(wildcards.exp, "stage2", "eval")
     return inputs
@@ -423,8 +445,8 @@ def get_eval_inputs(wildcards):
 def get_eval_settings(wildcards):
     # Evaluation retrieves and caps memories as training is rewarded, unless the experiment says otherwise.
     defaults = {
-        "context_chars": config["reward"]["context_chars"],
-        "top_k": config["reward"]["top_k"],
+        "context_chars": get_reward_config(wildcards)["context_chars"],
+        "top_k": get_reward_config(wildcards)["top_k"],
         "max_content_chars": MAX_CONTENT_CHARS,
     }
     return {**defaults, **get_experiment(wildcards).get("eval", {})}
@@ -609,4 +631,6 @@ def get_final_outputs():
             outputs.append(f"results/{name}/stage2/ckpt")
         if "qa_model" in config["experiments"][name]:
             outputs.append(f"results/{name}/eval/report.json")
+        if "policy_eval" in config["experiments"][name]:
+            outputs.append(f"results/{name}/policy_eval/report.json")
     return outputs

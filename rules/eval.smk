@@ -1,5 +1,6 @@
 # Evaluation: LoCoMo test conversations, every system the experiment has (no update, full context,
-# stage 1 with the base QA model, stage 1 with stage 2), against served models. Predictions under
+# stage 1 with the base QA model, stage 1 with stage 2; with a cold start also the untrained policy and
+# the cold start as memory models), against served models, with paired intervals between them. Predictions under
 # results/<exp>/eval/predictions/ survive a failed run, so a rerun completes only what is missing.
 
 
@@ -52,7 +53,7 @@ rule eval_policy:
         mem_mb=6000,
     params:
         settings=get_policy_eval_settings,
-        stage=get_stage1_settings,
+        stage=get_stage1_episode,
         reward=get_policy_eval_reward,
         out_dir=subpath(output.summary, parent=True),
         serving=config["serving"],

@@ -23,7 +23,7 @@ rule train_sft:
     params:
         settings=get_sft_settings,
         # The demonstrations are stage 1's episodes: its lengths and turns.
-        stage=get_stage1_settings,
+        stage=get_stage1_episode,
         run_dir=get_sft_run_dir,
         embedding_model=EMBEDDING_MODEL,
         max_content_chars=MAX_CONTENT_CHARS,

@@ -170,6 +170,23 @@ def test_policy_evaluation_compares_base_cold_start_and_stage1_on_held_out_quest
     assert served.returncode != 0 and "scores with the training reward offline" in served.stdout + served.stderr
 
 
+def test_the_cpu_demo_is_one_command_from_data_to_both_reports(workdir):
+    """Issue 19's demonstration: cold start, stage 1 through the vLLM rollout, the three policies on held-out
+    questions, and the LoCoMo evaluation of untrained, cold-start and trained memory policies."""
+    targets = ("results/cpu_demo/policy_eval/report.json", "results/cpu_demo/eval/report.json")
+    result = snakemake(workdir, "-n", *targets)
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = dry_run_jobs(result.stdout)
+    rules = {job["rule"] for job in jobs}
+    assert {"train_sft", "train_stage1", "eval_policy", "policy_report", "eval_locomo"} <= rules
+    served = {job["output"] for job in jobs if job["rule"] == "serve_model"}
+    # The evaluation serves every memory policy; stage 1's offline reward serves nothing while training.
+    assert served == {f"results/cpu_demo/serve/eval/{m}.ready.json" for m in ("qa-base", "base", "sft", "stage1")}
+    stage1 = next(job for job in jobs if job["rule"] == "train_stage1")
+    assert stage1["input"].startswith("results/cpu_demo/sft/ckpt") and "serve/" not in stage1["input"]
+    assert "results/envs/vllm-cpu.json" in stage1["input"]
+
+
 def test_evaluation_servers_wait_for_the_checkpoints_they_evaluate(workdir):
     """The base QA model exists long before training ends; its evaluation server must not idle through it."""
     result = snakemake(workdir, "-n", "results/smoke/serve/eval/qa-base.ready.json")

@@ -125,6 +125,11 @@ class TrainSettings:
     clip_ratio: float = setting(0.2, help="PPO clip range", exclusiveMinimum=0)
     kl_coef: float = setting(0.001, help="KL penalty to the reference policy", minimum=0)
     norm_adv_by_std: bool = setting(True, help="divide advantages by the group's reward std (off: Dr.GRPO, MemAgent)")
+    filter_groups: bool = setting(
+        False,
+        help="leave groups whose rollouts all got one reward out of the update (DAPO's dynamic sampling, without "
+        "refilling; verl's algorithm.filter_groups): their policy gradient is 0, yet each costs a forward and backward",
+    )
     temperature: float = setting(1.0, help="rollout sampling temperature", minimum=0)
     top_p: float = setting(1.0, exclusiveMinimum=0, maximum=1)
     max_new_tokens: int = setting(96, help="tokens per assistant turn", minimum=1)
@@ -167,6 +172,22 @@ class TrainSettings:
         "<run>/tensorboard. wandb, mlflow, ... read their keys from the environment (WANDB_API_KEY, ...)",
         factory=lambda: ["console", "tensorboard"],
     )
+
+
+#: Settings of a stage (TrainSettings) that shape a memory episode: its lengths and turns; RolloutConfig fields
+#: of the same names. A run playing stage 1's episodes outside its training (the cold start's demonstrations,
+#: the held-out policy evaluation) takes these from the stage, and only these (with ``seed``), so changing how
+#: stage 1 trains (its steps, lr, ...) does not redo them.
+EPISODE_KEYS = (
+    "max_new_tokens",
+    "prompt_length",
+    "response_length",
+    "max_assistant_turns",
+    "max_parallel_calls",
+    "max_tool_response_length",
+)
+#: ... and how the policy samples them.
+SAMPLING_KEYS = ("temperature", "top_p")
 
 
 @dataclass
@@ -235,6 +256,11 @@ class PolicyEvalSettings:
     )
     n: int = setting(4, help="rollouts per question (a GRPO group: its reward spread is the signal)", minimum=2)
     questions: int | None = setting(40, help="questions with a gold answer (null = all)", minimum=1)
+    batch_size: int = setting(
+        16,
+        help="episodes in flight at once (whole groups); a CPU server queues more past the client's timeout",
+        minimum=1,
+    )
     server: Literal["vllm", "hf"] = setting("vllm", help="vllm: a vLLM server of the policy; hf: in-process")
 
 
@@ -676,6 +702,7 @@ def _type_schema(hint: Any) -> dict[str, Any]:
 #: Typed sections of an experiment, by the experiment's kind and backend (verl stage settings are verl's).
 SECTIONS = {
     ("memupdate", "local"): {
+        "reward": RewardSettings,
         "tools": ToolSettings,
         "sft": SFTSettings,
         "policy_eval": PolicyEvalSettings,
@@ -683,7 +710,7 @@ SECTIONS = {
         "stage2": TrainSettings,
         "eval": LocomoEvalSettings,
     },
-    ("memupdate", "verl"): {"tools": ToolSettings, "eval": LocomoEvalSettings},
+    ("memupdate", "verl"): {"reward": RewardSettings, "tools": ToolSettings, "eval": LocomoEvalSettings},
     ("memagent", "local"): {
         "loop": MemAgentLoopSettings,
         "train": MemAgentTrainSettings,

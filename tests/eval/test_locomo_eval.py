@@ -212,6 +212,38 @@ def test_only_full_context_may_skip_and_it_is_reported_apart(tmp_path):
     assert "full_context: scored on 3 of 4 questions, not comparable" in md and "no_update: scored on" not in md
 
 
+def test_policies_are_compared_question_by_question_with_an_interval(tmp_path):
+    """base, cold start and stage 1 against the untouched store and each other, on the same questions."""
+    q4_answered = dict(PREDICTIONS[3], predictions={"locomo": "Paris", "mem0": "Paris"}, judge=1.0)
+    answers = {
+        "no_update": PREDICTIONS,
+        "base+qa_base": PREDICTIONS,
+        "sft+qa_base": [*PREDICTIONS[:3], q4_answered],
+        "stage1+qa_base": [*PREDICTIONS[:3], q4_answered],
+    }
+    paths = {}
+    for name, records in answers.items():
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = report.build_report(tmp_path, paths, experiment="exp", settings={"top_k": 5})
+    pairs = {(c["system"], c["baseline"]): c for c in out["comparisons"]}
+    assert set(pairs) == {
+        ("base+qa_base", "no_update"),
+        ("sft+qa_base", "base+qa_base"),
+        ("stage1+qa_base", "sft+qa_base"),
+        ("stage1+qa_base", "base+qa_base"),
+        ("stage1+qa_base", "no_update"),
+    }
+    # One question of four gained a full point: +0.25, and with four questions the interval reaches 0.
+    gained = pairs[("sft+qa_base", "base+qa_base")]
+    assert gained["mean_difference"] == 0.25 and gained["n"] == 4 and gained["low"] == 0.0 and gained["high"] > 0
+    assert not gained["excludes_zero"]
+    same = pairs[("stage1+qa_base", "sft+qa_base")]
+    assert (same["mean_difference"], same["low"], same["high"]) == (0.0, 0.0, 0.0)
+    md = (tmp_path / "report.md").read_text()
+    assert "## Paired comparisons" in md and "| sft+qa_base | base+qa_base | +25.0 | [+0.0, +" in md
+
+
 def test_systems_asked_different_questions_are_refused(tmp_path):
     paths = {"no_update": tmp_path / "a.jsonl", "stage1+qa_base": tmp_path / "b.jsonl"}
     paths["no_update"].write_text("".join(json.dumps(r) + "\n" for r in PREDICTIONS))

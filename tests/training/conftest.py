@@ -25,6 +25,21 @@ class TokenShareReward(RewardManagerBase):
         return {"reward_score": share, "reward_extra_info": {"share": share}}
 
 
+#: The reward of HalfConstantReward's constant groups.
+HALF_CONSTANT_REWARD = 0.5
+
+
+@register("test_half_constant")
+class HalfConstantReward(TokenShareReward):
+    """The token share, except a constant for questions of even length: some groups have reward spread, some
+    none."""
+
+    async def run_single(self, data):
+        if len(data[-1].non_tensor_batch["extra_info"]["question"]) % 2 == 0:
+            return {"reward_score": HALF_CONSTANT_REWARD, "reward_extra_info": {"share": 0.0}}
+        return await super().run_single(data)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tiny_models):
     return tiny_models / "policy"

@@ -166,6 +166,20 @@ def test_a_step_without_advantages_skips_the_update(tmp_path, tiny_model, grpo_c
 
 
 @pytest.mark.slow
+def test_filtered_groups_leave_the_update_but_not_the_metrics(tmp_path, tiny_model, grpo_config):
+    """filter_groups: a group whose rollouts all got one reward has no policy gradient; it is left out of the
+    forward and backward passes (DAPO's dynamic sampling, verl's algorithm.filter_groups) but still counted."""
+    settings = dict(
+        steps=1, prompts_per_step=4, rollout_n=2, max_assistant_turns=1, reward_manager="test_half_constant"
+    )
+    metrics = train_local(grpo_config(tiny_model, run_dir=tmp_path / "filtered", filter_groups=True, **settings))
+    assert 0 < metrics["rows_filtered"] < metrics["rows"] == metrics["trajectories"] == 8, metrics
+    assert metrics["update_skipped"] is None and metrics["grad_norm"] > 0
+    kept = train_local(grpo_config(tiny_model, run_dir=tmp_path / "kept", **settings))
+    assert "rows_filtered" not in kept and kept["reward_mean"] == metrics["reward_mean"]
+
+
+@pytest.mark.slow
 def test_same_seed_gives_the_same_weights(tmp_path, tiny_model, grpo_config):
     runs = []
     for name in ("a", "b"):

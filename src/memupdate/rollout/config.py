@@ -30,21 +30,6 @@ from memupdate.utils.io import write_text_atomic
 STAGES = ("memory", "qa", "joint")
 
 
-#: Settings of a stage (memupdate.settings.TrainSettings) that shape a memory episode: its lengths and turns;
-#: RolloutConfig fields of the same names. A run playing stage 1's episodes outside its training (the cold
-#: start's demonstrations, the held-out policy evaluation) takes these from the stage.
-EPISODE_KEYS = (
-    "max_new_tokens",
-    "prompt_length",
-    "response_length",
-    "max_assistant_turns",
-    "max_parallel_calls",
-    "max_tool_response_length",
-)
-#: ... and how the policy samples them.
-SAMPLING_KEYS = ("temperature", "top_p")
-
-
 @dataclass(kw_only=True)
 class RolloutConfig:
     """The rows, the model, the agent loop with its tools and reward, and how the policy samples. Sampling

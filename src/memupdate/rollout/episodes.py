@@ -11,7 +11,16 @@ from verl import DataProto
 from memupdate.rollout.workers import FINAL_MASK_KEY, TRAJECTORY_KEY
 
 #: Reward components kept per episode (the memory reward manager's extras).
-COMPONENTS = ("qa_initial", "qa_final", "ops_created", "ops_updated", "ops_deleted", "memories_final")
+COMPONENTS = (
+    "qa_initial",
+    "qa_final",
+    "ops_created",
+    "ops_updated",
+    "ops_deleted",
+    "ops_merged",
+    "ops_split",
+    "memories_final",
+)
 
 
 def episode_records(batch: DataProto, prompts: DataProto, tokenizer: Any) -> list[dict[str, Any]]:

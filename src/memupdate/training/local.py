@@ -326,7 +326,14 @@ class LocalGRPOTrainer:
                 **({"kl": 0.0} if self.cfg.kl_coef else {}),
                 "grad_norm": 0.0,
                 "update_skipped": skipped,
+                **({"rows_filtered": 0} if self.cfg.filter_groups else {}),
             }
+        filtered = {}
+        if self.cfg.filter_groups:
+            kept = np.flatnonzero(~constant_groups(batch))
+            filtered = {"rows_filtered": len(batch) - len(kept)}
+            batch = batch[kept]
+            mask = batch.batch["response_mask"].float()
         if self.cfg.kl_coef:
             ref = [
                 response_log_probs(self.reference, mb, False, self.cfg.temperature)
@@ -359,7 +366,7 @@ class LocalGRPOTrainer:
             stats["pg_loss"] += pg_loss.item() * share.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
-        return {**stats, "grad_norm": float(grad_norm), "update_skipped": None}
+        return {**stats, "grad_norm": float(grad_norm), "update_skipped": None, **filtered}
 
     def _start_vllm_rollout(self) -> VLLMRollout:
         cfg = self.cfg
@@ -498,6 +505,8 @@ class LocalGRPOTrainer:
             "ops_created",
             "ops_updated",
             "ops_deleted",
+            "ops_merged",
+            "ops_split",
             "created_count",
             "created_chars_max",
             "created_chars_mean",

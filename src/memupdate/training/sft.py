@@ -36,10 +36,10 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.agents.context import LoopContext
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
-from memupdate.rollout.config import EPISODE_KEYS, RolloutConfig, run_config
+from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import episode_records
 from memupdate.rollout.workers import in_process_workers
-from memupdate.settings import SFTSettings, ToolSettings, TrainSettings, build
+from memupdate.settings import EPISODE_KEYS, SFTSettings, ToolSettings, TrainSettings, build
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training.demonstrations import MemoryExpert, expert_rows, keep_episode
 from memupdate.training.local import response_log_probs
