@@ -148,6 +148,16 @@ TINY_VLLM_SPEC = {"kind": "tiny_random", "seed": 0, "hidden_size": 128, "heads":
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted from the packaged GGUF (about 30-40 s on 2 CPU cores)."""
+    from memupdate.models.prepare import prepare_model
+
+    out = tmp_path_factory.mktemp("models") / "smollm2"
+    prepare_model({"kind": "smollm2_gguf", "dtype": "bfloat16"}, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random model vLLM can serve (tests/models overrides it with the default tiny model)."""
     from memupdate.models.prepare import prepare_model
@@ -166,6 +176,14 @@ def locomo_rows(locomo_path, tmp_path_factory) -> dict[str, Path]:
     outputs = {name: out / f"{name}.parquet" for name in ["train", "val", "test", "memories"]}
     preprocess_locomo(locomo_path, outputs, split={"train": ["conv-26"], "val": [], "test": ["conv-30"]})
     return outputs
+
+
+@pytest.fixture(scope="session")
+def held_out_cache(locomo_rows, embedder, tmp_path_factory) -> Path:
+    """Vectors of the memories of locomo_rows: conv-26 (train) and conv-30 (held out)."""
+    path = tmp_path_factory.mktemp("held-out") / "memories"
+    build_embedding_cache(locomo_rows["memories"], path, embedder.model_name, batch_size=64, embedder=embedder)
+    return path
 
 
 @pytest.fixture(scope="session")

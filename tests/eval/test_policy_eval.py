@@ -8,19 +8,10 @@ import json
 import pytest
 
 from memupdate.eval.policy import EPISODES, compare_policies, evaluate_policy, policy_report
-from memupdate.memory import build_embedding_cache
 
 pytestmark = pytest.mark.slow
 
 STAGE = {"max_new_tokens": 24, "prompt_length": 4096, "response_length": 256, "max_assistant_turns": 2}
-
-
-@pytest.fixture(scope="module")
-def held_out_cache(locomo_rows, embedder, tmp_path_factory):
-    """Vectors of the memories of conv-26 (train) and conv-30 (held out)."""
-    path = tmp_path_factory.mktemp("held-out") / "memories"
-    build_embedding_cache(locomo_rows["memories"], path, embedder.model_name, batch_size=64, embedder=embedder)
-    return path
 
 
 def test_a_policy_is_scored_on_held_out_questions_with_n_rollouts_each(

@@ -149,11 +149,14 @@ def test_a_step_without_advantages_skips_the_update(tmp_path, tiny_model, grpo_c
     base = load_file(tiny_model / "model.safetensors")
     settings = dict(steps=1, prompts_per_step=1, rollout_n=8, lr=3e-2, kl_coef=0.0, max_assistant_turns=1)
 
-    cfg = grpo_config(tiny_model, run_dir=tmp_path / "constant", reward_manager="test_constant", **settings)
+    constant = {**settings, "kl_coef": 0.001}
+    cfg = grpo_config(tiny_model, run_dir=tmp_path / "constant", reward_manager="test_constant", **constant)
     metrics = train_local(cfg)
     assert metrics["reward_std"] == 0.0
     assert metrics["update_skipped"] == "all advantages are zero"
     assert metrics["pg_loss"] == 0.0 and metrics["grad_norm"] == 0.0
+    # No reference forward ran: the KL is unknown, not 0 (the training plot leaves the step out).
+    assert "kl" in metrics and metrics["kl"] is None
     after = load_file(tmp_path / "constant" / "ckpt" / "model.safetensors")
     assert all(torch.equal(base[k], after[k]) for k in base)
     assert scalars(tmp_path / "constant" / "tensorboard", "update_skipped") == {1: 1.0}

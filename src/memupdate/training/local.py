@@ -323,7 +323,8 @@ class LocalGRPOTrainer:
         if skipped:
             return {
                 "pg_loss": 0.0,
-                **({"kl": 0.0} if self.cfg.kl_coef else {}),
+                # Not measured (no reference forward): the policy may well differ from the reference.
+                **({"kl": None} if self.cfg.kl_coef else {}),
                 "grad_norm": 0.0,
                 "update_skipped": skipped,
                 **({"rows_filtered": 0} if self.cfg.filter_groups else {}),
