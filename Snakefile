@@ -8,7 +8,7 @@
 #   embeddings/<model>/memories/           vectors of the initial memories (embed_memories)
 #   models/<name>/                         HF checkpoints of the policy and fixed models (prepare_model)
 #   <exp>/serve/<served>.ready.json         readiness marker of a running vLLM server (serve_model, temp)
-#   <exp>/sft/ckpt/                        the cold start: policy fine-tuned on demonstrations (train_sft)
+#   <exp>/sft/ckpt/                        the cold start: policy fine-tuned on demonstrations (train_sft; MemAgent: train_memagent_sft)
 #   <exp>/stage1/ckpt/                     stage-1 checkpoint + manifest (train_stage1)
 #   <exp>/stage2/ckpt/                     stage-2 checkpoint + manifest (train_stage2)
 #   <exp>/eval/report.{json,md,html}       LoCoMo evaluation report + plots, predictions/ (eval_locomo)

@@ -526,6 +526,11 @@ def is_memagent(name):
     return config["experiments"][name].get("kind", "memupdate") == "memagent"
 
 
+# The exp wildcard of rules that differ by kind (results/{exp}/sft/ckpt: train_sft or train_memagent_sft).
+MEMUPDATE_EXPERIMENTS = "|".join(n for n in config["experiments"] if not is_memagent(n))
+MEMAGENT_EXPERIMENTS = "|".join(n for n in config["experiments"] if is_memagent(n))
+
+
 def get_memagent_experiment(wildcards):
     experiment = get_experiment(wildcards)
     if not is_memagent(wildcards.exp):
@@ -543,10 +548,31 @@ def hotpotqa_rows(ndocs, part):
 def get_memagent_train_inputs(wildcards):
     experiment = get_memagent_experiment(wildcards)
     return {
-        "model": f"results/models/{experiment['policy']}",
+        # The cold start's checkpoint when the experiment has an `sft` section.
+        "model": (
+            f"results/{wildcards.exp}/sft/ckpt"
+            if "sft" in experiment
+            else f"results/models/{experiment['policy']}"
+        ),
         "train": hotpotqa_rows(experiment["train"]["num_docs"], "train"),
         **rollout_env_inputs(experiment["train"]),
     }
+
+
+def get_memagent_sft_inputs(wildcards):
+    experiment = get_memagent_experiment(wildcards)
+    return {
+        "model": f"results/models/{experiment['policy']}",
+        "train": hotpotqa_rows(experiment["train"]["num_docs"], "train"),
+    }
+
+
+def get_memagent_episode(wildcards):
+    """MemAgent training's settings that shape its episodes: the cold start plays them, and is not redone
+    when how training learns changes."""
+    keys = (*EPISODE_KEYS, *SAMPLING_KEYS, "seed")
+    train = get_memagent_experiment(wildcards)["train"]
+    return {k: v for k, v in train.items() if k in keys}
 
 
 def get_memagent_train_settings(wildcards):

@@ -2,6 +2,34 @@
 # evaluated against its base model on held-out questions at every haystack length, both served.
 
 
+# An experiment with an `sft` section trains from its cold start: the policy fine-tuned on the scripted
+# expert's trajectories of the train questions (memupdate.training.memagent_expert).
+rule train_memagent_sft:
+    input:
+        unpack(get_memagent_sft_inputs),
+    output:
+        ckpt=directory("results/{exp}/sft/ckpt"),
+    log:
+        "logs/train_memagent_sft/{exp}.log",
+    benchmark:
+        "benchmarks/train_memagent_sft/{exp}.tsv"
+    wildcard_constraints:
+        exp=MEMAGENT_EXPERIMENTS,
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    threads: 2
+    resources:
+        runtime=120,
+        mem_mb=8000,
+    params:
+        settings=get_sft_settings,
+        train=get_memagent_episode,
+        loop=get_memagent_loop,
+        run_dir=get_sft_run_dir,
+    script:
+        "../workflow/scripts/train_memagent_sft.py"
+
+
 rule train_memagent:
     input:
         unpack(get_memagent_train_inputs),

@@ -14,6 +14,8 @@ rule train_sft:
         "logs/train_sft/{exp}.log",
     benchmark:
         "benchmarks/train_sft/{exp}.tsv"
+    wildcard_constraints:
+        exp=MEMUPDATE_EXPERIMENTS,
     conda:
         "../workflow/envs/memupdate.yaml"
     threads: 2

@@ -150,6 +150,23 @@ def test_an_experiment_with_a_cold_start_trains_stage1_from_it(workdir):
     assert bad.returncode != 0 and "experiments.smoke.sft.epochs" in bad.stdout + bad.stderr
 
 
+def test_a_memagent_experiment_with_a_cold_start_trains_from_it(workdir):
+    """MemAgent's cold start has its own rule (the expert's trajectories of HotpotQA rows) at the same path."""
+    (workdir / "sft.yaml").write_text("experiments:\n  memagent_smoke:\n    sft: {max_rows: 4, epochs: 1}\n")
+    result = snakemake(workdir, "-n", "results/memagent_smoke/memagent/ckpt", "--configfile", "sft.yaml")
+    assert result.returncode == 0, result.stderr[-3000:]
+    by_rule = {job["rule"]: job for job in dry_run_jobs(result.stdout)}
+    assert "train_sft" not in by_rule
+    assert by_rule["train_memagent_sft"]["output"] == "results/memagent_smoke/sft/ckpt"
+    assert "results/data/hotpotqa/" in by_rule["train_memagent_sft"]["input"]
+    assert by_rule["train_memagent"]["input"].startswith("results/memagent_smoke/sft/ckpt")
+    # Only the local backend has a cold start, and it is checked when the Snakefile loads.
+    (workdir / "verl.yaml").write_text("experiments:\n  memagent_verl_cpu:\n    sft: {epochs: 1}\n")
+    bad = snakemake(workdir, "-n", "results/memagent_smoke/memagent/ckpt", "--configfile", "verl.yaml")
+    assert bad.returncode != 0
+    assert "experiments.memagent_verl_cpu.sft: runs with backend local only" in bad.stdout + bad.stderr
+
+
 def test_policy_evaluation_compares_base_cold_start_and_stage1_on_held_out_questions(workdir):
     (workdir / "policies.yaml").write_text(
         "reward: {scorer: answer_recall}\n"

@@ -99,6 +99,8 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens,
         repeats=args.repeats,
         output=args.output,
+        model=args.model,
+        tools=args.tools and {"names": args.tools.split(","), "compact": args.compact},
     )
     sys.stdout.write(format_rollout_bench(result) + "\n")
 
@@ -266,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--n", type=int, default=4, help="rollouts per prompt")
     roll.add_argument("--max-tokens", type=int, default=48, help="tokens per assistant turn")
     roll.add_argument("--repeats", type=int, default=15, help="rounds of loop step + raw replay (medians reported)")
+    roll.add_argument(
+        "--model", help="a checkpoint folder, e.g. results/cpu_demo/sft/ckpt (default: a tiny random model)"
+    )
+    roll.add_argument("--tools", help="the policy's tools, comma-separated (default: all six)")
+    roll.add_argument("--compact", action="store_true", help="compact tool schemas (with --tools)")
     roll.add_argument("--output", default="results/bench/rollout.json")
     roll.set_defaults(func=_cmd_bench_rollout)
 

@@ -58,6 +58,7 @@ STAGE_KINDS = (
     StageKind("stage1", "train_stage1", ("vllm_env", "serve_model", "train_stage1"), per_experiment=True),
     StageKind("stage2", "train_stage2", ("vllm_env", "serve_model", "train_stage2"), per_experiment=True),
     StageKind("eval", "eval_locomo", ("vllm_env", "serve_model", "eval_locomo"), per_experiment=True),
+    StageKind("memagent_sft", "train_memagent_sft", ("train_memagent_sft",), per_experiment=True),
     StageKind("memagent", "train_memagent", ("vllm_env", "serve_model", "train_memagent"), per_experiment=True),
     StageKind("memagent_eval", "eval_memagent", ("vllm_env", "serve_model", "eval_memagent"), per_experiment=True),
 )

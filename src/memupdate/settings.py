@@ -192,9 +192,10 @@ SAMPLING_KEYS = ("temperature", "top_p")
 
 @dataclass
 class SFTSettings:
-    """An experiment's ``sft``: the cold start before stage 1 (:mod:`memupdate.training.sft`), fine-tuning the
-    policy on the scripted expert's demonstration episodes of the train rows. The episodes are stage 1's
-    (its loop, tools, reward and lengths); these are the optimiser's settings."""
+    """An experiment's ``sft``: the cold start before stage 1 or MemAgent training (:mod:`memupdate.training.sft`),
+    fine-tuning the policy on the scripted expert's demonstration episodes of the train rows. The episodes are
+    those training plays (its loop, tools, reward and lengths); these are the optimiser's settings. A MemAgent
+    episode is one row per turn, and ``batch_size`` / ``micro_batch_size`` count rows."""
 
     epochs: int = setting(2, help="passes over the kept demonstrations", minimum=1)
     batch_size: int = setting(8, help="episodes per optimiser step", minimum=1)
@@ -713,6 +714,7 @@ SECTIONS = {
     ("memupdate", "verl"): {"reward": RewardSettings, "tools": ToolSettings, "eval": LocomoEvalSettings},
     ("memagent", "local"): {
         "loop": MemAgentLoopSettings,
+        "sft": SFTSettings,
         "train": MemAgentTrainSettings,
         "eval": MemAgentExperimentEval,
     },
@@ -844,17 +846,18 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
             except ConfigError as err:
                 errors.extend(str(err).splitlines())
         names = experiment.get("tools", {}).get("names", MEMORY_TOOLS)
-        if "sft" in experiment and not set(SFTSettings.TOOLS) <= set(names):
+        if "sft" in experiment and kind == "memupdate" and not set(SFTSettings.TOOLS) <= set(names):
             errors.append(
                 f"experiments.{name}.tools.names: the cold start's expert uses {', '.join(SFTSettings.TOOLS)}; "
                 f"give the policy all of them (it has {', '.join(names)})"
             )
-        for section in ("sft", "policy_eval"):
-            if section in experiment and (kind, backend) != ("memupdate", "local"):
-                errors.append(
-                    f"experiments.{name}.{section}: runs with backend local on MemoryUpdate experiments only "
-                    f"(this one is {kind} with backend {backend})"
-                )
+        if "sft" in experiment and backend != "local":
+            errors.append(f"experiments.{name}.sft: runs with backend local only (this one has backend {backend})")
+        if "policy_eval" in experiment and (kind, backend) != ("memupdate", "local"):
+            errors.append(
+                f"experiments.{name}.policy_eval: runs with backend local on MemoryUpdate experiments only "
+                f"(this one is {kind} with backend {backend})"
+            )
         if backend == "verl":
             for section in VERL_SECTIONS[kind]:
                 if section in experiment:

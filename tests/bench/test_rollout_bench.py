@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import yaml
 
 from memupdate.bench.rollout import format_rollout_bench, run_rollout_bench
 
@@ -20,8 +21,14 @@ def test_rollout_bench_measures_loop_and_raw_throughput(locomo_rows, cache_dir, 
         max_tokens=16,
         repeats=2,
         output=str(out),
+        tools={"names": ["search_memory", "manage_memory"], "compact": True},
     )
     assert json.loads(out.read_text()) == result
+    # The policy is given the tools asked for (a cold start's are its experiment's).
+    assert result["tools"] == ["search_memory", "manage_memory"] and result["compact_schemas"] is True
+    assert [t["name"] for t in yaml.safe_load((tmp_path / "work" / "tools.yaml").read_text())["tools"]] == result[
+        "tools"
+    ]
     assert result["episodes"] == 2 and result["requests"] >= 2 and result["generated_tokens"] > 0
     assert result["agent_loop_seconds"] > 0 and result["raw_seconds"] > 0 and result["ratio"] > 0
     # Each round pairs one loop step with the replay of exactly its requests.

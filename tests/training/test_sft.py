@@ -4,7 +4,9 @@ tools, and supervised fine-tuning on the policy's own tokens."""
 from __future__ import annotations
 
 import json
+import re
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
@@ -13,7 +15,8 @@ from transformers import AutoTokenizer
 
 from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 from memupdate.training.demonstrations import DONE
-from memupdate.training.sft import DEMONSTRATIONS, cold_start
+from memupdate.training.memagent_expert import NOTHING_YET, covers
+from memupdate.training.sft import DEMONSTRATIONS, cold_start, cold_start_memagent
 
 pytestmark = pytest.mark.slow
 
@@ -117,3 +120,58 @@ def test_a_reply_cap_the_expert_cannot_keep_is_refused(tiny_model_dir, locomo_ro
             reward={},
         )
     assert not (tmp_path / "run" / "ckpt").exists()
+
+
+# ------------------------------------------------------------------------------------------- MemAgent
+
+#: Every chunk read (no centre truncation), so every supporting sentence passes the expert; the tiny BPE takes
+#: about a token per character, and three supporting sentences are about 400 characters.
+MEMAGENT_LOOP = {"chunk_size": 128, "max_chunks": None, "max_memory_tokens": 1024, "max_final_tokens": 64}
+MEMAGENT_TRAIN = {"num_docs": 3, "prompt_length": 2048, "response_length": 1024}
+
+
+@pytest.fixture(scope="module")
+def memagent_sft(tiny_model_dir, hotpot_rows, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("memagent-sft") / "run"
+    ckpt = cold_start_memagent(
+        settings={"epochs": 2, "batch_size": 8, "micro_batch_size": 4, "lr": 1e-3, "max_rows": 4},
+        train=MEMAGENT_TRAIN,
+        loop=MEMAGENT_LOOP,
+        model=str(tiny_model_dir),
+        train_files=[str(hotpot_rows)],
+        run_dir=str(run_dir),
+    )
+    return run_dir, ckpt
+
+
+def test_memagent_demonstrations_keep_the_supporting_facts_and_box_the_answer(memagent_sft, hotpot_rows):
+    run_dir, ckpt = memagent_sft
+    rows = {r["extra_info"]["question"]: r["extra_info"] for r in pq.read_table(hotpot_rows).to_pylist()}
+    records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
+    assert len(records) == 4
+    for record in records:
+        info = rows[record["question"]]
+        # The gold answer in \boxed{} earns the MemAgent reward; the memory holds the evidence, not the answer
+        # as such (unless a supporting sentence states it).
+        assert record["reward"] == 1.0, record
+        assert record["turns"] >= 2
+        assert record["kept"] == covers(record["memory"], info["supporting_facts"])  # reward 1, so coverage decides
+        # Only evidence: every word of the memory (or the part a chunk boundary left of it) is in a supporting fact.
+        facts = " ".join(info["supporting_facts"])
+        assert all(w in facts for w in re.findall(r"\w+", record["memory"])) or record["memory"] == NOTHING_YET
+    assert any(r["kept"] for r in records)
+    summary = json.loads((ckpt / "manifest.json").read_text())["metrics"]["demonstrations"]
+    assert summary["kept"] == sum(r["kept"] for r in records)
+
+
+def test_memagent_sft_trains_on_every_turn_of_the_kept_trajectories(memagent_sft, tiny_model_dir):
+    run_dir, ckpt = memagent_sft
+    records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
+    rows = sum(r["turns"] for r in records if r["kept"])
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 * -(-rows // 8)
+    first_epoch = [s["loss"] for s in steps if s["epoch"] == 1]
+    second_epoch = [s["loss"] for s in steps if s["epoch"] == 2]
+    assert sum(second_epoch) / len(second_epoch) < sum(first_epoch) / len(first_epoch), steps
+    trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(base[name], tensor) for name, tensor in trained.items())

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from memupdate.serving.client import Endpoint
 from memupdate.serving.token_client import VLLMTokenClient
 from memupdate.serving.vllm_env import ensure_vllm_env
 from memupdate.serving.vllm_server import start_vllm_server
+from memupdate.settings import ToolSettings
 from memupdate.tools.config import TOOL_CONFIG
 
 logger = logging.getLogger(__name__)
@@ -59,10 +61,12 @@ def vllm_loop_config(
     rollout_n: int,
     max_assistant_turns: int,
     response_length: int = 768,
+    tools: Mapping[str, Any] | None = None,
 ) -> DictConfig:
     """verl's config for our MemoryUpdate loop on ``train_file`` rows against a vLLM server of
     ``model_dir``, with the training reward (no memory-count cap, so a short episode is not penalised for
-    the base store's size). :func:`~memupdate.rollout.config.run_config` writes the run's files into ``run_dir``."""
+    the base store's size), giving the policy ``tools`` (:class:`~memupdate.settings.ToolSettings` values; None:
+    all six, full schemas). :func:`~memupdate.rollout.config.run_config` writes the run's files into ``run_dir``."""
     if LOOP_PROMPT_LENGTH + response_length > LOOP_MAX_MODEL_LEN:
         raise ValueError(
             f"response_length {response_length} + prompt {LOOP_PROMPT_LENGTH} exceeds the server's {LOOP_MAX_MODEL_LEN}"
@@ -73,7 +77,7 @@ def vllm_loop_config(
             train_files=[str(train_file)],
             run_dir=str(run_dir),
             tool_config=str(TOOL_CONFIG),
-            memory=MemoryEnvironment(memories=memories, embeddings=embeddings),
+            memory=MemoryEnvironment(memories=memories, embeddings=embeddings, **ToolSettings.environment(tools)),
             rollout_n=rollout_n,
             prompt_length=LOOP_PROMPT_LENGTH,
             response_length=response_length,
@@ -160,13 +164,27 @@ def run_rollout_bench(
     max_assistant_turns: int = 3,
     repeats: int = 15,
     output: str | None = None,
+    model: str | None = None,
+    tools: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Measure the loop against the raw server (module docstring) with ``model`` (a checkpoint folder, such as a
+    cold start's ``results/<exp>/sft/ckpt``: episodes of real tool calls; None: :data:`BENCH_MODEL`, a tiny
+    random model that rarely calls a tool) given ``tools`` (the experiment's ``tools`` section)."""
     work = Path(work_dir)
-    model_dir = work / "model"
+    model_dir = Path(model) if model else work / "model"
     if not model_dir.exists():
+        if model:
+            raise FileNotFoundError(f"bench rollout: model folder {model_dir} does not exist")
         prepare_model(BENCH_MODEL, model_dir)
     config = vllm_loop_config(
-        model_dir, train_file, memories, embeddings, work, rollout_n=n, max_assistant_turns=max_assistant_turns
+        model_dir,
+        train_file,
+        memories,
+        embeddings,
+        work,
+        rollout_n=n,
+        max_assistant_turns=max_assistant_turns,
+        tools=tools,
     )
     python = ensure_vllm_env()
     with start_vllm_server(
@@ -186,6 +204,9 @@ def run_rollout_bench(
     ratios = [r["raw_seconds"] / r["loop_seconds"] for r in rounds]
     loop_seconds = statistics.median(r["loop_seconds"] for r in rounds)
     result = {
+        "model": str(model_dir),
+        "tools": list(ToolSettings.environment(tools)["tools"]),
+        "compact_schemas": ToolSettings.environment(tools)["compact_schemas"],
         "episodes": prompts * n,
         "repeats": repeats,
         "requests": statistics.median(r["requests"] for r in rounds),

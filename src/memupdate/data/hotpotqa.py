@@ -86,6 +86,8 @@ ROW_SCHEMA = pa.schema(
                     ("id", pa.string()),
                     ("question", pa.string()),
                     ("answers", pa.list_(pa.string())),
+                    # The supporting facts' sentences: what the cold start's expert keeps in memory.
+                    ("supporting_facts", pa.list_(pa.string())),
                     ("num_docs", pa.int64()),
                     ("num_tokens", pa.int64()),
                     ("type", pa.string()),
@@ -166,6 +168,12 @@ class HotpotExample:
     def gold(self) -> tuple[Paragraph, ...]:
         """Context paragraphs whose title is a supporting-fact title, in context order, without repeats."""
         return tuple(p for p in self.own if p.title in self.gold_titles)
+
+    @property
+    def supporting_sentences(self) -> tuple[str, ...]:
+        """The text of each supporting fact (its paragraph's sentence), in the order HotpotQA lists them."""
+        paragraphs = {p.title: p for p in reversed(self.gold)}
+        return tuple(paragraphs[title].sentences[sent_id].strip() for title, sent_id in self.supporting_facts)
 
     @property
     def hard_distractors(self) -> tuple[Paragraph, ...]:
@@ -573,6 +581,7 @@ def build_rows(
                     "id": example.id,
                     "question": example.question,
                     "answers": [example.answer],
+                    "supporting_facts": list(example.supporting_sentences),
                     "num_docs": n_docs,
                     "num_tokens": num_tokens,
                     "type": example.type,

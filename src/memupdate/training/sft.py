@@ -1,9 +1,11 @@
 """The cold start before GRPO: supervised fine-tuning on demonstration episodes (local backend).
 
-:func:`make_demonstrations` runs the scripted expert (:mod:`memupdate.training.demonstrations`) through the
-in-process agent loop worker on the train rows, so each demonstration is a GRPO rollout's row: prompt,
-response, ``response_mask`` (1 on the policy's own tokens; tool outputs and the prompt 0) and the
-reward the RL run would give it. :func:`train_sft` keeps the episodes :func:`keep_episode` accepts and
+:func:`make_demonstrations` runs the scripted expert of the loop (MemoryUpdate:
+:mod:`memupdate.training.demonstrations`; MemAgent: :mod:`memupdate.training.memagent_expert`) through the
+in-process agent loop worker on the train rows, so each demonstration is a GRPO rollout's rows (MemAgent:
+one per turn): prompt, response, ``response_mask`` (1 on the policy's own tokens; tool outputs and the
+prompt 0) and the reward the RL run would give it. :func:`train_sft` keeps the episodes the expert's rule
+accepts (:func:`keep_episode`; MemAgent: :func:`~memupdate.training.memagent_expert.covers`) and
 minimises the token-mean negative log-likelihood of the masked response tokens, with AdamW.
 
 A run writes ``<run>/demonstrations.jsonl`` (one record per episode: question, reward, kept, the
@@ -35,14 +37,17 @@ from verl import DataProto
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.agents.context import LoopContext
+from memupdate.agents.fields import MEMAGENT_REWARD
+from memupdate.data.rows import MEMAGENT_AGENT
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import episode_records
-from memupdate.rollout.workers import in_process_workers
-from memupdate.settings import EPISODE_KEYS, SFTSettings, ToolSettings, TrainSettings, build
+from memupdate.rollout.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, in_process_workers
+from memupdate.settings import EPISODE_KEYS, MemAgentLoopSettings, SFTSettings, ToolSettings, TrainSettings, build
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training.demonstrations import MemoryExpert, expert_rows, keep_episode
 from memupdate.training.local import response_log_probs
+from memupdate.training.memagent_expert import NOTHING_YET, MemAgentExpert, covers
 from memupdate.training.tracking import run_info, run_record, write_run_info
 from memupdate.utils.io import write_json_atomic, write_text_atomic
 
@@ -65,17 +70,19 @@ class SFTConfig(SFTSettings):
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-async def make_demonstrations(cfg: SFTConfig, tokenizer: Any) -> tuple[DataProto, list[dict[str, Any]]]:
-    """Every train row (up to ``max_rows``) played once by the expert: the rows (verl's layout) and a record per
-    episode."""
+def _expert(cfg: SFTConfig, tokenizer: Any) -> Any:
+    """The scripted expert of the rollout's agent loop, knowing the train rows."""
     rollout = cfg.rollout
-    config = run_config(rollout)
-    dataset = RLHFDataset(rollout.train_files, tokenizer, config.data, max_samples=cfg.max_rows or -1)
     table = [row for path in rollout.train_files for row in pq.read_table(path).to_pylist()]
+    if rollout.agent_name == MEMAGENT_AGENT:
+        loop = build(MemAgentLoopSettings, rollout.agent, "loop")
+        return MemAgentExpert(
+            tokenizer, [r["extra_info"] for r in table], loop.max_memory_tokens, loop.max_final_tokens
+        )
     missing = [name for name in SFTSettings.TOOLS if name not in rollout.memory.tools]
     if missing:
         raise ValueError(f"the expert uses {', '.join(SFTSettings.TOOLS)}, but the policy is not given {missing}")
-    expert = MemoryExpert(
+    return MemoryExpert(
         tokenizer,
         expert_rows(table),
         rollout.memory.memories,
@@ -83,8 +90,43 @@ async def make_demonstrations(cfg: SFTConfig, tokenizer: Any) -> tuple[DataProto
         rollout.max_new_tokens,
         cfg.search_top_k,
     )
+
+
+def _records(batch: DataProto, prompts: DataProto, tokenizer: Any, expert: Any) -> list[dict[str, Any]]:
+    """A record per episode of ``batch``, in prompt order, with whether it is kept."""
+    trajectories = batch.non_tensor_batch[TRAJECTORY_KEY].astype(int)
+    final = np.flatnonzero(batch.non_tensor_batch[FINAL_MASK_KEY].astype(bool))
+    if trajectories[final].tolist() != list(range(len(prompts))):
+        # SFTTrainer.train indexes the episodes' kept flags by each row's trajectory.
+        raise RuntimeError(f"expected one episode per prompt in prompt order, got trajectories {trajectories[final]}")
+    if not isinstance(expert, MemAgentExpert):
+        return [{**r, "kept": keep_episode(r["reward"])} for r in episode_records(batch, prompts, tokenizer)]
+    records = []
+    for i in final:
+        info = prompts.non_tensor_batch["extra_info"][trajectories[i]]
+        memory = expert.memories.get(info["question"], NOTHING_YET)
+        records.append(
+            {
+                "question": info["question"],
+                "reward": float(batch.batch["rm_scores"][i].sum()),
+                "turns": int((trajectories == trajectories[i]).sum()),
+                "memory": memory,
+                # The expert boxes the gold answer; a reward that does not credit it would teach nothing sound.
+                "kept": covers(memory, info["supporting_facts"]) and float(batch.batch["rm_scores"][i].sum()) > 0,
+            }
+        )
+    return records
+
+
+async def make_demonstrations(cfg: SFTConfig, tokenizer: Any) -> tuple[DataProto, list[dict[str, Any]], np.ndarray]:
+    """Every train row (up to ``max_rows``) played once by the expert: the rows (verl's layout), a record per
+    episode and the episode of each row."""
+    rollout = cfg.rollout
+    config = run_config(rollout)
+    dataset = RLHFDataset(rollout.train_files, tokenizer, config.data, max_samples=cfg.max_rows or -1)
+    expert = _expert(cfg, tokenizer)
     worker = in_process_workers(config, expert, loop_context=LoopContext("sft"))
-    parts, records = [], []
+    parts, records, episodes = [], [], []
     with tqdm(total=len(dataset), desc="demonstrations", unit="episode", disable=None) as bar:
         for start in range(0, len(dataset), EPISODES_PER_BATCH):
             indices = range(start, min(start + EPISODES_PER_BATCH, len(dataset)))
@@ -93,9 +135,11 @@ async def make_demonstrations(cfg: SFTConfig, tokenizer: Any) -> tuple[DataProto
             prompts.meta_info["global_steps"] = 0
             batch = await worker.generate_sequences(prompts)
             parts.append(batch)
-            records.extend({**r, "kept": keep_episode(r["reward"])} for r in episode_records(batch, prompts, tokenizer))
+            # The worker keeps a trajectory's rows together and trajectories in prompt order (n = 1).
+            episodes.append(start + batch.non_tensor_batch[TRAJECTORY_KEY].astype(int))
+            records.extend(_records(batch, prompts, tokenizer, expert))
             bar.update(len(indices))
-    return DataProto.concat(parts), records
+    return DataProto.concat(parts), records, np.concatenate(episodes)
 
 
 class SFTTrainer:
@@ -109,7 +153,9 @@ class SFTTrainer:
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         write_json_atomic(self.run_dir / "resolved_config.json", {"memupdate": asdict(cfg)})
         memory = cfg.rollout.memory
-        data = {"train_files": cfg.rollout.train_files, "memories": memory.memories, "embeddings": memory.embeddings}
+        data = {"train_files": cfg.rollout.train_files}
+        if memory is not None:
+            data.update(memories=memory.memories, embeddings=memory.embeddings)
         self.run_info = run_info(
             cfg.digest(), run_record(data), backend="local", kind="sft", base_model=cfg.rollout.model_path
         )
@@ -118,12 +164,9 @@ class SFTTrainer:
     def train(self) -> Path:
         """Make the demonstrations, fine-tune on the kept ones and return ``<run>/ckpt``."""
         start = time.perf_counter()
-        batch, records = asyncio.run(make_demonstrations(self.cfg, self.tokenizer))
+        batch, records, episodes = asyncio.run(make_demonstrations(self.cfg, self.tokenizer))
         write_text_atomic(self.run_dir / DEMONSTRATIONS, "".join(json.dumps(r) + "\n" for r in records))
-        if len(records) != len(batch):
-            # One row per episode: the kept mask below indexes the batch's rows by episode.
-            raise RuntimeError(f"{len(records)} demonstration episodes in {len(batch)} rows: expected one row each")
-        kept = np.array([r["kept"] for r in records], dtype=bool)
+        kept = np.array([r["kept"] for r in records], dtype=bool)[episodes]
         summary = demonstration_summary(records, time.perf_counter() - start)
         logger.info("demonstrations: %s", json.dumps(summary))
         if not kept.any():
@@ -214,7 +257,8 @@ def demonstration_summary(records: list[dict[str, Any]], seconds: float) -> dict
     return {
         "episodes": len(records),
         "kept": len(kept),
-        "kept_with_merge": sum(r["tool_calls"] >= 2 for r in kept),
+        # MemoryUpdate: a search and an edit (MemAgent episodes call no tools).
+        "kept_with_merge": sum(r.get("tool_calls", 0) >= 2 for r in kept),
         "kept_reward_mean": float(np.mean([r["reward"] for r in kept])) if kept else None,
         "dropped_reward_mean": float(np.mean([r["reward"] for r in records if not r["kept"]]))
         if len(kept) < len(records)
@@ -271,3 +315,30 @@ def cold_start(
         **episode,
     )
     return train_sft(SFTConfig(**sft, rollout=rollout, max_content_chars=max_content_chars))
+
+
+def cold_start_memagent(
+    *,
+    settings: Mapping[str, Any],
+    train: Mapping[str, Any],
+    loop: Mapping[str, Any],
+    model: str,
+    train_files: list[str],
+    run_dir: str,
+) -> Path:
+    """A MemAgent experiment's ``sft`` run: the expert's trajectories of the ``memagent`` loop (``loop``'s
+    budgets, ``train``'s lengths: its :class:`~memupdate.settings.TrainSettings`) on ``train_files``, every
+    turn a row, and the fine-tuned policy in ``<run_dir>/ckpt``."""
+    sft = asdict(build(SFTSettings, settings, "sft"))
+    train_settings = build(TrainSettings, {k: v for k, v in train.items() if k != "num_docs"}, "train")
+    rollout = RolloutConfig(
+        model_path=model,
+        train_files=train_files,
+        run_dir=run_dir,
+        agent_name=MEMAGENT_AGENT,
+        agent=asdict(build(MemAgentLoopSettings, loop, "loop")),
+        reward_manager=MEMAGENT_REWARD,
+        seed=sft["seed"],
+        **{k: getattr(train_settings, k) for k in EPISODE_KEYS},
+    )
+    return train_sft(SFTConfig(**sft, rollout=rollout, max_content_chars=DEFAULT_MAX_CONTENT_CHARS))

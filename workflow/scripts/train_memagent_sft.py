@@ -1,0 +1,13 @@
+from memupdate.training.sft import cold_start_memagent
+from memupdate.utils.logging import setup_logging
+
+setup_logging(snakemake.log[0])
+inputs, params = snakemake.input, snakemake.params
+cold_start_memagent(
+    settings=params.settings,
+    train=params.train,
+    loop=params.loop,
+    model=inputs.model,
+    train_files=[inputs.train],
+    run_dir=params.run_dir,
+)
