@@ -270,8 +270,9 @@ def policy_model(wildcards):
     return f"results/models/{get_experiment(wildcards)['policy']}"
 
 
-def get_stage1_model(wildcards):
-    """Where stage 1 starts: the cold start's checkpoint when the experiment has an `sft` section."""
+def get_training_start(wildcards):
+    """Where stage 1 (MemAgent: training) starts: the cold start's checkpoint when the experiment has an `sft`
+    section, else the prepared policy."""
     if "sft" in get_experiment(wildcards):
         return f"results/{wildcards.exp}/sft/ckpt"
     return policy_model(wildcards)
@@ -281,8 +282,13 @@ def get_stage1_episode(wildcards):
     """Stage 1's settings that shape its episodes (memupdate.settings.EPISODE_KEYS, SAMPLING_KEYS, seed): the
     cold start and the policy evaluation play them, and are not redone when stage 1's training changes.
     """
+    return episode_settings(get_stage1_settings(wildcards))
+
+
+def episode_settings(settings):
+    """The training settings that shape an episode (the rest say how training learns from it)."""
     keys = (*EPISODE_KEYS, *SAMPLING_KEYS, "seed")
-    return {k: v for k, v in get_stage1_settings(wildcards).items() if k in keys}
+    return {k: v for k, v in settings.items() if k in keys}
 
 
 def get_tool_settings(wildcards):
@@ -306,7 +312,7 @@ def get_sft_reward(wildcards):
 def get_stage1_inputs(wildcards):
     experiment = get_experiment(wildcards)
     inputs = {
-        "model": get_stage1_model(wildcards),
+        "model": get_training_start(wildcards),
         **memory_inputs(),
         **validation_inputs(experiment),
         **rollout_env_inputs(experiment["stage1"]),
@@ -548,12 +554,7 @@ def hotpotqa_rows(ndocs, part):
 def get_memagent_train_inputs(wildcards):
     experiment = get_memagent_experiment(wildcards)
     return {
-        # The cold start's checkpoint when the experiment has an `sft` section.
-        "model": (
-            f"results/{wildcards.exp}/sft/ckpt"
-            if "sft" in experiment
-            else f"results/models/{experiment['policy']}"
-        ),
+        "model": get_training_start(wildcards),
         "train": hotpotqa_rows(experiment["train"]["num_docs"], "train"),
         **rollout_env_inputs(experiment["train"]),
     }
@@ -562,7 +563,7 @@ def get_memagent_train_inputs(wildcards):
 def get_memagent_sft_inputs(wildcards):
     experiment = get_memagent_experiment(wildcards)
     return {
-        "model": f"results/models/{experiment['policy']}",
+        "model": policy_model(wildcards),
         "train": hotpotqa_rows(experiment["train"]["num_docs"], "train"),
     }
 
@@ -570,9 +571,7 @@ def get_memagent_sft_inputs(wildcards):
 def get_memagent_episode(wildcards):
     """MemAgent training's settings that shape its episodes: the cold start plays them, and is not redone
     when how training learns changes."""
-    keys = (*EPISODE_KEYS, *SAMPLING_KEYS, "seed")
-    train = get_memagent_experiment(wildcards)["train"]
-    return {k: v for k, v in train.items() if k in keys}
+    return episode_settings(get_memagent_experiment(wildcards)["train"])
 
 
 def get_memagent_train_settings(wildcards):

@@ -203,10 +203,11 @@ def run_rollout_bench(
     raw_rate = statistics.median(r["generated_tokens"] / r["raw_seconds"] for r in rounds)
     ratios = [r["raw_seconds"] / r["loop_seconds"] for r in rounds]
     loop_seconds = statistics.median(r["loop_seconds"] for r in rounds)
+    environment = ToolSettings.environment(tools)
     result = {
         "model": str(model_dir),
-        "tools": list(ToolSettings.environment(tools)["tools"]),
-        "compact_schemas": ToolSettings.environment(tools)["compact_schemas"],
+        "tools": list(environment["tools"]),
+        "compact_schemas": environment["compact_schemas"],
         "episodes": prompts * n,
         "repeats": repeats,
         "requests": statistics.median(r["requests"] for r in rounds),

@@ -105,14 +105,15 @@ def _records(batch: DataProto, prompts: DataProto, tokenizer: Any, expert: Any) 
     for i in final:
         info = prompts.non_tensor_batch["extra_info"][trajectories[i]]
         memory = expert.memories.get(info["question"], NOTHING_YET)
+        reward = float(batch.batch["rm_scores"][i].sum())
         records.append(
             {
                 "question": info["question"],
-                "reward": float(batch.batch["rm_scores"][i].sum()),
+                "reward": reward,
                 "turns": int((trajectories == trajectories[i]).sum()),
                 "memory": memory,
                 # The expert boxes the gold answer; a reward that does not credit it would teach nothing sound.
-                "kept": covers(memory, info["supporting_facts"]) and float(batch.batch["rm_scores"][i].sum()) > 0,
+                "kept": covers(memory, info["supporting_facts"]) and reward > 0,
             }
         )
     return records
