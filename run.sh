@@ -2,6 +2,7 @@
 # One entry point that sets up everything on a fresh Debian machine with Python 3.11, then runs:
 #   ./run.sh pipeline [snakemake args]  the whole workflow on profiles/local at smoke scale
 #   ./run.sh tests [pytest args]        the test suite
+#   ./run.sh demo [snakemake args]      the cpu_demo run: cold start, GRPO and both evaluations (README)
 # The environment lives in .venv and is rebuilt only when pyproject.toml or constraints change.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -60,12 +61,17 @@ case "$cmd" in
         ensure_env
         exec "$VENV/bin/snakemake" --profile profiles/local all "$@"
         ;;
+    demo)
+        ensure_env
+        exec "$VENV/bin/snakemake" --profile profiles/local \
+            results/cpu_demo/policy_eval/report.json results/cpu_demo/eval/report.json "$@"
+        ;;
     tests)
         ensure_env
         exec "$VENV/bin/python" -m pytest "$@"
         ;;
     *)
-        sed -n '2,5p' "$0" >&2
+        sed -n '2,6p' "$0" >&2
         exit 2
         ;;
 esac
