@@ -304,6 +304,17 @@ def get_sft_run_dir(wildcards):
     return f"results/{wildcards.exp}/sft"
 
 
+def get_sft_layout(wildcards):
+    """Where verl's SFT trainer runs (backend verl): the training stage's trainer.device (cpu: verl's cpu
+    platform) and trainer.n_gpus_per_node, so the cold start runs where training will. Empty for local."""
+    experiment = get_experiment(wildcards)
+    if experiment["backend"] != "verl":
+        return {}
+    stage = experiment["train" if is_memagent(wildcards.exp) else "stage1"]
+    keys = ("trainer.device", "trainer.n_gpus_per_node")
+    return {k: v for k, v in stage.items() if k in keys}
+
+
 def get_sft_reward(wildcards):
     """The workflow's reward settings; the demonstrations are scored offline (memupdate.training.sft)."""
     return {k: v for k, v in get_reward_config(wildcards).items() if k != "judge"}

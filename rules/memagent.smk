@@ -19,9 +19,10 @@ rule train_memagent_sft:
         "../workflow/envs/memupdate.yaml"
     threads: 2
     resources:
-        runtime=120,
-        mem_mb=8000,
+        **job_resources("train_memagent_sft", policy_of, runtime=120, mem_mb=8000),
     params:
+        backend=get_backend,
+        layout=get_sft_layout,
         settings=get_sft_settings,
         train=get_memagent_episode,
         loop=get_memagent_loop,

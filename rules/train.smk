@@ -20,9 +20,10 @@ rule train_sft:
         "../workflow/envs/memupdate.yaml"
     threads: 2
     resources:
-        runtime=120,
-        mem_mb=8000,
+        **job_resources("train_sft", policy_of, runtime=120, mem_mb=8000),
     params:
+        backend=get_backend,
+        layout=get_sft_layout,
         settings=get_sft_settings,
         # The demonstrations are stage 1's episodes: its lengths and turns.
         stage=get_stage1_episode,

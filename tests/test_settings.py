@@ -175,7 +175,16 @@ def test_verl_backend_settings_are_checked_against_verls_config():
         in text
     )
     assert "experiments.smoke.stage1.trainer.nnodes: 'two' is not an int" in text
-    ok = with_stage1({"trainer.total_training_steps": 10, "actor_rollout_ref.actor.optim.lr": "1e-6", "+my.key": 1})
+    # An integer default is not always an int: verl's YAML writes entropy_coeff (a float field) as 0.
+    assert "data.train_batch_size: 2.5 is not an int" in problems(with_stage1({"data.train_batch_size": 2.5}))
+    ok = with_stage1(
+        {
+            "trainer.total_training_steps": 10,
+            "actor_rollout_ref.actor.optim.lr": "1e-6",
+            "actor_rollout_ref.actor.entropy_coeff": 0.01,
+            "+my.key": 1,
+        }
+    )
     check_config(ok, SCHEMA, root=REPO)
     assert ok["experiments"]["smoke"]["stage1"]["actor_rollout_ref.actor.optim.lr"] == 1e-6
 

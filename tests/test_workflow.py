@@ -160,11 +160,32 @@ def test_a_memagent_experiment_with_a_cold_start_trains_from_it(workdir):
     assert by_rule["train_memagent_sft"]["output"] == "results/memagent_smoke/sft/ckpt"
     assert "results/data/hotpotqa/" in by_rule["train_memagent_sft"]["input"]
     assert by_rule["train_memagent"]["input"].startswith("results/memagent_smoke/sft/ckpt")
-    # Only the local backend has a cold start, and it is checked when the Snakefile loads.
-    (workdir / "verl.yaml").write_text("experiments:\n  memagent_verl_cpu:\n    sft: {epochs: 1}\n")
-    bad = snakemake(workdir, "-n", "results/memagent_smoke/memagent/ckpt", "--configfile", "verl.yaml")
-    assert bad.returncode != 0
-    assert "experiments.memagent_verl_cpu.sft: runs with backend local only" in bad.stdout + bad.stderr
+    # Its settings are checked when the Snakefile loads.
+    (workdir / "bad.yaml").write_text("experiments:\n  memagent_smoke:\n    sft: {batch_size: 0}\n")
+    bad = snakemake(workdir, "-n", "results/memagent_smoke/memagent/ckpt", "--configfile", "bad.yaml")
+    assert bad.returncode != 0 and "experiments.memagent_smoke.sft.batch_size" in bad.stdout + bad.stderr
+
+
+def test_a_verl_experiments_cold_start_is_a_gpu_job_on_the_slurm_profile(workdir):
+    """Backend verl: the cold start is verl's SFT trainer on one node, sized by profiles/slurm/resources.yaml."""
+    (workdir / "sft.yaml").write_text(
+        "experiments:\n  memupdate_7b:\n    sft: {epochs: 1}\n  memagent_7b:\n    sft: {epochs: 1}\n"
+    )
+    targets = ["results/memupdate_7b/stage1/ckpt", "results/memagent_7b/memagent/ckpt"]
+    result = snakemake(
+        workdir, "-n", "--profile", "profiles/slurm", *targets, "--config", "scale=full", "--configfile", "sft.yaml"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = {(job["rule"], job.get("wildcards")): job for job in dry_run_jobs(result.stdout)}
+    for rule, exp, after in (
+        ("train_sft", "memupdate_7b", "train_stage1"),
+        ("train_memagent_sft", "memagent_7b", "train_memagent"),
+    ):
+        sft = jobs[(rule, f"exp={exp}")]
+        assert sft["output"] == f"results/{exp}/sft/ckpt"
+        asked = resources(sft)
+        assert asked["gres"] == "gpu:8" and "nodes" not in asked, sft  # one node: no srun across nodes
+        assert jobs[(after, f"exp={exp}")]["input"].startswith(f"results/{exp}/sft/ckpt")
 
 
 def test_policy_evaluation_compares_base_cold_start_and_stage1_on_held_out_questions(workdir):

@@ -88,19 +88,30 @@ def _cmd_bench_memory(args: argparse.Namespace) -> None:
 
 
 def _cmd_bench_rollout(args: argparse.Namespace) -> None:
-    from memupdate.bench.rollout import format_rollout_bench, run_rollout_bench
+    from memupdate.bench.rollout import experiment_policy, format_rollout_bench, run_rollout_bench
 
+    if args.model == "tiny":
+        policy = {"model": None, "tools": None, "max_tokens": 48, "max_assistant_turns": 3}
+    elif args.model:
+        policy = {"model": args.model, "tools": None, "max_tokens": 192, "max_assistant_turns": 3}
+    else:
+        import yaml
+
+        with open(args.config, encoding="utf-8") as fh:
+            policy = experiment_policy(args.experiment, yaml.safe_load(fh))
+    if args.tools:
+        policy["tools"] = {"names": args.tools.split(","), "compact": args.compact}
+    if args.max_tokens:
+        policy["max_tokens"] = args.max_tokens
     result = run_rollout_bench(
         args.train,
         args.memories,
         args.embeddings,
         prompts=args.prompts,
         n=args.n,
-        max_tokens=args.max_tokens,
         repeats=args.repeats,
         output=args.output,
-        model=args.model,
-        tools=args.tools and {"names": args.tools.split(","), "compact": args.compact},
+        **policy,
     )
     sys.stdout.write(format_rollout_bench(result) + "\n")
 
@@ -266,12 +277,26 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--embeddings", default=DEFAULT_MEMORY_EMBEDDINGS)
     roll.add_argument("--prompts", type=int, default=4)
     roll.add_argument("--n", type=int, default=4, help="rollouts per prompt")
-    roll.add_argument("--max-tokens", type=int, default=48, help="tokens per assistant turn")
-    roll.add_argument("--repeats", type=int, default=15, help="rounds of loop step + raw replay (medians reported)")
     roll.add_argument(
-        "--model", help="a checkpoint folder, e.g. results/cpu_demo/sft/ckpt (default: a tiny random model)"
+        "--experiment",
+        default="cpu_demo",
+        help="measure this experiment's cold start (results/<experiment>/sft/ckpt) with its tools and stage-1 "
+        "reply budget: multi-turn tool episodes",
     )
-    roll.add_argument("--tools", help="the policy's tools, comma-separated (default: all six)")
+    roll.add_argument("--config", default="config/config.yaml", help="the workflow config naming the experiment")
+    roll.add_argument(
+        "--model",
+        help="a checkpoint folder instead of the experiment's (all six tools unless --tools), or `tiny`: a tiny "
+        "random model, which rarely calls a tool (one-turn episodes)",
+    )
+    roll.add_argument("--max-tokens", type=int, help="tokens per assistant turn (default: the experiment's)")
+    roll.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="rounds of loop step + raw replay (medians reported); at 5, two runs of the default agreed within 3%%",
+    )
+    roll.add_argument("--tools", help="the policy's tools, comma-separated (default: the experiment's)")
     roll.add_argument("--compact", action="store_true", help="compact tool schemas (with --tools)")
     roll.add_argument("--output", default="results/bench/rollout.json")
     roll.set_defaults(func=_cmd_bench_rollout)

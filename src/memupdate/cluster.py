@@ -22,7 +22,15 @@ from memupdate.settings import ConfigError, build, setting
 
 #: Rules whose jobs the table sizes: the trainers, the servers and the model download (a 7B checkpoint is
 #: loaded and saved again in memory).
-RULES = ("prepare_model", "train_stage1", "train_stage2", "train_memagent", "serve_model")
+RULES = (
+    "prepare_model",
+    "train_sft",
+    "train_memagent_sft",
+    "train_stage1",
+    "train_stage2",
+    "train_memagent",
+    "serve_model",
+)
 DEFAULT = "default"
 
 

@@ -195,7 +195,9 @@ class SFTSettings:
     """An experiment's ``sft``: the cold start before stage 1 or MemAgent training (:mod:`memupdate.training.sft`),
     fine-tuning the policy on the scripted expert's demonstration episodes of the train rows. The episodes are
     those training plays (its loop, tools, reward and lengths); these are the optimiser's settings. A MemAgent
-    episode is one row per turn, and ``batch_size`` / ``micro_batch_size`` count rows."""
+    episode is one row per turn, and ``batch_size`` / ``micro_batch_size`` count rows. With backend verl the
+    fine-tuning is verl's SFT trainer on one node (:mod:`memupdate.training.verl_sft`): ``batch_size`` is the
+    global batch, ``micro_batch_size`` per GPU."""
 
     epochs: int = setting(2, help="passes over the kept demonstrations", minimum=1)
     batch_size: int = setting(8, help="episodes per optimiser step", minimum=1)
@@ -711,14 +713,19 @@ SECTIONS = {
         "stage2": TrainSettings,
         "eval": LocomoEvalSettings,
     },
-    ("memupdate", "verl"): {"reward": RewardSettings, "tools": ToolSettings, "eval": LocomoEvalSettings},
+    ("memupdate", "verl"): {
+        "reward": RewardSettings,
+        "tools": ToolSettings,
+        "sft": SFTSettings,
+        "eval": LocomoEvalSettings,
+    },
     ("memagent", "local"): {
         "loop": MemAgentLoopSettings,
         "sft": SFTSettings,
         "train": MemAgentTrainSettings,
         "eval": MemAgentExperimentEval,
     },
-    ("memagent", "verl"): {"loop": MemAgentLoopSettings, "eval": MemAgentExperimentEval},
+    ("memagent", "verl"): {"loop": MemAgentLoopSettings, "sft": SFTSettings, "eval": MemAgentExperimentEval},
 }
 #: Sections of a verl experiment that are verl config keys (``trainer.total_training_steps: 100``).
 VERL_SECTIONS = {"memupdate": ("stage1", "stage2"), "memagent": ("train",)}
@@ -851,8 +858,6 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
                 f"experiments.{name}.tools.names: the cold start's expert uses {', '.join(SFTSettings.TOOLS)}; "
                 f"give the policy all of them (it has {', '.join(names)})"
             )
-        if "sft" in experiment and backend != "local":
-            errors.append(f"experiments.{name}.sft: runs with backend local only (this one has backend {backend})")
         if "policy_eval" in experiment and (kind, backend) != ("memupdate", "local"):
             errors.append(
                 f"experiments.{name}.policy_eval: runs with backend local on MemoryUpdate experiments only "
@@ -1003,6 +1008,23 @@ def verl_defaults() -> dict[str, Any]:
     return flat(yaml.safe_load(path.read_text(encoding="utf-8")), "")
 
 
+def _verl_field_type(defaults: Mapping[str, Any], key: str) -> Any:
+    """The type verl's config dataclass (its section's ``_target_``) declares for ``key``, or None. Imported only
+    for a value the YAML default's type refuses: verl's config classes import torch.
+
+    >>> _verl_field_type({"actor._target_": "verl.workers.config.FSDPActorConfig"}, "actor.entropy_coeff")
+    <class 'float'>
+    """
+    import importlib
+
+    parent, _, name = key.rpartition(".")
+    module, _, cls = str(defaults.get(f"{parent}._target_", "")).rpartition(".")
+    try:
+        return typing.get_type_hints(getattr(importlib.import_module(module), cls)).get(name)
+    except (ImportError, AttributeError, NameError, TypeError, ValueError):
+        return None
+
+
 def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
     """Problems with verl-backend settings (dotted verl config keys): a key verl does not define (add one on
     purpose with a ``+`` prefix), or a value whose type differs from verl's default."""
@@ -1040,6 +1062,9 @@ def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
             )
             if ok:
                 settings[key] = int(value)
+            elif isinstance(value, float) and _verl_field_type(defaults, key) is float:
+                # verl's YAML writes some float fields' defaults as integers (entropy_coeff: 0).
+                ok = True
         else:
             ok = True
         if not ok:

@@ -24,7 +24,8 @@ def test_a_text_longer_than_the_model_input_is_reported_once_and_counted(embedde
     with caplog.at_level("WARNING", logger="memupdate.memory.embedder"):
         embedder.encode(["short memory", "x" * 200])
         assert embedder.truncated == before and not caplog.records
-        embedder.encode(["short memory", long, long])
+        embedder.encode(["short memory", long, long, long + " Again."])
+    # Each text is embedded once (the repeat comes from the model's recent vectors).
     assert embedder.truncated == before + 2
     if before == 0:
         (record,) = [r for r in caplog.records if r.name == "memupdate.memory.embedder"]
@@ -33,6 +34,30 @@ def test_a_text_longer_than_the_model_input_is_reported_once_and_counted(embedde
     tokenizer = embedder._loaded.model.tokenizer
     head = tokenizer.decode(tokenizer(long, verbose=False)["input_ids"][1:255])
     np.testing.assert_allclose(embedder.encode([long]), embedder.encode([head]), atol=1e-4)
+
+
+def test_a_text_is_embedded_once_however_often_it_is_asked_for(embedder, monkeypatch):
+    from memupdate.memory import embedder as module
+
+    model = embedder._loaded.model
+    embedded: list[str] = []
+    encode = model.encode
+
+    def counting(texts, **kwargs):
+        embedded.extend(texts)
+        return encode(texts, **kwargs)
+
+    monkeypatch.setattr(model, "encode", counting)
+    question = "When did Caroline go to the LGBTQ support group? (a question searched by every rollout)"
+    first = embedder.encode([question, question, "a memory written once"])
+    again = embedder.encode(["a memory written once", question])
+    assert embedded == [question, "a memory written once"]
+    np.testing.assert_array_equal(first[0], first[1])
+    np.testing.assert_array_equal(again, first[[2, 0]])
+    # Bounded: the least recently used vectors go first.
+    monkeypatch.setattr(module, "RECENT_TEXTS", 2)
+    embedder.encode(["third text"])
+    assert list(embedder._loaded.recent) == [question, "third text"]
 
 
 def test_model_is_loaded_once_per_process_and_aliases_agree(embedder):

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from memupdate.training.ray_cluster import cluster_command
 
@@ -163,10 +165,26 @@ def test_verl_stage1_trains_across_two_slurm_nodes(slurm_cluster, slurm_workdir,
     # to the weights of the last update.
     replicas = sorted(p.name for p in (run_dir / "rollout").glob("replica*"))
     assert replicas == ["replica0", "replica1"], replicas
-    assert all((run_dir / "rollout" / r / "step000002").is_dir() for r in replicas)
+    assert all(sorted(p.name for p in (run_dir / "rollout" / r).glob("step*")) == ["step000002"] for r in replicas)
+    # The weights moved (verl_cpu's entropy bonus and large step: a random model earns no reward), and each
+    # server answered with exactly the trained weights after the last update. The merged checkpoint is in
+    # bfloat16 (verl's model merger), the trainer's weights in float32.
+    trained = load_file(run_dir / "ckpt" / "model.safetensors")
+    base = load_file(slurm_workdir / "results/models/tiny-random-vllm/model.safetensors")
+    assert any(not torch.equal(base[name].to(tensor.dtype), tensor) for name, tensor in trained.items())
+    for replica in replicas:
+        served = load_file(run_dir / "rollout" / replica / "step000002" / "model.safetensors")
+        assert all(torch.equal(served[name].to(tensor.dtype), tensor) for name, tensor in trained.items()), replica
+    # Each step's time split as verl logs it (README "verl on CPU"), and our loop's episodes: up to two turns.
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == 2
+    assert {"timing_s/gen", "timing_s/update_actor", "timing_s/update_weights"} <= set(logged[-1]["verl"])
+    assert 1 <= logged[-1]["num_turns_mean"] <= 2 * 2 + 1
     resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
     # verl's resource pool asks for one rank on each of two nodes (a bundle per Ray node).
     assert resolved["trainer"]["nnodes"] == 2 and resolved["trainer"]["n_gpus_per_node"] == 1
+    assert resolved["trainer"]["device"] == "cpu"
+    assert resolved["actor_rollout_ref"]["rollout"]["name"] == "memupdate_vllm"
 
 
 CHECK = textwrap.dedent(

@@ -17,6 +17,7 @@ from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 from memupdate.training.demonstrations import DONE
 from memupdate.training.memagent_expert import NOTHING_YET, covers
 from memupdate.training.sft import DEMONSTRATIONS, cold_start, cold_start_memagent
+from memupdate.training.verl_sft import ROWS_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -120,6 +121,45 @@ def test_a_reply_cap_the_expert_cannot_keep_is_refused(tiny_model_dir, locomo_ro
             reward={},
         )
     assert not (tmp_path / "run" / "ckpt").exists()
+
+
+@pytest.mark.verl_cpu
+def test_verls_sft_trainer_fine_tunes_on_the_same_rows(tiny_model_dir, locomo_rows, cache_dir, tmp_path):
+    """Backend verl: the same demonstrations, as token rows, through verl's SFT trainer (FSDP engine; here on
+    verl's cpu platform), merged into the checkpoint stage 1 starts from."""
+    run_dir = tmp_path / "run"
+    ckpt = cold_start(
+        settings={"epochs": 3, "batch_size": 2, "micro_batch_size": 1, "lr": 1e-3, "max_rows": 4, "search_top_k": 5},
+        stage=STAGE,
+        model=str(tiny_model_dir),
+        train_files=[str(locomo_rows["train"])],
+        memories=str(locomo_rows["memories"]),
+        embeddings=str(cache_dir),
+        run_dir=str(run_dir),
+        reward={"efficiency": {"max_total_memories": None}},
+        tools=TOOLS,
+        backend="verl",
+        layout={"trainer.device": "cpu"},
+    )
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert (manifest["backend"], manifest["kind"], manifest["base_model"]) == ("verl", "sft", str(tiny_model_dir))
+    assert (run_dir / "hydra" / ".hydra" / "config.yaml").is_file()  # hydra wrote into the run, not the cwd
+    assert manifest["git"] and manifest["config_digest"]
+    # verl trained on the kept episodes' rows, the loss on the policy's tokens only: never the prompt (the
+    # question) nor a tool's output (search results).
+    records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
+    rows = pq.read_table(run_dir / ROWS_FILE).to_pylist()
+    assert len(rows) == sum(r["kept"] for r in records) >= 2
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for row in rows:
+        trained = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
+        assert trained.startswith("<tool_call>") and "Found " not in trained and "Target question" not in trained
+        assert "Target question" in tokenizer.decode(row["input_ids"])
+    # Three epochs on the same rows: the loss falls, and the weights moved.
+    losses = [r["data"]["train/loss"] for r in map(json.loads, (run_dir / "tracking.jsonl").read_text().splitlines())]
+    assert len(losses) == 3 * (len(rows) // 2) and losses[-1] < losses[0], losses
+    trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(base[name], tensor.to(base[name].dtype)) for name, tensor in trained.items())
 
 
 # ------------------------------------------------------------------------------------------- MemAgent

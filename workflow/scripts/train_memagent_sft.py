@@ -10,4 +10,6 @@ cold_start_memagent(
     model=inputs.model,
     train_files=[inputs.train],
     run_dir=params.run_dir,
+    backend=params.backend,
+    layout=params.layout,
 )

@@ -15,4 +15,6 @@ cold_start(
     tools=params.tools,
     run_dir=params.run_dir,
     reward=params.reward,
+    backend=params.backend,
+    layout=params.layout,
 )

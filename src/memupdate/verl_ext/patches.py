@@ -104,6 +104,24 @@ def _process_group(original: Callable[..., Any]) -> Callable[..., Any]:
     return initialize
 
 
+def _global_process_group(original: Callable[..., Any]) -> Callable[..., Any]:
+    def initialize(timeout_second=36000):
+        # The original's body with the backend 'gloo' (it builds its backend string inline).
+        import os
+        from datetime import timedelta
+
+        import torch.distributed
+
+        torch.distributed.init_process_group(
+            backend="gloo",
+            timeout=timedelta(seconds=timeout_second),
+            init_method=os.environ.get("DIST_INIT_METHOD", None),
+        )
+        return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    return initialize
+
+
 def _host_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     def build(self, module):
         # The name is a global of verl's module, read when the policy is built; swapped for this call only.
@@ -135,6 +153,14 @@ PATCHES = (
         source_sha256="761a94d1a2e058d31a0ac231c89a142abf5daf822e333bac75e84cafcf7507ac",
         wrap=_process_group,
         bound_in=("verl.workers.engine_workers",),
+    ),
+    Patch(
+        target="verl.utils.distributed:initialize_global_process_group",
+        where="verl/utils/distributed.py:63",
+        why="the torchrun trainers' (the SFT trainer's) process group: the same 'cpu:gloo,cpu:gloo' backend "
+        "string, built inline; on cpu the group is initialised with 'gloo' (setting the device is a no-op there)",
+        source_sha256="33a5452c4dde00591e00692a5f967cc7b424a3b7ebd9da7cb23697209ddbd0e1",
+        wrap=_global_process_group,
     ),
     Patch(
         target="verl.workers.engine.fsdp.transformer_impl:FSDPEngine._build_fsdp_module",
