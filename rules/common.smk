@@ -306,7 +306,8 @@ def get_sft_run_dir(wildcards):
 
 def get_sft_layout(wildcards):
     """Where verl's SFT trainer runs (backend verl): the training stage's trainer.device (cpu: verl's cpu
-    platform) and trainer.n_gpus_per_node, so the cold start runs where training will. Empty for local."""
+    platform) and trainer.n_gpus_per_node, so the cold start runs where training will. Empty for local.
+    """
     experiment = get_experiment(wildcards)
     if experiment["backend"] != "verl":
         return {}

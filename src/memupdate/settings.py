@@ -1008,21 +1008,45 @@ def verl_defaults() -> dict[str, Any]:
     return flat(yaml.safe_load(path.read_text(encoding="utf-8")), "")
 
 
-def _verl_field_type(defaults: Mapping[str, Any], key: str) -> Any:
-    """The type verl's config dataclass (its section's ``_target_``) declares for ``key``, or None. Imported only
-    for a value the YAML default's type refuses: verl's config classes import torch.
+def _verl_field_type(defaults: Mapping[str, Any], key: str) -> str | None:
+    """The annotation verl's config dataclass (its section's ``_target_``) gives ``key``, read from verl's
+    source, or None. Not imported: verl's config classes import torch, seconds at every Snakefile load.
 
     >>> _verl_field_type({"actor._target_": "verl.workers.config.FSDPActorConfig"}, "actor.entropy_coeff")
-    <class 'float'>
+    'float'
     """
-    import importlib
+    import ast
+    import importlib.util
 
     parent, _, name = key.rpartition(".")
     module, _, cls = str(defaults.get(f"{parent}._target_", "")).rpartition(".")
-    try:
-        return typing.get_type_hints(getattr(importlib.import_module(module), cls)).get(name)
-    except (ImportError, AttributeError, NameError, TypeError, ValueError):
+    top, *rest = module.split(".") if module else [""]
+    spec = importlib.util.find_spec(top) if top else None
+    if spec is None or not spec.submodule_search_locations:
         return None
+    package = Path(next(iter(spec.submodule_search_locations))).joinpath(*rest)
+    files = sorted(package.rglob("*.py")) if package.is_dir() else [package.with_suffix(".py")]
+    classes: dict[str, ast.ClassDef] = {}
+    for path in files:
+        if path.is_file():
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef):
+                    classes.setdefault(node.name, node)
+
+    def annotation(cls_name: str, seen: frozenset[str]) -> str | None:
+        node = classes.get(cls_name)
+        if node is None or cls_name in seen:
+            return None
+        for stmt in node.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == name:
+                return ast.unparse(stmt.annotation)
+        for base in node.bases:
+            found = annotation(ast.unparse(base).rpartition(".")[2], seen | {cls_name})
+            if found:
+                return found
+        return None
+
+    return annotation(cls, frozenset())
 
 
 def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
@@ -1062,7 +1086,7 @@ def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
             )
             if ok:
                 settings[key] = int(value)
-            elif isinstance(value, float) and _verl_field_type(defaults, key) is float:
+            elif isinstance(value, float) and _verl_field_type(defaults, key) == "float":
                 # verl's YAML writes some float fields' defaults as integers (entropy_coeff: 0).
                 ok = True
         else:
