@@ -90,10 +90,11 @@ def _cmd_bench_memory(args: argparse.Namespace) -> None:
 def _cmd_bench_rollout(args: argparse.Namespace) -> None:
     from memupdate.bench.rollout import experiment_policy, format_rollout_bench, run_rollout_bench
 
+    # A tiny random model takes run_rollout_bench's own defaults (its one-turn episodes' budgets).
     if args.model == "tiny":
-        policy = {"model": None, "tools": None, "max_tokens": 48, "max_assistant_turns": 3}
+        policy = {}
     elif args.model:
-        policy = {"model": args.model, "tools": None, "max_tokens": 192, "max_assistant_turns": 3}
+        policy = {"model": args.model, "max_tokens": 192}
     else:
         import yaml
 

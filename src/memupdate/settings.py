@@ -1008,6 +1008,28 @@ def verl_defaults() -> dict[str, Any]:
     return flat(yaml.safe_load(path.read_text(encoding="utf-8")), "")
 
 
+@functools.lru_cache(maxsize=8)
+def _module_classes(module: str) -> dict[str, Any]:
+    """The class definitions (``ast.ClassDef``) in the source of ``module`` (a package: all its files), by name,
+    found without importing it; empty if it is not installed."""
+    import ast
+    import importlib.util
+
+    top, *rest = module.split(".") if module else [""]
+    spec = importlib.util.find_spec(top) if top else None
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    package = Path(next(iter(spec.submodule_search_locations))).joinpath(*rest)
+    files = sorted(package.rglob("*.py")) if package.is_dir() else [package.with_suffix(".py")]
+    classes: dict[str, Any] = {}
+    for path in files:
+        if path.is_file():
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef):
+                    classes.setdefault(node.name, node)
+    return classes
+
+
 def _verl_field_type(defaults: Mapping[str, Any], key: str) -> str | None:
     """The annotation verl's config dataclass (its section's ``_target_``) gives ``key``, read from verl's
     source, or None. Not imported: verl's config classes import torch, seconds at every Snakefile load.
@@ -1016,22 +1038,10 @@ def _verl_field_type(defaults: Mapping[str, Any], key: str) -> str | None:
     'float'
     """
     import ast
-    import importlib.util
 
     parent, _, name = key.rpartition(".")
     module, _, cls = str(defaults.get(f"{parent}._target_", "")).rpartition(".")
-    top, *rest = module.split(".") if module else [""]
-    spec = importlib.util.find_spec(top) if top else None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    package = Path(next(iter(spec.submodule_search_locations))).joinpath(*rest)
-    files = sorted(package.rglob("*.py")) if package.is_dir() else [package.with_suffix(".py")]
-    classes: dict[str, ast.ClassDef] = {}
-    for path in files:
-        if path.is_file():
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.ClassDef):
-                    classes.setdefault(node.name, node)
+    classes = _module_classes(module)
 
     def annotation(cls_name: str, seen: frozenset[str]) -> str | None:
         node = classes.get(cls_name)

@@ -34,11 +34,11 @@ STAGE = {
 }
 
 
-@pytest.fixture(scope="module")
-def sft_run(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("sft") / "run"
-    ckpt = cold_start(
-        settings={"epochs": 2, "batch_size": 4, "micro_batch_size": 2, "lr": 1e-3, "max_rows": 8, "search_top_k": 5},
+def train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, settings, **who):
+    """The cold start on conv-26 with the tiny model, stage 1's lengths and the compact tools; ``who``: its
+    backend and layout."""
+    return cold_start(
+        settings={**settings, "lr": 1e-3, "search_top_k": 5},
         stage=STAGE,
         model=str(tiny_model_dir),
         train_files=[str(locomo_rows["train"])],
@@ -47,8 +47,15 @@ def sft_run(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
         run_dir=str(run_dir),
         reward={"efficiency": {"max_total_memories": None}},
         tools=TOOLS,
+        **who,
     )
-    return run_dir, ckpt
+
+
+@pytest.fixture(scope="module")
+def sft_run(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("sft") / "run"
+    settings = {"epochs": 2, "batch_size": 4, "micro_batch_size": 2, "max_rows": 8}
+    return run_dir, train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, settings)
 
 
 def test_demonstrations_are_the_experts_program_in_the_loops_format(sft_run, tiny_model_dir):
@@ -128,18 +135,9 @@ def test_verls_sft_trainer_fine_tunes_on_the_same_rows(tiny_model_dir, locomo_ro
     """Backend verl: the same demonstrations, as token rows, through verl's SFT trainer (FSDP engine; here on
     verl's cpu platform), merged into the checkpoint stage 1 starts from."""
     run_dir = tmp_path / "run"
-    ckpt = cold_start(
-        settings={"epochs": 3, "batch_size": 2, "micro_batch_size": 1, "lr": 1e-3, "max_rows": 4, "search_top_k": 5},
-        stage=STAGE,
-        model=str(tiny_model_dir),
-        train_files=[str(locomo_rows["train"])],
-        memories=str(locomo_rows["memories"]),
-        embeddings=str(cache_dir),
-        run_dir=str(run_dir),
-        reward={"efficiency": {"max_total_memories": None}},
-        tools=TOOLS,
-        backend="verl",
-        layout={"trainer.device": "cpu"},
+    settings = {"epochs": 3, "batch_size": 2, "micro_batch_size": 1, "max_rows": 4}
+    ckpt = train_cold_start(
+        tiny_model_dir, locomo_rows, cache_dir, run_dir, settings, backend="verl", layout={"trainer.device": "cpu"}
     )
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert (manifest["backend"], manifest["kind"], manifest["base_model"]) == ("verl", "sft", str(tiny_model_dir))

@@ -32,7 +32,7 @@ def episode_rows() -> DataProto:
 
 def test_rows_are_the_episodes_tokens_with_the_loss_on_the_policys_own(tmp_path):
     path = tmp_path / "rows.parquet"
-    assert write_rows(episode_rows(), path) == 2
+    assert write_rows(episode_rows(), path) == [4, 9]
     dataset = DemonstrationDataset(str(path), tokenizer=None, config={"max_length": 16})
     assert len(dataset) == 2
     first, second = dataset[0], dataset[1]

@@ -367,16 +367,25 @@ def allocation_command(
     return command
 
 
-def run_verl(command: list[str], run_env: Mapping[str, str], run_dir: str, model: str) -> Path:
-    """Run a verl training command to its end, its output in ``<run_dir>/main_ppo.log`` (Ray's workers and
-    the trainer: follow it with ``tail -f``), and export its last checkpoint to ``<run_dir>/ckpt``."""
-    log = Path(run_dir) / TRAINER_LOG
+def run_verl(
+    command: list[str],
+    run_env: Mapping[str, str],
+    run_dir: str,
+    model: str,
+    *,
+    log_name: str = TRAINER_LOG,
+    **export: Any,
+) -> Path:
+    """Run a verl training command to its end, its output in ``<run_dir>/<log_name>`` (main_ppo: Ray's workers and
+    the trainer; follow it with ``tail -f``), and export its last checkpoint to ``<run_dir>/ckpt``
+    (:func:`export_verl_checkpoint` with ``export``)."""
+    log = Path(run_dir) / log_name
     logger.info("running %s\nits output: %s", " ".join(command), log)
     with log.open("w", encoding="utf-8") as out:
         code = subprocess.run(command, env={**os.environ, **run_env}, stdout=out, stderr=subprocess.STDOUT).returncode
     if code:
         raise RuntimeError(f"verl's trainer exited with code {code}; the end of {log}:\n{tail(log, 60)}")
-    return export_verl_checkpoint(Path(run_dir), model)
+    return export_verl_checkpoint(Path(run_dir), model, **export)
 
 
 def train_verl(*, run_dir: str, model: str, **kwargs: Any) -> Path:

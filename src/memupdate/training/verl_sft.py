@@ -12,31 +12,24 @@ local backend's.
 
 One node: :func:`sft_command` runs ``torchrun`` with one rank per GPU of the node (per ``cpu_slot`` on CPU,
 ``trainer.device: cpu``, the test's path). :func:`run_verl_sft` runs it and merges the last checkpoint's FSDP
-shards into ``<run>/ckpt`` (:func:`memupdate.training.stages.export_verl_checkpoint`).
+shards into ``<run>/ckpt``, as a main_ppo run's (:func:`memupdate.training.stages.run_verl`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from verl import DataProto
 
-from memupdate.training.tracking import TENSORBOARD_DIR, TRACKING_FILE
-from memupdate.training.verl_launcher import CPU_ENV, HYDRA_DIR, hydra_value
+from memupdate.training.verl_launcher import HYDRA_DIR, hydra_value, run_env
 from memupdate.utils.io import write_parquet_atomic
-from memupdate.utils.system import tail
-
-logger = logging.getLogger(__name__)
 
 ROWS_FILE = "demonstrations.parquet"
 TRAINER_LOG = "sft_trainer.log"
@@ -54,10 +47,10 @@ CPU_OVERRIDES = (
 )
 
 
-def write_rows(data: DataProto, path: str | os.PathLike) -> int:
+def write_rows(data: DataProto, path: str | os.PathLike) -> list[int]:
     """``path``: one parquet row per demonstration row of ``data`` (verl's rollout layout: left-padded
     ``prompts``, right-padded ``responses``, ``attention_mask`` over both, ``response_mask``), with its
-    unpadded ``input_ids`` and ``loss_mask``; returns the number of rows."""
+    unpadded ``input_ids`` and ``loss_mask``; returns each row's length in tokens."""
     prompts, responses = data.batch["prompts"], data.batch["responses"]
     width = prompts.shape[1]
     attention, response_mask = data.batch["attention_mask"].bool(), data.batch["response_mask"]
@@ -69,7 +62,7 @@ def write_rows(data: DataProto, path: str | os.PathLike) -> int:
         ids.append(torch.cat([prompt, response]).tolist())
         masks.append([0] * len(prompt) + response_mask[i][present].int().tolist())
     write_parquet_atomic(path, pa.table({"input_ids": ids, "loss_mask": masks}))
-    return len(ids)
+    return [len(row) for row in ids]
 
 
 class DemonstrationDataset(torch.utils.data.Dataset):
@@ -186,15 +179,6 @@ def sft_command(overrides: Sequence[str], world_size: int) -> list[str]:
     ]
 
 
-def sft_env(run_dir: str | os.PathLike, device: str) -> dict[str, str]:
-    """The trackers' folders inside the run, and verl's cpu platform on CPU."""
-    run = Path(run_dir).resolve()
-    env = {"TENSORBOARD_DIR": str(run / TENSORBOARD_DIR), "VERL_FILE_LOGGER_PATH": str(run / TRACKING_FILE)}
-    if device == "cpu":
-        env.update(CPU_ENV)
-    return env
-
-
 def run_verl_sft(
     data: DataProto,
     *,
@@ -206,31 +190,27 @@ def run_verl_sft(
 ) -> Path:
     """Fine-tune ``model`` on the demonstration rows ``data`` with verl's SFT trainer; its output in
     ``<run>/sft_trainer.log``, the merged last checkpoint in ``<run>/ckpt``."""
-    from memupdate.training.stages import export_verl_checkpoint
+    from memupdate.training.stages import run_verl
 
     run = Path(run_dir)
     rows = run / ROWS_FILE
-    count = write_rows(data, rows)
-    lengths = [len(x) for x in pq.read_table(rows, columns=["input_ids"]).column("input_ids").to_pylist()]
+    lengths = write_rows(data, rows)
     batch = int(settings["batch_size"])
-    if count < batch:
-        raise ValueError(f"{count} demonstration rows, fewer than sft.batch_size {batch}: verl drops the last batch")
+    if len(lengths) < batch:
+        raise ValueError(
+            f"{len(lengths)} demonstration rows, fewer than sft.batch_size {batch}: verl drops the last batch"
+        )
     overrides = sft_overrides(
         settings=settings,
         model=model,
         rows=str(rows.resolve()),
         run_dir=str(run),
-        max_length=int(np.max(lengths)),
+        max_length=max(lengths),
         world_size=world_size,
         device=device,
     )
-    command = sft_command(overrides, world_size)
-    log = run / TRAINER_LOG
-    logger.info("running %s\nits output: %s", " ".join(command), log)
-    with log.open("w", encoding="utf-8") as out:
-        code = subprocess.run(
-            command, env={**os.environ, **sft_env(run, device)}, stdout=out, stderr=subprocess.STDOUT
-        ).returncode
-    if code:
-        raise RuntimeError(f"verl's SFT trainer exited with code {code}; the end of {log}:\n{tail(log, 60)}")
-    return export_verl_checkpoint(run, model, shards=None, kind="sft")
+    # The trackers' folders inside the run, and verl's cpu platform on CPU: as for main_ppo.
+    environment = run_env(run, {"trainer.device": device})
+    return run_verl(
+        sft_command(overrides, world_size), environment, str(run), model, log_name=TRAINER_LOG, shards=None, kind="sft"
+    )
