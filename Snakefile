@@ -9,12 +9,12 @@
 #   models/<name>/                         HF checkpoints of the policy and fixed models (prepare_model)
 #   <exp>/serve/<served>.ready.json         readiness marker of a running vLLM server (serve_model, temp)
 #   <exp>/sft/ckpt/                        the cold start: policy fine-tuned on demonstrations (train_sft; MemAgent: train_memagent_sft)
-#   <exp>/stage1/ckpt/                     stage-1 checkpoint + manifest (train_stage1)
-#   <exp>/stage2/ckpt/                     stage-2 checkpoint + manifest (train_stage2)
+#   <exp>/stage<N>/ckpt/                   stage-N checkpoint + manifest: stage1 memory, stage2 QA, ... (train_stage)
+#   <exp>/data/stage<N>.train.parquet      the train rows of a stage with `train_on` (select_stage_rows)
 #   <exp>/eval/report.{json,md,html}       LoCoMo evaluation report + plots, predictions/ (eval_locomo)
 #   <exp>/memagent/ckpt/                   MemAgent checkpoint + manifest (train_memagent)
 #   <exp>/memagent_eval/report.{json,md}   MemAgent accuracy vs. context length, length_curve.png (eval_memagent)
-#   stage1/ckpt, stage2/ckpt, eval/        the default experiment's, as hard links (default_checkpoint, default_report)
+#   stage<N>/ckpt, eval/                   the default experiment's, as hard links (default_checkpoint, default_report)
 # resources/data/{name}.json               verified copies of public data files (fetch_data)
 # logs/<rule>/..., benchmarks/<rule>/...   one log and one benchmark per job
 

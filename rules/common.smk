@@ -5,10 +5,16 @@ import os
 from pathlib import Path
 
 from memupdate.cluster import read_table
-from memupdate.settings import EPISODE_KEYS, SAMPLING_KEYS, PolicyEvalSettings, build
+from memupdate.settings import (
+    EPISODE_KEYS,
+    SAMPLING_KEYS,
+    PolicyEvalSettings,
+    build,
+    experiment_stages,
+)
 
 SCALE = config["scales"][config["scale"]]
-# The experiment of the short paths results/stage1/ckpt, results/stage2/ckpt, results/eval/report.json.
+# The experiment of the short paths results/stage<N>/ckpt, results/eval/report.json.
 DEFAULT_EXPERIMENT = SCALE["default_experiment"]
 DATA_FILES = config["data"]["files"]
 LOCOMO_SPLITS = ["train", "val", "test"]
@@ -26,9 +32,10 @@ wildcard_constraints:
     ndocs=r"\d+",
     model="|".join(config["models"]),
     exp="|".join(config["experiments"]),
-    served="qa-base|base|sft|stage1|stage2|memagent",
+    served=r"qa-base|base|sft|stage[1-9]\d*|memagent",
     purpose="train|eval",
-    stage="stage1|stage2|memagent",
+    n=r"[1-9]\d*",
+    stage=r"stage[1-9]\d*|memagent",
     report="eval|memagent_eval",
 
 
@@ -126,8 +133,12 @@ def qa_model_of(wildcards):
 
 
 def served_model_of(wildcards):
-    """The model (a key of config `models`) behind a served name: the QA model for qa-base and stage2."""
-    if wildcards.served in ("qa-base", "stage2"):
+    """The model (a key of config `models`) behind a served name: the QA model for qa-base and the QA
+    stages, else the policy."""
+    if wildcards.served == "qa-base":
+        return get_qa_model(wildcards)
+    stage = get_stages(wildcards).get(wildcards.served)
+    if stage is not None and stage.role == "qa":
         return get_qa_model(wildcards)
     return get_experiment(wildcards)["policy"]
 
@@ -231,14 +242,21 @@ def get_reward_scorer(wildcards):
     return scorer
 
 
+def fixed_qa(stage):
+    """The served QA role a memory stage is trained against: the latest QA stage before it, else qa-base."""
+    return stage.fixed or "qa-base"
+
+
 def get_reward_markers(wildcards):
-    """Readiness markers of the models the stage-1 reward asks: the reader is the served qa-base (the
-    fixed QA role, whose QA-phase answers it scores), the judge the served reward.judge.
+    """Readiness markers of the models a memory stage's reward asks: the reader is its fixed QA role (whose
+    QA-phase answers it scores), the judge the served reward.judge.
     """
     scorer = get_reward_scorer(wildcards)
     if scorer not in SERVED_SCORERS:
         return {}
-    markers = {"reader": serve_marker(wildcards.exp, "qa-base", "train")}
+    markers = {
+        "reader": serve_marker(wildcards.exp, fixed_qa(get_stage(wildcards)), "train")
+    }
     if scorer == "judge":
         markers["judge"] = serve_marker(
             wildcards.exp, get_reward_config(wildcards)["judge"], "train"
@@ -246,22 +264,17 @@ def get_reward_markers(wildcards):
     return markers
 
 
-def get_stage1_reward(wildcards):
-    """The reward manager's settings for stage 1: config's reward section, the scorer resolved and the
-    served models' marker paths (listed as inputs too, so their servers run)."""
-    reward = {k: v for k, v in get_reward_config(wildcards).items() if k != "judge"}
-    reward["scorer"] = get_reward_scorer(wildcards)
-    for role, marker in get_reward_markers(wildcards).items():
-        reward[f"{role}_marker"] = marker
-    return reward
-
-
-def get_stage2_reward(wildcards):
-    """Stage 2 is rewarded by its answer's F1; a served scorer has no reader there (qa-base is not
-    served for it), so only an offline one adds the memory reward's components to the log.
+def get_stage_reward(wildcards):
+    """The reward manager's settings for a stage: config's reward section with the scorer resolved. A
+    memory stage's also names the served models' markers (listed as inputs too, so their servers run). A QA
+    stage is rewarded by its answer's F1; a served scorer has no reader there (no other QA model is served
+    for it), so only an offline one adds the memory reward's components to the log.
     """
     reward = {k: v for k, v in get_reward_config(wildcards).items() if k != "judge"}
     reward["scorer"] = get_reward_scorer(wildcards)
+    if get_stage(wildcards).role == "memory":
+        for role, marker in get_reward_markers(wildcards).items():
+            reward[f"{role}_marker"] = marker
     return reward
 
 
@@ -282,7 +295,7 @@ def get_stage1_episode(wildcards):
     """Stage 1's settings that shape its episodes (memupdate.settings.EPISODE_KEYS, SAMPLING_KEYS, seed): the
     cold start and the policy evaluation play them, and are not redone when stage 1's training changes.
     """
-    return episode_settings(get_stage1_settings(wildcards))
+    return episode_settings(get_stages(wildcards)["stage1"].settings)
 
 
 def episode_settings(settings):
@@ -321,54 +334,109 @@ def get_sft_reward(wildcards):
     return {k: v for k, v in get_reward_config(wildcards).items() if k != "judge"}
 
 
-def get_stage1_inputs(wildcards):
+def get_stages(wildcards):
+    """The experiment's training stages by name (memupdate.settings.experiment_stages): stage1, stage2, ..."""
     experiment = get_experiment(wildcards)
+    if is_memagent(wildcards.exp):
+        return {}
+    stages = experiment_stages(experiment, f"experiments.{wildcards.exp}")
+    return {stage.name: stage for stage in stages}
+
+
+def stage_numbers():
+    """The stage numbers any MemoryUpdate experiment of the config has; rules/train.smk defines one training
+    rule per number."""
+    return sorted(
+        {
+            int(stage.name.removeprefix("stage"))
+            for name, experiment in config["experiments"].items()
+            if not is_memagent(name)
+            for stage in experiment_stages(experiment)
+        }
+    )
+
+
+def get_stage(wildcards):
+    """The stage of a training job (wildcard n)."""
+    stages = get_stages(wildcards)
+    name = f"stage{wildcards.n}"
+    if name not in stages:
+        raise ValueError(
+            f"experiment {wildcards.exp!r} has no {name} in config/config.yaml (its stages: "
+            f"{', '.join(stages) or 'none'})"
+        )
+    return stages[name]
+
+
+def stage_checkpoint(exp, name):
+    return f"results/{exp}/{name}/ckpt"
+
+
+def get_stage_start(wildcards):
+    """Where a stage starts: its role's latest checkpoint; a first memory stage starts where training does
+    (get_training_start), a first QA stage from the QA model."""
+    stage = get_stage(wildcards)
+    if stage.start:
+        return stage_checkpoint(wildcards.exp, stage.start)
+    if stage.role == "memory":
+        return get_training_start(wildcards)
+    return f"results/models/{get_qa_model(wildcards)}"
+
+
+def get_stage_rows(wildcards):
+    """The train rows of a stage: all of them, or its train_on's selection (rule select_stage_rows)."""
+    if get_stage(wildcards).train_on:
+        return f"results/{wildcards.exp}/data/stage{wildcards.n}.train.parquet"
+    return memory_inputs()["train"]
+
+
+def get_train_on(wildcards):
+    return get_stage(wildcards).train_on
+
+
+def get_stage_inputs(wildcards):
+    experiment = get_experiment(wildcards)
+    stage = get_stage(wildcards)
     inputs = {
-        "model": get_training_start(wildcards),
+        "model": get_stage_start(wildcards),
         **memory_inputs(),
+        "train": get_stage_rows(wildcards),
         **validation_inputs(experiment),
-        **rollout_env_inputs(experiment["stage1"]),
+        **rollout_env_inputs(stage.settings),
     }
+    if stage.role == "qa":
+        # The memory role of a QA stage: the latest memory stage, served.
+        inputs["fixed"] = serve_marker(wildcards.exp, stage.fixed, "train")
+        return inputs
     # The QA phase (the served QA model answering after the memory turns) is what a served scorer reads.
-    # Without a QA model, or with an offline scorer, stage 1 is single-role MemoryUpdate: nothing served.
+    # Without a QA model, or with an offline scorer, a memory stage is single-role MemoryUpdate: nothing served.
     if "qa_model" in experiment and get_reward_scorer(wildcards) in SERVED_SCORERS:
-        inputs["fixed"] = serve_marker(wildcards.exp, "qa-base", "train")
+        inputs["fixed"] = serve_marker(wildcards.exp, fixed_qa(stage), "train")
     return {**inputs, **get_reward_markers(wildcards)}
 
 
-def get_stage2_inputs(wildcards):
-    return {
-        "model": f"results/models/{get_qa_model(wildcards)}",
-        **memory_inputs(),
-        **validation_inputs(get_experiment(wildcards)),
-        **rollout_env_inputs(get_stage2_settings(wildcards)),
-        "fixed": serve_marker(wildcards.exp, "stage1", "train"),
-    }
+def get_stage_settings(wildcards):
+    return get_stage(wildcards).settings
 
 
-def get_stage1_settings(wildcards):
-    return get_experiment(wildcards)["stage1"]
+def get_stage_role(wildcards):
+    """The role a stage trains: memory or qa (memupdate.agents.memory_loop's training_stage)."""
+    return get_stage(wildcards).role
 
 
-def get_stage2_settings(wildcards):
-    experiment = get_experiment(wildcards)
-    if "stage2" not in experiment:
-        raise ValueError(
-            f"experiment {wildcards.exp!r} has no stage2 settings in config/config.yaml"
-        )
-    return experiment["stage2"]
+def stage_model_of(wildcards):
+    """The model a stage trains (a key of config `models`): the policy, or the QA model."""
+    if get_stage(wildcards).role == "qa":
+        return get_qa_model(wildcards)
+    return get_experiment(wildcards)["policy"]
 
 
 def get_backend(wildcards):
     return get_experiment(wildcards)["backend"]
 
 
-def get_stage1_run_dir(wildcards):
-    return f"results/{wildcards.exp}/stage1"
-
-
-def get_stage2_run_dir(wildcards):
-    return f"results/{wildcards.exp}/stage2"
+def get_stage_run_dir(wildcards):
+    return f"results/{wildcards.exp}/stage{wildcards.n}"
 
 
 def get_served_model(wildcards):
@@ -423,12 +491,8 @@ def get_evaluated_checkpoints(wildcards):
     if is_memagent(wildcards.exp):
         stages = ["memagent"]
     else:
-        stages = [
-            *(["sft"] if "sft" in experiment else []),
-            "stage1",
-            *(["stage2"] if "stage2" in experiment else []),
-        ]
-    return {f"ckpt_{s}": f"results/{wildcards.exp}/{s}/ckpt" for s in stages}
+        stages = [*(["sft"] if "sft" in experiment else []), *get_stages(wildcards)]
+    return {f"ckpt_{s}": stage_checkpoint(wildcards.exp, s) for s in stages}
 
 
 def get_served_model_name(wildcards):
@@ -449,15 +513,19 @@ def get_eval_inputs(wildcards):
         "embeddings": f"{EMBEDDINGS}/memories",
         "conversations": data_file_path(config["data"]["locomo"]["file"]),
         "qa_base": serve_marker(wildcards.exp, "qa-base", "eval"),
-        "stage1": serve_marker(wildcards.exp, "stage1", "eval"),
     }
     if "sft" in experiment:
         # What each training step adds: the untrained policy and the cold start as memory models too.
         inputs["base"] = serve_marker(wildcards.exp, "base", "eval")
         inputs["sft"] = serve_marker(wildcards.exp, "sft", "eval")
-    if "stage2" in experiment:
-        inputs["stage2"] = serve_marker(wildcards.exp, "stage2", "eval")
+    for name in get_stages(wildcards):
+        inputs[name] = serve_marker(wildcards.exp, name, "eval")
     return inputs
+
+
+def get_eval_stages(wildcards):
+    """Each stage's name and role, in order: the report has a row per stage (the system after it)."""
+    return [[stage.name, stage.role] for stage in get_stages(wildcards).values()]
 
 
 def get_eval_settings(wildcards):
@@ -471,10 +539,9 @@ def get_eval_settings(wildcards):
 
 
 def get_training_metrics(wildcards):
-    stages = (
-        ["stage1", "stage2"] if "stage2" in get_experiment(wildcards) else ["stage1"]
-    )
-    return {s: f"results/{wildcards.exp}/{s}/metrics.jsonl" for s in stages}
+    return {
+        s: f"results/{wildcards.exp}/{s}/metrics.jsonl" for s in get_stages(wildcards)
+    }
 
 
 def get_policy_eval_settings(wildcards):
@@ -635,13 +702,11 @@ def default_experiment_artifact(kind, leaf):
     experiment = config["experiments"][DEFAULT_EXPERIMENT]
     memagent = is_memagent(DEFAULT_EXPERIMENT)
     has = {
-        "stage1": not memagent,
-        "stage2": "stage2" in experiment,
         "eval": "qa_model" in experiment and not memagent,
         "memagent": memagent,
         "memagent_eval": memagent,
     }
-    if not has[kind]:
+    if not has.get(kind, kind in experiment and not memagent):
         raise ValueError(
             f"the default experiment {DEFAULT_EXPERIMENT!r} (scales.{config['scale']}.default_experiment) has no "
             f"{kind}: ask for results/<experiment>/{kind}/... of an experiment that has one"
@@ -663,9 +728,8 @@ def get_final_outputs():
         if is_memagent(name):
             outputs.append(f"results/{name}/memagent_eval/report.json")
             continue
-        outputs.append(f"results/{name}/stage1/ckpt")
-        if "stage2" in config["experiments"][name]:
-            outputs.append(f"results/{name}/stage2/ckpt")
+        for stage in experiment_stages(config["experiments"][name]):
+            outputs.append(stage_checkpoint(name, stage.name))
         if "qa_model" in config["experiments"][name]:
             outputs.append(f"results/{name}/eval/report.json")
         if "policy_eval" in config["experiments"][name]:

@@ -1,6 +1,7 @@
-# The default experiment (scales.<scale>.default_experiment) at the short paths: results/stage1/ckpt,
-# results/stage2/ckpt and results/eval/report.json (results/memagent/ckpt and results/memagent_eval/ for a
-# MemAgent default) are hard links to its results/<experiment>/... artifacts: no checkpoint is stored twice.
+# The default experiment (scales.<scale>.default_experiment) at the short paths: results/stage<N>/ckpt
+# (results/stage1/ckpt, results/stage2/ckpt, ...) and results/eval/report.json (results/memagent/ckpt and
+# results/memagent_eval/ for a MemAgent default) are hard links to its results/<experiment>/... artifacts:
+# no checkpoint is stored twice.
 
 
 rule default_checkpoint:

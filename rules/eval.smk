@@ -1,6 +1,7 @@
-# Evaluation: LoCoMo test conversations, every system the experiment has (no update, full context,
-# stage 1 with the base QA model, stage 1 with stage 2; with a cold start also the untrained policy and
-# the cold start as memory models), against served models, with paired intervals between them. Predictions under
+# Evaluation: LoCoMo test conversations, every system the experiment has (no update, full context, one per
+# training stage: the latest memory and QA models after it, stage1+qa_base, stage1+stage2, stage3+stage2, ...;
+# with a cold start also the untrained policy and the cold start as memory models), against served models,
+# with paired intervals between them. Predictions under
 # results/<exp>/eval/predictions/ survive a failed run, so a rerun completes only what is missing.
 
 
@@ -22,6 +23,7 @@ rule eval_locomo:
     params:
         settings=get_eval_settings,
         training_metrics=get_training_metrics,
+        stages=get_eval_stages,
         out_dir=get_eval_dir,
         embedding_model=EMBEDDING_MODEL,
         tools=get_tool_settings,

@@ -1,7 +1,9 @@
-# Training: the two GRPO stages. Stage 1 trains the memory role (the QA role is the served base QA
-# model); stage 2 trains the QA role (the memory role is the served stage-1 model). An experiment with an
-# `sft` section starts stage 1 from its cold start: the policy fine-tuned on the scripted expert's
-# demonstration episodes of the train rows (memupdate.training.demonstrations).
+# Training: the GRPO stages, stage1, stage2, ... in order (memupdate.settings.experiment_stages). Stage 1
+# trains the memory role (the QA role is the served base QA model); stage 2 the QA role (the memory role is
+# the served stage-1 model); each later stage its role again, from that role's latest checkpoint, against the
+# other role's latest, on all train rows or its `train_on` selection. An experiment with an `sft` section
+# starts stage 1 from its cold start: the policy fine-tuned on the scripted expert's demonstration episodes
+# of the train rows (memupdate.training.demonstrations).
 
 
 rule train_sft:
@@ -36,60 +38,55 @@ rule train_sft:
         "../workflow/scripts/train_sft.py"
 
 
-rule train_stage1:
+rule select_stage_rows:
     input:
-        unpack(get_stage1_inputs),
+        rows="results/data/locomo/train.parquet",
     output:
-        ckpt=directory("results/{exp}/stage1/ckpt"),
+        rows="results/{exp}/data/stage{n}.train.parquet",
     log:
-        "logs/train_stage1/{exp}.log",
-    benchmark:
-        "benchmarks/train_stage1/{exp}.tsv"
+        "logs/select_stage_rows/{exp}-stage{n}.log",
+    localrule: True
     conda:
         "../workflow/envs/memupdate.yaml"
-    threads: 2
-    resources:
-        **job_resources("train_stage1", policy_of, runtime=120, mem_mb=8000),
     params:
-        backend=get_backend,
-        # The role trained: memory (stage 1) or qa (stage 2); memupdate.agents.memory_loop.
-        training_stage="memory",
-        settings=get_stage1_settings,
-        run_dir=get_stage1_run_dir,
-        embedding_model=EMBEDDING_MODEL,
-        max_content_chars=MAX_CONTENT_CHARS,
-        tools=get_tool_settings,
-        reward=get_stage1_reward,
-        # The verl backend's own rollout server (memupdate_vllm, on CPU) runs with these.
-        serving=config["serving"],
+        train_on=get_train_on,
     script:
-        "../workflow/scripts/train_stage.py"
+        "../workflow/scripts/select_stage_rows.py"
 
 
-rule train_stage2:
-    input:
-        unpack(get_stage2_inputs),
-    output:
-        ckpt=directory("results/{exp}/stage2/ckpt"),
-    log:
-        "logs/train_stage2/{exp}.log",
-    benchmark:
-        "benchmarks/train_stage2/{exp}.tsv"
-    conda:
-        "../workflow/envs/memupdate.yaml"
-    threads: 2
-    resources:
-        **job_resources("train_stage2", qa_model_of, runtime=120, mem_mb=8000),
-    params:
-        backend=get_backend,
-        # The role trained: memory (stage 1) or qa (stage 2); memupdate.agents.memory_loop.
-        training_stage="qa",
-        settings=get_stage2_settings,
-        run_dir=get_stage2_run_dir,
-        embedding_model=EMBEDDING_MODEL,
-        max_content_chars=MAX_CONTENT_CHARS,
-        tools=get_tool_settings,
-        reward=get_stage2_reward,
-        serving=config["serving"],
-    script:
-        "../workflow/scripts/train_stage.py"
+# One rule per stage number (train_stage1, train_stage2, ...): a DVC stage's --allowed-rules then names its own
+# training and no other stage's, which Snakemake would otherwise rerun when `dvc pull` leaves it looking older.
+for n in stage_numbers():
+
+    rule:
+        name:
+            f"train_stage{n}"
+        input:
+            unpack(get_stage_inputs),
+        output:
+            ckpt=directory("results/{exp}/stage{n}/ckpt"),
+        log:
+            "logs/train_stage/{exp}-stage{n}.log",
+        benchmark:
+            "benchmarks/train_stage/{exp}-stage{n}.tsv"
+        wildcard_constraints:
+            n=str(n),
+        conda:
+            "../workflow/envs/memupdate.yaml"
+        threads: 2
+        resources:
+            **job_resources("train_stage", stage_model_of, runtime=120, mem_mb=8000),
+        params:
+            backend=get_backend,
+            # The role trained: memory or qa (memupdate.agents.memory_loop's training_stage).
+            training_stage=get_stage_role,
+            settings=get_stage_settings,
+            run_dir=get_stage_run_dir,
+            embedding_model=EMBEDDING_MODEL,
+            max_content_chars=MAX_CONTENT_CHARS,
+            tools=get_tool_settings,
+            reward=get_stage_reward,
+            # The verl backend's own rollout server (memupdate_vllm, on CPU) runs with these.
+            serving=config["serving"],
+        script:
+            "../workflow/scripts/train_stage.py"

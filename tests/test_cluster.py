@@ -45,20 +45,20 @@ def test_model_rows_fall_back_to_the_rules_default_row_then_to_nothing():
     table = load_table({"serve_model": {"default": {"mem_mb": 8000}, "qwen": {"gpus_per_node": 1}}}, "t.yaml", MODELS)
     assert table.job("serve_model", "qwen") == Job(gpus_per_node=1)
     assert table.job("serve_model", "tiny") == Job(mem_mb=8000)
-    assert table.job("train_stage1", "qwen") == Job()
+    assert table.job("train_stage", "qwen") == Job()
 
 
 def test_every_problem_is_reported_at_once_naming_the_file_and_key():
     data = {
-        "train_stage3": {"qwen": {}},
-        "train_stage1": {"qwne": {"nodes": 2}, "qwen": {"nodes": 0, "gpus": 8}},
+        "train_stage1": {"qwen": {}},
+        "train_stage": {"qwne": {"nodes": 2}, "qwen": {"nodes": 0, "gpus": 8}},
     }
     with pytest.raises(ConfigError) as err:
         load_table(data, "profiles/slurm/resources.yaml", MODELS)
     message = str(err.value)
-    assert "profiles/slurm/resources.yaml: train_stage3: not a rule the table sizes" in message
-    assert "train_stage1.qwne: not a model of config/config.yaml" in message
-    assert "train_stage1.qwen.nodes" in message and "train_stage1.qwen.gpus" in message
+    assert "profiles/slurm/resources.yaml: train_stage1: not a rule the table sizes" in message
+    assert "train_stage.qwne: not a model of config/config.yaml" in message
+    assert "train_stage.qwen.nodes" in message and "train_stage.qwen.gpus" in message
 
 
 def test_the_repositorys_table_names_only_models_of_the_config():
@@ -66,7 +66,7 @@ def test_the_repositorys_table_names_only_models_of_the_config():
     table = read_table(REPO / "profiles/slurm/resources.yaml", models)
     # MemAgent 7B trains across nodes as MemAgent did; every 7B job has GPUs.
     assert table.job("train_memagent", "qwen2.5-7b").snakemake()["nodes"] == 4
-    for rule in ("train_stage1", "train_stage2", "train_memagent", "serve_model"):
+    for rule in ("train_stage", "train_memagent", "serve_model"):
         assert table.job(rule, "qwen2.5-7b").gpus_per_node >= 1, rule
     # The smoke models have no rows: their jobs ask for what their rules ask (CPUs).
-    assert table.job("train_stage1", "smollm2-135m") == Job()
+    assert table.job("train_stage", "smollm2-135m") == Job()

@@ -1,4 +1,4 @@
-"""DVC round trip on the real pipeline (the tiny two-stage and MemAgent experiments): dvc repro, dvc push, a
+"""DVC round trip on the real pipeline (the tiny three-stage and MemAgent experiments): dvc repro, dvc push, a
 fresh clone, dvc pull, a clean dvc status, a change to the memory store that makes the stages importing it
 stale (and to unrelated code that makes none), and an edit of the evaluation code that re-runs evaluation
 only."""
@@ -18,7 +18,7 @@ import yaml
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 BIN = Path(sys.executable).parent
-STAGES = ("data", "embeddings", "models", "stage1", "stage2", "eval", "hotpotqa", "memagent", "memagent_eval")
+STAGES = ("data", "embeddings", "models", "stage1", "stage2", "stage3", "eval", "hotpotqa", "memagent", "memagent_eval")
 PARTS = ["Snakefile", "rules", "workflow", "config", "profiles", "params.yaml", ".dvcignore", "src", "pyproject.toml"]
 
 
@@ -106,12 +106,20 @@ def test_repro_push_clone_pull_and_only_evaluation_reruns(dvc_repo, tmp_path):
     ):
         assert (clone / path).read_bytes() == (dvc_repo / path).read_bytes(), path
 
+    # The DVC stages follow the experiment's list: stage 3 continues stage 1's checkpoint against stage 2's, on its
+    # curriculum's rows, which it makes itself.
+    stages = yaml.safe_load((clone / "dvc.yaml").read_text())["stages"]
+    assert {"results/tiny/stage1/ckpt", "results/tiny/stage2/ckpt"} <= set(stages["stage3"]["deps"])
+    assert {"results/tiny/stage3/ckpt", "results/tiny/data/stage3.train.parquet"} <= set(stages["stage3"]["outs"])
+    assert "--allowed-rules select_stage_rows serve_model train_stage3 vllm_env" in " ".join(
+        stages["stage3"]["cmd"].split()
+    )
+
     # A change to the memory store makes every stage importing it stale (training among them); a change to
     # code no stage imports makes none.
-    stages = yaml.safe_load((clone / "dvc.yaml").read_text())["stages"]
     store = "src/memupdate/memory/store.py"
     importing = {name for name, stage in stages.items() if store in stage["deps"]}
-    assert {"stage1", "stage2"} <= importing, importing
+    assert {"stage1", "stage2", "stage3"} <= importing, importing
     assert appended(clone, store) == importing
     unrelated = "src/memupdate/bench/report.py"
     assert not any(unrelated in stage["deps"] for stage in stages.values())

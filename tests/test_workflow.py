@@ -117,7 +117,7 @@ def test_the_briefs_short_paths_build_the_default_experiment(workdir):
     jobs = dry_run_jobs(result.stdout)
     by_rule = {job["rule"]: job for job in jobs}
     # The default experiment of the scale (smoke) is trained and evaluated at its own paths, then linked.
-    assert by_rule["train_stage2"]["wildcards"] == "exp=smoke"
+    assert by_rule["train_stage2"]["wildcards"] == "exp=smoke, n=2"
     assert by_rule["eval_locomo"]["output"] == "results/smoke/eval/report.json"
     assert by_rule["default_checkpoint"]["output"] == "results/stage2/ckpt"
     assert by_rule["default_report"]["output"] == "results/eval/report.json"
@@ -150,6 +150,48 @@ def test_an_experiment_with_a_cold_start_trains_stage1_from_it(workdir):
     assert bad.returncode != 0 and "experiments.smoke.sft.epochs" in bad.stdout + bad.stderr
 
 
+def test_iterated_stages_continue_their_roles_against_the_other_roles_latest_checkpoint(workdir):
+    """memory -> qa -> memory -> qa: each stage starts from its role's latest checkpoint, the other role is served
+    from that role's latest, a curriculum stage trains on its selected rows, and evaluation serves every stage."""
+    (workdir / "stages.yaml").write_text(
+        "experiments:\n  smoke:\n"
+        "    stage3: {steps: 1, train_on: {sessions: 8}}\n"
+        "    stage4: {steps: 1, train_on: {categories: [1, 4]}}\n"
+    )
+    result = snakemake(workdir, "-n", "results/smoke/eval/report.json", "--configfile", "stages.yaml")
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = dry_run_jobs(result.stdout)
+    train = {job["rule"]: job for job in jobs if job["rule"].startswith("train_stage")}
+    assert {job["output"] for job in train.values()} == {f"results/smoke/stage{n}/ckpt" for n in (1, 2, 3, 4)}
+    marker = "results/smoke/serve/train/{}.ready.json"
+    inputs = {rule: job["input"].split(", ") for rule, job in train.items()}
+    assert (
+        inputs["train_stage1"][0] == "results/models/smollm2-135m"
+        and marker.format("qa-base") in inputs["train_stage1"]
+    )
+    assert (
+        inputs["train_stage2"][0] == "results/models/smollm2-135m" and marker.format("stage1") in inputs["train_stage2"]
+    )
+    assert (
+        inputs["train_stage3"][0] == "results/smoke/stage1/ckpt" and marker.format("stage2") in inputs["train_stage3"]
+    )
+    assert (
+        inputs["train_stage4"][0] == "results/smoke/stage2/ckpt" and marker.format("stage3") in inputs["train_stage4"]
+    )
+    # The reader of memory stage 3's reward is its fixed QA role, stage 2; no stage reads qa-base after it.
+    assert marker.format("qa-base") not in inputs["train_stage3"]
+    assert "results/smoke/data/stage3.train.parquet" in inputs["train_stage3"]
+    assert "results/smoke/data/stage4.train.parquet" in inputs["train_stage4"]
+    assert "results/data/locomo/train.parquet" not in inputs["train_stage3"] + inputs["train_stage4"]
+    selected = {job["output"] for job in jobs if job["rule"] == "select_stage_rows"}
+    assert selected == {"results/smoke/data/stage3.train.parquet", "results/smoke/data/stage4.train.parquet"}
+    evaluation = next(job for job in jobs if job["rule"] == "eval_locomo")["input"]
+    assert all(f"results/smoke/serve/eval/stage{n}.ready.json" in evaluation for n in (1, 2, 3, 4))
+    # The short path of a later stage is the default experiment's too.
+    short = snakemake(workdir, "-n", "results/stage4/ckpt", "--configfile", "stages.yaml")
+    assert short.returncode == 0 and "results/smoke/stage4/ckpt" in short.stdout, short.stderr[-3000:]
+
+
 def test_a_memagent_experiment_with_a_cold_start_trains_from_it(workdir):
     """MemAgent's cold start has its own rule (the expert's trajectories of HotpotQA rows) at the same path."""
     (workdir / "sft.yaml").write_text("experiments:\n  memagent_smoke:\n    sft: {max_rows: 4, epochs: 1}\n")
@@ -178,14 +220,14 @@ def test_a_verl_experiments_cold_start_is_a_gpu_job_on_the_slurm_profile(workdir
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = {(job["rule"], job.get("wildcards")): job for job in dry_run_jobs(result.stdout)}
     for rule, exp, after in (
-        ("train_sft", "memupdate_7b", "train_stage1"),
-        ("train_memagent_sft", "memagent_7b", "train_memagent"),
+        ("train_sft", "memupdate_7b", ("train_stage1", "exp=memupdate_7b, n=1")),
+        ("train_memagent_sft", "memagent_7b", ("train_memagent", "exp=memagent_7b")),
     ):
         sft = jobs[(rule, f"exp={exp}")]
         assert sft["output"] == f"results/{exp}/sft/ckpt"
         asked = resources(sft)
         assert asked["gres"] == "gpu:8" and "nodes" not in asked, sft  # one node: no srun across nodes
-        assert jobs[(after, f"exp={exp}")]["input"].startswith(f"results/{exp}/sft/ckpt")
+        assert jobs[after]["input"].startswith(f"results/{exp}/sft/ckpt")
 
 
 def test_policy_evaluation_compares_base_cold_start_and_stage1_on_held_out_questions(workdir):
@@ -221,6 +263,7 @@ def test_the_cpu_demo_is_one_command_from_data_to_both_reports(workdir):
     # The evaluation serves every memory policy; stage 1's offline reward serves nothing while training.
     assert served == {f"results/cpu_demo/serve/eval/{m}.ready.json" for m in ("qa-base", "base", "sft", "stage1")}
     stage1 = next(job for job in jobs if job["rule"] == "train_stage1")
+    assert stage1["output"] == "results/cpu_demo/stage1/ckpt"
     assert stage1["input"].startswith("results/cpu_demo/sft/ckpt") and "serve/" not in stage1["input"]
     assert "results/envs/vllm-cpu.json" in stage1["input"]
 
@@ -258,9 +301,9 @@ def test_the_full_scale_on_the_slurm_profile_asks_for_gpus(workdir):
     jobs = dry_run_jobs(result.stdout)
     trained = {(job["rule"], job["wildcards"]) for job in jobs if job["rule"].startswith("train_")}
     assert trained == {
-        *(("train_stage1", f"exp={e}") for e in ("memupdate_3b", "memupdate_7b", "two_stage_3b", "two_stage_7b")),
-        ("train_stage2", "exp=two_stage_3b"),
-        ("train_stage2", "exp=two_stage_7b"),
+        *(("train_stage1", f"exp={e}, n=1") for e in ("memupdate_3b", "memupdate_7b", "two_stage_3b", "two_stage_7b")),
+        ("train_stage2", "exp=two_stage_3b, n=2"),
+        ("train_stage2", "exp=two_stage_7b, n=2"),
         ("train_memagent", "exp=memagent_7b"),
     }
     for job in jobs:
@@ -298,8 +341,9 @@ def _supervisors(workdir: Path) -> list[psutil.Process]:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_python, monkeypatch):
-    """Data, embeddings, models, served models, both training stages and the evaluation, from a clean copy; the tiny
-    experiment stands in for SmolLM2 (same rules, same code paths, minutes instead of a quarter hour)."""
+    """Data, embeddings, models, served models, three training stages (memory, QA, memory again on a curriculum's
+    rows) and the evaluation, from a clean copy; the tiny experiment stands in for SmolLM2 (same rules, same code
+    paths, minutes instead of a quarter hour)."""
     if not shared_data_dir.is_dir():
         pytest.skip("needs ../shared/data as the data mirror")
     monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(vllm_python.parent.parent))
@@ -320,23 +364,34 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
     summary = json.loads((workdir / "results/embeddings/all-MiniLM-L6-v2/memories.summary.json").read_text())
     assert summary["total"] == summary["cache_size"] == 2541 and summary["new"] == 2541
     assert pq.read_metadata(workdir / "results/data/hotpotqa/dev-10.parquet").num_rows == 5
-    # Both stages trained and exported a loadable checkpoint; stage 2 started from the QA model.
-    for stage, base in (("stage1", "tiny-random"), ("stage2", "tiny-random")):
+    # Every stage trained and exported a loadable checkpoint: stage 2 from the QA model, stage 3 from stage 1's.
+    starts = {"stage1": "results/models/tiny-random", "stage2": "results/models/tiny-random"}
+    for stage, base in {**starts, "stage3": "results/tiny/stage1/ckpt"}.items():
         ckpt = workdir / "results/tiny" / stage / "ckpt"
         manifest = json.loads((ckpt / "manifest.json").read_text())
-        assert manifest["step"] == 1 and manifest["base_model"] == f"results/models/{base}"
+        assert manifest["step"] == 1 and manifest["base_model"] == base
         steps = [json.loads(line) for line in (workdir / "results/tiny" / stage / "metrics.jsonl").open()]
         assert [s["step"] for s in steps] == [1]
         # The served fixed role's turns are timed apart from the policy's (stage 1: QA, stage 2: memory).
         assert steps[0]["seconds"]["fixed_model"] > 0 and steps[0]["seconds"]["generation"] > 0
         assert AutoModelForCausalLM.from_pretrained(ckpt).num_parameters() > 0
-    # Each stage's fixed role was a served model: stage 1 the base QA model, stage 2 the stage-1 model.
-    loops = {s: (workdir / "results/tiny" / s / "agent_loops.yaml").read_text() for s in ("stage1", "stage2")}
+    # Each stage's fixed role was a served model, the other role's latest checkpoint: stage 1 the base QA model,
+    # stage 2 the stage-1 model, stage 3 the stage-2 model.
+    loops = {s: (workdir / "results/tiny" / s / "agent_loops.yaml").read_text() for s in ("stage1", "stage2", "stage3")}
     assert "training_stage: memory" in loops["stage1"] and "model: tiny-qa-base" in loops["stage1"]
     assert "training_stage: qa" in loops["stage2"] and "model: tiny-stage1" in loops["stage2"]
-    # The evaluation rule reported every system, from predictions saved beside the report.
+    assert "training_stage: memory" in loops["stage3"] and "model: tiny-stage2" in loops["stage3"]
+    # Stage 3 trained on its curriculum's rows only: questions whose evidence lies in the first 8 sessions.
+    rows = pq.read_table(workdir / "results/tiny/data/stage3.train.parquet").column("extra_info").combine_chunks()
+    assert 0 < len(rows) < 885
+    assert all(max(int(e[1:].split(":")[0]) for e in ids) <= 8 for ids in rows.field("evidence").to_pylist())
+    # The evaluation rule reported every system, one per stage, from predictions saved beside the report.
     report = json.loads((workdir / "results/tiny/eval/report.json").read_text())
-    assert set(report["systems"]) == {"no_update", "full_context", "stage1+qa_base", "stage1+stage2"}
+    stages = ["stage1+qa_base", "stage1+stage2", "stage3+stage2"]
+    assert list(report["systems"]) == ["no_update", "full_context", *stages]
+    compared = {(c["system"], c["baseline"]) for c in report["comparisons"]}
+    assert {("stage1+stage2", "stage1+qa_base"), ("stage3+stage2", "stage1+stage2")} <= compared
+    assert set(report["training"]) == {"stage1", "stage2", "stage3"}
     assert report["questions"] == 6 and report["judge"].startswith("tiny-eval-qa-base")
     # LoCoMo conversations (13k-25k tokens) do not fit the tiny model's 8k context: skipped, with why.
     assert report["systems"]["full_context"]["skipped"] == 6
@@ -348,7 +403,7 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
         }
         for name in ("no_update", "stage1+qa_base")
     }
-    assert all(report["systems"][name]["unanswered"] == 0 for name in ("no_update", "stage1+qa_base", "stage1+stage2"))
+    assert all(report["systems"][name]["unanswered"] == 0 for name in ("no_update", *stages))
     unedited = [
         ns
         for ns, r in saved["stage1+qa_base"].items()
@@ -399,7 +454,7 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
         },
     }
     # Servers were stopped when the run ended; their markers (temp) are gone with them.
-    for served in ("qa-base", "stage1", "eval-qa-base", "eval-stage1", "eval-stage2"):
+    for served in ("qa-base", "stage1", "stage2", "eval-qa-base", "eval-stage1", "eval-stage2", "eval-stage3"):
         assert f"stopped the tiny-{served} server" in log
     for served in ("eval-base", "eval-memagent"):
         assert f"stopped the tiny_memagent-{served} server" in log

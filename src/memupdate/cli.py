@@ -120,17 +120,10 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> None:
 def _cmd_bench_memagent(args: argparse.Namespace) -> None:
     from memupdate.bench.memagent import format_memagent_bench, run_memagent_bench
 
-    result = run_memagent_bench(
-        args.hotpotqa,
-        model=args.model,
-        chunks=args.chunks,
-        chunk_size=args.chunk_size,
-        questions=args.questions,
-        memory_tokens=args.memory_tokens,
-        final_tokens=args.final_tokens,
-        work_dir=args.work_dir,
-        output=args.output,
-    )
+    # Options left out take run_memagent_bench's defaults (one definition of the benchmark's size).
+    sizes = ("model", "chunks", "chunk_size", "questions", "memory_tokens", "final_tokens", "repeats", "work_dir")
+    given = {k: getattr(args, k) for k in sizes if getattr(args, k) is not None}
+    result = run_memagent_bench(args.hotpotqa, output=args.output, **given)
     sys.stdout.write(format_memagent_bench(result) + "\n")
 
 
@@ -308,13 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="../shared/data/hotpotqa_dev_distractor_first100.json",
         help="a HotpotQA file (the workflow fetches one to results/data/raw/)",
     )
-    ma.add_argument("--model", help="model folder (default: a tiny random model built into --work-dir)")
-    ma.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ma.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
-    ma.add_argument("--questions", type=int, default=4)
-    ma.add_argument("--memory-tokens", type=int, default=32)
-    ma.add_argument("--final-tokens", type=int, default=16)
-    ma.add_argument("--work-dir", default="results/bench/memagent")
+    ma.add_argument("--model", help="model folder (default: a tiny random model built into the work folder)")
+    ma.add_argument("--chunks", type=int, nargs="+", help="context lengths in chunks (default: 1 2 4 8 16)")
+    ma.add_argument("--chunk-size", type=int, help="tokens per chunk")
+    ma.add_argument("--questions", type=int, help="questions evaluated at every length, in one batch")
+    ma.add_argument("--memory-tokens", type=int, help="tokens per memory update")
+    ma.add_argument("--final-tokens", type=int, help="tokens of the final answer")
+    ma.add_argument("--repeats", type=int, help="timed runs per length after a warm-up; the median is kept")
+    ma.add_argument("--work-dir", help="where the model, rows and per-length logs go (default: results/bench/memagent)")
     ma.add_argument("--output", default="results/bench/memagent.json")
     ma.set_defaults(func=_cmd_bench_memagent)
 
@@ -327,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="readiness marker of a served model: qa-base (required), stage1, stage2",
+        help="readiness marker of a served model: qa-base (required), base, sft, stage1, stage2, ... (each stage: the system after it)",
     )
     evl.add_argument("--out-dir", required=True, help="report folder; predictions/ in it make reruns resume")
     evl.add_argument("--test", default="results/data/locomo/test.parquet")

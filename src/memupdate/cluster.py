@@ -6,8 +6,8 @@ gives each GPU-sized rule a row per model (keys of ``models`` in config/config.y
 or, for ``serve_model``, into the sbatch options of the server's own job (:meth:`Job.server`). Rows only add
 to what a rule asks for itself, so the CPU smoke models need none; a local run ignores ``nodes`` and ``gres``.
 
->>> table = load_table({"train_stage1": {"qwen": {"nodes": 2, "gpus_per_node": 8, "mem_mb": 400000}}}, "t.yaml", ["qwen", "tiny"])
->>> table.job("train_stage1", "qwen").snakemake()["gres"], table.job("train_stage1", "tiny").snakemake()
+>>> table = load_table({"train_stage": {"qwen": {"nodes": 2, "gpus_per_node": 8, "mem_mb": 400000}}}, "t.yaml", ["qwen", "tiny"])
+>>> table.job("train_stage", "qwen").snakemake()["gres"], table.job("train_stage", "tiny").snakemake()
 ('gpu:8', {})
 """
 
@@ -26,8 +26,7 @@ RULES = (
     "prepare_model",
     "train_sft",
     "train_memagent_sft",
-    "train_stage1",
-    "train_stage2",
+    "train_stage",
     "train_memagent",
     "serve_model",
 )

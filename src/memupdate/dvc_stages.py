@@ -40,12 +40,17 @@ REGENERATE = "memupdate dvc-yaml"
 @dataclass(frozen=True)
 class StageKind:
     """A kind of DVC stage: its root rule (whose jobs are the stage's targets) and the rules Snakemake may
-    run for it. ``per_experiment``: one stage per experiment (the ``exp`` wildcard of the root jobs)."""
+    run for it. ``per_experiment``: one stage per experiment (the ``exp`` wildcard of the root jobs). ``name``
+    may name other wildcards of the root jobs (``stage{n}``): one stage per value, each experiment's
+    training stages in their order."""
 
     name: str
-    root: str
+    root: str  #: the root rule's name, or a pattern of names (train_stage\d+)
     rules: tuple[str, ...]
     per_experiment: bool = False
+
+    def is_root(self, rule: str) -> bool:
+        return re.fullmatch(self.root, rule) is not None
 
 
 STAGE_KINDS = (
@@ -55,8 +60,8 @@ STAGE_KINDS = (
     # MemAgent's haystacks: every length of the scale, split into train and test questions.
     StageKind("hotpotqa", "hotpotqa_data", ("fetch_data", "preprocess_hotpotqa", "split_hotpotqa", "hotpotqa_data")),
     StageKind("sft", "train_sft", ("train_sft",), per_experiment=True),
-    StageKind("stage1", "train_stage1", ("vllm_env", "serve_model", "train_stage1"), per_experiment=True),
-    StageKind("stage2", "train_stage2", ("vllm_env", "serve_model", "train_stage2"), per_experiment=True),
+    # One per training stage of an experiment (rules train_stage1, train_stage2, ...).
+    StageKind("stage{n}", r"train_stage\d+", ("vllm_env", "serve_model", "select_stage_rows"), per_experiment=True),
     StageKind("eval", "eval_locomo", ("vllm_env", "serve_model", "eval_locomo"), per_experiment=True),
     StageKind("memagent_sft", "train_memagent_sft", ("train_memagent_sft",), per_experiment=True),
     StageKind("memagent", "train_memagent", ("vllm_env", "serve_model", "train_memagent"), per_experiment=True),
@@ -147,13 +152,15 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(item)
 
 
-def _stage_jobs(dag: Any, kind: StageKind) -> dict[str | None, list[Any]]:
-    """The jobs of each stage of ``kind`` (keyed by experiment, or None): its root jobs and, upstream, the
-    jobs of its allowed rules."""
-    roots: dict[str | None, list[Any]] = {}
+def _stage_jobs(dag: Any, kind: StageKind) -> dict[tuple[str | None, str], list[Any]]:
+    """The jobs of each stage of ``kind`` (keyed by experiment, or None, and the stage's name within it): its
+    root jobs and, upstream, the jobs of its allowed rules."""
+    roots: dict[tuple[str | None, str], list[Any]] = {}
     for job in dag.jobs:
-        if job.rule.name == kind.root:
-            roots.setdefault(job.wildcards_dict.get("exp") if kind.per_experiment else None, []).append(job)
+        if kind.is_root(job.rule.name):
+            wildcards = job.wildcards_dict
+            key = (wildcards.get("exp") if kind.per_experiment else None, kind.name.format(**wildcards))
+            roots.setdefault(key, []).append(job)
     stages = {}
     for key, jobs in roots.items():
         seen = {id(job): job for job in jobs}
@@ -330,6 +337,11 @@ class CodeScan:
 # ----------------------------------------------------------------------------------------- the stages
 
 
+def _natural(name: str) -> list[Any]:
+    """Sort key of a name with numbers in it, by their values: stage2 before stage10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def _relative(root: Path, path: str | Path) -> str:
     path = Path(path)
     if path.is_absolute() and not path.resolve().is_relative_to(root):
@@ -348,17 +360,17 @@ def build_stages(workflow: Any, configfiles: Sequence[str]) -> list[Stage]:
 
     stages: list[Stage] = []
     counts: dict[str, int] = {}
-    found: list[tuple[StageKind, str | None, list[Any]]] = []
+    found: list[tuple[StageKind, str | None, str, list[Any]]] = []
     for kind in STAGE_KINDS:
-        for exp, jobs in sorted(_stage_jobs(dag, kind).items(), key=lambda item: str(item[0])):
-            found.append((kind, exp, jobs))
-            counts[kind.name] = counts.get(kind.name, 0) + 1
-    # The shared stages first, then each experiment's stages in the order they run.
-    found.sort(key=lambda item: (item[1] is not None, item[1] or "", STAGE_KINDS.index(item[0])))
-    for kind, exp, jobs in found:
-        # Today's names while the scale has one experiment with the stage; <experiment>-<stage> beside others.
-        name = kind.name if counts[kind.name] == 1 or exp is None else f"{exp}-{kind.name}"
-        roots = [job for job in jobs if job.rule.name == kind.root]
+        for (exp, base), jobs in _stage_jobs(dag, kind).items():
+            found.append((kind, exp, base, jobs))
+            counts[base] = counts.get(base, 0) + 1
+    # The shared stages first, then each experiment's stages in the order they run (stage2 before stage10).
+    found.sort(key=lambda item: (item[1] is not None, item[1] or "", STAGE_KINDS.index(item[0]), _natural(item[2])))
+    for kind, exp, base, jobs in found:
+        # The bare name while the scale has one experiment with the stage; <experiment>-<stage> beside others.
+        name = base if counts[base] == 1 or exp is None else f"{exp}-{base}"
+        roots = [job for job in jobs if kind.is_root(job.rule.name)]
         targets = sorted({str(f) for job in roots for f in job.output} or {kind.root})
         stage = Stage(name, targets, sorted({job.rule.name for job in jobs}), jobs=jobs)
         stage.outs = _outs(jobs)

@@ -111,7 +111,7 @@ class ServeSettings:
 
 @dataclass
 class TrainSettings:
-    """A GRPO run's settings on the ``local`` backend: ``stage1``/``stage2`` of an experiment, and MemAgent's
+    """A GRPO run's settings on the ``local`` backend: a ``stage<N>`` of an experiment, and MemAgent's
     ``train`` (with ``num_docs``). :class:`memupdate.training.local.LocalGRPOConfig` extends it with the
     run's paths and roles."""
 
@@ -265,6 +265,92 @@ class PolicyEvalSettings:
         minimum=1,
     )
     server: Literal["vllm", "hf"] = setting("vllm", help="vllm: a vLLM server of the policy; hf: in-process")
+
+
+#: An experiment's training stages are its ``stage<N>`` sections, run in the order of N.
+STAGE_SECTION = re.compile(r"stage([1-9][0-9]*)")
+#: The role a stage trains: the memory model (its episodes edit the store) or the QA model (it answers).
+ROLES = ("memory", "qa")
+
+
+@dataclass
+class TrainOn:
+    """A stage's ``train_on``: which train questions it trains on (every one when empty), so a curriculum is
+    a few lines of config (the first 8 sessions, then 16, then all; or some categories first)."""
+
+    categories: list[Literal[1, 2, 3, 4, 5]] | None = setting(
+        None, help="LoCoMo question categories (1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop, 5 adversarial)"
+    )
+    sessions: int | None = setting(
+        None,
+        help="only questions whose evidence lies in the first N sessions of their conversation (a question "
+        "without evidence ids is left out: where its answer lies is unknown)",
+        minimum=1,
+    )
+
+
+@dataclass
+class StagePlan:
+    """The keys of a ``stage<N>`` section that say what the stage is, beside how it trains (its
+    :class:`TrainSettings`, or verl keys): the role it trains and the rows it trains on."""
+
+    role: Literal["memory", "qa"] | None = setting(
+        None, help="memory or qa; default: stage1 memory, then the other role than the stage before"
+    )
+    train_on: dict[str, Any] = setting(help="which train questions (TrainOn)", factory=dict, schema=TrainOn)
+
+    KEYS: ClassVar[tuple[str, ...]] = ("role", "train_on")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One training stage of a MemoryUpdate experiment as the workflow runs it (:func:`experiment_stages`)."""
+
+    name: str  #: stage<N>: results/<exp>/stage<N>/ckpt
+    role: str  #: memory or qa
+    settings: dict[str, Any]  #: how it trains: the section without the StagePlan keys
+    train_on: dict[str, Any]  #: which train questions (TrainOn values; empty: all)
+    start: str | None  #: the stage of the same role it continues from; None: the role's first (untrained) model
+    fixed: str | None  #: the latest stage of the other role, served in its place; None: none yet (the base QA model)
+
+
+def stage_sections(experiment: Mapping[str, Any]) -> list[str]:
+    """The experiment's stage sections in order.
+
+    >>> stage_sections({"stage10": {}, "stage2": {}, "stage1": {}, "sft": {}})
+    ['stage1', 'stage2', 'stage10']
+    """
+    return sorted((k for k in experiment if STAGE_SECTION.fullmatch(k)), key=lambda k: int(k[len("stage") :]))
+
+
+def experiment_stages(experiment: Mapping[str, Any], path: str = "experiment") -> list[Stage]:
+    """The training stages of a MemoryUpdate experiment, in order: each trains its role starting from that
+    role's latest checkpoint, against the other role's latest checkpoint (``path``: where the experiment
+    sits in the config, for errors).
+
+    >>> stages = experiment_stages({"stage1": {"steps": 2}, "stage2": {}, "stage3": {"train_on": {"sessions": 8}}})
+    >>> [(s.name, s.role, s.start, s.fixed) for s in stages]
+    [('stage1', 'memory', None, None), ('stage2', 'qa', None, 'stage1'), ('stage3', 'memory', 'stage1', 'stage2')]
+    >>> stages[0].settings, stages[2].train_on
+    ({'steps': 2}, {'sessions': 8})
+    """
+    names = stage_sections(experiment)
+    for i, name in enumerate(names, start=1):
+        if name != f"stage{i}":
+            raise ConfigError(f"{path}.{name}: stages are numbered from 1 without gaps, but there is no stage{i}")
+    stages: list[Stage] = []
+    latest: dict[str, str] = {}
+    for name in names:
+        section = experiment[name] or {}
+        plan = build(StagePlan, {k: v for k, v in section.items() if k in StagePlan.KEYS}, f"{path}.{name}")
+        role = plan.role or ("memory" if not stages else next(r for r in ROLES if r != stages[-1].role))
+        if name == "stage1" and role != "memory":
+            raise ConfigError(f"{path}.stage1.role: stage 1 trains the memory model; a QA stage needs one before it")
+        other = next(r for r in ROLES if r != role)
+        settings = {k: v for k, v in section.items() if k not in StagePlan.KEYS}
+        stages.append(Stage(name, role, settings, plan.train_on, latest.get(role), latest.get(other)))
+        latest[role] = name
+    return stages
 
 
 @dataclass
@@ -703,14 +789,14 @@ def _type_schema(hint: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ workflow config
 
 #: Typed sections of an experiment, by the experiment's kind and backend (verl stage settings are verl's).
+#: A MemoryUpdate experiment's ``stage<N>`` sections are :class:`TrainSettings` (local) or verl keys, beside
+#: their :class:`StagePlan` keys (:func:`experiment_stages`).
 SECTIONS = {
     ("memupdate", "local"): {
         "reward": RewardSettings,
         "tools": ToolSettings,
         "sft": SFTSettings,
         "policy_eval": PolicyEvalSettings,
-        "stage1": TrainSettings,
-        "stage2": TrainSettings,
         "eval": LocomoEvalSettings,
     },
     ("memupdate", "verl"): {
@@ -727,8 +813,9 @@ SECTIONS = {
     },
     ("memagent", "verl"): {"loop": MemAgentLoopSettings, "sft": SFTSettings, "eval": MemAgentExperimentEval},
 }
-#: Sections of a verl experiment that are verl config keys (``trainer.total_training_steps: 100``).
-VERL_SECTIONS = {"memupdate": ("stage1", "stage2"), "memagent": ("train",)}
+#: Sections of a verl MemAgent experiment that are verl config keys (``trainer.total_training_steps: 100``);
+#: a MemoryUpdate one's are its stages.
+VERL_SECTIONS = {"memupdate": (), "memagent": ("train",)}
 
 
 def check_config(config: dict[str, Any], schema_path: str | Path, *, root: str | Path = ".") -> None:
@@ -776,8 +863,12 @@ def _prune_and_coerce(node: Any, schema: Mapping[str, Any]) -> None:
         return
     props = schema.get("properties", {})
     extra = schema.get("additionalProperties")
+    patterns = schema.get("patternProperties", {})
     for key in list(node):
-        sub = props.get(key, extra if isinstance(extra, Mapping) else None)
+        sub = props.get(key) or next(
+            (sub for pattern, sub in patterns.items() if re.search(pattern, str(key))),
+            extra if isinstance(extra, Mapping) else None,
+        )
         if sub is None:
             continue
         value = node[key]
@@ -867,6 +958,8 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
             for section in VERL_SECTIONS[kind]:
                 if section in experiment:
                     errors += verl_key_errors(experiment[section], f"experiments.{name}.{section}", kind)
+        if kind == "memupdate":
+            errors += _stage_errors(name, experiment)
     try:
         config["serving"] = clean(ServeSettings, config.get("serving"), "serving")
     except ConfigError as err:
@@ -888,6 +981,34 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
     return errors
 
 
+def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
+    """Check a MemoryUpdate experiment's stages (order, roles, plan keys, training settings) and type each
+    section's values in place."""
+    path = f"experiments.{name}"
+    try:
+        stages = experiment_stages(experiment, path)
+    except ConfigError as err:
+        return str(err).splitlines()
+    errors = []
+    for stage in stages:
+        where = f"{path}.{stage.name}"
+        if stage.role == "qa" and "qa_model" not in experiment:
+            errors.append(f"{where}: a QA stage trains the QA model, but the experiment has no qa_model")
+        # experiment_stages built the plan keys already: cleaning them again cannot fail.
+        plan = clean(StagePlan, {k: v for k, v in experiment[stage.name].items() if k in StagePlan.KEYS}, where)
+        settings = dict(stage.settings)
+        if experiment["backend"] == "verl":
+            # Typed in place (1e-6 as a number), as the local settings are by clean().
+            errors += verl_key_errors(settings, where, "memupdate")
+        else:
+            try:
+                settings = clean(TrainSettings, settings, where)
+            except ConfigError as err:
+                errors.extend(str(err).splitlines())
+        experiment[stage.name] = {**settings, **plan}
+    return errors
+
+
 def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
     errors = []
     experiments, models, files = config["experiments"], config["models"], config["data"]["files"]
@@ -902,16 +1023,15 @@ def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
                 f"({', '.join(spec['experiments'])}); the short paths (results/stage1/ckpt, ...) build it"
             )
     for name in experiments:
-        if name in RESERVED_RESULTS:
+        if name in RESERVED_RESULTS or STAGE_SECTION.fullmatch(name):
             errors.append(
-                f"experiments.{name}: the name is taken by results/{name}/ (reserved: {', '.join(sorted(RESERVED_RESULTS))})"
+                f"experiments.{name}: the name is taken by results/{name}/ (reserved: "
+                f"{', '.join(sorted(RESERVED_RESULTS))} and stage<N>)"
             )
     for name, experiment in experiments.items():
         for role in ("policy", "qa_model"):
             if role in experiment and experiment[role] not in models:
                 errors.append(_dangling(f"experiments.{name}.{role}", experiment[role], "models", models))
-        if "stage2" in experiment and "qa_model" not in experiment:
-            errors.append(f"experiments.{name}.stage2: stage 2 trains the QA model, but the experiment has no qa_model")
         judge = experiment.get("eval", {}).get("judge")
         if experiment.get("kind", "memupdate") == "memupdate" and judge == "stage2" and "stage2" not in experiment:
             errors.append(f"experiments.{name}.eval.judge: 'stage2' is not trained by this experiment (no stage2)")
@@ -929,10 +1049,9 @@ def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
     return errors
 
 
-#: Folders under results/ that are not experiments: shared artifacts and the default experiment's short paths.
-RESERVED_RESULTS = frozenset(
-    {"data", "embeddings", "envs", "models", "stage1", "stage2", "eval", "memagent", "memagent_eval"}
-)
+#: Folders under results/ that are not experiments: shared artifacts and the default experiment's short paths
+#: (those and results/stage<N>/).
+RESERVED_RESULTS = frozenset({"data", "embeddings", "envs", "models", "eval", "memagent", "memagent_eval"})
 
 
 def _dangling(path: str, name: Any, section: str, have: Mapping[str, Any]) -> str:

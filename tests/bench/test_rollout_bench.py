@@ -31,7 +31,8 @@ def test_rollout_bench_measures_loop_and_raw_throughput(locomo_rows, cache_dir, 
     ]
     assert result["episodes"] == 2 and result["requests"] >= 2 and result["generated_tokens"] > 0
     assert result["agent_loop_seconds"] > 0 and result["raw_seconds"] > 0 and result["ratio"] > 0
-    # Each round pairs one loop step with the replay of exactly its requests.
+    # Each round pairs one loop step with the replay of exactly its requests, episode by episode.
     assert len(result["rounds"]) == 2 == len(result["ratio_per_round"])
     assert all(r["requests"] >= 2 and r["loop_seconds"] > 0 and r["raw_seconds"] > 0 for r in result["rounds"])
+    assert all(r["episodes"] == 2 for r in result["rounds"])
     assert "ratio (target >= 0.9)" in format_rollout_bench(result)

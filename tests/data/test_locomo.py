@@ -14,6 +14,7 @@ from memupdate.data.locomo import (
     load_locomo,
     parse_evidence,
     preprocess_locomo,
+    select_rows,
 )
 
 SPLIT = {
@@ -320,3 +321,34 @@ def test_the_memory_r1_split_gives_its_published_question_counts(locomo_path, tm
     assert summary["split"] == "memory_r1"
     counts = {part: sum(n for c, n in s["by_category"].items() if int(c) <= 4) for part, s in summary["splits"].items()}
     assert counts == {"train": 152, "val": 81, "test": 1307}
+
+
+def test_a_stage_trains_on_the_questions_its_train_on_selects(locomo_rows, tmp_path):
+    """train_on: categories, and the questions whose evidence lies in the first N sessions (a curriculum)."""
+    rows = locomo_rows["train"]
+    every = pq.read_table(rows).column("extra_info").combine_chunks()
+    out = tmp_path / "stage3.parquet"
+    summary = select_rows(rows, out, categories=[1, 4], sessions=5)
+    kept = pq.read_table(out)
+    info = kept.column("extra_info").combine_chunks()
+    assert set(info.field("category").to_pylist()) <= {1, 4}
+    sessions = [max(int(e[1:].split(":")[0]) for e in ids) for ids in info.field("evidence").to_pylist()]
+    assert sessions and max(sessions) <= 5
+    assert summary["kept"] == kept.num_rows and summary["kept"] + summary["left_out"] == len(every)
+    # Exactly the rows that qualify: of categories 1 and 4, with evidence, all of it in sessions 1-5.
+    expected = [
+        ns
+        for ns, c, ids in zip(
+            every.field("namespace").to_pylist(),
+            every.field("category").to_pylist(),
+            every.field("evidence").to_pylist(),
+            strict=True,
+        )
+        if c in (1, 4) and ids and max(int(e[1:].split(":")[0]) for e in ids) <= 5
+    ]
+    assert info.field("namespace").to_pylist() == expected
+    # The rows keep every column, as training reads them.
+    assert kept.schema == pq.read_schema(rows)
+    with pytest.raises(ValueError, match="experiments.x.stage3.train_on .* leaves none of the"):
+        select_rows(rows, tmp_path / "none.parquet", categories=[5], where="experiments.x.stage3.train_on")
+    assert not (tmp_path / "none.parquet").exists()

@@ -73,7 +73,7 @@ def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
     # cluster's shape: both nodes and their two (fake) GPUs each.
     table = slurm_workdir / "profiles/slurm/resources.yaml"
     rows = yaml.safe_load(table.read_text())
-    rows["train_stage1"]["tiny-random"] = {"nodes": 2, "gpus_per_node": 2}
+    rows["train_stage"]["tiny-random"] = {"nodes": 2, "gpus_per_node": 2}
     table.write_text(yaml.safe_dump(rows))
     start = time.time()
     # The brief's short path: the default experiment's (tiny's) stage-1 checkpoint, trained on Slurm.
@@ -100,11 +100,11 @@ def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
         "rule_embed_memories",
         "rule_prepare_model_wildcards_tiny-random",
         "rule_serve_model_wildcards_tiny_train_qa-base",
-        "rule_train_stage1_wildcards_tiny",
+        "rule_train_stage1_wildcards_tiny_1",
     }
     assert expected <= set(jobs), sorted(jobs)
     assert all(jobs[c]["State"] == "COMPLETED" for c in expected), jobs
-    train = jobs["rule_train_stage1_wildcards_tiny"]
+    train = jobs["rule_train_stage1_wildcards_tiny_1"]
     # The table's row: 2 nodes, gres gpu:2 on each (4 fake GPUs in all).
     assert train["NNodes"] == "2" and "gres/gpu=4" in train["AllocTRES"], train
     # The served model ran as its own job and ended with the run: it stops itself once its marker is
@@ -147,7 +147,7 @@ def test_verl_stage1_trains_across_two_slurm_nodes(slurm_cluster, slurm_workdir,
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-5000:]
     jobs = {r["Comment"]: r for r in jobs_since(start, run_name)}
-    train = jobs["rule_train_stage1_wildcards_verl_cpu"]
+    train = jobs["rule_train_stage1_wildcards_verl_cpu_1"]
     assert train["State"] == "COMPLETED" and train["NNodes"] == "2", train
     # Its batch step ran the rule; the srun step (one task per node) ran the Ray nodes and the trainer.
     steps = subprocess.run(
@@ -240,6 +240,38 @@ def test_two_slurm_nodes_join_one_ray_cluster(slurm_cluster, tmp_path):
         assert any(name.endswith(".rank1.stopped") for name in stopped), stopped
     finally:
         shutil.rmtree(temp_root, ignore_errors=True)
+
+
+@pytest.mark.vllm
+def test_a_server_that_dies_in_its_slurm_job_fails_the_serve_rule_at_once(
+    slurm_cluster, vllm_python, tiny_model_dir, tmp_path
+):
+    """The supervisor writes the server's address as soon as vLLM starts; a vLLM that dies after that (a bad
+    argument here; a crashing kernel on the day it was seen) ends the job, and the wait must end with it, not
+    at the start-up timeout (it once idled 15 minutes)."""
+    from memupdate.serving.launch import ServeError, serve_model
+    from memupdate.serving.readiness import ServerNotReady
+
+    settings = {
+        "launcher": "slurm",
+        "python": str(vllm_python),
+        "dtype": "float32",
+        "startup_timeout_s": 600,
+        "extra_args": ["--no-such-vllm-option"],
+        "slurm": {"time": 5, "mem_mb": 3000, "cpus_per_task": 1},
+    }
+    start = time.monotonic()
+    with pytest.raises((ServeError, ServerNotReady)) as failure:
+        serve_model(
+            tiny_model_dir,
+            tmp_path / "dead.ready.json",
+            served_model_name="dies",
+            settings=settings,
+            server_log=tmp_path / "logs" / "dies.log",
+            registry_dir=tmp_path / "running",
+        )
+    assert time.monotonic() - start < 120, str(failure.value)
+    assert "--no-such-vllm-option" in str(failure.value) and not (tmp_path / "dead.ready.json").exists()
 
 
 @pytest.fixture

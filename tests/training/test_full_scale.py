@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from memupdate.cluster import read_table
 from memupdate.memory.environment import MemoryEnvironment
-from memupdate.settings import check_config
+from memupdate.settings import check_config, experiment_stages
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training import verl_launcher as vl
 from memupdate.training.stages import verl_commands
@@ -35,7 +35,7 @@ def slurm_env(table, rule: str, model: str) -> dict[str, str]:
 
 
 def test_the_full_scale_is_verl_on_the_hub_models_with_the_whole_hotpotqa_dev_file(full):
-    assert full["serving"]["engine"] == "vllm"
+    assert full["serving"]["engine"] == "vllm" and full["serving"]["dtype"] == "bfloat16"
     assert full["data"]["hotpotqa"]["splits"] == {"dev": "hotpotqa_dev"}
     assert full["data"]["files"]["hotpotqa_dev"]["sha256"].startswith("4e9ecb5c")
     for name in full["scales"]["full"]["experiments"]:
@@ -44,24 +44,20 @@ def test_the_full_scale_is_verl_on_the_hub_models_with_the_whole_hotpotqa_dev_fi
         assert full["models"][experiment["policy"]]["name_or_path"].startswith("Qwen/Qwen2.5-"), name
 
 
-@pytest.mark.parametrize("name", ["memupdate_3b", "memupdate_7b", "two_stage_3b", "two_stage_7b"])
+@pytest.mark.parametrize("name", ["memupdate_3b", "memupdate_7b", "two_stage_3b", "two_stage_7b", "curriculum_7b"])
 def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_path, name):
     experiment = full["experiments"][name]
     table = read_table(repo_root / "profiles/slurm/resources.yaml", full["models"])
     reward = {k: v for k, v in full["reward"].items() if k != "judge"}
-    # scorer auto with a QA model: the served base QA model reads (rules/common.smk get_stage1_reward).
+    # scorer auto with a QA model: the served fixed QA model reads (rules/common.smk get_stage_reward).
     reward.update(scorer="reader", reader_marker=str(tmp_path / "qa-base.ready.json"))
-    stages = [
-        ("stage1", "memory", "policy"),
-        *([("stage2", "qa", "qa_model")] if "stage2" in experiment else []),
-    ]
     memory_settings = {k: full["memory"][k] for k in ("embedding_model", "max_content_chars")}
-    for section, training_stage, role in stages:
-        model = experiment[role]
-        run_dir = tmp_path / name / section
+    for stage in experiment_stages(experiment):
+        model = experiment["policy" if stage.role == "memory" else "qa_model"]
+        run_dir = tmp_path / name / stage.name
         command, env = verl_commands(
-            training_stage=training_stage,
-            settings=experiment[section],
+            training_stage=stage.role,
+            settings=stage.settings,
             model=full["models"][model]["name_or_path"],
             train_files=[str(tmp_path / "train.parquet")],
             memory=MemoryEnvironment(
@@ -69,13 +65,13 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
             ),
             tool_config=str(TOOL_CONFIG),
             run_dir=str(run_dir),
-            reward={**reward, "training_stage": training_stage},
+            reward={**reward, "training_stage": stage.role},
             fixed=ENDPOINT,
             verl={},
-            env=slurm_env(table, f"train_{section}", model),
+            env=slurm_env(table, "train_stage", model),
         )
         resolved = OmegaConf.load(run_dir / vl.RESOLVED_CONFIG)
-        job = table.job(f"train_{section}", model)
+        job = table.job("train_stage", model)
         assert (resolved.trainer.nnodes, resolved.trainer.n_gpus_per_node) == (job.nodes, job.gpus_per_node)
         rollout = resolved.actor_rollout_ref.rollout
         assert rollout.n == 8 and resolved.data.train_batch_size == 32 and rollout.multi_turn.enable

@@ -3,8 +3,7 @@ from memupdate.utils.logging import setup_logging
 
 setup_logging(snakemake.log[0])
 inputs, params = snakemake.input, snakemake.params
-served = (("qa-base", "qa_base"), ("base", "base"), ("sft", "sft"), ("stage1", "stage1"), ("stage2", "stage2"))
-markers = {name: inputs.get(key) for name, key in served}
+served = {"qa-base": "qa_base", "base": "base", "sft": "sft", **{name: name for name, _ in params.stages}}
 evaluate_locomo(
     experiment=snakemake.wildcards.exp,
     test_file=inputs.test,
@@ -13,10 +12,11 @@ evaluate_locomo(
     embedding_model=params.embedding_model,
     tools=params.tools,
     conversations=inputs.conversations,
-    markers={name: marker for name, marker in markers.items() if marker},
+    markers={name: inputs.get(key) for name, key in served.items() if inputs.get(key)},
     out_dir=params.out_dir,
     settings=params.settings,
     training_metrics=params.training_metrics,
     published=params.published,
     split=params.split,
+    stages=params.stages,
 )

@@ -2,8 +2,9 @@
 
 The same model evaluates the same questions with contexts of 1, 2, 4, 8 and 16 chunks (each context is
 longer than 16 chunks and centre-truncated to exactly ``k``). Each length runs in its own process, so its
-peak resident memory is its own. The recurrent memory keeps every turn's prompt bounded, so wall time
-should grow linearly with the number of chunks and peak memory should not grow at all.
+peak resident memory is its own, and is timed ``repeats`` times after a warm-up: its time is the median,
+which one slow phase of a shared machine does not move. The recurrent memory keeps every turn's prompt
+bounded, so wall time should grow linearly with the number of chunks and peak memory should not grow at all.
 
 Targets: a linear fit of time against chunks with R^2 >= 0.98; peak memory within 10% across lengths.
 """
@@ -14,6 +15,7 @@ import argparse
 import json
 import logging
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -66,17 +68,22 @@ def _one_length(args: argparse.Namespace) -> None:
     evaluator = MemAgentEvaluator(args.model, settings, Path(args.work) / f"chunks-{args.chunks}")
     if args.warmup:  # the first requests pay one-off costs (allocator growth, lazy imports)
         evaluator.evaluate(args.rows, label="warm-up")
-    start = time.perf_counter()
-    summary = evaluator.evaluate(args.rows, label=f"{args.chunks} chunks")
-    seconds = time.perf_counter() - start
+    times, tokens = [], []
+    for _ in range(args.repeats):
+        before, start = evaluator.server.generated_tokens, time.perf_counter()
+        summary = evaluator.evaluate(args.rows, label=f"{args.chunks} chunks")
+        times.append(time.perf_counter() - start)
+        tokens.append(evaluator.server.generated_tokens - before)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     sys.stdout.write(
         json.dumps(
             {
                 "chunks": args.chunks,
-                "seconds": round(seconds, 4),
+                "seconds": round(statistics.median(times), 4),
+                "seconds_per_repeat": [round(t, 4) for t in times],
                 "peak_rss_mb": round(peak_mb, 1),
-                "generated_tokens": evaluator.server.generated_tokens,
+                "generated_tokens": tokens[0],
+                "generated_tokens_per_repeat": tokens,
                 **summary,
             }
         )
@@ -93,10 +100,12 @@ def run_memagent_bench(
     questions: int = 4,
     memory_tokens: int = 32,
     final_tokens: int = 16,
+    repeats: int = 3,
     work_dir: str | Path = "results/bench/memagent",
     output: str | None = "results/bench/memagent.json",
 ) -> dict[str, Any]:
-    """Run every length in a child process and fit time and memory against chunks."""
+    """Run every length in a child process (timed ``repeats`` times, the median kept) and fit time and memory
+    against chunks."""
     import pyarrow.parquet as pq
 
     from memupdate.data.hotpotqa import BudgetTooSmallError, preprocess_hotpotqa
@@ -149,6 +158,8 @@ def run_memagent_bench(
             str(work),
             "--batch-size",
             str(questions),
+            "--repeats",
+            str(repeats),
             "--warmup",
         ]
         logger.info("memagent bench: %d chunks", k)
@@ -168,6 +179,7 @@ def run_memagent_bench(
         "chunk_size": chunk_size,
         "memory_tokens": memory_tokens,
         "final_tokens": final_tokens,
+        "repeats": repeats,
         "lengths": results,
         "time_fit": fit,
         "peak_memory_spread": round(spread, 4),
@@ -204,7 +216,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one length of `memupdate bench memagent` (a child process)")
     for name in ("--model", "--rows", "--work"):
         parser.add_argument(name, required=True)
-    for name in ("--chunks", "--chunk-size", "--memory-tokens", "--final-tokens", "--prompt-length", "--batch-size"):
+    for name in (
+        "--chunks",
+        "--chunk-size",
+        "--memory-tokens",
+        "--final-tokens",
+        "--prompt-length",
+        "--batch-size",
+        "--repeats",
+    ):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--warmup", action="store_true", help="evaluate once before the timed run")
     args = parser.parse_args(argv)

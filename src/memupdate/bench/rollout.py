@@ -5,7 +5,11 @@ to the server's raw throughput for the same work.
    x ``n`` rollouts against the server; a recording client notes every request (prompt length,
    tokens generated). Reported: episodes/s, generated tokens/s.
 2. The same requests are replayed straight to the server (same prompts, same number of tokens with
-   ``ignore_eos``, same concurrency), with no loop, tools or reward: the raw limit.
+   ``ignore_eos``), with no loop, tools or reward: the raw limit. Each episode's requests are replayed
+   in their order, the next sent as soon as the previous returns, and all episodes at once, as in the
+   loop: a multi-turn episode's second request cannot start before its first has returned, in any
+   system, so replaying every request at once would charge the loop for the turns themselves, not for
+   what it adds between them.
 3. ratio = loop tokens/s / raw tokens/s for the same requests (target >= 0.9): what the loop's
    tokenisation, tool calls and reward cost on top of generation.
 
@@ -91,29 +95,47 @@ def vllm_loop_config(
 BENCH_MODEL = {"kind": "tiny_random", "seed": 0, "hidden_size": 128, "heads": 2, "kv_heads": 2}
 
 
+#: One recorded request: (episode's request id, prompt ids, tokens generated).
+Call = tuple[str, list[int], int]
+
+
 class RecordingClient:
-    """Passes ``generate`` through and records (prompt ids, tokens generated) for the replay."""
+    """Passes ``generate`` through and records each request (:data:`Call`) for the replay. The loop sends
+    every turn of an episode under the episode's request id (vLLM's prefix cache keys on it)."""
 
     def __init__(self, client: VLLMTokenClient):
         self.client = client
-        self.calls: list[tuple[list[int], int]] = []
+        self.calls: list[Call] = []
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **kwargs):
         out = await self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
-        self.calls.append((list(prompt_ids), len(out.token_ids)))
+        self.calls.append((request_id, list(prompt_ids), len(out.token_ids)))
         return out
 
 
-async def _replay(client: VLLMTokenClient, calls: list[tuple[list[int], int]], concurrency: int) -> float:
-    semaphore = asyncio.Semaphore(concurrency)
+def episodes_of(calls: list[Call]) -> list[list[tuple[list[int], int]]]:
+    """The recorded requests grouped by episode, each episode's in the order they were sent.
 
-    async def one(i: int, prompt: list[int], tokens: int):
-        async with semaphore:
-            params = {"temperature": 1.0, "max_tokens": tokens, "ignore_eos": True}
-            await client.generate(f"replay-{i}", prompt_ids=prompt, sampling_params=params)
+    >>> episodes_of([("a", [1], 2), ("b", [3], 1), ("a", [1, 5], 4)])
+    [[([1], 2), ([1, 5], 4)], [([3], 1)]]
+    """
+    episodes: dict[str, list[tuple[list[int], int]]] = {}
+    for request_id, prompt, tokens in calls:
+        episodes.setdefault(request_id, []).append((prompt, tokens))
+    return list(episodes.values())
+
+
+async def _replay(client: VLLMTokenClient, calls: list[Call]) -> float:
+    """Seconds to replay ``calls`` raw: episodes at once, each episode's requests one after another."""
+
+    async def episode(i: int, requests: list[tuple[list[int], int]]):
+        for prompt, tokens in requests:
+            if tokens > 0:
+                params = {"temperature": 1.0, "max_tokens": tokens, "ignore_eos": True}
+                await client.generate(f"replay-{i}", prompt_ids=prompt, sampling_params=params)
 
     start = time.perf_counter()
-    await asyncio.gather(*(one(i, p, t) for i, (p, t) in enumerate(calls) if t > 0))
+    await asyncio.gather(*(episode(i, requests) for i, requests in enumerate(episodes_of(calls))))
     return time.perf_counter() - start
 
 
@@ -139,14 +161,15 @@ async def _measure(
         await worker.generate_sequences(batch)
         loop_seconds = time.perf_counter() - start
         calls = list(recorder.calls)
-        raw_seconds = await _replay(client, calls, concurrency=prompts * n)
+        raw_seconds = await _replay(client, calls)
         rounds.append(
             {
                 "loop_seconds": loop_seconds,
                 "raw_seconds": raw_seconds,
                 "requests": len(calls),
-                "generated_tokens": sum(t for _, t in calls),
-                "prompt_tokens": sum(len(p) for p, _ in calls),
+                "episodes": len(episodes_of(calls)),
+                "generated_tokens": sum(t for _, _, t in calls),
+                "prompt_tokens": sum(len(p) for _, p, _ in calls),
             }
         )
     return rounds

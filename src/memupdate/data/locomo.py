@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from memupdate.data.rows import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.utils.io import (
@@ -678,4 +679,54 @@ def preprocess_locomo(
             logger.info("%s: %d rows from %s", name, table.num_rows, [c.sample_id for c in convs])
         if summary_path is not None:
             write_json_atomic(tmp["summary"], summary)
+    return summary
+
+
+def evidence_session(dia_id: str) -> int:
+    """The session a canonical evidence id lies in.
+
+    >>> evidence_session("D12:3")
+    12
+    """
+    return int(_DIA_ID.fullmatch(dia_id).group(1))
+
+
+def select_rows(
+    rows: str | Path,
+    output: str | Path,
+    *,
+    categories: Sequence[int] | None = None,
+    sessions: int | None = None,
+    where: str = "train_on",
+) -> dict[str, Any]:
+    """Write the rows of ``rows`` a stage trains on (:class:`memupdate.settings.TrainOn`): those of
+    ``categories`` (None: all) whose evidence lies in the first ``sessions`` sessions of their
+    conversation (None: anywhere; a row without evidence ids is left out, as where its answer lies is
+    unknown). Returns the counts kept and left out, by category; ``where`` names the setting in errors."""
+    table = pq.read_table(rows)
+    info = table.column("extra_info").combine_chunks()
+    row_categories = info.field("category").to_pylist()
+    evidence = info.field("evidence").to_pylist()
+    keep = []
+    for category, ids in zip(row_categories, evidence, strict=True):
+        ok = categories is None or category in categories
+        if sessions is not None:
+            ok = ok and bool(ids) and max(evidence_session(i) for i in ids) <= sessions
+        keep.append(ok)
+    selected = table.filter(pa.array(keep))
+    if selected.num_rows == 0:
+        raise ValueError(
+            f"{where} (categories {categories}, sessions {sessions}) leaves none of the {table.num_rows} rows "
+            f"of {rows}: widen it"
+        )
+    write_parquet_atomic(output, selected)
+    summary = {
+        "rows": str(rows),
+        "categories": list(categories) if categories is not None else None,
+        "sessions": sessions,
+        "kept": selected.num_rows,
+        "left_out": table.num_rows - selected.num_rows,
+        "kept_by_category": dict(sorted(Counter(c for c, k in zip(row_categories, keep, strict=True) if k).items())),
+    }
+    logger.info("%s: kept %d of %d rows of %s", where, summary["kept"], table.num_rows, rows)
     return summary

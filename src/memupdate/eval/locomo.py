@@ -3,7 +3,7 @@
 Systems (one predictions file each, ``predictions/<system>.jsonl``):
 
 - ``no_update``: the QA model answers from the top-k of the *initial* memories;
-- a memory model + a QA model (``stage1+qa_base``, ``stage1+stage2``): the memory model edits the
+- a memory model + a QA model (``stage1+qa_base``, ``stage1+stage2``, one per training stage): the memory model edits the
   question's trial store with the tools (the training episode itself: verl's ``AgentLoopWorker`` runs the
   ``memupdate_agent`` loop against the served memory model, greedy), then the QA model answers from the
   top-k of the *final* store, through the very code that answers for ``no_update``: the same prompt,
@@ -53,7 +53,7 @@ from memupdate.prompts import load_prompts, qa_messages
 from memupdate.rewards.memory import DEFAULT_CONTEXT_CHARS
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.readiness import load_marker, read_marker
-from memupdate.settings import LocomoEvalSettings, ToolSettings, build
+from memupdate.settings import LocomoEvalSettings, ToolSettings, build, experiment_stages, stage_sections
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import sha256_file, write_json_atomic
 
@@ -497,6 +497,24 @@ def _max_model_len(endpoint: Endpoint) -> int:
     return int(lengths[0])
 
 
+def stage_systems(stages: Sequence[Sequence[str]]) -> list[tuple[str, str, str | None]]:
+    """The system after each training stage: (name, memory model, QA model or None for the base one), the
+    name ``<memory>+<qa>`` of the latest memory and QA checkpoints at that point.
+
+    >>> stage_systems([("stage1", "memory"), ("stage2", "qa"), ("stage3", "memory")])
+    [('stage1+qa_base', 'stage1', None), ('stage1+stage2', 'stage1', 'stage2'), ('stage3+stage2', 'stage3', 'stage2')]
+    """
+    latest: dict[str, str] = {}
+    systems = []
+    for name, role in stages:
+        latest[role] = name
+        if "memory" not in latest:
+            raise ValueError(f"stage {name} trains the QA model before any memory stage")
+        qa = latest.get("qa")
+        systems.append((f"{latest['memory']}+{qa or 'qa_base'}", latest["memory"], qa))
+    return systems
+
+
 def evaluate_locomo(
     *,
     experiment: str,
@@ -513,28 +531,36 @@ def evaluate_locomo(
     training_metrics: Mapping[str, str] | None = None,
     published: str | None = None,
     split: str | None = None,
+    stages: Sequence[Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """The ``eval_locomo`` rule: predict with every system the served models allow, then write the report
     (``split``: the name of the LoCoMo split the test file comes from, stated in the report).
 
-    ``markers`` maps serve names (``qa-base``, ``base``, ``sft``, ``stage1``, ``stage2``) to readiness markers.
-    Systems: ``no_update`` and ``full_context`` (qa-base), ``<policy>+qa_base`` for each memory policy served
-    (the untrained ``base``, the cold start ``sft``, ``stage1``) and ``stage1+stage2`` (needs stage2).
+    ``markers`` maps serve names (``qa-base``, ``base``, ``sft``, ``stage1``, ``stage2``, ...) to readiness
+    markers. Systems: ``no_update`` and ``full_context`` (qa-base), ``<policy>+qa_base`` for the untrained
+    ``base`` and the cold start ``sft`` if served, and one per training stage (:func:`stage_systems`).
+    ``stages``: each stage's (name, role) in order; None: the stages among ``markers``, with their default
+    roles (:func:`memupdate.settings.experiment_stages`).
     """
     from memupdate.eval.report import build_report, judge_predictions
 
     eval_settings = build(LocomoEvalSettings, settings, "eval")
     if "qa-base" not in markers:
         raise ValueError("LoCoMo evaluation needs the base QA model served: markers['qa-base']")
+    if stages is None:
+        stages = [(s.name, s.role) for s in experiment_stages({name: {} for name in stage_sections(markers)})]
+    missing = [name for name, _ in stages if name not in markers]
+    if missing:
+        raise ValueError(f"LoCoMo evaluation of stages {missing}: no served model (markers) for them")
     systems = [System("no_update", markers["qa-base"], kind="no_update")]
     if conversations:
         systems.append(System("full_context", markers["qa-base"], kind="full_context"))
-    for policy in ("base", "sft", "stage1"):
+    for policy in ("base", "sft"):
         if policy in markers:
             systems.append(System(f"{policy}+qa_base", markers["qa-base"], memory=markers[policy]))
-    if "stage1" in markers:
-        if "stage2" in markers:
-            systems.append(System("stage1+stage2", markers["stage2"], memory=markers["stage1"]))
+    for name, memory_model, qa_model in stage_systems(stages):
+        qa = markers[qa_model] if qa_model else markers["qa-base"]
+        systems.append(System(name, qa, memory=markers[memory_model]))
     memory = MemoryEnvironment(
         memories=memories,
         embeddings=embeddings,

@@ -16,7 +16,8 @@ import asyncio
 import html
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -615,30 +616,63 @@ def build_report(
     return report
 
 
-#: Report rows in this order (any other system afterwards, by name).
-SYSTEM_ORDER = ("no_update", "full_context", "base+qa_base", "sft+qa_base", "stage1+qa_base", "stage1+stage2")
+#: Report rows in this order, then the system after each training stage in stage order (:func:`stage_number`),
+#: then any other system by name.
+SYSTEM_ORDER = ("no_update", "full_context", "base+qa_base", "sft+qa_base")
 #: Pairs of systems compared question by question (first minus second), where both were evaluated: what a
-#: memory policy adds over the untouched store, what each training step adds over the one before.
+#: memory policy adds over the untouched store and over the policy before training; besides these, each
+#: training stage's system is compared with the previous stage's (:func:`comparisons`).
 COMPARISONS = (
     ("base+qa_base", "no_update"),
     ("sft+qa_base", "base+qa_base"),
     ("stage1+qa_base", "sft+qa_base"),
     ("stage1+qa_base", "base+qa_base"),
     ("stage1+qa_base", "no_update"),
-    ("stage1+stage2", "stage1+qa_base"),
 )
+#: The system after a training stage: ``<memory model>+<QA model>`` (memupdate.eval.locomo.stage_systems).
+_STAGE_SYSTEM = re.compile(r"stage(\d+)\+(?:qa_base|stage(\d+))")
+
+
+def stage_number(system: str) -> int | None:
+    """The training stage a system is the result of (its latest checkpoint), None for any other system.
+
+    >>> stage_number("stage3+stage2"), stage_number("stage1+stage2"), stage_number("sft+qa_base")
+    (3, 2, None)
+    """
+    match = _STAGE_SYSTEM.fullmatch(system)
+    if match is None:
+        return None
+    return max(int(n) for n in match.groups() if n)
+
+
+def system_order(names: Iterable[str]) -> list[str]:
+    """Report rows: :data:`SYSTEM_ORDER`, the stages' systems in stage order, then the rest by name.
+
+    >>> system_order(["stage3+stage2", "zz", "stage1+qa_base", "no_update", "stage1+stage2"])
+    ['no_update', 'stage1+qa_base', 'stage1+stage2', 'stage3+stage2', 'zz']
+    """
+
+    def rank(name: str) -> tuple[int, int, str]:
+        if name in SYSTEM_ORDER:
+            return 0, SYSTEM_ORDER.index(name), name
+        stage = stage_number(name)
+        return (1, stage, name) if stage is not None else (2, 0, name)
+
+    return sorted(names, key=rank)
 
 
 def comparisons(per_question: Mapping[str, Mapping[str, float]]) -> list[dict[str, Any]]:
     """Paired bootstrap 95% intervals (:func:`memupdate.eval.stats.paired_by_key`) of LoCoMo F1 for the
-    :data:`COMPARISONS` whose two systems both have per-question scores (namespace -> F1).
+    :data:`COMPARISONS` and each training stage's system against the previous stage's, whose two systems
+    both have per-question scores (namespace -> F1).
 
     >>> out = comparisons({"no_update": {"q1": 0.0, "q2": 0.5}, "stage1+qa_base": {"q1": 1.0, "q2": 0.5}})
     >>> [(c["system"], c["baseline"], c["mean_difference"]) for c in out]
     [('stage1+qa_base', 'no_update', 0.5)]
     """
+    stages = [name for name in system_order(per_question) if stage_number(name) is not None]
     out = []
-    for system, baseline in COMPARISONS:
+    for system, baseline in [*COMPARISONS, *((b, a) for a, b in zip(stages, stages[1:], strict=False))]:
         if system in per_question and baseline in per_question:
             interval = paired_by_key(per_question[system], per_question[baseline])
             out.append({"system": system, "baseline": baseline, "metric": "locomo_f1", **interval})
@@ -663,8 +697,7 @@ def rebuild_report(
     files = {p.name[: -len(".jsonl")]: p for p in folder.glob("*.jsonl") if not p.name.endswith(".stale.jsonl")}
     if not files:
         raise FileNotFoundError(f"no predictions in {folder}: run `memupdate eval locomo` (or the eval_locomo rule)")
-    rank = {name: i for i, name in enumerate(SYSTEM_ORDER)}
-    predictions = {name: files[name] for name in sorted(files, key=lambda n: (rank.get(n, len(rank)), n))}
+    predictions = {name: files[name] for name in system_order(files)}
     settings: dict[str, Any] = {}
     judges = set()
     for path in predictions.values():

@@ -138,7 +138,7 @@ def served_endpoints(settings: Mapping[str, Any]) -> dict[str, Endpoint]:
         if not marker:
             raise ValueError(
                 f"reward scorer {scorer!r} needs the setting {role}_marker: the readiness marker of the served "
-                f"{role} model (the workflow's train_stage1 passes the served qa-base's); none was given"
+                f"{role} model (the workflow's train_stage passes its fixed QA role's); none was given"
             )
         endpoints[role] = read_marker(marker)
     return endpoints

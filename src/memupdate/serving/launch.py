@@ -208,26 +208,41 @@ def _slurm_state(job_id: str) -> str | None:
     return state or None
 
 
+class SlurmJob:
+    """A server's Slurm job, polled like a process (``poll()`` is None while it runs), so a wait on the server
+    ends as soon as its job does instead of at the start-up timeout."""
+
+    #: squeue may not list a job in its first seconds; after that, absence means it ended.
+    GRACE_S = 5.0
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        self.returncode: str | None = None
+        self._submitted = time.monotonic()
+
+    def poll(self) -> str | None:
+        if self.returncode is None and time.monotonic() - self._submitted > self.GRACE_S:
+            if _slurm_state(self.job_id) is None:
+                self.returncode = f"unknown (Slurm job {self.job_id} has left the queue)"
+        return self.returncode
+
+
 def _wait_for_address(
-    address_file: Path, log_path: Path, timeout_s: float, *, process: subprocess.Popen | None, job_id: str | None
+    address_file: Path, log_path: Path, timeout_s: float, *, process: subprocess.Popen | SlurmJob
 ) -> dict[str, Any]:
     start = time.monotonic()
     while True:
         if address_file.is_file():
             return json.loads(address_file.read_text(encoding="utf-8"))
-        if process is not None and process.poll() is not None:
+        if process.poll() is not None:
+            # Gone without writing its address: it failed or was cancelled.
+            where = f"Slurm job {process.job_id}" if isinstance(process, SlurmJob) else "the server supervisor"
             raise ServeError(
-                f"the server supervisor exited with code {process.returncode} before it started vLLM\n"
+                f"{where} exited with code {process.returncode} before it started vLLM\n"
                 f"{error_lines(log_path)}\nlast lines of {log_path}:\n{tail(log_path, 30)}"
             )
-        # squeue may not list a job in its first seconds; after that, absence means it ended.
-        if job_id is not None and time.monotonic() - start > 5 and _slurm_state(job_id) is None:
-            # Gone from the queue without writing its address: it failed or was cancelled.
-            raise ServeError(
-                f"Slurm job {job_id} ended before the server started; see {log_path}:\n{tail(log_path, 30)}"
-            )
         if time.monotonic() - start > timeout_s:
-            where = f"Slurm job {job_id} (state {_slurm_state(job_id)})" if job_id else "the supervisor"
+            where = f"Slurm job {process.job_id}" if isinstance(process, SlurmJob) else "the supervisor"
             raise ServeError(f"{where} did not start the server within {timeout_s:.0f} s; see {log_path}")
         time.sleep(1.0)
 
@@ -260,7 +275,8 @@ def serve_model(
     address_file = server_log.with_name(server_log.name.split(".")[0] + ".address.json")
     address_file.unlink(missing_ok=True)
     server_log.parent.mkdir(parents=True, exist_ok=True)
-    process, job_id = None, None
+    process: subprocess.Popen | SlurmJob
+    job_id = None
     record = {"log": str(server_log), "marker": str(marker.resolve()), "run_pid": os.environ.get(RUN_PID_ENV)}
     if launcher == "local":
         watch = os.environ.get(RUN_PID_ENV)
@@ -303,12 +319,11 @@ def serve_model(
         if result.returncode != 0:
             raise ServeError(f"sbatch for the {served_model_name} server failed: {result.stderr.strip()}")
         job_id = result.stdout.strip().split(";")[0]
+        process = SlurmJob(job_id)
         _register(registry_dir, served_model_name, {"slurm_job_id": job_id, **record})
         logger.info("submitted Slurm job %s serving %s (log %s)", job_id, model_dir, server_log)
     try:
-        address = _wait_for_address(
-            address_file, server_log, settings.startup_timeout_s, process=process, job_id=job_id
-        )
+        address = _wait_for_address(address_file, server_log, settings.startup_timeout_s, process=process)
         start = time.monotonic()
         wait_until_ready(
             address["base_url"], served_model_name, settings.startup_timeout_s, process=process, log_path=server_log

@@ -370,18 +370,19 @@ def wait_until_ready(
     served_model_name: str,
     timeout_s: float = 300.0,
     *,
-    process: ServerProcess | subprocess.Popen | None = None,
+    process: ServerProcess | subprocess.Popen | Any = None,
     log_path: str | os.PathLike | None = None,
     poll_s: float = 1.0,
 ) -> None:
     """Return once ``GET /v1/models`` lists ``served_model_name`` and a 1-token completion succeeded.
 
     Raises :class:`~memupdate.serving.readiness.ServerNotReady` on timeout, or as soon as ``process``
-    has exited, with the last 40 lines of the server log (``log_path``, or the process's own log).
+    (anything with ``poll()`` and ``returncode``, such as :class:`memupdate.serving.launch.SlurmJob`) has
+    exited, with the last 40 lines of the server log (``log_path``, or the process's own log).
     """
     if isinstance(process, ServerProcess):
         log_path = log_path or process.log_path
-        popen: subprocess.Popen | None = process.process
+        popen = process.process
     else:
         popen = process
     deadline = time.monotonic() + timeout_s

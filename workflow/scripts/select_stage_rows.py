@@ -1,0 +1,10 @@
+from memupdate.data.locomo import select_rows
+from memupdate.utils.logging import setup_logging
+
+setup_logging(snakemake.log[0])
+select_rows(
+    snakemake.input.rows,
+    snakemake.output.rows,
+    **snakemake.params.train_on,
+    where=f"experiments.{snakemake.wildcards.exp}.stage{snakemake.wildcards.n}.train_on",
+)
