@@ -78,13 +78,15 @@ def _one_length(args: argparse.Namespace) -> None:
     sys.stdout.write(
         json.dumps(
             {
+                # The evaluation's own summary first: its "seconds" is the mean per question, which the
+                # length's wall time below replaces.
+                **summary,
                 "chunks": args.chunks,
                 "seconds": round(statistics.median(times), 4),
                 "seconds_per_repeat": [round(t, 4) for t in times],
                 "peak_rss_mb": round(peak_mb, 1),
                 "generated_tokens": tokens[0],
                 "generated_tokens_per_repeat": tokens,
-                **summary,
             }
         )
         + "\n"

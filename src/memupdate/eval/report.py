@@ -575,7 +575,8 @@ def build_report(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     systems, conversations, questions, asked, per_question = {}, set(), 0, {}, {}
-    for name, path in predictions.items():
+    for name in system_order(predictions):
+        path = predictions[name]
         records = load_jsonl(path)
         asked[name] = {r["namespace"] for r in records}
         systems[name] = summarize(records, may_skip=name in MAY_SKIP)
