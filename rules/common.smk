@@ -128,8 +128,9 @@ def policy_of(wildcards):
     return get_experiment(wildcards)["policy"]
 
 
-def qa_model_of(wildcards):
-    return get_qa_model(wildcards)
+def role_model_of(wildcards, role):
+    """The model (a key of config `models`) that plays a role: the QA model for qa, else the policy."""
+    return get_qa_model(wildcards) if role == "qa" else policy_of(wildcards)
 
 
 def served_model_of(wildcards):
@@ -138,9 +139,7 @@ def served_model_of(wildcards):
     if wildcards.served == "qa-base":
         return get_qa_model(wildcards)
     stage = get_stages(wildcards).get(wildcards.served)
-    if stage is not None and stage.role == "qa":
-        return get_qa_model(wildcards)
-    return get_experiment(wildcards)["policy"]
+    return role_model_of(wildcards, stage.role if stage else "memory")
 
 
 def get_serving_settings(wildcards):
@@ -426,9 +425,7 @@ def get_stage_role(wildcards):
 
 def stage_model_of(wildcards):
     """The model a stage trains (a key of config `models`): the policy, or the QA model."""
-    if get_stage(wildcards).role == "qa":
-        return get_qa_model(wildcards)
-    return get_experiment(wildcards)["policy"]
+    return role_model_of(wildcards, get_stage(wildcards).role)
 
 
 def get_backend(wildcards):

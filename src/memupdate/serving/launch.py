@@ -231,18 +231,17 @@ def _wait_for_address(
     address_file: Path, log_path: Path, timeout_s: float, *, process: subprocess.Popen | SlurmJob
 ) -> dict[str, Any]:
     start = time.monotonic()
+    where = f"Slurm job {process.job_id}" if isinstance(process, SlurmJob) else "the server supervisor"
     while True:
         if address_file.is_file():
             return json.loads(address_file.read_text(encoding="utf-8"))
         if process.poll() is not None:
             # Gone without writing its address: it failed or was cancelled.
-            where = f"Slurm job {process.job_id}" if isinstance(process, SlurmJob) else "the server supervisor"
             raise ServeError(
                 f"{where} exited with code {process.returncode} before it started vLLM\n"
                 f"{error_lines(log_path)}\nlast lines of {log_path}:\n{tail(log_path, 30)}"
             )
         if time.monotonic() - start > timeout_s:
-            where = f"Slurm job {process.job_id}" if isinstance(process, SlurmJob) else "the supervisor"
             raise ServeError(f"{where} did not start the server within {timeout_s:.0f} s; see {log_path}")
         time.sleep(1.0)
 
