@@ -8,6 +8,7 @@ from memupdate.cluster import read_table
 from memupdate.settings import (
     EPISODE_KEYS,
     SAMPLING_KEYS,
+    IngestionSettings,
     PolicyEvalSettings,
     build,
     experiment_stages,
@@ -198,10 +199,13 @@ def memory_inputs():
     }
 
 
-def validation_inputs(experiment):
-    """verl validates on the held-out validation conversation(s); the local backend does not validate."""
-    if experiment["backend"] != "verl":
+def validation_inputs(wildcards):
+    """verl validates on the held-out validation conversation(s) (their questions, or their sessions for an
+    ingestion experiment); the local backend does not validate."""
+    if get_experiment(wildcards)["backend"] != "verl":
         return {}
+    if is_ingestion(wildcards):
+        return {"val": f"results/{wildcards.exp}/data/ingest.val.parquet"}
     return {"val": "results/data/locomo/val.parquet"}
 
 
@@ -382,11 +386,29 @@ def get_stage_start(wildcards):
     return f"results/models/{get_qa_model(wildcards)}"
 
 
+def is_ingestion(wildcards):
+    """Whether the experiment's memory episodes are sessions (question-agnostic ingestion), not questions."""
+    return "ingestion" in get_experiment(wildcards)
+
+
+def get_questions_per_session(wildcards):
+    section = get_experiment(wildcards)["ingestion"]
+    where = f"experiments.{wildcards.exp}.ingestion"
+    return build(IngestionSettings, section, where).questions_per_session
+
+
+def get_train_rows(wildcards):
+    """The experiment's train rows: the questions, or for an ingestion experiment its sessions."""
+    if is_ingestion(wildcards):
+        return f"results/{wildcards.exp}/data/ingest.train.parquet"
+    return memory_inputs()["train"]
+
+
 def get_stage_rows(wildcards):
     """The train rows of a stage: all of them, or its train_on's selection (rule select_stage_rows)."""
     if get_stage(wildcards).train_on:
         return f"results/{wildcards.exp}/data/stage{wildcards.n}.train.parquet"
-    return memory_inputs()["train"]
+    return get_train_rows(wildcards)
 
 
 def get_train_on(wildcards):
@@ -400,7 +422,7 @@ def get_stage_inputs(wildcards):
         "model": get_stage_start(wildcards),
         **memory_inputs(),
         "train": get_stage_rows(wildcards),
-        **validation_inputs(experiment),
+        **validation_inputs(wildcards),
         **rollout_env_inputs(stage.settings),
     }
     if stage.role == "qa":

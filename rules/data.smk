@@ -44,6 +44,27 @@ rule preprocess_locomo:
         "../workflow/scripts/preprocess_locomo.py"
 
 
+rule ingestion_rows:
+    # An ingestion experiment's episodes: one row per session of each conversation of the split, no question in
+    # any prompt (memupdate.data.ingestion).
+    input:
+        rows="results/data/locomo/{part}.parquet",
+        memories="results/data/locomo/memories.parquet",
+    output:
+        rows="results/{exp}/data/ingest.{part}.parquet",
+    log:
+        "logs/ingestion_rows/{exp}-{part}.log",
+    wildcard_constraints:
+        part="train|val|test",
+    localrule: True
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    params:
+        questions_per_session=get_questions_per_session,
+    script:
+        "../workflow/scripts/ingestion_rows.py"
+
+
 rule preprocess_hotpotqa:
     input:
         data=get_hotpotqa_input,

@@ -24,6 +24,8 @@ rule eval_locomo:
         settings=get_eval_settings,
         training_metrics=get_training_metrics,
         stages=get_eval_stages,
+        # Question-agnostic: memory built session by session before the questions (memupdate.data.ingestion).
+        ingestion=is_ingestion,
         out_dir=get_eval_dir,
         embedding_model=EMBEDDING_MODEL,
         tools=get_tool_settings,

@@ -40,7 +40,7 @@ rule train_sft:
 
 rule select_stage_rows:
     input:
-        rows="results/data/locomo/train.parquet",
+        rows=get_train_rows,
     output:
         rows="results/{exp}/data/stage{n}.train.parquet",
     log:
@@ -50,6 +50,7 @@ rule select_stage_rows:
         "../workflow/envs/memupdate.yaml"
     params:
         train_on=get_train_on,
+        ingestion=is_ingestion,
     script:
         "../workflow/scripts/select_stage_rows.py"
 

@@ -363,3 +363,24 @@ def test_the_memory_r1_split_is_an_option_and_an_unknown_split_is_named():
     assert r1["data"]["locomo"]["splits"][r1["data"]["locomo"]["split"]]["train"] == ["conv-26"]
     message = problems(merged({"data": {"locomo": {"split": "memory-r1"}}}))
     assert "data.locomo.split: 'memory-r1' is not defined in data.locomo.splits; did you mean memory_r1?" in message
+
+
+def test_an_ingestion_experiment_trains_the_memory_role_on_sessions():
+    full = merged({"scale": "full"})
+    check_config(full, SCHEMA, root=REPO)
+    ingest = experiment_stages(full["experiments"]["ingest_7b"])
+    assert [s.role for s in ingest] == ["memory"] * 3
+    assert [s.start for s in ingest] == [None, "stage1", "stage2"]
+    assert [s.train_on.get("sessions") for s in ingest] == [8, 16, None]
+    smoke = merged({"experiments": {"smoke": {"ingestion": {"questions_per_session": 0}}}})
+    assert "experiments.smoke.ingestion.questions_per_session" in problems(smoke)
+    # smoke's stage 2 trains the QA model, which has no question to answer in a session's episode.
+    message = problems(merged({"experiments": {"smoke": {"ingestion": {}}}}))
+    assert "experiments.smoke.stage2: an ingestion experiment trains the memory role only" in message
+    cold_start = merged({"experiments": {"cpu_demo": {"ingestion": {}}}})
+    assert "experiments.cpu_demo.sft: not available for an ingestion experiment yet" in problems(cold_start)
+    assert "experiments.cpu_demo.policy_eval: not available for an ingestion experiment yet" in problems(cold_start)
+    curriculum = {"ingestion": {}, "stage2": None, "stage1": {"train_on": {"categories": [1]}}}
+    assert "experiments.smoke.stage1.train_on.categories: an ingestion experiment's rows are sessions" in problems(
+        merged({"experiments": {"smoke": curriculum}})
+    )

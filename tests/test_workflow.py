@@ -338,6 +338,46 @@ def _supervisors(workdir: Path) -> list[psutil.Process]:
     return alive
 
 
+def check_question_agnostic_ingestion(workdir: Path) -> None:
+    """The tiny_ingest experiment's artifacts: trained on its first 4 sessions' episodes, evaluated by building
+    each test conversation's store session by session, and never shown a question."""
+    exp = workdir / "results/tiny_ingest"
+    rows = pq.read_table(exp / "data/stage1.train.parquet").column("extra_info").combine_chunks()
+    assert set(rows.field("session").to_pylist()) == {1, 2, 3, 4}
+    loops = (exp / "stage1/agent_loops.yaml").read_text()
+    assert "training_stage: memory" in loops and "model: tiny_ingest-qa-base" in loops
+    (step,) = [json.loads(line) for line in (exp / "stage1/metrics.jsonl").open()]
+    assert step["n_questions_mean"] >= 1
+    report = json.loads((exp / "eval/report.json").read_text())
+    assert set(report["systems"]) == {"no_update", "full_context", "stage1+qa_base"}
+    system = report["systems"]["stage1+qa_base"]
+    assert system["memory_setting"] == "question-agnostic" and system["unanswered"] == 0
+    # Every session of the three test conversations was one episode, in session order.
+    memories = pq.read_table(workdir / "results/data/locomo/memories.parquet").to_pylist()
+    tests = set(report["conversations"])
+    sessions = {(m["sample_id"], m["session"]) for m in memories if m["sample_id"] in tests}
+    log = json.loads((exp / "eval/runs/stage1+qa_base/ingestion.json").read_text())
+    assert system["ingestion"]["episodes"] == log["episodes"] == len(sessions) > 60
+    for sample, done in log["conversations"].items():
+        assert [s["session"] for s in done] == sorted(s for c, s in sessions if c == sample)
+    md = (exp / "eval/report.md").read_text()
+    assert "Setting: question-agnostic" in md and "## Ingestion" in md and "| stage1+qa_base | agnostic |" in md
+    # The prompts of the evaluation's episodes hold no question of LoCoMo.
+    questions = [
+        q
+        for part in ("train", "val", "test")
+        for q in pq.read_table(workdir / f"results/data/locomo/{part}.parquet")
+        .column("extra_info")
+        .combine_chunks()
+        .field("question")
+        .to_pylist()
+    ]
+    for step_rows in (exp / "eval/runs/stage1+qa_base/sessions").glob("step*.parquet"):
+        for prompt in pq.read_table(step_rows).column("prompt").to_pylist():
+            text = "".join(m["content"] for m in prompt)
+            assert not [q for q in questions if q in text], step_rows
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_python, monkeypatch):
@@ -358,7 +398,8 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
 
     # `all` and the default experiment's short paths (the product brief's `snakemake results/stage2/ckpt`).
     short = ["results/stage1/ckpt", "results/stage2/ckpt", "results/eval/report.json"]
-    everything = snakemake(workdir, "--profile", "profiles/local", "all", *short, *TINY, timeout=1800)
+    ingest = "results/tiny_ingest/eval/report.json"
+    everything = snakemake(workdir, "--profile", "profiles/local", "all", *short, ingest, *TINY, timeout=1800)
     assert everything.returncode == 0, everything.stderr[-5000:]
     log = everything.stdout + everything.stderr
     summary = json.loads((workdir / "results/embeddings/all-MiniLM-L6-v2/memories.summary.json").read_text())
@@ -457,9 +498,12 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
             "served_as": "tiny_memagent-eval-memagent",
         },
     }
+    check_question_agnostic_ingestion(workdir)
     # Servers were stopped when the run ended; their markers (temp) are gone with them.
     for served in ("qa-base", "stage1", "stage2", "eval-qa-base", "eval-stage1", "eval-stage2", "eval-stage3"):
         assert f"stopped the tiny-{served} server" in log
+    for served in ("qa-base", "eval-qa-base", "eval-stage1"):
+        assert f"stopped the tiny_ingest-{served} server" in log
     for served in ("eval-base", "eval-memagent"):
         assert f"stopped the tiny_memagent-{served} server" in log
     assert not list((workdir / "results/tiny/serve").rglob("*.json"))

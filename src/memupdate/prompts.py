@@ -145,6 +145,23 @@ class Prompts:
         )
 
 
+#: Characters of a memory's text the memory agent is shown (tool results, an ingestion row's new memories).
+MAX_SHOWN_CHARS = 300
+
+
+def format_record(record: Any) -> str:
+    """How the memory agent sees a memory (any object with ``id``, ``content``, ``speaker``, ``session``,
+    ``date``): its short handle first, then where it comes from.
+
+    >>> from memupdate.memory.store import MemoryRecord
+    >>> format_record(MemoryRecord(3, "prefers tea", speaker="Caroline", session=2, date="8 May 2023"))
+    '[3] (Caroline, session 2, 8 May 2023) prefers tea'
+    """
+    details = [d for d in (record.speaker, f"session {record.session}" if record.session else None, record.date) if d]
+    content = record.content if len(record.content) <= MAX_SHOWN_CHARS else record.content[:MAX_SHOWN_CHARS] + "..."
+    return f"[{record.id}] " + (f"({', '.join(details)}) " if details else "") + content
+
+
 def _category(category: int) -> int:
     value = int(category)
     if value not in (1, 2, 3, 4, 5):

@@ -284,7 +284,22 @@ class TrainOn:
     sessions: int | None = setting(
         None,
         help="only questions whose evidence lies in the first N sessions of their conversation (a question "
-        "without evidence ids is left out: where its answer lies is unknown)",
+        "without evidence ids is left out: where its answer lies is unknown); ingestion: the first N sessions",
+        minimum=1,
+    )
+
+
+@dataclass
+class IngestionSettings:
+    """An experiment's ``ingestion`` section: its memory episodes are sessions, not questions
+    (question-agnostic memory building, :mod:`memupdate.data.ingestion`); its stages train the memory role,
+    a stage's ``train_on.sessions`` keeps the sessions up to N, and its evaluation builds each test
+    conversation's store session by session before any question is asked."""
+
+    questions_per_session: int | None = setting(
+        None,
+        help="questions a session's reward is scored on (null = every question whose evidence it has seen; a cap "
+        "keeps those of the new session first, and an episode that deletes the older memories can then gain)",
         minimum=1,
     )
 
@@ -470,6 +485,11 @@ class RewardSettings:
         500, help="characters of retrieved memory text that S, the QA phase and evaluation use", minimum=1
     )
     other_questions: int = setting(0, help="other questions of the conversation averaged into S", minimum=0)
+    ingestion_baseline: Literal["append", "before"] = setting(
+        "append",
+        help="the store S(initial) of an ingestion session reads: append = the session's memories added as they "
+        "are (editing nothing scores 0), before = the store before the session (its memories count as gain)",
+    )
     efficiency: dict[str, Any] = setting(
         help="E's settings (memupdate.rewards.efficiency.EfficiencyConfig)", factory=dict, schema=EfficiencyConfig
     )
@@ -794,6 +814,7 @@ def _type_schema(hint: Any) -> dict[str, Any]:
 SECTIONS = {
     ("memupdate", "local"): {
         "reward": RewardSettings,
+        "ingestion": IngestionSettings,
         "tools": ToolSettings,
         "sft": SFTSettings,
         "policy_eval": PolicyEvalSettings,
@@ -801,6 +822,7 @@ SECTIONS = {
     },
     ("memupdate", "verl"): {
         "reward": RewardSettings,
+        "ingestion": IngestionSettings,
         "tools": ToolSettings,
         "sft": SFTSettings,
         "eval": LocomoEvalSettings,
@@ -990,8 +1012,21 @@ def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
     except ConfigError as err:
         return str(err).splitlines()
     errors = []
+    for section in ("sft", "policy_eval"):
+        if "ingestion" in experiment and section in experiment:
+            # Both play question episodes (the scripted expert's demonstrations, held-out questions).
+            errors.append(
+                f"{path}.{section}: not available for an ingestion experiment yet (it plays question episodes)"
+            )
     for stage in stages:
         where = f"{path}.{stage.name}"
+        if "ingestion" in experiment and stage.role == "qa":
+            errors.append(
+                f"{where}: an ingestion experiment trains the memory role only (its episodes are sessions, with no "
+                "question for a QA model to answer); train the QA model in a question-conditioned experiment"
+            )
+        if "ingestion" in experiment and stage.train_on.get("categories") is not None:
+            errors.append(f"{where}.train_on.categories: an ingestion experiment's rows are sessions; use sessions")
         if stage.role == "qa" and "qa_model" not in experiment:
             errors.append(f"{where}: a QA stage trains the QA model, but the experiment has no qa_model")
         # experiment_stages built the plan keys already: cleaning them again cannot fail.

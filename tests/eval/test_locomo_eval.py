@@ -267,7 +267,7 @@ def test_rebuilt_report_takes_settings_and_judge_from_the_predictions(tmp_path):
     out = report.rebuild_report(tmp_path, experiment="exp")
     assert list(out["systems"]) == ["no_update", "stage1+qa_base"]  # the report's fixed order, stale files skipped
     assert out["judge"] == "exp-qa-base" and out["settings"]["top_k"] == 7
-    assert "| no_update | qa: qa-base |" in (tmp_path / "report.md").read_text()
+    assert "| no_update | – | qa: qa-base |" in (tmp_path / "report.md").read_text()
     # The split's name: given, else the replaced report's.
     assert report.rebuild_report(tmp_path, experiment="exp", split="memory_r1")["split"] == "memory_r1"
     assert report.rebuild_report(tmp_path, experiment="exp")["split"] == "memory_r1"
@@ -341,3 +341,39 @@ def test_report_refuses_a_torn_predictions_line_naming_file_and_line(tmp_path, t
     with pytest.raises(report.JSONLError, match=rf"no_update.jsonl:{number}: not valid JSON"):
         report.build_report(tmp_path / "out", {"no_update": path}, experiment="exp", settings={})
     assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_a_question_agnostic_system_is_labelled_and_its_ingestion_timed(tmp_path):
+    paths = {"no_update": tmp_path / "no_update.jsonl", "stage1+qa_base": tmp_path / "ingest.jsonl"}
+    paths["no_update"].write_text("".join(json.dumps(r) + "\n" for r in PREDICTIONS))
+    agnostic = [dict(r, memory_setting="question-agnostic") for r in PREDICTIONS]
+    paths["stage1+qa_base"].write_text("".join(json.dumps(r) + "\n" for r in agnostic))
+    log = {
+        "conversations": {
+            "conv-48": [
+                {"session": 1, "new_memories": 5, "memories": 5},
+                {"session": 2, "new_memories": 4, "memories": 7},
+            ],
+            "conv-49": [{"session": 1, "new_memories": 3, "memories": 2}],
+        },
+        "episodes": 3,
+        "seconds": 6.0,
+        "seconds_per_step": 3.0,
+        "seconds_per_episode": 2.0,
+    }
+    (tmp_path / "runs" / "stage1+qa_base").mkdir(parents=True)
+    (tmp_path / "runs" / "stage1+qa_base" / "ingestion.json").write_text(json.dumps(log))
+    out = report.build_report(tmp_path, paths, experiment="exp", settings={})
+    row = out["systems"]["stage1+qa_base"]
+    assert row["memory_setting"] == "question-agnostic" and out["systems"]["no_update"]["memory_setting"] is None
+    assert row["ingestion"] == {
+        "episodes": 3,
+        "seconds": 6.0,
+        "seconds_per_step": 3.0,
+        "seconds_per_episode": 2.0,
+        "appended": 12,
+        "built": 9,
+    }
+    md = (tmp_path / "report.md").read_text()
+    assert report.AGNOSTIC_NOTE in md and report.SETTING_NOTE not in md
+    assert "| stage1+qa_base | agnostic |" in md and "| stage1+qa_base | 3 | 6.0 | 3.00 | 12 | 9 |" in md

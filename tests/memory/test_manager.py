@@ -132,3 +132,22 @@ async def test_parallel_tool_calls_of_one_trajectory_share_one_store(memories_pa
         *(manager.aopen(BASE_NS, "0123456789abcdef", "conv-26", exist_ok=True) for _ in range(4))
     )
     assert all(s is stores[0] for s in stores) and manager.namespaces() == [f"{BASE_NS}-0123456789abcdef"]
+
+
+def test_trials_start_from_a_registered_store(memories_parquet, cache_dir, embedder):
+    manager = MemoryStoreManager(memories_parquet, cache_dir, embedder)
+    first = manager.open("conv-26-s1", "r1", "conv-26", sessions=1)
+    first.delete(first.records()[0].id)
+    seen_first = len(first)
+    manager.start_from("conv-26-s2", first)
+    second = manager.open("conv-26-s2", "r2", "conv-26", sessions=2)
+    grown = len(TrialStore(manager.base("conv-26"), sessions=2))
+    assert second.sessions == 2 and len(second) == grown - 1 and seen_first == len(first)
+    manager.release(second.namespace)
+    assert manager.started("conv-26-s2") is second and manager.started("conv-26-s9") is None
+    # Another base namespace starts from the base, and the registration can be dropped.
+    assert len(manager.open("conv-26-s9", "r3", "conv-26", sessions=2)) == grown
+    manager.start_from("conv-26-s2", None)
+    assert len(manager.open("conv-26-s2", "r4", "conv-26", sessions=2)) == grown
+    with pytest.raises(NamespaceInUse):
+        manager.open("conv-26-s2", "r4", "conv-26", sessions=3)

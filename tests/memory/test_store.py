@@ -442,3 +442,63 @@ async def test_delta_round_trip(base, counting_embedder):
     for forged in (forged_created, forged_updated):
         with pytest.raises(ValueError, match=r"cites evidence \['D1:3'\] that no memory it derives from has"):
             TrialStore.from_delta(base, forged, counting_embedder)
+
+
+# ---------------------------------------------------------------------------------------------- sessions seen
+
+
+def test_a_store_up_to_a_session_holds_nothing_of_later_sessions():
+    base = toy_base()
+    trial = TrialStore(base, sessions=1)
+    assert [r.id for r in trial.records()] == [0, 1, 9] and len(trial) == 3
+    assert 2 not in trial and 9 in trial
+    with pytest.raises(UnknownMemoryId):
+        trial.get(3)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        query = rng.standard_normal(4)
+        assert [h.id for h in trial.search(query, 6)] == oracle(trial, query, 6)
+        assert {h.id for h in trial.search(query, 6, {"speaker": "Ana"})} <= {0}
+    # New memories take ids after the whole conversation's, never one a later session's memory has.
+    assert trial.create("Ana bought a hive", vector=vec(1, 0, 0, 0)) == 10
+    assert trial.stats()["initial_count"] == 3 and trial.stats()["final_count"] == 4
+    assert TrialStore(base, sessions=0).records() == [] and len(TrialStore(base, sessions=2)) == len(base)
+
+
+def test_the_sessions_seen_travel_with_the_delta():
+    base = toy_base()
+    trial = TrialStore(base, sessions=1)
+    trial.merge([0, 9], "Ana keeps bees; Ben hates them", vector=vec(1, 1, 0, 0))
+    delta = trial.export_delta()
+    assert delta["sessions"] == 1
+    rebuilt = TrialStore.from_delta_vectors(base, delta, [trial.vector(10)])
+    assert rebuilt.sessions == 1 and [r.id for r in rebuilt.records()] == [1, 10]
+    # A delta cannot change what its store had not seen.
+    forged = {**delta, "deleted": [*delta["deleted"], 3]}
+    with pytest.raises(ValueError, match="later sessions"):
+        TrialStore.from_delta_vectors(base, forged, [trial.vector(10)])
+
+
+def test_a_fork_continues_the_store_with_the_next_session_added():
+    base = toy_base()
+    first = TrialStore(base, sessions=1, namespace="s1")
+    first.delete(1)
+    merged = first.merge([0, 9], "Ana keeps bees; Ben hates them", vector=vec(1, 1, 0, 0))
+    second = first.fork(namespace="s2", sessions=2)
+    assert [r.id for r in second.records()] == [2, 3, 4, merged]
+    assert second.stats() == {
+        "initial_count": 4,
+        "final_count": 4,
+        "created": 0,
+        "updated": 0,
+        "deleted": 0,
+        "merged": 0,
+        "split": 0,
+    }
+    assert second.create("Ben tunes his cello", vector=vec(0, 0, 1, 0)) == merged + 1
+    # The fork's changes are its own; the store it came from is as it was.
+    assert len(first) == 1 and second.export_delta()["deleted"] == [0, 1, 9]
+    with pytest.raises(ValueError, match="at least what its store has seen"):
+        second.fork(sessions=1)
+    with pytest.raises(ValueError, match="every session"):
+        TrialStore(base).fork(sessions=2)

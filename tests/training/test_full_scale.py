@@ -44,7 +44,9 @@ def test_the_full_scale_is_verl_on_the_hub_models_with_the_whole_hotpotqa_dev_fi
         assert full["models"][experiment["policy"]]["name_or_path"].startswith("Qwen/Qwen2.5-"), name
 
 
-@pytest.mark.parametrize("name", ["memupdate_3b", "memupdate_7b", "two_stage_3b", "two_stage_7b", "curriculum_7b"])
+@pytest.mark.parametrize(
+    "name", ["memupdate_3b", "memupdate_7b", "two_stage_3b", "two_stage_7b", "curriculum_7b", "ingest_7b"]
+)
 def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_path, name):
     experiment = full["experiments"][name]
     table = read_table(repo_root / "profiles/slurm/resources.yaml", full["models"])
@@ -74,7 +76,9 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
         job = table.job("train_stage", model)
         assert (resolved.trainer.nnodes, resolved.trainer.n_gpus_per_node) == (job.nodes, job.gpus_per_node)
         rollout = resolved.actor_rollout_ref.rollout
-        assert rollout.n == 8 and resolved.data.train_batch_size == 32 and rollout.multi_turn.enable
+        # An ingestion experiment's rows are sessions (156 in our split's train conversations), fewer per step.
+        batch = 16 if "ingestion" in experiment else 32
+        assert rollout.n == 8 and resolved.data.train_batch_size == batch and rollout.multi_turn.enable
         assert resolved.actor_rollout_ref.model.path == full["models"][model]["name_or_path"]
         assert resolved.reward.custom_reward_function.reward_kwargs.scorer == "reader"
         assert "verl.trainer.main_ppo" in " ".join(command)

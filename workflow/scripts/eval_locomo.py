@@ -19,4 +19,5 @@ evaluate_locomo(
     published=params.published,
     split=params.split,
     stages=params.stages,
+    ingestion=params.ingestion,
 )

@@ -39,6 +39,7 @@ from memupdate.agents.fields import (
     TERMINATION_KEY,
     weight_versions,
 )
+from memupdate.data.ingestion import is_ingestion_row
 from memupdate.data.rows import MEMORY_AGENT
 from memupdate.memory.store import within_budget
 from memupdate.prompts import DEFAULT_PROTOCOL, qa_messages
@@ -180,7 +181,8 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         qa = None
         try:
             output = await super().run(sampling_params, **kwargs)
-            if self.qa_phase:
+            # An ingestion episode has no question to answer: its reward asks the reader itself.
+            if self.qa_phase and not is_ingestion_row(info):
                 qa = await self._answer(info, sampling_params)
         finally:
             # Released even when the episode failed, so a broken trajectory leaks no store.

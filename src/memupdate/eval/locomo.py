@@ -21,7 +21,10 @@ answer, in a seeded order; the official LoCoMo F1 scores it 1 when the model abs
 
 The setting is question-conditioned (MemoryUpdate's): the memory model sees the test question while it
 edits that question's copy of the store. Mem0, Memory-R1 and the LoCoMo paper build memory without the
-questions, so their published numbers are context, not a like-for-like comparison.
+questions, so their published numbers are context, not a like-for-like comparison. An ingestion experiment's
+memory systems are question-agnostic instead (``ingestion``): each test conversation's store is built session
+by session, one episode per session that never sees a question, and every question is answered from the
+final store; each prediction records its ``memory_setting``.
 
 Predictions are appended to the JSONL file as each batch finishes; a rerun skips questions already
 there (a torn last line from a killed run is dropped and redone). Scores are computed from the
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -71,7 +75,7 @@ class System:
     name: str
     qa: str
     memory: str | None = None
-    kind: str = "memory"  # memory | no_update | full_context
+    kind: str = "memory"  # memory | ingestion | no_update | full_context
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -205,6 +209,11 @@ class LocomoEvaluator:
         out_dir: str,
         settings: LocomoEvalSettings,
     ):
+        # Absolute paths, as the run's memory-environment file has them: the memory tools' manager is then this
+        # evaluator's own (memupdate.memory.manager.manager_for), which question-agnostic ingestion relies on.
+        memory = replace(
+            memory, memories=os.path.abspath(memory.memories), embeddings=os.path.abspath(memory.embeddings)
+        )
         self.test_file, self.memory, self.tool_config = test_file, memory, str(tool_config)
         self.conversations = conversations
         self.out_dir = Path(out_dir)
@@ -387,6 +396,7 @@ class LocomoEvaluator:
                     episode = timing[j] if j < len(timing) else {}
                     record = _base_record(todo[i], system.name, s.seed)
                     record.update(
+                        memory_setting="question-conditioned",
                         termination_reason=str(extra[TERMINATION_KEY][j]),
                         memory_stats=_plain(extra[STATS_KEY][j]),
                         # The episode's own time (its generations and tool calls), not the batch's; the
@@ -404,6 +414,179 @@ class LocomoEvaluator:
 
                 _append(path, await asyncio.gather(*(one(r, d) for r, d in episodes)))
                 bar.update(len(index))
+
+    # ------------------------------------------------------------------ question-agnostic: ingestion, then QA
+
+    def _rollout_worker(self, system: System, run_dir: Path, rows_file: Path):
+        """The memory model's episodes, run by verl's ``AgentLoopWorker`` against its server, greedy."""
+        from memupdate.agents.context import LoopContext
+        from memupdate.rollout.config import RolloutConfig, run_config
+        from memupdate.rollout.workers import in_process_workers
+        from memupdate.serving.token_client import VLLMTokenClient
+
+        s = self.settings
+        cfg = RolloutConfig(
+            model_path=load_marker(system.memory)["model_path"],
+            train_files=[str(rows_file)],
+            run_dir=str(run_dir),
+            tool_config=self.tool_config,
+            memory=self.memory,
+            rollout_n=1,
+            temperature=0.0,
+            max_new_tokens=s.max_new_tokens,
+            prompt_length=s.prompt_length,
+            response_length=s.response_length,
+            max_assistant_turns=s.max_assistant_turns,
+            training_stage="memory",
+            qa_phase=False,
+            seed=s.seed,
+        )
+        config = run_config(cfg)
+        client = VLLMTokenClient(read_marker(system.memory, timeout_s=30.0), max_tokens=s.max_new_tokens)
+        return config, in_process_workers(config, client, reward=False, loop_context=LoopContext(system.name))
+
+    async def ingest(self, system: System, samples: Sequence[str]) -> tuple[dict[str, TrialStore], dict[str, Any]]:
+        """Build each conversation's store the way Mem0, Memory-R1 and the LoCoMo paper do: session by session,
+        one episode of the memory model per session (:mod:`memupdate.data.ingestion`: the session's memories
+        added to the store the earlier episodes built, never a question), all conversations' k-th sessions in
+        one batch. Returns the final stores and a log (per session: memories, operations, seconds)."""
+        from verl import DataProto
+        from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+        from memupdate.data.ingestion import ROW_SCHEMA, conversation_sessions, session_row, speakers_of
+
+        run_dir = self.out_dir / "runs" / system.name
+        (run_dir / "sessions").mkdir(parents=True, exist_ok=True)
+        table = pq.read_table(self.memory.memories)
+        wanted = set(samples)
+        sessions = conversation_sessions([r for r in table.to_pylist() if r["sample_id"] in wanted])
+        missing = sorted(wanted - set(sessions))
+        if missing:
+            raise ValueError(f"{self.memory.memories} has no memories of test conversations {missing}")
+        speakers = {sample: speakers_of([r for new in by.values() for r in new]) for sample, by in sessions.items()}
+        stores = {
+            sample: TrialStore(
+                self.manager.base(sample), self.manager.embedder, namespace=f"{sample}-ingest", sessions=0
+            )
+            for sample in samples
+        }
+        log: dict[str, Any] = {"conversations": {sample: [] for sample in samples}, "steps": []}
+        config = worker = None
+        steps = max(len(by) for by in sessions.values())
+        began = time.perf_counter()
+        with tqdm(
+            total=sum(len(by) for by in sessions.values()),
+            desc=f"{system.name} ingestion",
+            unit="session",
+            disable=None,
+        ) as bar:
+            for k in range(steps):
+                rows = []
+                for sample in samples:
+                    order = list(sessions[sample])
+                    if k >= len(order):
+                        continue
+                    session, new = order[k], sessions[sample][order[k]]
+                    row = session_row(
+                        sample,
+                        session,
+                        new,
+                        speakers=speakers[sample],
+                        n_memories=len(stores[sample]) + len(new),
+                        index=len(rows),
+                        sessions_total=len(order),
+                    )
+                    self.manager.start_from(row["extra_info"]["namespace"], stores[sample])
+                    rows.append(row)
+                rows_file = run_dir / "sessions" / f"step{k + 1}.parquet"
+                pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), rows_file)
+                if worker is None:
+                    config, worker = self._rollout_worker(system, run_dir, rows_file)
+                dataset = RLHFDataset([str(rows_file)], worker.tokenizer, config.data)
+                if len(dataset) != len(rows):
+                    raise ValueError(
+                        f"{len(rows) - len(dataset)} of the session rows of step {k + 1} ({rows_file}) are longer than "
+                        f"eval.prompt_length {self.settings.prompt_length} tokens: raise it"
+                    )
+                step_began = time.perf_counter()
+                batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
+                out = await worker.generate_sequences(batch)
+                seconds = time.perf_counter() - step_began
+                for j, row in enumerate(rows):
+                    info = row["extra_info"]
+                    namespace = info["namespace"]
+                    built = self.manager.started(namespace)
+                    if built is None:
+                        raise RuntimeError(
+                            f"the memory tools of {namespace!r} did not open their store through the evaluator's memory "
+                            "manager, so the session would not continue from the earlier ones"
+                        )
+                    self.manager.start_from(namespace, None)
+                    stores[info["sample_id"]] = built
+                    log["conversations"][info["sample_id"]].append(
+                        {
+                            "session": info["session"],
+                            "new_memories": info["new_memories"],
+                            "memories": len(built),
+                            "ops": {
+                                k: v for k, v in built.stats().items() if k not in ("initial_count", "final_count")
+                            },
+                            "termination_reason": str(out.non_tensor_batch[TERMINATION_KEY][j]),
+                        }
+                    )
+                log["steps"].append({"step": k + 1, "episodes": len(rows), "seconds": round(seconds, 3)})
+                bar.update(len(rows))
+        total = time.perf_counter() - began
+        episodes = sum(len(by) for by in sessions.values())
+        log.update(
+            episodes=episodes,
+            seconds=round(total, 3),
+            # Wall time per session of one conversation, all conversations' sessions batched together.
+            seconds_per_step=round(total / max(1, steps), 3),
+            seconds_per_episode=round(total / max(1, episodes), 3),
+        )
+        write_json_atomic(run_dir / "ingestion.json", log)
+        logger.info(
+            "%s: ingested %d sessions of %d conversations in %.1f s (%.2f s per session step)",
+            system.name,
+            episodes,
+            len(samples),
+            total,
+            log["seconds_per_step"],
+        )
+        return stores, log
+
+    async def run_ingestion_system(self, system: System, todo: list[dict[str, Any]], path: Path, bar) -> None:
+        """The question-agnostic system: :meth:`ingest` the test conversations, then the QA model answers every
+        question from its conversation's final store, through the code that answers for ``no_update``."""
+        samples = sorted({r["extra_info"]["sample_id"] for r in todo})
+        stores, log = await self.ingest(system, samples)
+        stats = {}
+        for sample, sessions in log["conversations"].items():
+            ops = {
+                op: sum(s["ops"][op] for s in sessions) for op in ("created", "updated", "deleted", "merged", "split")
+            }
+            # Before: every memory appended as it is (no_update's store); after: what the episodes built.
+            appended = sum(s["new_memories"] for s in sessions)
+            stats[sample] = {"initial_count": appended, "final_count": len(stores[sample]), **ops}
+        qa = read_marker(system.qa, timeout_s=30.0)
+        tokenizer = self.tokenizer(system.qa)
+        s = self.settings
+        async with OpenAIClient(qa) as client:
+            for start in range(0, len(todo), s.batch_size):
+                chunk = todo[start : start + s.batch_size]
+                vectors = await self.manager.embedder.aencode([r["extra_info"]["question"] for r in chunk])
+
+                async def one(row: dict[str, Any], vector) -> dict[str, Any]:
+                    record = _base_record(row, system.name, s.seed)
+                    hits = within_budget(stores[record["sample_id"]].search(vector, s.top_k), s.context_chars)
+                    record.update(self._retrieval_fields(record, hits))
+                    record.update(memory_setting="question-agnostic", memory_stats=stats[record["sample_id"]])
+                    await self.answer(client, tokenizer, record, [h.record for h in hits])
+                    return record
+
+                _append(path, await asyncio.gather(*(one(r, v) for r, v in zip(chunk, vectors, strict=True))))
+                bar.update(len(chunk))
 
     # ------------------------------------------------------------------ all systems
 
@@ -436,6 +619,7 @@ class LocomoEvaluator:
                 "no_update": self.run_no_update,
                 "full_context": self.run_full_context,
                 "memory": self.run_memory_system,
+                "ingestion": self.run_ingestion_system,
             }[system.kind]
             with tqdm(total=len(todo), desc=system.name, unit="question", disable=None) as bar:
                 await runner(system, todo, path, bar)
@@ -532,6 +716,7 @@ def evaluate_locomo(
     published: str | None = None,
     split: str | None = None,
     stages: Sequence[Sequence[str]] | None = None,
+    ingestion: bool = False,
 ) -> dict[str, Any]:
     """The ``eval_locomo`` rule: predict with every system the served models allow, then write the report
     (``split``: the name of the LoCoMo split the test file comes from, stated in the report).
@@ -540,7 +725,9 @@ def evaluate_locomo(
     markers. Systems: ``no_update`` and ``full_context`` (qa-base), ``<policy>+qa_base`` for the untrained
     ``base`` and the cold start ``sft`` if served, and one per training stage (:func:`stage_systems`).
     ``stages``: each stage's (name, role) in order; None: the stages among ``markers``, with their default
-    roles (:func:`memupdate.settings.experiment_stages`).
+    roles (:func:`memupdate.settings.experiment_stages`). ``ingestion``: the memory systems build each test
+    conversation's store session by session without the questions (:meth:`LocomoEvaluator.ingest`), then
+    answer every question from it; otherwise each question's episode edits its own copy of the store.
     """
     from memupdate.eval.report import build_report, judge_predictions
 
@@ -555,12 +742,13 @@ def evaluate_locomo(
     systems = [System("no_update", markers["qa-base"], kind="no_update")]
     if conversations:
         systems.append(System("full_context", markers["qa-base"], kind="full_context"))
+    kind = "ingestion" if ingestion else "memory"
     for policy in ("base", "sft"):
         if policy in markers:
-            systems.append(System(f"{policy}+qa_base", markers["qa-base"], memory=markers[policy]))
+            systems.append(System(f"{policy}+qa_base", markers["qa-base"], memory=markers[policy], kind=kind))
     for name, memory_model, qa_model in stage_systems(stages):
         qa = markers[qa_model] if qa_model else markers["qa-base"]
-        systems.append(System(name, qa, memory=markers[memory_model]))
+        systems.append(System(name, qa, memory=markers[memory_model], kind=kind))
     memory = MemoryEnvironment(
         memories=memories,
         embeddings=embeddings,

@@ -136,8 +136,25 @@ def summarize(records: Sequence[Mapping[str, Any]], *, may_skip: bool = False) -
             "p50": _percentile([r.get("latency_s") for r in scored], 50),
             "p95": _percentile([r.get("latency_s") for r in scored], 95),
         },
+        # How its memory was built: question-conditioned (an episode per question), question-agnostic (one
+        # per session, no question seen) or None (no memory model: no_update, full_context).
+        "memory_setting": next((r["memory_setting"] for r in records if r.get("memory_setting")), None),
         "termination": _counts(r.get("termination_reason") for r in scored if r.get("termination_reason")),
         "memory": _memory_stats([r["memory_stats"] for r in scored if r.get("memory_stats")]),
+    }
+
+
+def ingestion_summary(log: Mapping[str, Any]) -> dict[str, Any]:
+    """The report's numbers of an ingestion log: sessions, seconds (in all, per session batch, per episode),
+    memories appended by the sessions and built by the episodes over all conversations."""
+    last = [sessions[-1] for sessions in log["conversations"].values() if sessions]
+    return {
+        "episodes": log["episodes"],
+        "seconds": log["seconds"],
+        "seconds_per_step": log["seconds_per_step"],
+        "seconds_per_episode": log["seconds_per_episode"],
+        "appended": sum(s["new_memories"] for sessions in log["conversations"].values() for s in sessions),
+        "built": sum(s["memories"] for s in last),
     }
 
 
@@ -405,6 +422,18 @@ SETTING_NOTE = (
     "conversation without seeing the questions, so their published numbers are context, not a like-for-like "
     "comparison."
 )
+AGNOSTIC_NOTE = (
+    "Setting: question-agnostic (Mem0's, Memory-R1's and the LoCoMo paper's). The memory model builds each test "
+    "conversation's store session by session, one episode per session with that session's memories added, and "
+    "never sees a question; then every question is answered from the final store. no_update is the store with "
+    "every session's memories added as they are (an ingestion that edits nothing). The published numbers below "
+    "were measured in this setting, with other models, retrieval and splits: read them as context."
+)
+#: The report's label of a system's memory setting (summarize's ``memory_setting``).
+SETTING_LABELS = {"question-conditioned": "conditioned", "question-agnostic": "agnostic", None: "–"}
+
+
+_SETTING_NOTES = {"question-conditioned": SETTING_NOTE, "question-agnostic": AGNOSTIC_NOTE}
 
 
 def _tokens(row: Mapping[str, Any]) -> str:
@@ -422,18 +451,24 @@ def _markdown(report: Mapping[str, Any]) -> str:
         f"characters); judge: {report['judge'] or 'none (J not computed)'}. Scores in %. A question a system did "
         "not answer scores 0 (column *unanswered*); only full_context may skip a question whose conversation "
         "does not fit the model, and is then scored on fewer questions (column *skipped*). Context: the QA "
-        "prompt's tokens per protocol (chat template included). Latency: seconds per question (for a memory "
-        "system, its whole episode and the answers).",
+        "prompt's tokens per protocol (chat template included). Latency: seconds per question (for a "
+        "question-conditioned memory system, its whole episode and the answers; for a question-agnostic one, "
+        "the answers: its ingestion's time is under *Ingestion*).",
         "",
-        SETTING_NOTE,
+    ]
+    settings = {row.get("memory_setting") for row in systems.values()}
+    notes = [note for setting, note in _SETTING_NOTES.items() if setting in settings] or [SETTING_NOTE]
+    lines += "\n\n".join(notes).split("\n")
+    lines += [
         "",
-        "| system | models | LoCoMo F1 (cat 1-5) | Mem0 F1 (1-4) | BLEU-1 (1-4) | J (1-4) | evidence recall@k | "
+        "| system | memory | models | LoCoMo F1 (cat 1-5) | Mem0 F1 (1-4) | BLEU-1 (1-4) | J (1-4) | evidence recall@k | "
         "context tokens | latency p50 / p95 s | unanswered | skipped |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, row in systems.items():
         lines.append(
-            f"| {name} | {_models(row)} | {_pct(row['locomo']['f1'])} | {_pct(row['mem0']['f1'])} | "
+            f"| {name} | {SETTING_LABELS[row.get('memory_setting')]} | {_models(row)} | {_pct(row['locomo']['f1'])} | "
+            f"{_pct(row['mem0']['f1'])} | "
             f"{_pct(row['mem0']['bleu1'])} | {_pct(row['mem0']['j'])} | {_pct(row['evidence_recall_at_k'])} | "
             f"{_tokens(row)} | {_num(row['latency_s']['p50'])} / {_num(row['latency_s']['p95'])} | "
             f"{row['unanswered']} | {row['skipped']} |"
@@ -509,6 +544,23 @@ def _markdown(report: Mapping[str, Any]) -> str:
             cells = [_num(m[f"{k}_mean"], 1) for k in MEMORY_STATS]
             terminations = ", ".join(f"{k} {v}" for k, v in sorted(row["termination"].items()))
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {terminations} |")
+    ingested = {name: row["ingestion"] for name, row in systems.items() if row.get("ingestion")}
+    if ingested:
+        lines += [
+            "",
+            "## Ingestion",
+            "",
+            "Each test conversation's sessions, one episode each, the conversations' k-th sessions in one batch. "
+            "Seconds per session: the wall time of one such batch.",
+            "",
+            "| system | sessions | seconds | seconds per session | memories appended | memories built |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, log in ingested.items():
+            lines.append(
+                f"| {name} | {log['episodes']} | {_num(log['seconds'], 1)} | {_num(log['seconds_per_step'])} | "
+                f"{log['appended']} | {log['built']} |"
+            )
     for plot in report["plots"]:
         lines += ["", f"![{plot}]({plot})"]
     if report["training"]:
@@ -587,6 +639,10 @@ def build_report(
         meta = Path(path).with_suffix(".meta.json")
         if meta.is_file():
             systems[name]["models"] = json.loads(meta.read_text(encoding="utf-8")).get("models")
+        # A question-agnostic system's ingestion (memupdate.eval.locomo.LocomoEvaluator.ingest): its time.
+        log = out_dir / "runs" / name / "ingestion.json"
+        if log.is_file():
+            systems[name]["ingestion"] = ingestion_summary(json.loads(log.read_text(encoding="utf-8")))
         conversations |= {r["sample_id"] for r in records}
         questions = max(questions, len(records))
     reference = next(iter(asked.values()), set())

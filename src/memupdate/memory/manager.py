@@ -90,9 +90,13 @@ class MemoryStoreManager:
         self._cache: EmbeddingCache | None = None
         self._bases: dict[str, BaseStore] = {}
         self._trials: dict[str, TrialStore] = {}
-        # Who opened each trial: (base namespace, request id, sample id). The namespace alone does not
-        # say, as "a-b" + "c" and "a" + "b-c" join to the same string.
-        self._owners: dict[str, tuple[str, str, str]] = {}
+        # Who opened each trial: (base namespace, request id, sample id, sessions). The namespace alone
+        # does not say, as "a-b" + "c" and "a" + "b-c" join to the same string.
+        self._owners: dict[str, tuple[str, str, str, int | None]] = {}
+        # Stores the trials of a base namespace start from instead of the base, and the trial last opened
+        # from each (see start_from).
+        self._starts: dict[str, TrialStore] = {}
+        self._started: dict[str, TrialStore] = {}
         # Guards lazy loading only, which may run in worker threads (aopen); never held across an await.
         self._load_lock = threading.Lock()
 
@@ -146,17 +150,42 @@ class MemoryStoreManager:
 
     # ------------------------------------------------------------------ trials
 
-    def open(self, base_namespace: str, request_id: str, sample_id: str, *, exist_ok: bool = False) -> TrialStore:
-        """A new, empty overlay on ``sample_id``'s base store under ``trial_namespace(base_namespace, request_id)``.
+    def start_from(self, base_namespace: str, store: TrialStore | None) -> None:
+        """Trials opened under ``base_namespace`` from now on start as a :meth:`TrialStore.fork` of
+        ``store`` (``None``: from the base again). Question-agnostic evaluation uses it to continue each
+        session's episode from the store the conversation's earlier sessions built."""
+        self._started.pop(base_namespace, None)
+        if store is None:
+            self._starts.pop(base_namespace, None)
+        else:
+            self._starts[base_namespace] = store
 
-        With ``exist_ok``, the trial this same trajectory (base namespace, request id and sample) already
-        opened is returned; a live trial under that namespace that belongs to any other trajectory is
-        never handed out.
+    def started(self, base_namespace: str) -> TrialStore | None:
+        """The trial last opened from ``base_namespace``'s registered start store (it stays readable after its
+        release), or None if none was: the store an episode built, for the next session to start from."""
+        return self._started.get(base_namespace)
+
+    def open(
+        self,
+        base_namespace: str,
+        request_id: str,
+        sample_id: str,
+        *,
+        sessions: int | None = None,
+        exist_ok: bool = False,
+    ) -> TrialStore:
+        """A new overlay on ``sample_id``'s base store under ``trial_namespace(base_namespace, request_id)``:
+        empty, seeing the conversation up to session ``sessions`` (``None``: all of it), or a fork of the
+        store registered with :meth:`start_from`.
+
+        With ``exist_ok``, the trial this same trajectory (base namespace, request id, sample and sessions)
+        already opened is returned; a live trial under that namespace that belongs to any other
+        trajectory is never handed out.
         """
         namespace = trial_namespace(base_namespace, request_id)
         existing = self._trials.get(namespace)
         if existing is not None:
-            owner, asked = self._owners[namespace], (base_namespace, request_id, sample_id)
+            owner, asked = self._owners[namespace], (base_namespace, request_id, sample_id, sessions)
             if owner == asked:
                 if exist_ok:
                     return existing
@@ -166,15 +195,30 @@ class MemoryStoreManager:
                 )
             raise NamespaceInUse(
                 f"the memory store open under namespace {namespace!r} belongs to another trajectory "
-                f"(base namespace, request id, sample = {owner}, not {asked}): trajectories never share a store"
+                f"(base namespace, request id, sample, sessions = {owner}, not {asked}): trajectories never "
+                "share a store"
             )
-        trial = TrialStore(self.base(sample_id), self.embedder, namespace=namespace)
+        start = self._starts.get(base_namespace)
+        if start is None:
+            trial = TrialStore(self.base(sample_id), self.embedder, namespace=namespace, sessions=sessions)
+        elif start.base.sample_id != sample_id:
+            raise ValueError(
+                f"the start store of {base_namespace!r} is of sample {start.base.sample_id!r}, not {sample_id!r}"
+            )
+        else:
+            trial = self._started[base_namespace] = start.fork(namespace=namespace, sessions=sessions)
         self._trials[namespace] = trial
-        self._owners[namespace] = (base_namespace, request_id, sample_id)
+        self._owners[namespace] = (base_namespace, request_id, sample_id, sessions)
         return trial
 
     async def aopen(
-        self, base_namespace: str, request_id: str, sample_id: str, *, exist_ok: bool = False
+        self,
+        base_namespace: str,
+        request_id: str,
+        sample_id: str,
+        *,
+        sessions: int | None = None,
+        exist_ok: bool = False,
     ) -> TrialStore:
         """:meth:`open`, loading the base store in a thread the first time so the event loop keeps running.
 
@@ -183,7 +227,7 @@ class MemoryStoreManager:
         """
         if sample_id not in self._bases:
             await asyncio.to_thread(self.base, sample_id)
-        return self.open(base_namespace, request_id, sample_id, exist_ok=exist_ok)
+        return self.open(base_namespace, request_id, sample_id, sessions=sessions, exist_ok=exist_ok)
 
     def get(self, namespace: str) -> TrialStore:
         try:

@@ -345,6 +345,7 @@ class BaseStore:
             key: {value: np.array(rows, dtype=np.int64) for value, rows in by_value.items()}
             for key, by_value in postings.items()
         }
+        self._later: dict[int, frozenset[int]] = {}
 
     @classmethod
     def from_rows(cls, sample_id: str, rows: Iterable[Mapping[str, Any]], cache: EmbeddingCache) -> BaseStore:
@@ -396,6 +397,19 @@ class BaseStore:
     def row(self, memory_id: int) -> int:
         return self._row[memory_id]
 
+    def ids_after(self, session: int | None) -> frozenset[int]:
+        """Ids of the memories of sessions after ``session`` (none for ``None``), which a store that has
+        seen the conversation up to ``session`` does not hold yet. Memories without a session are never
+        later than any session."""
+        if session is None:
+            return frozenset()
+        later = self._later.get(session)
+        if later is None:
+            later = self._later[session] = frozenset(
+                r.id for r in self.records if r.session is not None and r.session > session
+            )
+        return later
+
     def filter_mask(self, filters: Mapping[str, frozenset]) -> np.ndarray:
         """Boolean mask over rows matching normalised ``filters`` (see :func:`normalize_filters`)."""
         mask = np.ones(len(self), dtype=bool)
@@ -420,10 +434,25 @@ class TrialStore:
     operations. Deleted ids are never reused.
     """
 
-    def __init__(self, base: BaseStore, embedder: Embedder | None = None, *, namespace: str | None = None):
+    def __init__(
+        self,
+        base: BaseStore,
+        embedder: Embedder | None = None,
+        *,
+        namespace: str | None = None,
+        sessions: int | None = None,
+    ):
+        """``sessions``: the store has seen the conversation up to this session (question-agnostic
+        ingestion): the base memories of later sessions are not in it. ``None``: the whole base."""
         self.base = base
         self.embedder = embedder
         self.namespace = namespace
+        self.sessions = _optional_int("sessions", sessions)
+        if self.sessions is not None and self.sessions < 0:
+            raise ValueError(f"sessions must be >= 0 or None, got {sessions!r}")
+        # Base ids the store has not seen yet: hidden like deleted ones, but not deletions of the trial.
+        self._later = base.ids_after(self.sessions)
+        self._initial_count = len(base) - len(self._later)
         self._overlay: dict[int, MemoryRecord] = {}  # created and updated records, current version
         self._overlay_vectors: dict[int, np.ndarray] = {}
         self._deleted: set[int] = set()
@@ -441,10 +470,12 @@ class TrialStore:
     def __len__(self) -> int:
         deleted_base = sum(1 for i in self._deleted if i in self.base)
         created_alive = sum(1 for i in self._overlay if i not in self.base)
-        return len(self.base) - deleted_base + created_alive
+        return len(self.base) - len(self._later) - deleted_base + created_alive
 
     def __contains__(self, memory_id: object) -> bool:
-        return memory_id not in self._deleted and (memory_id in self._overlay or memory_id in self.base)
+        if memory_id in self._deleted:
+            return False
+        return memory_id in self._overlay or (memory_id in self.base and memory_id not in self._later)
 
     @property
     def next_id(self) -> int:
@@ -456,6 +487,8 @@ class TrialStore:
             raise UnknownMemoryId(memory_id, deleted=True)
         if memory_id in self._overlay:
             return self._overlay[memory_id]
+        if memory_id in self._later:
+            raise UnknownMemoryId(memory_id)
         return self.base.get(memory_id)
 
     def vector(self, memory_id: int) -> np.ndarray:
@@ -465,7 +498,7 @@ class TrialStore:
         return self.base.vector(memory_id)
 
     def _hidden_base_ids(self) -> set[int]:
-        return {i for i in (*self._deleted, *self._overlay) if i in self.base}
+        return {i for i in (*self._deleted, *self._overlay) if i in self.base} | self._later
 
     def created(self) -> list[MemoryRecord]:
         """The memories this trial wrote under new ids (create, merge, split) and still holds, by id."""
@@ -694,10 +727,30 @@ class TrialStore:
 
     # ------------------------------------------------------------------ statistics and deltas
 
+    def fork(self, *, namespace: str | None = None, sessions: int | None = None) -> TrialStore:
+        """A new trial that starts where this one stands, with its operation counts at zero, and
+        ``sessions`` (>= this store's) seen: the next session of a question-agnostic ingestion continues
+        from the store the previous sessions built, the new session's base memories added to it.
+
+        Costs O(changes): the base and the vectors are shared, the overlay is copied.
+        """
+        if sessions is None:
+            sessions = self.sessions
+        elif self.sessions is None or sessions < self.sessions:
+            seen = "every session" if self.sessions is None else f"sessions up to {self.sessions}"
+            raise ValueError(f"a fork sees at least what its store has seen ({seen}), got sessions={sessions}")
+        trial = TrialStore(self.base, self.embedder, namespace=namespace or self.namespace, sessions=sessions)
+        trial._overlay = dict(self._overlay)
+        trial._overlay_vectors = dict(self._overlay_vectors)
+        trial._deleted = set(self._deleted)
+        trial._next_id = self._next_id
+        trial._initial_count = len(trial)
+        return trial
+
     def stats(self) -> dict[str, int]:
         """Growth statistics: counts before/after and the number of each operation applied."""
         return {
-            "initial_count": len(self.base),
+            "initial_count": self._initial_count,
             "final_count": len(self),
             "created": self._ops["create"],
             "updated": self._ops["update"],
@@ -716,6 +769,7 @@ class TrialStore:
             "format_version": DELTA_FORMAT_VERSION,
             "sample_id": self.base.sample_id,
             "namespace": self.namespace,
+            "sessions": self.sessions,
             "next_id": self._next_id,
             "created": [record.to_dict() for record in self.created()],
             "updated": [self._overlay[i].to_dict() for i in sorted(self._overlay) if i in self.base],
@@ -789,7 +843,13 @@ class TrialStore:
                 "created ids must be new, updated ids must be base ids, and deleted ids neither"
             )
         cls._check_provenance(base, records, deleted)
-        trial = cls(base, embedder, namespace=delta.get("namespace"))
+        trial = cls(base, embedder, namespace=delta.get("namespace"), sessions=delta.get("sessions"))
+        unseen = sorted((updated | deleted) & trial._later)
+        if unseen:
+            raise ValueError(
+                f"delta for base {base.sample_id!r} up to session {trial.sessions} changes memories {unseen} "
+                "of later sessions, which that store has not seen"
+            )
         rows = iter(matrix)
         for record in records:
             trial._put(record, base.vector(record.id) if cls._keeps_base_text(base, record) else next(rows))

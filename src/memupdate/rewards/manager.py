@@ -46,10 +46,17 @@ from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from memupdate import metrics
 from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, MEMORY_REWARD, STAGE_KEY
+from memupdate.data.ingestion import is_ingestion_row
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.manager import manager_for
 from memupdate.prompts import PROTOCOLS
-from memupdate.rewards.memory import MemoryRewardComputer, MemoryRewardConfig, RewardRequest, select_questions
+from memupdate.rewards.memory import (
+    MemoryRewardComputer,
+    MemoryRewardConfig,
+    RewardRequest,
+    baseline_sessions,
+    select_questions,
+)
 from memupdate.rewards.scorers import (
     AnswerRecallScorer,
     EvidenceRecallScorer,
@@ -265,6 +272,8 @@ class MemoryRewardManager(RewardManagerBase):
                 f"trajectory of {extra_info.get('namespace')!r} carries no '{DELTA_KEY}': run it with the "
                 "memupdate_agent loop (or any loop whose tools are memupdate's memory tools)"
             )
+        if is_ingestion_row(extra_info):
+            return await self._ingestion_reward(extra_info, fields, delta)
         target = _item(extra_info)
         # Two-stage training: the memory role earns the memory reward, the QA role its answer's score.
         stage = fields.get(STAGE_KEY) or "memory"
@@ -293,3 +302,25 @@ class MemoryRewardManager(RewardManagerBase):
             "reward_score": score,
             "reward_extra_info": {**result, "memory_reward": result["score"], "answer_score": answer, "score": score},
         }
+
+    async def _ingestion_reward(self, extra_info: Mapping[str, Any], fields: Mapping[str, Any], delta: Any) -> dict:
+        """A session's ingestion episode: S on the questions its row carries (their evidence lies in the
+        sessions seen), final store against the ``ingestion_baseline`` store."""
+        where = f"ingestion row {extra_info.get('namespace')!r}"
+        stage = fields.get(STAGE_KEY) or "memory"
+        if stage != "memory" or self.scorer is None:
+            raise ValueError(f"{where}: an ingestion episode trains the memory role only, not {stage!r}")
+        session = int(extra_info["session"])
+        if delta.get("sessions") != session:
+            raise ValueError(f"{where} is session {session}, but its store saw sessions up to {delta.get('sessions')}")
+        items = [_item({**q, "namespace": extra_info.get("namespace")}) for q in extra_info.get("questions") or []]
+        if not items:
+            raise ValueError(f"{where} has no questions to score it on (its rows keep only sessions that have some)")
+        initial = baseline_sessions(session, self.settings.get("ingestion_baseline") or "append")
+        await self._open_clients()
+        computer = await self.computer()
+        (result,) = await computer.compute(
+            [RewardRequest(extra_info["sample_id"], delta, items, initial_sessions=initial)]
+        )
+        score = result["score"]
+        return {"reward_score": score, "reward_extra_info": {**result, "memory_reward": score, "score": score}}

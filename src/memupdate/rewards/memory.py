@@ -8,7 +8,9 @@ efficiency factor (:mod:`memupdate.rewards.efficiency`); it scales gains only, u
 ``efficiency.apply_to: always`` (upstream's product, under which bloating a store softened a
 penalty). The initial store is the conversation's base memories and
 the final store is base + the trajectory's delta: two different objects. Upstream scored one store
-against itself, so its reward was almost always 0 (``upstream-systems.md`` §1h).
+against itself, so its reward was almost always 0 (``upstream-systems.md`` §1h). A question-agnostic
+ingestion episode (:mod:`memupdate.data.ingestion`) is scored the same way on the questions whose evidence
+its store has seen, against a named baseline store (:func:`baseline_sessions`).
 
 :func:`memory_reward` scores one trajectory. :class:`MemoryRewardComputer` scores many at once: it
 embeds every new memory text and every question of the batch in one call (embedding is the cost that
@@ -182,15 +184,36 @@ def select_questions(target: QAItem, pool: Sequence[QAItem], k: int, seed_key: s
     return [target, *rng.sample(others, min(k, len(others)))]
 
 
+#: An ingestion session's baselines (``reward.ingestion_baseline``): the sessions the initial store has seen.
+INGESTION_BASELINES = {"append": 0, "before": 1}
+
+
+def baseline_sessions(session: int, baseline: str) -> int:
+    """The sessions S(initial) sees for an ingestion episode of ``session``: ``append``, the reference store
+    the episode started from (every memory up to ``session``, as the table has them: an episode that edits
+    nothing scores 0, so only edits that beat adding the memories as they are pay); ``before``, the store
+    before the session (its memories count as gain, so adding them unedited pays).
+
+    >>> baseline_sessions(5, "append"), baseline_sessions(5, "before")
+    (5, 4)
+    """
+    if baseline not in INGESTION_BASELINES:
+        raise ValueError(f"ingestion baseline must be one of {sorted(INGESTION_BASELINES)}, got {baseline!r}")
+    return session - INGESTION_BASELINES[baseline]
+
+
 @dataclass(frozen=True)
 class RewardRequest:
     """One trajectory to score: its conversation, its store delta, the questions for S and any answers
-    already given from the final store (see :func:`memory_reward`)."""
+    already given from the final store (see :func:`memory_reward`). ``initial_sessions`` limits the initial
+    store to the conversation's memories up to that session (an ingestion episode's baseline,
+    :func:`baseline_sessions`); None: all of them."""
 
     sample_id: str
     delta: Mapping[str, Any]
     items: Sequence[QAItem]
     answers: Sequence[str | None] | None = None
+    initial_sessions: int | None = None
 
 
 class MemoryRewardComputer:
@@ -238,8 +261,9 @@ class MemoryRewardComputer:
         async def one(base: BaseStore, request: RewardRequest, texts: list[str]) -> dict[str, float]:
             final = TrialStore.from_delta_vectors(base, request.delta, [vectors[t] for t in texts])
             queries = np.stack([vectors[item.question] for item in request.items])
+            initial = TrialStore(base, sessions=request.initial_sessions)
             return await memory_reward(
-                TrialStore(base), final, request.items, queries, self.scorer, self.config, request.answers
+                initial, final, request.items, queries, self.scorer, self.config, request.answers
             )
 
         return list(await asyncio.gather(*(one(b, r, t) for b, r, t in zip(bases, requests, new_texts, strict=True))))

@@ -4,8 +4,9 @@ verl 0.9.1 builds one object per tool per worker and runs ``create -> execute ->
 every single call (``verl-0.9.1.md`` §2c), so no state lives in the tool. Each call finds its
 trajectory's :class:`~memupdate.memory.store.TrialStore` through the agent data: the trial namespace is
 the row's base namespace (``tools_kwargs.<tool>.create_kwargs.namespace``) plus the whole
-``agent_data.request_id``. The first call of a trajectory opens the store if the agent loop has not;
-every change refreshes ``agent_data.extra_fields["memory_delta"]``, so the delta travels with the
+``agent_data.request_id``; an ingestion row's ``create_kwargs.sessions`` limits the store to the sessions
+seen so far (:mod:`memupdate.data.ingestion`). The first call of a trajectory opens the store if the
+agent loop has not; every change refreshes ``agent_data.extra_fields["memory_delta"]``, so the delta travels with the
 trajectory to the reward whichever loop ran it.
 
 Bad arguments (unknown id, empty query, wrong types, too many ids, an id written with other than the
@@ -34,14 +35,14 @@ from memupdate.agents.fields import DELTA_KEY
 from memupdate.data.rows import DELETE_TOOL, MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SAMPLE_TOOL, SEARCH_TOOL, SPLIT_TOOL
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.manager import MemoryStoreManager, manager_for
-from memupdate.memory.store import SOURCES, InvalidMemoryOperation, MemoryRecord, TrialStore, UnknownMemoryId
+from memupdate.memory.store import SOURCES, InvalidMemoryOperation, TrialStore, UnknownMemoryId
+from memupdate.prompts import format_record
 from memupdate.tools.config import ENVIRONMENT_KEY
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE_KEY = "memory_namespace"
 MAX_TOP_K = 20
-MAX_SHOWN_CHARS = 300
 
 
 class ToolArgumentError(ValueError):
@@ -191,13 +192,6 @@ def agent_data_for(request_id: str, sample_id: str, namespace: str) -> AgentData
     )
 
 
-def format_record(record: MemoryRecord) -> str:
-    """``[3] (Caroline, session 2, 8 May 2023) prefers tea``: short stable handle first."""
-    details = [d for d in (record.speaker, f"session {record.session}" if record.session else None, record.date) if d]
-    content = record.content if len(record.content) <= MAX_SHOWN_CHARS else record.content[:MAX_SHOWN_CHARS] + "..."
-    return f"[{record.id}] " + (f"({', '.join(details)}) " if details else "") + content
-
-
 # ----------------------------------------------------------------------------- base class
 
 
@@ -272,7 +266,13 @@ class MemoryTool(BaseTool):
                 "(rows from memupdate.data.locomo carry them)"
             )
         # exist_ok: parallel calls of one turn may all arrive before the first has opened the store.
-        store = await self.manager.aopen(create["namespace"], agent_data.request_id, create["sample_id"], exist_ok=True)
+        store = await self.manager.aopen(
+            create["namespace"],
+            agent_data.request_id,
+            create["sample_id"],
+            sessions=create.get("sessions"),
+            exist_ok=True,
+        )
         agent_data.extra_fields[NAMESPACE_KEY] = store.namespace
         return store
 

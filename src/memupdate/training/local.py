@@ -501,6 +501,7 @@ class LocalGRPOTrainer:
         for key in (
             "qa_initial",
             "qa_final",
+            "n_questions",
             "efficiency",
             "memories_final",
             "ops_created",
