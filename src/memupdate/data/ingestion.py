@@ -35,7 +35,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from memupdate.data.locomo import DATA_SOURCE_PREFIX, evidence_session
+from memupdate.data.locomo import DATA_SOURCE_PREFIX, evidence_session, row_schema
 from memupdate.data.rows import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.prompts import format_record
 from memupdate.utils.io import write_parquet_atomic
@@ -73,54 +73,18 @@ QUESTION_TYPE = pa.struct(
     ]
 )
 
-ROW_SCHEMA = pa.schema(
+ROW_SCHEMA = row_schema(
     [
-        ("data_source", pa.string()),
-        ("agent_name", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        (
-            "extra_info",
-            pa.struct(
-                [
-                    ("index", pa.int64()),
-                    ("split", pa.string()),
-                    ("namespace", pa.string()),
-                    ("sample_id", pa.string()),
-                    ("session", pa.int64()),
-                    ("sessions_total", pa.int64()),
-                    ("new_memories", pa.int64()),
-                    ("questions", pa.list_(QUESTION_TYPE)),
-                    (
-                        "tools_kwargs",
-                        pa.struct(
-                            [
-                                (
-                                    tool,
-                                    pa.struct(
-                                        [
-                                            (
-                                                "create_kwargs",
-                                                pa.struct(
-                                                    [
-                                                        ("sample_id", pa.string()),
-                                                        ("namespace", pa.string()),
-                                                        ("sessions", pa.int64()),
-                                                    ]
-                                                ),
-                                            )
-                                        ]
-                                    ),
-                                )
-                                for tool in MEMORY_TOOLS
-                            ]
-                        ),
-                    ),
-                ]
-            ),
-        ),
-    ]
+        ("index", pa.int64()),
+        ("split", pa.string()),
+        ("namespace", pa.string()),
+        ("sample_id", pa.string()),
+        ("session", pa.int64()),
+        ("sessions_total", pa.int64()),
+        ("new_memories", pa.int64()),
+        ("questions", pa.list_(QUESTION_TYPE)),
+    ],
+    [("sample_id", pa.string()), ("namespace", pa.string()), ("sessions", pa.int64())],
 )
 
 

@@ -433,54 +433,41 @@ def initial_memories(conv: LocomoConversation, sources: Sequence[str] = ("observ
 
 # --------------------------------------------------------------------------- verl rows
 
-ROW_SCHEMA = pa.schema(
+
+def row_schema(
+    extra_info: Sequence[tuple[str, pa.DataType]], create_kwargs: Sequence[tuple[str, pa.DataType]]
+) -> pa.Schema:
+    """The layout of a memory agent's rows (verl's ``RLHFDataset``): ``extra_info`` holds these fields, then
+    ``tools_kwargs``, each memory tool's ``create_kwargs`` with these fields (how its trial store opens)."""
+    create = pa.struct(list(create_kwargs))
+    tools = pa.struct([(tool, pa.struct([("create_kwargs", create)])) for tool in MEMORY_TOOLS])
+    return pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("agent_name", pa.string()),
+            ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+            ("extra_info", pa.struct([*extra_info, ("tools_kwargs", tools)])),
+        ]
+    )
+
+
+ROW_SCHEMA = row_schema(
     [
-        ("data_source", pa.string()),
-        ("agent_name", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        (
-            "reward_model",
-            pa.struct([("style", pa.string()), ("ground_truth", pa.string())]),
-        ),
-        (
-            "extra_info",
-            pa.struct(
-                [
-                    ("index", pa.int64()),
-                    ("split", pa.string()),
-                    ("namespace", pa.string()),
-                    ("sample_id", pa.string()),
-                    ("qa_index", pa.int64()),
-                    ("question", pa.string()),
-                    ("answer", pa.string()),
-                    ("adversarial_answer", pa.string()),
-                    ("category", pa.int64()),
-                    ("category_name", pa.string()),
-                    ("evidence", pa.list_(pa.string())),
-                    (
-                        "tools_kwargs",
-                        pa.struct(
-                            [
-                                (
-                                    tool,
-                                    pa.struct(
-                                        [
-                                            (
-                                                "create_kwargs",
-                                                pa.struct([("sample_id", pa.string()), ("namespace", pa.string())]),
-                                            )
-                                        ]
-                                    ),
-                                )
-                                for tool in MEMORY_TOOLS
-                            ]
-                        ),
-                    ),
-                ]
-            ),
-        ),
-    ]
+        ("index", pa.int64()),
+        ("split", pa.string()),
+        ("namespace", pa.string()),
+        ("sample_id", pa.string()),
+        ("qa_index", pa.int64()),
+        ("question", pa.string()),
+        ("answer", pa.string()),
+        ("adversarial_answer", pa.string()),
+        ("category", pa.int64()),
+        ("category_name", pa.string()),
+        ("evidence", pa.list_(pa.string())),
+    ],
+    [("sample_id", pa.string()), ("namespace", pa.string())],
 )
 
 

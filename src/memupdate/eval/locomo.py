@@ -347,12 +347,6 @@ class LocomoEvaluator:
         from verl import DataProto
         from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
-        from memupdate.agents.context import LoopContext
-        from memupdate.rollout.config import RolloutConfig, run_config
-        from memupdate.rollout.workers import in_process_workers
-        from memupdate.serving.token_client import VLLMTokenClient
-
-        memory = read_marker(system.memory, timeout_s=30.0)
         qa = read_marker(system.qa, timeout_s=30.0)
         s = self.settings
         run_dir = self.out_dir / "runs" / system.name
@@ -360,25 +354,7 @@ class LocomoEvaluator:
         rows_file = run_dir / "rows.parquet"
         pq.write_table(pa.Table.from_pylist(todo), rows_file)
         # The memory episodes only: the QA model answers below, as it answers for no_update.
-        cfg = RolloutConfig(
-            model_path=load_marker(system.memory)["model_path"],
-            train_files=[str(rows_file)],
-            run_dir=str(run_dir),
-            tool_config=self.tool_config,
-            memory=self.memory,
-            rollout_n=1,
-            temperature=0.0,
-            max_new_tokens=s.max_new_tokens,
-            prompt_length=s.prompt_length,
-            response_length=s.response_length,
-            max_assistant_turns=s.max_assistant_turns,
-            training_stage="memory",
-            qa_phase=False,
-            seed=s.seed,
-        )
-        config = run_config(cfg)
-        client = VLLMTokenClient(memory, max_tokens=s.max_new_tokens)
-        worker = in_process_workers(config, client, reward=False, loop_context=LoopContext(system.name))
+        config, worker = self._rollout_worker(system, run_dir, rows_file)
         dataset = RLHFDataset([str(rows_file)], worker.tokenizer, config.data)
         tokenizer = self.tokenizer(system.qa)
         async with OpenAIClient(qa) as client:
