@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 
 from memupdate.data.locomo import DATA_SOURCE_PREFIX, evidence_session, row_schema
 from memupdate.data.rows import MEMORY_AGENT, MEMORY_TOOLS
+from memupdate.memory.store import MemoryRecord
 from memupdate.prompts import format_record
 from memupdate.utils.io import write_parquet_atomic
 
@@ -150,16 +151,6 @@ def build_prompt(
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
-class _Shown:
-    """A memories-table row as :func:`~memupdate.prompts.format_record` reads it."""
-
-    __slots__ = ("id", "content", "speaker", "session", "date")
-
-    def __init__(self, row: Mapping[str, Any]):
-        self.id, self.content = row["memory_id"], row["content"].strip()
-        self.speaker, self.session, self.date = row.get("speaker"), row.get("session"), row.get("date")
-
-
 def session_row(
     sample_id: str,
     session: int,
@@ -179,7 +170,9 @@ def session_row(
     return {
         "data_source": f"{DATA_SOURCE_PREFIX}-ingest-{sample_id}",
         "agent_name": MEMORY_AGENT,
-        "prompt": build_prompt(speakers, session, new[0].get("date"), [_Shown(r) for r in new], n_memories),
+        "prompt": build_prompt(
+            speakers, session, new[0].get("date"), [MemoryRecord.from_row(r) for r in new], n_memories
+        ),
         "ability": "memory",
         "reward_model": {"style": "ingestion", "ground_truth": ""},
         "extra_info": {

@@ -505,7 +505,7 @@ class LocomoEvaluator:
                             "new_memories": info["new_memories"],
                             "memories": len(built),
                             "ops": {
-                                k: v for k, v in built.stats().items() if k not in ("initial_count", "final_count")
+                                op: n for op, n in built.stats().items() if op not in ("initial_count", "final_count")
                             },
                             "termination_reason": str(out.non_tensor_batch[TERMINATION_KEY][j]),
                         }

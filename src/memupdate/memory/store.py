@@ -169,6 +169,21 @@ class MemoryRecord:
             raise InvalidMemoryOperation(f"unknown memory fields {sorted(unknown)}")
         return cls(**data)
 
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> MemoryRecord:
+        """The record of a memories-table row (``memory_id``, ``content``, metadata columns; a seed memory's
+        source is ``observation`` unless the row says otherwise)."""
+        return cls(
+            id=row["memory_id"],
+            content=row["content"],
+            speaker=row.get("speaker"),
+            session=row.get("session"),
+            date=row.get("date"),
+            evidence=tuple(row.get("evidence") or ()),
+            source=row.get("source") or "observation",
+            type=row.get("type"),
+        )
+
     def with_changes(self, content: str | None = None, metadata: Mapping[str, Any] | None = None) -> MemoryRecord:
         """A copy with new content and/or some metadata keys replaced (validated)."""
         changes = dict(_check_metadata_keys(metadata))
@@ -350,19 +365,7 @@ class BaseStore:
     @classmethod
     def from_rows(cls, sample_id: str, rows: Iterable[Mapping[str, Any]], cache: EmbeddingCache) -> BaseStore:
         """Records from memories-table rows (``memory_id``, ``content``, metadata columns), vectors from ``cache``."""
-        records = [
-            MemoryRecord(
-                id=row["memory_id"],
-                content=row["content"],
-                speaker=row.get("speaker"),
-                session=row.get("session"),
-                date=row.get("date"),
-                evidence=tuple(row.get("evidence") or ()),
-                source=row.get("source") or "observation",
-                type=row.get("type"),
-            )
-            for row in rows
-        ]
+        records = [MemoryRecord.from_row(row) for row in rows]
         vectors = cache.get([r.content for r in records]) if records else np.empty((0, cache.dim), np.float32)
         return cls(sample_id, records, vectors)
 
