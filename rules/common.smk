@@ -404,6 +404,11 @@ def get_train_rows(wildcards):
     return memory_inputs()["train"]
 
 
+def get_sft_inputs(wildcards):
+    """The cold start's inputs: the memories, their embeddings and the train rows the expert plays."""
+    return {**memory_inputs(), "train": get_train_rows(wildcards)}
+
+
 def get_stage_rows(wildcards):
     """The train rows of a stage: all of them, or its train_on's selection (rule select_stage_rows)."""
     if get_stage(wildcards).train_on:

@@ -3,12 +3,12 @@
 # the served stage-1 model); each later stage its role again, from that role's latest checkpoint, against the
 # other role's latest, on all train rows or its `train_on` selection. An experiment with an `sft` section
 # starts stage 1 from its cold start: the policy fine-tuned on the scripted expert's demonstration episodes
-# of the train rows (memupdate.training.demonstrations).
+# of the train rows (memupdate.training.demonstrations; sessions: memupdate.training.ingestion_expert).
 
 
 rule train_sft:
     input:
-        **memory_inputs(),
+        unpack(get_sft_inputs),
         model=policy_model,
     output:
         ckpt=directory("results/{exp}/sft/ckpt"),

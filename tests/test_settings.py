@@ -378,7 +378,8 @@ def test_an_ingestion_experiment_trains_the_memory_role_on_sessions():
     message = problems(merged({"experiments": {"smoke": {"ingestion": {}}}}))
     assert "experiments.smoke.stage2: an ingestion experiment trains the memory role only" in message
     cold_start = merged({"experiments": {"cpu_demo": {"ingestion": {}}}})
-    assert "experiments.cpu_demo.sft: not available for an ingestion experiment yet" in problems(cold_start)
+    # The cold start has an ingestion expert; the held-out policy evaluation plays question episodes only.
+    assert "experiments.cpu_demo.sft" not in problems(cold_start)
     assert "experiments.cpu_demo.policy_eval: not available for an ingestion experiment yet" in problems(cold_start)
     curriculum = {"ingestion": {}, "stage2": None, "stage1": {"train_on": {"categories": [1]}}}
     assert "experiments.smoke.stage1.train_on.categories: an ingestion experiment's rows are sessions" in problems(

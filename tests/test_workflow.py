@@ -268,6 +268,21 @@ def test_the_cpu_demo_is_one_command_from_data_to_both_reports(workdir):
     assert "results/envs/vllm-cpu.json" in stage1["input"]
 
 
+def test_an_ingestion_experiments_cold_start_plays_its_sessions(workdir):
+    """cpu_ingest: the ingestion expert's demonstrations are of the train sessions (not the questions), stage 1
+    starts from them, and the evaluation ingests with every memory policy."""
+    result = snakemake(workdir, "-n", "results/cpu_ingest/eval/report.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = dry_run_jobs(result.stdout)
+    sft = next(job for job in jobs if job["rule"] == "train_sft")
+    assert "results/cpu_ingest/data/ingest.train.parquet" in sft["input"]
+    assert "results/data/locomo/train.parquet" not in sft["input"]
+    stage1 = next(job for job in jobs if job["rule"] == "train_stage1")
+    assert stage1["input"].startswith("results/cpu_ingest/sft/ckpt")
+    served = {job["output"] for job in jobs if job["rule"] == "serve_model"}
+    assert served == {f"results/cpu_ingest/serve/eval/{m}.ready.json" for m in ("qa-base", "base", "sft", "stage1")}
+
+
 def test_evaluation_servers_wait_for_the_checkpoints_they_evaluate(workdir):
     """The base QA model exists long before training ends; its evaluation server must not idle through it."""
     result = snakemake(workdir, "-n", "results/smoke/serve/eval/qa-base.ready.json")

@@ -13,6 +13,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from memupdate.data.ingestion import build_ingestion_rows
 from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 from memupdate.training.demonstrations import DONE
 from memupdate.training.memagent_expert import NOTHING_YET, covers
@@ -158,6 +159,68 @@ def test_verls_sft_trainer_fine_tunes_on_the_same_rows(tiny_model_dir, locomo_ro
     assert len(losses) == 3 * (len(rows) // 2) and losses[-1] < losses[0], losses
     trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
     assert any(not torch.equal(base[name], tensor.to(base[name].dtype)) for name, tensor in trained.items())
+
+
+# ------------------------------------------------------------------------------------------- ingestion
+
+#: An ingestion episode's lengths: a session's memories in the tiny vocabulary, two searches and merges.
+INGEST_STAGE = {**STAGE, "prompt_length": 6144, "response_length": 4096, "max_assistant_turns": 5}
+
+
+@pytest.fixture(scope="module")
+def ingest_sft(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ingest-sft")
+    rows = out / "ingest.parquet"
+    build_ingestion_rows(str(locomo_rows["train"]), str(locomo_rows["memories"]), str(rows), split="train")
+    ckpt = cold_start(
+        # conv-26's first 12 sessions: its first merges come in sessions 10 and 11 (one pays less than nothing).
+        settings={"epochs": 1, "batch_size": 4, "micro_batch_size": 2, "lr": 1e-3, "max_rows": 12, "search_top_k": 5},
+        stage=INGEST_STAGE,
+        model=str(tiny_model_dir),
+        train_files=[str(rows)],
+        memories=str(locomo_rows["memories"]),
+        embeddings=str(cache_dir),
+        run_dir=str(out / "run"),
+        reward={"efficiency": {"max_total_memories": None}},
+        tools=TOOLS,
+    )
+    return out / "run", rows, ckpt
+
+
+def test_ingestion_demonstrations_merge_what_belongs_together_and_pay(ingest_sft, locomo_conversations):
+    """The ingestion expert searches with a new memory's text and merges the memories shown that cite one
+    question's evidence; it is never shown a question, and its merges raise the reward."""
+    run_dir, rows, ckpt = ingest_sft
+    prompts = {r["extra_info"]["session"]: r["prompt"][1]["content"] for r in pq.read_table(rows).to_pylist()}
+    records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
+    assert len(records) == 12 and all(r["question"] is None for r in records)
+    questions = [q.question for c in locomo_conversations.values() for q in c.qa]
+    merged = []
+    for record in records:
+        text = record["policy_text"]
+        calls = [json.loads(c.split("</tool_call>")[0]) for c in text.split("<tool_call>\n")[1:]]
+        for before, call in zip([None, *calls], calls, strict=False):
+            if call["name"] == SEARCH_TOOL:
+                # The query is one of the session's new memories, as the prompt shows it.
+                assert call["arguments"]["query"] in prompts[record["session"]]
+                continue
+            # A merge of what the search just showed, in two memories' share of the reward's 500-character
+            # budget over 5 results (a search that shows too little is followed by the next search).
+            assert call["name"] == MERGE_TOOL and before["name"] == SEARCH_TOOL
+            assert len(call["arguments"]["memory_ids"]) >= 2 and len(call["arguments"]["content"]) <= 200
+        # The loop checks the turn limit first: a DONE on the last turn ends at max_assistant_turns.
+        assert text.rstrip().endswith(DONE + "<|im_end|>")
+        assert record["termination"] in ("done", "max_assistant_turns")
+        assert not [q for q in questions if q in text or q in prompts[record["session"]]]
+        if not record.get("balanced_out"):
+            assert record["kept"] == (record["reward"] >= 0)
+        if record.get("ops_merged"):
+            merged.append(record["reward"])
+    assert merged and sum(merged) > 0, records
+    # No more episodes without an edit are trained on than episodes with one.
+    kept = [r for r in records if r["kept"]]
+    assert 0 < sum(not r.get("ops_merged") for r in kept) <= sum(bool(r.get("ops_merged")) for r in kept)
+    assert json.loads((ckpt / "manifest.json").read_text())["kind"] == "sft"
 
 
 # ------------------------------------------------------------------------------------------- MemAgent

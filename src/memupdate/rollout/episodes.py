@@ -38,7 +38,9 @@ def episode_records(batch: DataProto, prompts: DataProto, tokenizer: Any) -> lis
         info = prompts.non_tensor_batch["extra_info"][extra[TRAJECTORY_KEY][i]]
         record = {
             "namespace": info["namespace"],
-            "question": info["question"],
+            # A question episode's question, or an ingestion episode's session (it has no question).
+            "question": info.get("question"),
+            "session": info.get("session"),
             "reward": float(scores[i]),
             "well_formed_call": tool_ran,
             "tool_calls": policy_text.count("<tool_call>"),

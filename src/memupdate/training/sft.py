@@ -1,7 +1,8 @@
 """The cold start before GRPO: supervised fine-tuning on demonstration episodes.
 
 :func:`make_demonstrations` runs the scripted expert of the loop (MemoryUpdate:
-:mod:`memupdate.training.demonstrations`; MemAgent: :mod:`memupdate.training.memagent_expert`) through the
+:mod:`memupdate.training.demonstrations`, or :mod:`memupdate.training.ingestion_expert` for an ingestion
+experiment's session rows; MemAgent: :mod:`memupdate.training.memagent_expert`) through the
 in-process agent loop worker on the train rows, so each demonstration is a GRPO rollout's rows (MemAgent:
 one per turn): prompt, response, ``response_mask`` (1 on the policy's own tokens; tool outputs and the
 prompt 0) and the reward the RL run would give it. :func:`train_sft` keeps the episodes the expert's rule
@@ -40,14 +41,24 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.agents.context import LoopContext
 from memupdate.agents.fields import MEMAGENT_REWARD
+from memupdate.data.ingestion import is_ingestion_row
 from memupdate.data.rows import MEMAGENT_AGENT
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import episode_records
 from memupdate.rollout.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, in_process_workers
-from memupdate.settings import EPISODE_KEYS, MemAgentLoopSettings, SFTSettings, ToolSettings, TrainSettings, build
+from memupdate.settings import (
+    EPISODE_KEYS,
+    MemAgentLoopSettings,
+    RewardSettings,
+    SFTSettings,
+    ToolSettings,
+    TrainSettings,
+    build,
+)
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training.demonstrations import MemoryExpert, expert_rows, keep_episode
+from memupdate.training.ingestion_expert import IngestionExpert, balance_edits, merge_chars
 from memupdate.training.local import response_log_probs
 from memupdate.training.memagent_expert import NOTHING_YET, MemAgentExpert, covers
 from memupdate.training.tracking import run_info, run_record, write_run_info
@@ -89,6 +100,21 @@ def _expert(cfg: SFTConfig, tokenizer: Any) -> Any:
     missing = [name for name in SFTSettings.TOOLS if name not in rollout.memory.tools]
     if missing:
         raise ValueError(f"the expert uses {', '.join(SFTSettings.TOOLS)}, but the policy is not given {missing}")
+    if table and is_ingestion_row(table[0]["extra_info"]):
+        reward = rollout.reward
+        top_k, budget = (
+            reward.get("top_k", RewardSettings.top_k),
+            reward.get("context_chars", RewardSettings.context_chars),
+        )
+        return IngestionExpert(
+            tokenizer,
+            table,
+            rollout.memory.memories,
+            max_content_chars=merge_chars(cfg.max_content_chars, top_k, budget),
+            max_new_tokens=rollout.max_new_tokens,
+            max_assistant_turns=rollout.max_assistant_turns,
+            search_top_k=cfg.search_top_k,
+        )
     return MemoryExpert(
         tokenizer,
         expert_rows(table),
@@ -147,6 +173,8 @@ async def make_demonstrations(cfg: SFTConfig, tokenizer: Any) -> tuple[DataProto
             episodes.append(start + batch.non_tensor_batch[TRAJECTORY_KEY].astype(int))
             records.extend(_records(batch, prompts, tokenizer, expert))
             bar.update(len(indices))
+    if isinstance(expert, IngestionExpert):
+        balance_edits(records)
     return DataProto.concat(parts), records, np.concatenate(episodes)
 
 
@@ -274,15 +302,16 @@ def demonstration_summary(records: list[dict[str, Any]], seconds: float) -> dict
     0.5
     """
     kept = [r for r in records if r["kept"]]
+    # Dropped for their reward; an ingestion run also leaves out episodes without an edit (balance_edits).
+    dropped = [r["reward"] for r in records if not r["kept"] and not r.get("balanced_out")]
     return {
         "episodes": len(records),
         "kept": len(kept),
         # MemoryUpdate: a search and an edit (MemAgent episodes call no tools).
         "kept_with_merge": sum(r.get("tool_calls", 0) >= 2 for r in kept),
         "kept_reward_mean": float(np.mean([r["reward"] for r in kept])) if kept else None,
-        "dropped_reward_mean": float(np.mean([r["reward"] for r in records if not r["kept"]]))
-        if len(kept) < len(records)
-        else None,
+        "dropped_reward_mean": float(np.mean(dropped)) if dropped else None,
+        "balanced_out": sum(bool(r.get("balanced_out")) for r in records),
         "seconds": round(seconds, 1),
     }
 
