@@ -123,7 +123,45 @@ def read_memories(path: str) -> dict[str, dict[int, Memory]]:
     return dict(out)
 
 
-class MemoryExpert:
+class ScriptedExpert:
+    """A scripted player of the memory tools, served to verl's ``AgentLoopWorker`` as a model: :meth:`generate`
+    replies with :meth:`reply` of the episode's transcript so far, refused when it exceeds the policy's reply
+    cap (``max_new_tokens``). It knows the seed memories (``memories_path``), searches with ``search_top_k``
+    and writes at most ``max_content_chars``; it counts the tokens it generates, as local training's
+    generation server does (its ``seconds`` stay 0: its replies cost nothing)."""
+
+    def __init__(
+        self, tokenizer: Any, memories_path: str, *, max_content_chars: int, max_new_tokens: int, search_top_k: int
+    ):
+        self.tokenizer = tokenizer
+        self.memories = read_memories(memories_path)
+        self.max_content_chars = max_content_chars
+        self.max_new_tokens = max_new_tokens
+        self.search_top_k = search_top_k
+        #: What the expert did per episode (request id -> actions), for the demonstrations' record.
+        self.actions: dict[str, list[str]] = defaultdict(list)
+        self.generated_tokens = 0
+        self.seconds = 0.0
+
+    def reply(self, request_id: str, transcript: str) -> str:
+        raise NotImplementedError
+
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any
+    ) -> TokenOutput:
+        transcript = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        text = self.reply(request_id, transcript)
+        ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
+        if len(ids) > self.max_new_tokens:
+            raise ValueError(
+                f"the expert's reply has {len(ids)} tokens, over stage 1's max_new_tokens ({self.max_new_tokens}): "
+                f"a policy capped there could never make this call; raise max_new_tokens. The reply: {text[:200]!r}"
+            )
+        self.generated_tokens += len(ids)
+        return TokenOutput(token_ids=ids, log_probs=None, stop_reason="completed")
+
+
+class MemoryExpert(ScriptedExpert):
     """The scripted expert, with verl's ``generate``. It finds its question in the prompt (speakers and
     question, as the row's user message states them), so one expert serves a whole batch of rows;
     ``rows`` are the rows' ``extra_info`` with the row's speakers (:func:`expert_rows`)."""
@@ -137,18 +175,16 @@ class MemoryExpert:
         max_new_tokens: int,
         search_top_k: int,
     ):
-        self.tokenizer = tokenizer
-        self.search_top_k = search_top_k
-        self.max_content_chars = max_content_chars
-        self.max_new_tokens = max_new_tokens
-        self.memories = read_memories(memories_path)
+        super().__init__(
+            tokenizer,
+            memories_path,
+            max_content_chars=max_content_chars,
+            max_new_tokens=max_new_tokens,
+            search_top_k=search_top_k,
+        )
         self.rows: dict[tuple[str, str, str], Mapping[str, Any]] = {}
         for row in rows:
             self.rows.setdefault((row["speaker_a"], row["speaker_b"], row["question"]), row)
-        #: What the expert did per episode (request id -> actions), for the demonstrations' record.
-        self.actions: dict[str, list[str]] = defaultdict(list)
-        self.generated_tokens = 0
-        self.seconds = 0.0
 
     def reply(self, request_id: str, transcript: str) -> str:
         """The next reply of episode ``request_id`` given everything it has seen (``transcript``)."""
@@ -178,20 +214,6 @@ class MemoryExpert:
         if not key or key not in self.rows:
             raise ValueError(f"the expert has no row for this prompt (speakers and question {key!r})")
         return self.rows[key]
-
-    async def generate(
-        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any
-    ) -> TokenOutput:
-        transcript = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        text = self.reply(request_id, transcript)
-        ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
-        if len(ids) > self.max_new_tokens:
-            raise ValueError(
-                f"the expert's reply has {len(ids)} tokens, over stage 1's max_new_tokens ({self.max_new_tokens}): "
-                f"a policy capped there could never make this call; raise max_new_tokens. The reply: {text[:200]!r}"
-            )
-        self.generated_tokens += len(ids)
-        return TokenOutput(token_ids=ids, log_probs=None, stop_reason="completed")
 
 
 def expert_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

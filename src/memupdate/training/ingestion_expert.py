@@ -33,16 +33,13 @@ result). Episodes that lower the reward are dropped (:func:`memupdate.training.d
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl.workers.rollout.replica import TokenOutput
-
 from memupdate.data.locomo import evidence_session
 from memupdate.data.rows import MERGE_TOOL, SEARCH_TOOL
-from memupdate.training.demonstrations import DONE, Memory, edit_plan, read_memories, tool_call
+from memupdate.training.demonstrations import DONE, Memory, ScriptedExpert, edit_plan, tool_call
 
 _SESSION = re.compile(r"Conversation between (.+?) and (.+?)\. Session (\d+) \(")
 _NEW = re.compile(r"New memories from session \d+:\n(.*?)\n\nFit the new memories", re.DOTALL)
@@ -120,10 +117,11 @@ class _Episode:
     replies: int = 0
 
 
-class IngestionExpert:
+class IngestionExpert(ScriptedExpert):
     """The scripted ingestion expert, with verl's ``generate``. It finds its session in the prompt
     (speakers and session number, as the row's user message states them), so one expert serves a batch of
-    rows; ``rows`` are the rows in verl's layout (``prompt``, ``extra_info``)."""
+    rows; ``rows`` are the rows in verl's layout (``prompt``, ``extra_info``). ``max_assistant_turns`` is the
+    episode's turn limit; ``settings`` are :class:`~memupdate.training.demonstrations.ScriptedExpert`'s."""
 
     def __init__(
         self,
@@ -131,17 +129,11 @@ class IngestionExpert:
         rows: Iterable[Mapping[str, Any]],
         memories_path: str,
         *,
-        max_content_chars: int,
-        max_new_tokens: int,
         max_assistant_turns: int,
-        search_top_k: int,
+        **settings: Any,
     ):
-        self.tokenizer = tokenizer
-        self.max_content_chars = max_content_chars
-        self.max_new_tokens = max_new_tokens
+        super().__init__(tokenizer, memories_path, **settings)
         self.max_assistant_turns = max_assistant_turns
-        self.search_top_k = search_top_k
-        self.memories = read_memories(memories_path)
         self.rows: dict[tuple[str, str, int], Mapping[str, Any]] = {}
         for row in rows:
             user = next(m["content"] for m in row["prompt"] if m["role"] == "user")
@@ -150,8 +142,6 @@ class IngestionExpert:
                 raise ValueError(f"row {row['extra_info'].get('namespace')!r}: its user message names no session")
             self.rows[(key.group(1), key.group(2), int(key.group(3)))] = row["extra_info"]
         self.episodes: dict[str, _Episode] = {}
-        #: What the expert did per episode (request id -> actions), for the demonstrations' record.
-        self.actions: dict[str, list[str]] = defaultdict(list)
 
     def reply(self, request_id: str, transcript: str) -> str:
         """The next reply of episode ``request_id`` given everything it has seen (``transcript``)."""
@@ -193,16 +183,3 @@ class IngestionExpert:
         if not key or key not in self.rows:
             raise ValueError(f"the expert has no row for this prompt (speakers and session {key!r})")
         return self.rows[key]
-
-    async def generate(
-        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any
-    ) -> TokenOutput:
-        transcript = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        text = self.reply(request_id, transcript)
-        ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
-        if len(ids) > self.max_new_tokens:
-            raise ValueError(
-                f"the expert's reply has {len(ids)} tokens, over stage 1's max_new_tokens ({self.max_new_tokens}): "
-                f"a policy capped there could never make this call; raise max_new_tokens. The reply: {text[:200]!r}"
-            )
-        return TokenOutput(token_ids=ids, log_probs=None, stop_reason="completed")
