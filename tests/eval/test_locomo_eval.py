@@ -351,10 +351,10 @@ def test_a_question_agnostic_system_is_labelled_and_its_ingestion_timed(tmp_path
     log = {
         "conversations": {
             "conv-48": [
-                {"session": 1, "new_memories": 5, "memories": 5},
-                {"session": 2, "new_memories": 4, "memories": 7},
+                {"session": 1, "new_memories": 5, "memories": 5, "termination_reason": "no_tool_call"},
+                {"session": 2, "new_memories": 4, "memories": 7, "termination_reason": "done"},
             ],
-            "conv-49": [{"session": 1, "new_memories": 3, "memories": 2}],
+            "conv-49": [{"session": 1, "new_memories": 3, "memories": 2, "termination_reason": "done"}],
         },
         "episodes": 3,
         "seconds": 6.0,
@@ -366,8 +366,11 @@ def test_a_question_agnostic_system_is_labelled_and_its_ingestion_timed(tmp_path
     out = report.build_report(tmp_path, paths, experiment="exp", settings={})
     row = out["systems"]["stage1+qa_base"]
     assert row["memory_setting"] == "question-agnostic" and out["systems"]["no_update"]["memory_setting"] is None
+    # Its episodes are the sessions: how they ended is the ingestion's, not the questions'.
+    assert row["termination"] == {"done": 2, "no_tool_call": 1}
     assert row["ingestion"] == {
         "episodes": 3,
+        "termination": {"done": 2, "no_tool_call": 1},
         "seconds": 6.0,
         "seconds_per_step": 3.0,
         "seconds_per_episode": 2.0,

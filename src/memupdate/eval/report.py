@@ -146,14 +146,17 @@ def summarize(records: Sequence[Mapping[str, Any]], *, may_skip: bool = False) -
 
 def ingestion_summary(log: Mapping[str, Any]) -> dict[str, Any]:
     """The report's numbers of an ingestion log: sessions, seconds (in all, per session batch, per episode),
-    memories appended by the sessions and built by the episodes over all conversations."""
+    memories appended by the sessions and built by the episodes over all conversations, and how the
+    episodes ended."""
     last = [sessions[-1] for sessions in log["conversations"].values() if sessions]
+    every = [s for sessions in log["conversations"].values() for s in sessions]
     return {
         "episodes": log["episodes"],
+        "termination": _counts(s["termination_reason"] for s in every if s.get("termination_reason")),
         "seconds": log["seconds"],
         "seconds_per_step": log["seconds_per_step"],
         "seconds_per_episode": log["seconds_per_episode"],
-        "appended": sum(s["new_memories"] for sessions in log["conversations"].values() for s in sessions),
+        "appended": sum(s["new_memories"] for s in every),
         "built": sum(s["memories"] for s in last),
     }
 
@@ -643,6 +646,8 @@ def build_report(
         log = out_dir / "runs" / name / "ingestion.json"
         if log.is_file():
             systems[name]["ingestion"] = ingestion_summary(json.loads(log.read_text(encoding="utf-8")))
+            # Its episodes are sessions, not questions: their terminations are the ingestion's.
+            systems[name]["termination"] = systems[name]["ingestion"]["termination"]
         conversations |= {r["sample_id"] for r in records}
         questions = max(questions, len(records))
     reference = next(iter(asked.values()), set())
