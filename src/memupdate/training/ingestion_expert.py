@@ -24,10 +24,10 @@ teach the policy to stop without editing. :func:`balance_edits` keeps as many of
 episodes that edit, the first in row order, so the cold start teaches both the edit and when not to make
 one.
 
-A search that shows fewer than two of them is followed by the next target's search. The expert never
-writes anything but the memories' own texts and dates, never sees a question it would show the policy,
-and reads its transcript as the policy does (the session from the prompt, the ids from the search
-result). Episodes that lower the reward are dropped (:func:`memupdate.training.demonstrations.keep_episode`).
+A search that shows fewer than two of them is followed by the next target's search (a single memory is
+not rewritten: the reader already sees its date). The expert writes nothing but the memories' own texts
+and dates, shows the policy no question, and reads its transcript as the policy does (the session from the
+prompt, the ids from the search result). Episodes that lower the reward are dropped (:func:`memupdate.training.demonstrations.keep_episode`).
 """
 
 from __future__ import annotations
