@@ -378,7 +378,7 @@ def _published_markdown(report: Mapping[str, Any]) -> list[str]:
         f"top-{report['settings'].get('top_k')} retrieval; models {models}; judge "
         f"{report['judge'] or 'none'}.",
         "",
-        SETTING_NOTE,
+        *_setting_notes(ours),
         "",
         published["note"],
     ]
@@ -439,6 +439,13 @@ SETTING_LABELS = {"question-conditioned": "conditioned", "question-agnostic": "a
 _SETTING_NOTES = {"question-conditioned": SETTING_NOTE, "question-agnostic": AGNOSTIC_NOTE}
 
 
+def _setting_notes(systems: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The paragraph of each memory setting the report's systems use (question-conditioned when none says)."""
+    settings = {row.get("memory_setting") for row in systems.values()}
+    notes = [note for setting, note in _SETTING_NOTES.items() if setting in settings] or [SETTING_NOTE]
+    return "\n\n".join(notes).split("\n")
+
+
 def _tokens(row: Mapping[str, Any]) -> str:
     """Mean QA prompt tokens per protocol, ``locomo 812 / mem0 640``."""
     return " / ".join(f"{p} {_num(v, 0)}" for p, v in (row.get("context_tokens_mean") or {}).items()) or "–"
@@ -459,9 +466,7 @@ def _markdown(report: Mapping[str, Any]) -> str:
         "the answers: its ingestion's time is under *Ingestion*).",
         "",
     ]
-    settings = {row.get("memory_setting") for row in systems.values()}
-    notes = [note for setting, note in _SETTING_NOTES.items() if setting in settings] or [SETTING_NOTE]
-    lines += "\n\n".join(notes).split("\n")
+    lines += _setting_notes(systems)
     lines += [
         "",
         "| system | memory | models | LoCoMo F1 (cat 1-5) | Mem0 F1 (1-4) | BLEU-1 (1-4) | J (1-4) | evidence recall@k | "
