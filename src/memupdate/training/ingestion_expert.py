@@ -39,6 +39,7 @@ from typing import Any
 
 from memupdate.data.locomo import evidence_session
 from memupdate.data.rows import MERGE_TOOL, SEARCH_TOOL
+from memupdate.rollout.episodes import COMPONENTS
 from memupdate.training.demonstrations import DONE, Memory, ScriptedExpert, edit_plan, tool_call
 
 _SESSION = re.compile(r"Conversation between (.+?) and (.+?)\. Session (\d+) \(")
@@ -104,11 +105,14 @@ def balance_edits(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _edits(record: Mapping[str, Any]) -> bool:
-    return any(record.get(f"ops_{op}", 0) > 0 for op in ("created", "updated", "deleted", "merged", "split"))
+    # The episode record's operation counts (rollout.episodes.COMPONENTS: ops_created, ops_merged, ...).
+    return any(record.get(key, 0) > 0 for key in COMPONENTS if key.startswith("ops_"))
 
 
 @dataclass
 class _Episode:
+    #: The seed memories of the session's conversation, by id.
+    memories: Mapping[int, Memory]
     targets: list[tuple[int, frozenset[str]]]
     #: The current target's evidence while its search result is awaited.
     searching: frozenset[str] | None = None
@@ -146,7 +150,7 @@ class IngestionExpert(ScriptedExpert):
     def reply(self, request_id: str, transcript: str) -> str:
         """The next reply of episode ``request_id`` given everything it has seen (``transcript``)."""
         episode = self.episodes.get(request_id) or self._start(request_id, transcript)
-        memories = self.memories.get(self._row(transcript)["sample_id"], {})
+        memories = episode.memories
         reply, action = DONE, DONE
         if episode.searching is not None:
             shown = [int(i) for i in _SHOWN.findall(transcript.rsplit("</tool_call>", 1)[-1])]
@@ -173,7 +177,7 @@ class IngestionExpert(ScriptedExpert):
         new = _NEW.search(transcript)
         new_ids = [int(i) for i in _SHOWN.findall(new.group(1))] if new else []
         memories = self.memories.get(row["sample_id"], {})
-        episode = _Episode(merge_targets(row["questions"], row["session"], new_ids, memories))
+        episode = _Episode(memories, merge_targets(row["questions"], row["session"], new_ids, memories))
         self.episodes[request_id] = episode
         return episode
 
