@@ -14,7 +14,15 @@ import yaml
 
 from memupdate import prompts
 from memupdate.eval.report import judge_predictions, load_jsonl
-from memupdate.prompts import PromptFileError, load_prompts, parse_judge, qa_messages, render_judge
+from memupdate.prompts import (
+    PromptFileError,
+    load_prompts,
+    memory_line,
+    parse_judge,
+    qa_messages,
+    render_judge,
+    within_budget,
+)
 from memupdate.rewards.scorers import JudgeScorer, QAItem, ReaderScorer, Retrieved
 from memupdate.serving.client import Endpoint, OpenAIClient
 
@@ -255,3 +263,32 @@ def test_judge_scorer_counts_unparsed_replies(prompts_dir, chat_server):
     # The reader asked with LoCoMo's prompt: the category-2 question carries its suffix.
     asked = prompts.qa_messages("locomo", "When?", 2, MEMORIES, prompts_dir=prompts_dir)
     assert asked in [r["messages"] for r in reader_requests]
+
+
+def test_the_readers_budget_counts_each_memory_as_rendered_and_keeps_whole_ones_in_rank_order():
+    memories = [Retrieved("a" * 40, date="8 May"), Retrieved("b" * 50), Retrieved("c" * 5), Retrieved("d" * 5)]
+    lines = [len(memory_line(m)) for m in memories]
+    assert lines == [47, 50, 5, 5], "a date is shown as 'date: ' in front of the content"
+    assert [m.content[0] for m in within_budget(memories, 107)] == ["a", "b", "c", "d"]
+    assert [m.content[0] for m in within_budget(memories, 101)] == ["a", "b"], "stops at the first that overflows"
+    assert [m.content[0] for m in within_budget(memories, 60)] == ["a"]
+    cut = within_budget(memories, 25)
+    assert [memory_line(m) for m in cut] == ["8 May: " + "a" * 18], "the first is cut to fit, never dropped"
+    assert memories[0].content == "a" * 40, "the memory itself is not changed"
+    assert within_budget([], 10) == []
+    with pytest.raises(ValueError, match="max_chars must be >= 1"):
+        within_budget(memories, 0)
+
+
+def test_a_date_longer_than_the_budget_is_cut_with_it():
+    """Metadata escapes no budget: a memory whose date alone overflows shows only the start of its date."""
+    (cut,) = within_budget([Retrieved("fact", date="x" * 100_000)], 50)
+    assert len(memory_line(cut)) <= 50
+
+
+@pytest.mark.parametrize("protocol", ["locomo", "mem0"])
+def test_both_protocols_show_each_memory_as_its_line(protocol):
+    memories = [Retrieved("Ann moved to Oslo.", date="8 May, 2023", speaker="Ann"), Retrieved("Bo came.", speaker="Bo")]
+    prompt = qa_messages(protocol, "Where did Ann move?", 1, memories, speakers=("Ann", "Bo"))[0]["content"]
+    for memory in memories:
+        assert memory_line(memory) in prompt

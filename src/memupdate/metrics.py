@@ -51,7 +51,7 @@ def _remove_punctuation(text: str) -> str:
     return "".join(ch for ch in text if ch not in _PUNCTUATION)
 
 
-def _token_f1(pred_tokens: Sequence[str], gold_tokens: Sequence[str]) -> float:
+def token_f1(pred_tokens: Sequence[str], gold_tokens: Sequence[str]) -> float:
     """Multiset token F1; 0.0 when nothing overlaps (so also when either side is empty)."""
     num_same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
     if num_same == 0:
@@ -92,7 +92,7 @@ def locomo_token_f1(prediction: str, answer: str) -> float:
     """
     pred_tokens = [_stem(w) for w in normalize_locomo_answer(prediction).split()]
     gold_tokens = [_stem(w) for w in normalize_locomo_answer(answer).split()]
-    return _token_f1(pred_tokens, gold_tokens)
+    return token_f1(pred_tokens, gold_tokens)
 
 
 def locomo_f1(prediction: str, answer: str, category: int) -> float:
@@ -160,7 +160,7 @@ def mem0_f1(prediction: str, answer: str) -> float:
     pred_tokens, gold_tokens = tokens(prediction), tokens(answer)
     if not pred_tokens or not gold_tokens:
         return 0.0
-    return _token_f1(list(pred_tokens), list(gold_tokens))
+    return token_f1(list(pred_tokens), list(gold_tokens))
 
 
 def bleu1(prediction: str, answer: str) -> float:
@@ -227,7 +227,7 @@ def squad_f1(prediction: str, gold: str | Sequence[str]) -> float:
     SQuAD token F1 over normalised tokens (multiset, no stemming; max over a list of golds).
     """
     return _max_over_golds(
-        lambda p, g: _token_f1(normalize_squad(p).split(), normalize_squad(g).split()), prediction, gold
+        lambda p, g: token_f1(normalize_squad(p).split(), normalize_squad(g).split()), prediction, gold
     )
 
 

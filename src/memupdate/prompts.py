@@ -31,6 +31,7 @@ Question: When did Caroline go? Use DATE of CONVERSATION to answer with an appro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -39,7 +40,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -65,6 +66,9 @@ MESSAGE_ROLES = ("system", "user")
 JUDGE_RESPONSE_FORMAT = {"type": "json_object"}
 
 _LABELS = {"CORRECT": 1.0, "WRONG": 0.0}
+
+#: A memory as the reader sees it (a store record, a ``Retrieved``): a frozen dataclass with content and date.
+M = TypeVar("M")
 
 
 class PromptFileError(ValueError):
@@ -131,7 +135,7 @@ class Prompts:
         in rank order; ``speakers`` (the conversation's speaker_a, speaker_b) is used by Mem0 only."""
         if self.protocol == "locomo":
             # get_rag_context, observation mode: date_time + ': ' + context, joined with '\n'.
-            context = "\n".join(f"{m.date}: {m.content}" if m.date else m.content for m in memories)
+            context = "\n".join(memory_line(m) for m in memories)
             return self.render_context(context, question, category, choices)
         names, first, second = split_speakers(memories, speakers)
         # search.py answer_question lines 98-107: one "timestamp: memory" string per memory, each
@@ -139,10 +143,62 @@ class Prompts:
         return _jinja(self.text("answer")).render(
             speaker_1_user_id=names[0],
             speaker_2_user_id=names[1],
-            speaker_1_memories=json.dumps([_timestamped(m) for m in first], indent=4),
-            speaker_2_memories=json.dumps([_timestamped(m) for m in second], indent=4),
+            speaker_1_memories=json.dumps([memory_line(m) for m in first], indent=4),
+            speaker_2_memories=json.dumps([memory_line(m) for m in second], indent=4),
             question=self.question(question, category, choices),
         )
+
+
+def memory_line(memory: Any) -> str:
+    """One memory as the reader reads it, in both protocols: LoCoMo's ``date_time + ': ' + context`` line, Mem0's
+    ``"{timestamp}: {memory}"`` list item. A memory without a date shows its content alone, not "None: ...".
+
+    >>> from memupdate.rewards.scorers import Retrieved
+    >>> memory_line(Retrieved("Ann moved to Oslo.", date="8 May, 2023")), memory_line(Retrieved("Ann moved."))
+    ('8 May, 2023: Ann moved to Oslo.', 'Ann moved.')
+    """
+    return f"{memory.date}: {memory.content}" if memory.date else memory.content
+
+
+def within_budget(memories: Sequence[M], max_chars: int) -> list[M]:
+    """The reader's context: the leading ``memories`` (in rank order) whose lines, as :func:`memory_line`
+    renders them (date included), fit in ``max_chars`` characters in total.
+
+    The QA phase, the evaluation and every scorer of the reward call this one function, so S is scored on
+    exactly the text the QA prompt shows, and what a memory carries besides its content (its date) counts
+    against the same budget as its content. Whole memories are kept until the next one would overflow, so
+    one long memory cannot bring more text than several short ones. The first is always kept, cut to fit
+    (its content first, then its date), so a non-empty store never yields an empty context. ``memories`` are
+    frozen dataclasses with ``content`` and ``date`` (store records, the rewards' ``Retrieved``).
+
+    >>> from memupdate.rewards.scorers import Retrieved
+    >>> memories = [Retrieved("a" * 50, date="8 May"), Retrieved("b" * 30), Retrieved("c" * 20)]
+    >>> [len(memory_line(m)) for m in within_budget(memories, 100)]
+    [57, 30]
+    >>> [memory_line(m) for m in within_budget(memories, 12)]
+    ['8 May: aaaaa']
+    """
+    if max_chars < 1:
+        raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+    kept: list[M] = []
+    used = 0
+    for memory in memories:
+        size = len(memory_line(memory))
+        if used + size > max_chars:
+            if not kept:
+                kept.append(_cut(memory, max_chars))
+            break
+        kept.append(memory)
+        used += size
+    return kept
+
+
+def _cut(memory: M, max_chars: int) -> M:
+    prefix = len(memory.date) + 2 if memory.date else 0
+    if prefix >= max_chars:
+        # A date longer than the whole budget: the reader sees the start of the date alone.
+        return dataclasses.replace(memory, date=memory.date[: max(1, max_chars - 3)], content=memory.content[:1])
+    return dataclasses.replace(memory, content=memory.content[: max_chars - prefix])
 
 
 #: Characters of a memory's text the memory agent is shown (tool results, an ingestion row's new memories).
@@ -167,11 +223,6 @@ def _category(category: int) -> int:
     if value not in (1, 2, 3, 4, 5):
         raise ValueError(f"LoCoMo category must be 1..5, got {category!r}")
     return value
-
-
-def _timestamped(memory: Any) -> str:
-    # A memory without a date shows its content alone, not "None: ...".
-    return f"{memory.date}: {memory.content}" if memory.date else memory.content
 
 
 @functools.lru_cache(maxsize=8)

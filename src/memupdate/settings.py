@@ -484,7 +484,10 @@ class RewardSettings:
     )
     top_k: int = setting(5, help="memories retrieved per question", minimum=1)
     context_chars: int = setting(
-        500, help="characters of retrieved memory text that S, the QA phase and evaluation use", minimum=1
+        650,
+        help="characters of the reader's context (each memory as the QA prompt shows it, date included) that S, "
+        "the QA phase and evaluation use",
+        minimum=1,
     )
     other_questions: int = setting(0, help="other questions of the conversation averaged into S", minimum=0)
     ingestion_baseline: Literal["append", "before"] = setting(

@@ -1,9 +1,11 @@
 """The MemoryUpdate agent loop, run the way verl's AgentLoopWorker runs it, on tiny random models."""
 
 import asyncio
+import copy
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 from verl.experimental.agent_loop.tool_agent_loop import ToolListWrap
@@ -12,14 +14,20 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from memupdate.agents.context import LoopContext
 from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, QA_CONTEXT_KEY, STAGE_KEY, TERMINATION_KEY
-from memupdate.agents.memory_loop import MemoryUpdateAgentLoop
+from memupdate.agents.memory_loop import MemoryUpdateAgentLoop, qa_settings
+from memupdate.eval.locomo import LocomoEvaluator
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.manager import manager_for
-from memupdate.memory.store import TrialStore, within_budget
-from memupdate.prompts import qa_messages
+from memupdate.memory.store import TrialStore
+from memupdate.prompts import qa_messages, within_budget
 from memupdate.rewards.memory import MemoryRewardConfig
+from memupdate.rewards.scorers import QAItem, ReaderScorer
 from memupdate.rollout.config import RolloutConfig, run_config
+from memupdate.serving.client import Endpoint, OpenAIClient
+from memupdate.serving.decoding import GREEDY, SAMPLING_KEYS
 from memupdate.serving.hf_server import HFGenerateServer
+from memupdate.serving.token_client import VLLMTokenClient
+from memupdate.settings import LocomoEvalSettings
 from memupdate.tools.config import TOOL_CONFIG
 
 
@@ -100,10 +108,9 @@ def no_update_prompt_ids(setup, row, tokenizer):
     reward = MemoryRewardConfig()
     manager = manager_for(MemoryEnvironment.read(config.reward.custom_reward_function.reward_kwargs.memory_environment))
     store = TrialStore(manager.base(info["sample_id"]))
-    hits = within_budget(
-        store.search(manager.embedder.encode([info["question"]])[0], reward.top_k), reward.context_chars
-    )
-    messages = qa_messages("locomo", info["question"], info["category"], [h.record for h in hits])
+    hits = store.search(manager.embedder.encode([info["question"]])[0], reward.top_k)
+    memories = within_budget([h.record for h in hits], reward.context_chars)
+    messages = qa_messages("locomo", info["question"], info["category"], memories)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -153,6 +160,70 @@ def test_fixed_temperature_none_samples_the_fixed_role_like_the_policy(setup):
     assert recording.calls and all(params["temperature"] == 1.0 for _, params in recording.calls)
 
 
+def test_the_qa_phase_the_reader_and_the_evaluation_ask_the_qa_model_alike(setup, chat_server, tmp_path):
+    """One decoder per role: asked one question over the same memories, the QA phase (through a served fixed
+    model's client), the reward's reader scorer and the LoCoMo evaluation send the QA model the same prompt
+    and every sampling key with the same value, greedy and capped at the reward's qa_max_tokens. A key left
+    out would be filled by the server from the model's generation config (Qwen2.5-Instruct's
+    repetition_penalty is 1.05), so S(initial) and S(final) could come from different decoders."""
+    config, tokenizer, dataset, tools, policy, fixed = setup
+    # The reward's answer cap, unlike every default, so a caller falling back to a default of its own shows.
+    config = copy.deepcopy(config)
+    OmegaConf.update(config, "reward.custom_reward_function.reward_kwargs.qa_max_tokens", 12, force_add=True)
+    reward = config.reward.custom_reward_function.reward_kwargs
+    qa = qa_settings(config)
+    recording = Recording(fixed)
+    output, _, _ = run_episode(
+        (config, *setup[1:]),
+        training_stage="memory",
+        qa_phase=True,
+        fixed_model=recording,
+        qa_max_tokens=reward.qa_max_tokens,  # as agent_loops.yaml passes the reward's
+    )
+    # No edit: the final store the QA phase read is the initial store the reader and the evaluation read.
+    assert not any(output.extra_fields[DELTA_KEY].get(k) for k in ("created", "updated", "deleted"))
+    ((prompt_ids, params),) = recording.calls
+    # The body a served QA model gets from the fixed model's client (agent_loops.yaml's endpoint, its cap).
+    served = VLLMTokenClient(Endpoint("http://127.0.0.1:1/v1", "qa"), config.actor_rollout_ref.rollout.response_length)
+    qa_phase = served.build_payload(prompt_ids, params)
+
+    info = dataset[0]["extra_info"]
+    evaluator = LocomoEvaluator(
+        test_file=str(config.data.train_files[0]),
+        memory=MemoryEnvironment.read(reward.memory_environment),
+        tool_config=TOOL_CONFIG,
+        conversations=None,
+        out_dir=str(tmp_path),
+        settings=LocomoEvalSettings(
+            protocols=[qa["qa_prompt"]],
+            top_k=qa["top_k"],
+            context_chars=qa["context_chars"],
+            qa_max_tokens=reward.qa_max_tokens,
+        ),
+    )
+
+    async def ask():
+        async with chat_server(lambda messages: "7 May 2023") as server:
+            # A client each: the second, identical, request would otherwise be answered from the first's cache.
+            async with (
+                OpenAIClient(Endpoint(server.url, "qa")) as reader_client,
+                OpenAIClient(Endpoint(server.url, "qa")) as eval_client,
+            ):
+                memories = await evaluator.retrieve(info["sample_id"], info["question"], None)
+                reader = ReaderScorer(reader_client, max_tokens=reward.qa_max_tokens, protocol=qa["qa_prompt"])
+                await reader.answer(QAItem(info["question"], info["answer"], info["category"]), memories)
+                record = {"question": info["question"], "category": info["category"], "choices": info.get("choices")}
+                await evaluator.answer(eval_client, tokenizer, record, memories)
+            return server.requests
+
+    reader_request, eval_request = asyncio.run(ask())
+    assert reader_request == eval_request
+    ids = tokenizer.apply_chat_template(reader_request["messages"], add_generation_prompt=True, tokenize=True)
+    assert qa_phase["prompt"] == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    sampling = [{k: request[k] for k in SAMPLING_KEYS} for request in (qa_phase, reader_request, eval_request)]
+    assert sampling == [GREEDY.request(reward.qa_max_tokens)] * 3
+
+
 def test_joint_stage_returns_the_memory_transcript_and_the_qa_row(setup):
     outputs, policy, _ = run_episode(setup, training_stage="joint", fixed_model=None)
     memory, answer = outputs
@@ -169,10 +240,7 @@ def test_memory_stage_without_qa_phase_needs_no_fixed_model_and_qa_stage_does(se
 
 
 def test_fixed_model_from_agent_loops_yaml_becomes_one_metered_vllm_token_client_per_context():
-    from omegaconf import OmegaConf
-
-    from memupdate.agents.context import LoopContext
-    from memupdate.serving.token_client import GenerationMeter, VLLMTokenClient
+    from memupdate.serving.token_client import GenerationMeter
 
     context = LoopContext("test")
     spec = {"base_url": "http://127.0.0.1:8011/v1", "model": "qa"}

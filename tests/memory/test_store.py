@@ -12,12 +12,10 @@ from memupdate.memory.index import normalize_rows
 from memupdate.memory.store import (
     BaseStore,
     EvidenceNotWritable,
-    Hit,
     InvalidMemoryOperation,
     MemoryRecord,
     TrialStore,
     UnknownMemoryId,
-    within_budget,
 )
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -261,21 +259,6 @@ async def test_async_writes_refuse_claimed_evidence_before_embedding(base, count
     assert counting_embedder.calls == 0
 
 
-def test_within_budget_keeps_whole_memories_in_rank_order():
-    hits = [
-        Hit(i, 1.0 - i / 10, MemoryRecord(i, text)) for i, text in enumerate(["a" * 40, "b" * 50, "c" * 5, "d" * 5])
-    ]
-    assert [h.id for h in within_budget(hits, 100)] == [0, 1, 2, 3]
-    assert [h.id for h in within_budget(hits, 94)] == [0, 1], "stops at the first memory that overflows"
-    assert [h.id for h in within_budget(hits, 40)] == [0]
-    cut = within_budget(hits, 25)
-    assert [(h.id, h.content, h.score) for h in cut] == [(0, "a" * 25, 1.0)], "the first hit is cut, never dropped"
-    assert hits[0].content == "a" * 40, "the store's record is not changed"
-    assert within_budget([], 10) == []
-    with pytest.raises(ValueError, match="max_chars must be >= 1"):
-        within_budget(hits, 0)
-
-
 def test_created_lists_the_trials_new_memories_still_held():
     trial = TrialStore(toy_base())
     a = trial.create("Ana keeps goats", vector=vec(1, 0, 0, 0))
@@ -383,6 +366,13 @@ async def test_64_concurrent_trials_of_one_conversation_are_isolated(base, embed
 # ---------------------------------------------------------------------------------------------- deltas
 
 
+#: Honest edits of conv-26's memories 8, 9 (self-care, me-time) and 10 (the kids' summer): they keep the text.
+MERGED_8_9 = (
+    "Melanie values self-care for her family and carves out me-time each day for running, reading or the violin."
+)
+SPLIT_10 = ["Melanie's kids are excited about summer break.", "They are considering going camping next month."]
+
+
 @pytest.mark.asyncio
 async def test_delta_round_trip(base, counting_embedder):
     trial = TrialStore(base, counting_embedder, namespace="conv-26-qa3-0a1b2c3d-deadbeef")
@@ -392,8 +382,8 @@ async def test_delta_round_trip(base, counting_embedder):
     trial.delete(7)
     gone = await trial.acreate("A note that is deleted again.")
     trial.delete(gone)
-    await trial.amerge([8, 9], "Caroline and Melanie both value family.")
-    await trial.asplit(10, ["Melanie has kids.", "Melanie likes pottery."])
+    await trial.amerge([8, 9], MERGED_8_9)
+    await trial.asplit(10, SPLIT_10)
 
     delta = json.loads(json.dumps(trial.export_delta()))  # JSON-serialisable, no vectors
     assert len(json.dumps(delta)) < 3_000
@@ -502,3 +492,36 @@ def test_a_fork_continues_the_store_with_the_next_session_added():
         second.fork(sessions=1)
     with pytest.raises(ValueError, match="every session"):
         TrialStore(base).fork(sessions=2)
+
+
+# ---------------------------------------------------------------------------------------------- evidence travels with text
+
+
+def test_honest_merges_splits_and_rewrites_keep_their_evidence(base):
+    trial = TrialStore(base)
+    vector = np.ones(base.dim, np.float32)
+    merged = trial.get(trial.merge([8, 9], MERGED_8_9, vector=vector))
+    assert set(merged.evidence) == {*base.get(8).evidence, *base.get(9).evidence}
+    parts = [trial.get(i) for i in trial.split(10, SPLIT_10, vectors=np.stack([vector, vector]))]
+    assert all(p.evidence == base.get(10).evidence for p in parts)
+    dated = "25 May, 2023: " + base.get(7).content
+    assert trial.update(7, dated, vector=vector).evidence == base.get(7).evidence
+
+
+def test_edits_that_drop_a_sources_text_lose_its_evidence(base):
+    trial = TrialStore(base)
+    vector = np.ones(base.dim, np.float32)
+    # A merge that keeps only its first source's text carries only the first source's evidence.
+    merged = trial.get(trial.merge([8, 9, 11], base.get(8).content, vector=vector))
+    assert merged.evidence == base.get(8).evidence
+    # A split into text that is not the source's: no part carries its evidence.
+    parts = ["When did Melanie go camping?", "Melanie went camping."]
+    assert all(not trial.get(i).evidence for i in trial.split(10, parts, vectors=np.stack([vector, vector])))
+    # A part that only adds words of its own keeps none, though the other part keeps the source's text.
+    keep, add = trial.split(
+        5, [base.get(5).content, "Caroline and Melanie both value family."], vectors=np.stack([vector, vector])
+    )
+    assert trial.get(keep).evidence == base.get(5).evidence and not trial.get(add).evidence
+    # A rewrite to other text loses the evidence; writing the seed text back restores it.
+    assert trial.update(7, "When did Melanie run a race?", vector=vector).evidence == ()
+    assert trial.update(7, base.get(7).content, vector=vector).evidence == base.get(7).evidence

@@ -7,6 +7,7 @@ import pytest
 
 from memupdate.rewards.scorers import JudgeScorer, QAItem, ReaderScorer, Retrieved
 from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
+from memupdate.serving.decoding import GREEDY, SAMPLING_KEYS
 
 
 def run(coro):
@@ -27,8 +28,8 @@ def test_retries_transient_errors_then_caches(chat_server):
         async with chat_server(lambda m: "Paris", fail=2) as server:
             endpoint = Endpoint(server.url, "qa", max_retries=3)
             async with OpenAIClient(endpoint) as client:
-                first = await client.chat([{"role": "user", "content": "capital?"}], temperature=0.0)
-                second = await client.chat([{"role": "user", "content": "capital?"}], temperature=0.0)
+                first = await client.chat([{"role": "user", "content": "capital?"}], **GREEDY.request(8))
+                second = await client.chat([{"role": "user", "content": "capital?"}], **GREEDY.request(8))
             return first, second, server.requests, client.cache
 
     first, second, requests, cache = run(main())
@@ -42,7 +43,7 @@ def test_gives_up_after_bounded_retries_and_does_not_retry_client_errors(chat_se
         async with chat_server(lambda m: "x", fail=99, status=status) as server:
             async with OpenAIClient(Endpoint(server.url, "qa", max_retries=1)) as client:
                 with pytest.raises(EndpointError) as info:
-                    await client.chat([{"role": "user", "content": "q"}])
+                    await client.chat([{"role": "user", "content": "q"}], **GREEDY.request(8))
             return str(info.value), len(server.requests)
 
     message, attempts = run(main(503))
@@ -56,7 +57,7 @@ def test_timeout_is_enforced(chat_server):
         async with chat_server(lambda m: "late", delay=2.0) as server:
             async with OpenAIClient(Endpoint(server.url, "qa", timeout_s=0.2, max_retries=0)) as client:
                 with pytest.raises(EndpointError, match="TimeoutError"):
-                    await client.chat([{"role": "user", "content": "q"}])
+                    await client.chat([{"role": "user", "content": "q"}], **GREEDY.request(8))
 
     run(main())
 
@@ -95,5 +96,7 @@ def test_reader_and_judge_scorers_speak_the_protocol(chat_server):
         'Memories for user Caroline:\n\n    [\n    "8 May 2023: Caroline went to the support group on 7 May 2023."\n]'
         in prompt
     )
-    assert requests[0]["temperature"] == 0.0 and requests[0]["max_tokens"] == 32
+    # Every sampling key stated (none left to the served model's generation config): greedy, the answer cap.
+    assert {k: requests[0][k] for k in SAMPLING_KEYS} == GREEDY.request(32)
+    assert all({k: r[k] for k in SAMPLING_KEYS} == GREEDY.request(256) for r in judge_requests)
     assert all(r["response_format"] == {"type": "json_object"} for r in judge_requests)

@@ -153,17 +153,21 @@ def test_manage_bad_arguments_are_instructions(tools, params, message):
     assert DELTA_KEY not in agent.extra_fields
 
 
+#: A merge of memories 0 and 1 of conv-26 that keeps both texts, and its split back: they keep the evidence.
+MERGED_0_1 = "Caroline attended an LGBTQ support group recently and found the transgender stories inspiring; it made her feel accepted and gave her courage to embrace herself."
+SPLIT_MERGED = [
+    "Caroline attended an LGBTQ support group recently and found the transgender stories inspiring.",
+    "It made her feel accepted and gave her courage to embrace herself.",
+]
+
+
 def test_merge_and_split(tools):
     agent = new_agent_data()
-    text, ok = call(
-        tools, agent, "merge_memory", memory_ids=[0, 1], content="Caroline's LGBTQ support group gave her courage."
-    )
+    text, ok = call(tools, agent, "merge_memory", memory_ids=[0, 1], content=MERGED_0_1)
     assert ok and text.startswith("Merged [0], [1] into [184]")
     merged = tools["merge_memory"].manager.get(agent.extra_fields[NAMESPACE_KEY]).get(184)
     assert set(merged.evidence) == {"D1:3", "D1:7"}
-    text, ok = call(
-        tools, agent, "split_memory", memory_id=184, parts=["Caroline went to a support group.", "It gave her courage."]
-    )
+    text, ok = call(tools, agent, "split_memory", memory_id=184, parts=SPLIT_MERGED)
     assert ok and "[185]" in text and "[186]" in text
     delta = agent.extra_fields[DELTA_KEY]
     assert delta["ops"]["merge"] == 1 and delta["ops"]["split"] == 1 and 0 in delta["deleted"]
@@ -338,7 +342,7 @@ def test_evidence_comes_only_from_the_memories_a_memory_derives_from(tools):
         "manage_memory",
         operation="update",
         memory_id=0,
-        content="Caroline went to a group.",
+        content="1:56 pm on 8 May, 2023: " + store_for().get(0).content,
         evidence=cited,
     )
     assert ok and store_for().get(0).evidence == original, "update keeps the original's evidence"
@@ -348,7 +352,7 @@ def test_evidence_comes_only_from_the_memories_a_memory_derives_from(tools):
         agent,
         "merge_memory",
         memory_ids=[0, 1],
-        content="Caroline's group gave her courage.",
+        content=MERGED_0_1,
         evidence=cited,
         metadata={"evidence": cited},
     )
@@ -358,7 +362,7 @@ def test_evidence_comes_only_from_the_memories_a_memory_derives_from(tools):
         agent,
         "split_memory",
         memory_id=185,
-        parts=["Caroline went to a group.", "It gave her courage."],
+        parts=SPLIT_MERGED,
         evidence=cited,
         metadata={"evidence": cited},
     )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -41,9 +41,9 @@ from memupdate.agents.fields import (
 )
 from memupdate.data.ingestion import is_ingestion_row
 from memupdate.data.rows import MEMORY_AGENT
-from memupdate.memory.store import within_budget
-from memupdate.prompts import DEFAULT_PROTOCOL, qa_messages
+from memupdate.prompts import DEFAULT_PROTOCOL, qa_messages, within_budget
 from memupdate.rewards.memory import MemoryRewardConfig
+from memupdate.serving.decoding import GREEDY
 from memupdate.settings import RewardSettings
 
 logger = logging.getLogger(__name__)
@@ -106,8 +106,8 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         (edits memory; a QA phase, if any, is answered by ``fixed_model``), ``qa`` (answers from memory
         that ``fixed_model`` edited) or ``joint`` (both, one policy). ``fixed_model`` is any object with
         verl's ``generate`` (a served model's :class:`~memupdate.serving.token_client.VLLMTokenClient`, or a local
-        generator); it decodes at ``fixed_temperature`` (greedy by default, so a GRPO group varies only in
-        what is trained; None = the rollout's sampling).
+        generator); it decodes as :data:`~memupdate.serving.decoding.GREEDY` at ``fixed_temperature`` (0 by
+        default, so a GRPO group varies only in what is trained; None = the rollout's sampling).
 
         The QA phase is a conversation of its own, never a turn of the memory transcript: the QA prompt
         (``reward.qa_prompt``, :mod:`memupdate.prompts`) over the final store's top-k memories within the
@@ -270,9 +270,12 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         return state
 
     def _fixed_sampling(self, sampling_params: dict[str, Any]) -> dict[str, Any]:
+        """The fixed role's decoder: :data:`~memupdate.serving.decoding.GREEDY` at ``fixed_temperature``,
+        whatever top_p, top_k and penalty the trained role samples with, so the QA phase asks the QA model
+        exactly as the reader scorer and the evaluation do; None = the rollout's own sampling."""
         if self.fixed_temperature is None:
             return sampling_params
-        return {**sampling_params, "temperature": float(self.fixed_temperature)}
+        return {**sampling_params, **replace(GREEDY, temperature=float(self.fixed_temperature)).params()}
 
     def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
@@ -286,10 +289,9 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         if not question:
             raise ValueError("the QA phase needs extra_info.question in the row")
         store = self._memory_tool.manager.get(self._namespace)
-        hits = within_budget(await store.asearch(question, self.qa_top_k), self.qa_context_chars)
-        messages = qa_messages(
-            self.qa_prompt, question, int(info.get("category") or 0), [h.record for h in hits], info.get("choices")
-        )
+        hits = await store.asearch(question, self.qa_top_k)
+        memories = within_budget([h.record for h in hits], self.qa_context_chars)
+        messages = qa_messages(self.qa_prompt, question, int(info.get("category") or 0), memories, info.get("choices"))
         prompt_ids = await self.loop.run_in_executor(None, self._chat_ids, messages)
         if len(prompt_ids) > self.prompt_length:
             raise ValueError(

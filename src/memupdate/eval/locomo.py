@@ -52,10 +52,11 @@ from memupdate.agents.fields import DELTA_KEY, STATS_KEY, TERMINATION_KEY
 from memupdate.eval.report import MEM0_CATEGORIES
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
 from memupdate.memory.manager import manager_for
-from memupdate.memory.store import Hit, TrialStore, within_budget
-from memupdate.prompts import load_prompts, qa_messages
+from memupdate.memory.store import MemoryRecord, TrialStore
+from memupdate.prompts import load_prompts, memory_line, qa_messages, within_budget
 from memupdate.rewards.memory import DEFAULT_CONTEXT_CHARS
 from memupdate.serving.client import Endpoint, OpenAIClient
+from memupdate.serving.decoding import GREEDY
 from memupdate.serving.readiness import load_marker, read_marker
 from memupdate.settings import LocomoEvalSettings, ToolSettings, build, experiment_stages, stage_sections
 from memupdate.tools.config import TOOL_CONFIG
@@ -231,24 +232,25 @@ class LocomoEvaluator:
             self._tokenizers[path] = AutoTokenizer.from_pretrained(path)
         return self._tokenizers[path]
 
-    async def retrieve(self, sample_id: str, question: str, delta: Mapping[str, Any] | None) -> list[Hit]:
+    async def retrieve(self, sample_id: str, question: str, delta: Mapping[str, Any] | None) -> list[MemoryRecord]:
         """The memories the QA model reads: the top-k of the initial store, or of initial + ``delta`` (the
-        final store of an episode), within the text budget."""
+        final store of an episode), within the text budget (:func:`memupdate.prompts.within_budget`)."""
         base = self.manager.base(sample_id)
         texts = TrialStore.delta_texts(base, delta) if delta else []
         # One batched encode for the question and the episode's new memory texts.
         vectors = await self.manager.embedder.aencode([question, *texts])
         store = TrialStore.from_delta_vectors(base, delta, list(vectors[1:])) if delta else TrialStore(base)
-        return within_budget(store.search(vectors[0], self.settings.top_k), self.settings.context_chars)
+        hits = store.search(vectors[0], self.settings.top_k)
+        return within_budget([h.record for h in hits], self.settings.context_chars)
 
-    def _retrieval_fields(self, record: dict[str, Any], hits: Sequence[Hit]) -> dict[str, Any]:
-        found = {e for h in hits for e in h.record.evidence}
+    def _retrieval_fields(self, record: dict[str, Any], memories: Sequence[MemoryRecord]) -> dict[str, Any]:
+        found = {e for m in memories for e in m.evidence}
         gold = set(record["evidence"])
         return {
-            "retrieved_ids": [h.id for h in hits],
+            "retrieved_ids": [m.id for m in memories],
             "retrieved_evidence": sorted(found),
             "evidence_recall": len(gold & found) / len(gold) if gold else None,
-            "context_chars": sum(len(h.record.content) for h in hits),
+            "context_chars": sum(len(memory_line(m)) for m in memories),
         }
 
     def _protocols(self, record: Mapping[str, Any]) -> list[str]:
@@ -291,7 +293,7 @@ class LocomoEvaluator:
         async def one(protocol: str) -> str | None:
             if protocol in over:
                 return None
-            reply = await client.chat(prompts[protocol], temperature=0.0, max_tokens=self.settings.qa_max_tokens)
+            reply = await client.chat(prompts[protocol], **GREEDY.request(self.settings.qa_max_tokens))
             return reply.strip()
 
         answers = await asyncio.gather(*(one(p) for p in asked))
@@ -313,9 +315,9 @@ class LocomoEvaluator:
 
                 async def one(row):
                     record = _base_record(row, system.name, self.settings.seed)
-                    hits = await self.retrieve(record["sample_id"], record["question"], None)
-                    record.update(self._retrieval_fields(record, hits))
-                    await self.answer(client, tokenizer, record, [h.record for h in hits])
+                    memories = await self.retrieve(record["sample_id"], record["question"], None)
+                    record.update(self._retrieval_fields(record, memories))
+                    await self.answer(client, tokenizer, record, memories)
                     return record
 
                 _append(path, await asyncio.gather(*(one(r) for r in chunk)))
@@ -383,9 +385,9 @@ class LocomoEvaluator:
                     episodes.append((record, extra[DELTA_KEY][j]))
 
                 async def one(record: dict[str, Any], delta: Mapping[str, Any] | None) -> dict[str, Any]:
-                    hits = await self.retrieve(record["sample_id"], record["question"], delta)
-                    record.update(self._retrieval_fields(record, hits))
-                    await self.answer(client, tokenizer, record, [h.record for h in hits])
+                    memories = await self.retrieve(record["sample_id"], record["question"], delta)
+                    record.update(self._retrieval_fields(record, memories))
+                    await self.answer(client, tokenizer, record, memories)
                     return record
 
                 _append(path, await asyncio.gather(*(one(r, d) for r, d in episodes)))
@@ -555,10 +557,11 @@ class LocomoEvaluator:
 
                 async def one(row: dict[str, Any], vector) -> dict[str, Any]:
                     record = _base_record(row, system.name, s.seed)
-                    hits = within_budget(stores[record["sample_id"]].search(vector, s.top_k), s.context_chars)
-                    record.update(self._retrieval_fields(record, hits))
+                    hits = stores[record["sample_id"]].search(vector, s.top_k)
+                    memories = within_budget([h.record for h in hits], s.context_chars)
+                    record.update(self._retrieval_fields(record, memories))
                     record.update(memory_setting="question-agnostic", memory_stats=stats[record["sample_id"]])
-                    await self.answer(client, tokenizer, record, [h.record for h in hits])
+                    await self.answer(client, tokenizer, record, memories)
                     return record
 
                 _append(path, await asyncio.gather(*(one(r, v) for r, v in zip(chunk, vectors, strict=True))))

@@ -26,6 +26,7 @@ import yaml
 
 from memupdate import metrics
 from memupdate.eval.stats import paired_by_key
+from memupdate.serving.decoding import GREEDY
 from memupdate.utils.io import read_text_utf8, write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -229,9 +230,7 @@ async def judge_predictions(
         if record.get("judge_model") == judge_name and record.get("judge_prompt") == prompt_sha:
             return
         messages = judge_messages(record["question"], record["answer"], prediction, prompts_dir=prompts_dir)
-        reply = await judge.chat(
-            messages, temperature=0.0, max_tokens=max_tokens, response_format=JUDGE_RESPONSE_FORMAT
-        )
+        reply = await judge.chat(messages, **GREEDY.request(max_tokens), response_format=JUDGE_RESPONSE_FORMAT)
         label = parse_judge(reply)
         record.update(
             judge=label,

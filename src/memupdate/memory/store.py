@@ -14,10 +14,13 @@
 [0]
 
 Evidence (the dialogue ids a memory rests on) is provenance, not something a writer may claim: a memory
-written in a trial gets it only from the memories it derives from. ``create`` gives none, ``update``
-keeps the original's, ``merge`` takes the union of its sources', ``split`` gives each part the source's;
-passing ``evidence`` in the metadata of any of them is refused. Otherwise the ``evidence_recall`` reward
-would pay for citing ids at random.
+written in a trial gets it only from the memories it derives from, and only where its text keeps theirs
+(:func:`keeps`: half of a source's content words). ``create`` gives none; ``update`` keeps the original's
+if the new text keeps the old; ``merge`` takes the evidence of each source whose text the merged text
+keeps; ``split`` gives a part the source's if the parts together keep the source and the part's words
+come from it. Passing ``evidence`` in the metadata of any of them is refused. Otherwise the
+``evidence_recall`` reward would pay for citing ids at random, or for a merge that keeps one source's text
+and throws the others' away while collecting their evidence.
 
 The model sees memories by their short integer ``id`` (``[3] prefers tea``). Sync methods never run the
 embedding model (they take vectors, so a caller can batch); the ``a``-prefixed methods embed text in a
@@ -192,6 +195,43 @@ class MemoryRecord:
         return dataclasses.replace(self, **changes)
 
 
+_WORD = re.compile(r"[^\W_]+")
+#: Words too common to show that one text keeps another's content.
+_STOPWORDS = frozenset(
+    "a an and are as at be been by did do for from had has have he her his i in is it its of on or our she so "
+    "that the their them they this to was we were with you".split()
+)
+#: Share of a source's content words a text must hold to keep that source (and so its evidence).
+KEEP_SHARE = 0.5
+
+
+def content_words(text: str) -> frozenset[str]:
+    """The words of ``text`` that carry its content: lower-cased, without the most common function words.
+
+    >>> sorted(content_words("Caroline went to the LGBTQ support group."))
+    ['caroline', 'group', 'lgbtq', 'support', 'went']
+    """
+    return frozenset(w for w in _WORD.findall(text.casefold()) if w not in _STOPWORDS)
+
+
+def keeps(source: str, text: str) -> bool:
+    """Whether ``text`` keeps ``source``'s content: at least :data:`KEEP_SHARE` of its content words.
+
+    Word overlap, not meaning: a faithful rewrite, a dated copy or a merge that holds a source's sentence
+    keeps it; a text that drops most of a source's words does not carry its facts to the reader, so it
+    does not carry its evidence either.
+
+    >>> keeps("Ann moved to Oslo in May.", "8 May, 2023: Ann moved to Oslo in May. Bo came too.")
+    True
+    >>> keeps("Ann moved to Oslo in May.", "Bo came too.")
+    False
+    """
+    words = content_words(source)
+    if not words:
+        return source.casefold().strip() in text.casefold()
+    return len(words & content_words(text)) >= KEEP_SHARE * len(words)
+
+
 def _writable_metadata(metadata: Mapping[str, Any] | None) -> Mapping[str, Any]:
     """``metadata`` of a trial write, checked: known keys, and no ``evidence`` (see the module docstring)."""
     metadata = _check_metadata_keys(metadata)
@@ -229,36 +269,6 @@ class Hit:
 
     def to_dict(self) -> dict[str, Any]:
         return {"score": self.score, **self.record.to_dict()}
-
-
-def within_budget(hits: Sequence[Hit], max_chars: int) -> list[Hit]:
-    """The leading ``hits`` (in rank order) whose contents fit in ``max_chars`` characters in total.
-
-    Whole memories are kept until the next one would overflow the budget, so a reader sees a fixed amount
-    of text however the store's memories are cut: one long memory cannot bring more text than several
-    short ones. The first hit is always kept, cut to ``max_chars`` if longer, so a non-empty store never
-    yields an empty context.
-
-    >>> hits = [Hit(i, 1.0, MemoryRecord(i, text)) for i, text in enumerate(["a" * 60, "b" * 30, "c" * 20])]
-    >>> [len(h.content) for h in within_budget(hits, 100)]
-    [60, 30]
-    >>> [len(h.content) for h in within_budget(hits, 50)]
-    [50]
-    """
-    if max_chars < 1:
-        raise ValueError(f"max_chars must be >= 1, got {max_chars}")
-    kept: list[Hit] = []
-    used = 0
-    for hit in hits:
-        size = len(hit.content)
-        if used + size > max_chars:
-            if not kept:
-                cut = dataclasses.replace(hit.record, content=hit.content[:max_chars])
-                kept.append(dataclasses.replace(hit, record=cut))
-            break
-        kept.append(hit)
-        used += size
-    return kept
 
 
 # ---------------------------------------------------------------------------------------------- filters
@@ -585,7 +595,8 @@ class TrialStore:
     ) -> MemoryRecord:
         """Replace the content and/or some metadata of a memory, keeping its id; returns the new record.
 
-        A new content needs its ``vector``. An update that restores a base memory exactly drops it from
+        The memory keeps its evidence if the new content keeps the old (:func:`keeps`), and gets its seed
+        evidence back with its seed text. A new content needs its ``vector``. An update that restores a base memory exactly drops it from
         the overlay.
         """
         current = self.get(memory_id)
@@ -593,6 +604,10 @@ class TrialStore:
             raise InvalidMemoryOperation("an update needs new content or metadata")
         _writable_metadata(metadata)
         record = current.with_changes(content, metadata)
+        if memory_id in self.base and record.content == self.base.get(memory_id).content:
+            record = dataclasses.replace(record, evidence=self.base.get(memory_id).evidence)
+        elif not keeps(current.content, record.content):
+            record = dataclasses.replace(record, evidence=())
         if record.content != current.content:
             vec = _as_vectors(vector, 1, self.base.dim)[0]
         else:
@@ -628,8 +643,9 @@ class TrialStore:
     ) -> int:
         """Replace several memories by one new memory; returns its id.
 
-        The new memory has the union of their evidence, and the speaker, session, date and type they
-        share (``None`` where they differ); ``metadata`` overrides any of these but the evidence.
+        The new memory has the evidence of each memory whose text ``content`` keeps (:func:`keeps`), and the
+        speaker, session, date and type they share (``None`` where they differ); ``metadata`` overrides any
+        of these but the evidence.
         """
         originals = self._check_merge(memory_ids)
 
@@ -637,7 +653,7 @@ class TrialStore:
             values = {getattr(r, key) for r in originals}
             return values.pop() if len(values) == 1 else None
 
-        evidence = tuple(dict.fromkeys(e for r in originals for e in r.evidence))
+        evidence = tuple(dict.fromkeys(e for r in originals if keeps(r.content, content) for e in r.evidence))
         defaults = {key: shared(key) for key in ("speaker", "session", "date", "type")}
         record = self._new_record(content, metadata, {**defaults, "evidence": evidence, "source": "agent"})
         vec = _as_vectors(vector, 1, self.base.dim)[0]
@@ -664,12 +680,22 @@ class TrialStore:
         vectors: np.ndarray,
     ) -> list[int]:
         """Replace one memory by several; each part keeps the original's metadata (``source="agent"``)
-        unless ``metadata`` overrides it (the evidence always stays the original's). Returns the new ids,
-        in the order of ``parts``."""
+        unless ``metadata`` overrides it. A part has the original's evidence if the parts together keep the
+        original's text and the part's own words come from it (:func:`keeps` both ways); the evidence is
+        never the writer's to set. Returns the new ids, in the order of ``parts``."""
         original = self._check_split(memory_id, parts)
         defaults = {**original.metadata, "source": "agent"}
+        kept = keeps(original.content, " ".join(parts))
         records = [
-            MemoryRecord(self._next_id + i, part, **{**defaults, **_writable_metadata(metadata)})
+            MemoryRecord(
+                self._next_id + i,
+                part,
+                **{
+                    **defaults,
+                    **_writable_metadata(metadata),
+                    "evidence": original.evidence if kept and keeps(part, original.content) else (),
+                },
+            )
             for i, part in enumerate(parts)
         ]
         vecs = _as_vectors(vectors, len(parts), self.base.dim)

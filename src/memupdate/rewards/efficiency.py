@@ -1,7 +1,13 @@
 """The memory-efficiency factor ``E`` of the MemoryUpdate reward, ``r = ΔS * E`` with ``ΔS = S(final) - S(initial)``.
 
-Upstream (Astera-org/memupdate ``memory_reward.py``) hard-coded the constants below. They are kept as
-defaults so results stay comparable, and every one is a field of :class:`EfficiencyConfig`.
+Upstream (Astera-org/memupdate ``memory_reward.py``) hard-coded the constants below. Every one is a field of
+:class:`EfficiencyConfig`, with upstream's value as its default except two.
+
+``E`` never amplifies: it is at most 1 (``max_factor`` and ``density_cap`` may not exceed 1; upstream's
+1.5 and 1.2). Upstream's density factor paid up to 1.2x a gain for memories longer than before, but S reads
+a fixed budget of the reader's text (:func:`memupdate.prompts.within_budget`), so longer memories bring the
+reader nothing more: above 1, ``E`` paid for length itself. ``E`` only discounts gains that bloat or churn
+the store.
 
 Upstream multiplied every ``ΔS`` by ``E``. With ``E`` in [0.1, 1.5], a harmful trajectory that also
 bloated the store (small ``E``) was then punished *less* than the same harm done compactly. Here ``E``
@@ -29,23 +35,28 @@ class EfficiencyConfig:
     max_total_memories: int | None = 100
     #: Lowest size factor (upstream 0.1).
     size_floor: float = 0.1
-    #: Highest density factor: longer memories than before are rewarded up to this (upstream 1.2).
-    density_cap: float = 1.2
+    #: Highest density factor, at most 1 (upstream 1.2 rewarded longer memories; see the module docstring).
+    density_cap: float = 1.0
     #: Slope of the change factor per relative change in count (upstream 0.5).
     change_slope: float = 0.5
     #: Lowest change factor (upstream 0.8).
     change_floor: float = 0.8
-    #: Final clamp of E (upstream [0.1, 1.5]).
+    #: Final clamp of E, within (0, 1] (upstream [0.1, 1.5]).
     min_factor: float = 0.1
-    max_factor: float = 1.5
+    max_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.apply_to not in APPLY_TO:
             raise ValueError(f"efficiency apply_to must be one of {list(APPLY_TO)}, got {self.apply_to!r}")
         if self.max_total_memories is not None and self.max_total_memories < 1:
             raise ValueError(f"max_total_memories must be >= 1 or null, got {self.max_total_memories}")
-        if not 0 < self.min_factor <= self.max_factor:
-            raise ValueError(f"need 0 < min_factor <= max_factor, got {self.min_factor}, {self.max_factor}")
+        if not 0 < self.min_factor <= self.max_factor <= 1:
+            raise ValueError(
+                f"need 0 < min_factor <= max_factor <= 1, got {self.min_factor}, {self.max_factor}: E discounts "
+                "a gain, never amplifies it (S reads a fixed text budget, so length earns the reader nothing)"
+            )
+        if not 0 < self.density_cap <= 1:
+            raise ValueError(f"density_cap must be in (0, 1], got {self.density_cap}: E never amplifies a gain")
 
 
 def efficiency_factor(

@@ -2,8 +2,10 @@
 
 ``S(M)`` is the QA score of the target question (and optionally of ``k`` other questions of the same
 conversation) answered from the top-k memories retrieved from store ``M``, cut to a fixed budget of
-``context_chars`` characters (:func:`~memupdate.memory.store.within_budget`): a store is scored on how
-much it helps within the same amount of text, so longer memories cannot buy a higher S. ``E`` is the
+``context_chars`` characters of the lines the reader is shown (:func:`memupdate.prompts.within_budget`, the
+one function the QA prompt uses too): a store is scored on how much it helps within the same amount of
+text, so longer memories cannot buy a higher S, and on exactly the text the reader reads, so a change the
+reader cannot see scores exactly 0. ``E`` is the
 efficiency factor (:mod:`memupdate.rewards.efficiency`); it scales gains only, unless
 ``efficiency.apply_to: always`` (upstream's product, under which bloating a store softened a
 penalty). The initial store is the conversation's base memories and
@@ -32,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from memupdate.memory.embedder import Embedder
-from memupdate.memory.store import BaseStore, Hit, TrialStore, within_budget
+from memupdate.memory.store import BaseStore, Hit, TrialStore
+from memupdate.prompts import memory_line, within_budget
 from memupdate.rewards.efficiency import EfficiencyConfig, apply_efficiency, efficiency_factor
 from memupdate.rewards.scorers import QAItem, Retrieved, Scorer
 from memupdate.settings import RewardSettings
@@ -40,9 +43,10 @@ from memupdate.settings import RewardSettings
 logger = logging.getLogger(__name__)
 
 
-#: Characters of retrieved memory text S is scored on: top_k (5) x 100. LoCoMo observations average 88
-#: characters (p90 120, longest 180); the initial top-5 of a question averages 413 characters and fits in
-#: 500 for 91% of the 1,986 answerable questions (answer_recall S: 0.444 within 500, 0.446 unlimited).
+#: Characters of the reader's context S is scored on (each memory as its rendered line, date included):
+#: top_k (5) x 130. A LoCoMo observation's line averages 116 characters (p90 148, longest 209); the
+#: initial top-5 of a question fits in 650 for 93% of the 1,542 answerable questions of the ten
+#: conversations (as 500 characters of content alone did for 91%).
 DEFAULT_CONTEXT_CHARS = RewardSettings.context_chars
 
 
@@ -83,13 +87,13 @@ def total_chars(store: TrialStore) -> int:
 def retrieve(
     store: TrialStore, query_vectors: np.ndarray, top_k: int, context_chars: int = DEFAULT_CONTEXT_CHARS
 ) -> list[list[Retrieved]]:
-    """Per question, what S reads of ``store``: its top-k memories within ``context_chars`` characters."""
-    return [[to_retrieved(h) for h in within_budget(store.search(v, top_k), context_chars)] for v in query_vectors]
+    """Per question, what S reads of ``store``: its top-k memories within the reader's budget."""
+    return [within_budget([to_retrieved(h) for h in store.search(v, top_k)], context_chars) for v in query_vectors]
 
 
 def context_sizes(retrieved: Sequence[Sequence[Retrieved]]) -> list[int]:
-    """Characters of retrieved memory text, per question."""
-    return [sum(len(r.content) for r in hits) for hits in retrieved]
+    """Characters of the reader's context (the memories' lines), per question."""
+    return [sum(len(memory_line(r)) for r in hits) for hits in retrieved]
 
 
 def written_lengths(store: TrialStore) -> dict[str, float]:

@@ -3,13 +3,18 @@
 Each scorer takes the questions and, per question, the memories retrieved for it, and returns one score
 in [0, 1] per question. Two are offline proxies, two ask served models:
 
-- ``answer_recall``: share of the gold answer's tokens found in the retrieved text (upstream's proxy,
-  now computed on the right stores; answer tokens the question itself contains are not counted, so
-  pasting the question into memory earns nothing; it can still be gamed by writing answer-like tokens
-  into memory);
+- ``answer_recall``: the F1 against the gold answer of the best unit the reader is shown (a memory's day
+  or one sentence of its content; upstream's proxy read the share of answer tokens anywhere in the text,
+  which paid for lists of candidate values; see :func:`answer_recall`); answer tokens the question
+  itself contains count neither way, so pasting the question into memory earns nothing;
 - ``evidence_recall``: share of the question's gold evidence dialogue ids covered by the evidence
-  metadata of the retrieved memories (cannot be gamed by text: a memory the agent writes carries only
-  the evidence of the memories it derives from; but it cannot see whether a rewrite kept their facts);
+  metadata of the retrieved memories. Evidence is provenance, never written: a memory the agent writes
+  carries the evidence of a memory it derives from only where its text keeps that memory's words
+  (:mod:`memupdate.memory.store`), so a merge that throws a source's text away loses its evidence.
+
+Both offline scorers read exactly what the QA prompt shows the reader: the memories within the reader's
+budget (:func:`memupdate.prompts.within_budget`), each as its rendered line, so a change the reader cannot
+see scores exactly 0.
 - ``reader``: a served QA model answers from the memories with a protocol's verbatim prompt
   (:mod:`memupdate.prompts`, Mem0's by default), scored with ``mem0_f1`` or ``locomo_f1``;
 - ``judge``: the reader's answer judged CORRECT or WRONG by a served judge model (Mem0's J, its
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +34,7 @@ from typing import Protocol
 
 from memupdate import metrics, prompts
 from memupdate.serving.client import OpenAIClient
+from memupdate.serving.decoding import GREEDY
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +67,31 @@ class Scorer(Protocol):
 
 
 def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "") -> float:
-    """Share of the answer's normalised tokens (SQuAD normalisation) present in the retrieved text.
+    """How well the reader can answer from its context: the best token F1 (SQuAD normalisation) against the
+    gold answer of one unit of what the QA prompt shows, a unit being a retrieved memory's day (its
+    date, as :func:`memupdate.prompts.memory_line` shows it, without a time of day) or one sentence of its
+    content (:func:`reader_units`).
 
-    Tokens of the ``question`` do not count: a memory that repeats the question would otherwise supply
-    them ("When did Melanie go camping in June?" gives away "June" of "The week before 27 June 2023").
-    An answer made only of question tokens scores 0 from any store.
+    Why F1 of a unit, not the share of answer tokens anywhere in the text (this scorer's rule before): the
+    LoCoMo prompt asks for "a short phrase ... with exact words from the context", and a reader can give
+    the answer only where the context states it. A sentence that states it scores high; the same tokens
+    scattered over the context, or one right value among many candidates, are no statement: a memory
+    listing the months, the days and the years holds every token of "7 May 2023" in one long sentence of
+    low precision, and so does a list of dates or names. Reading the date apart from the content makes the
+    order they are shown in irrelevant, and a memory's copy without its date, or with its date copied
+    into the text, brings the reader nothing new and scores nothing more.
 
-    >>> answer_recall("7 May 2023", [Retrieved("Caroline went on 7 May"), Retrieved("in 2023")])
-    1.0
-    >>> answer_recall("painting, running", [Retrieved("she likes running")])
-    0.5
+    Tokens of the ``question`` count neither way: a memory that repeats the question would otherwise supply
+    them ("When did Melanie go camping in June?" gives away "June" of "The week before 27 June 2023"),
+    and a sentence is not penalised for repeating the question's words around the answer. An answer made
+    only of question tokens scores 0 from any store.
+
+    >>> answer_recall("7 May 2023", [Retrieved("Caroline went to the group.", date="1:56 pm on 8 May, 2023")])
+    0.6666666666666666
+    >>> round(answer_recall("7 May 2023", [Retrieved("Caroline went on 7 May 2023.")], question="When did Caroline go?"), 2)
+    0.75
+    >>> round(answer_recall("7 May 2023", [Retrieved("April May June 1 2 3 4 5 6 7 8 9 10 2022 2023")]), 2)
+    0.33
     >>> answer_recall("27 June 2023", [Retrieved("camping in June")], question="Camping in June?")
     0.0
     """
@@ -80,8 +102,28 @@ def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "
     gold = [token for token in gold if token not in given]
     if not gold:
         return 0.0
-    seen = set(metrics.normalize_squad(" ".join(r.content for r in retrieved)).split())
-    return sum(token in seen for token in gold) / len(gold)
+    units = (unit for r in retrieved for unit in reader_units(r))
+    return max((metrics.token_f1(_tokens(unit, given), gold) for unit in units), default=0.0)
+
+
+#: A LoCoMo date_time's time of day ("1:56 pm on "): the reader reads the day after it.
+_TIME_OF_DAY = re.compile(r"^\s*\d{1,2}:\d{2}\s*[ap]\.?m\.?\s+on\s+", re.IGNORECASE)
+#: Where a sentence ends: ., ?, ! or ; followed by space.
+_SENTENCE_END = re.compile(r"(?<=[.?!;])\s+")
+
+
+def reader_units(memory: Retrieved) -> list[str]:
+    """The units a reader answers from in one memory's line: its day, then each sentence of its content.
+
+    >>> reader_units(Retrieved("Ann moved to Oslo. She likes it there!", date="1:56 pm on 8 May, 2023"))
+    ['8 May, 2023', 'Ann moved to Oslo.', 'She likes it there!']
+    """
+    day = [_TIME_OF_DAY.sub("", memory.date)] if memory.date else []
+    return day + [s for s in _SENTENCE_END.split(memory.content) if s.strip()]
+
+
+def _tokens(text: str, leave_out: set[str]) -> list[str]:
+    return [token for token in metrics.normalize_squad(text).split() if token not in leave_out]
 
 
 def evidence_recall(evidence: Sequence[str], retrieved: Sequence[Retrieved]) -> float:
@@ -144,7 +186,9 @@ class ReaderScorer:
         key = json.dumps(messages)
         pending = self._pending.get(key)
         if pending is None:
-            pending = asyncio.ensure_future(self.client.chat(messages, temperature=0.0, max_tokens=self.max_tokens))
+            # The QA role's decoder, as the QA phase and the evaluation ask it: S(initial) and S(final) are
+            # answers of one model only if every key is the same (memupdate.serving.decoding).
+            pending = asyncio.ensure_future(self.client.chat(messages, **GREEDY.request(self.max_tokens)))
             self._pending[key] = pending
             pending.add_done_callback(lambda _: self._pending.pop(key, None))
         # Shielded: one caller cancelled must not cancel the request the others wait for.
@@ -199,7 +243,7 @@ class JudgeScorer:
     async def _judge(self, item: QAItem, prediction: str) -> float:
         messages = prompts.judge_messages(item.question, item.answer, prediction, prompts_dir=self.prompts_dir)
         reply = await self.judge.chat(
-            messages, temperature=0.0, max_tokens=self.max_tokens, response_format=prompts.JUDGE_RESPONSE_FORMAT
+            messages, **GREEDY.request(self.max_tokens), response_format=prompts.JUDGE_RESPONSE_FORMAT
         )
         self.judged += 1
         label = prompts.parse_judge(reply)

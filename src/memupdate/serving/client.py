@@ -20,6 +20,8 @@ from urllib.parse import urlparse
 
 import aiohttp
 
+from memupdate.serving.decoding import SAMPLING_KEYS
+
 logger = logging.getLogger(__name__)
 
 
@@ -160,7 +162,20 @@ class OpenAIClient:
         raise EndpointError(f"POST {url} failed after {attempts} attempts; last error: {last_error}")
 
     async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> str:
-        """The assistant text for ``messages``; cached by (model, messages, sampling)."""
+        """The assistant text for ``messages``; cached by (model, messages, sampling).
+
+        ``sampling`` must state every one of :data:`~memupdate.serving.decoding.SAMPLING_KEYS` (extra
+        body fields such as ``response_format`` may follow): a key left out would be filled from the
+        served model's generation config, a decoder no other caller of the role asks for.
+        ``client.chat(messages, **GREEDY.request(32))`` is a fixed role's request.
+        """
+        missing = [key for key in SAMPLING_KEYS if sampling.get(key) is None]
+        if missing:
+            raise ValueError(
+                f"chat request to {self.endpoint.model} at {self.endpoint.base_url} leaves {missing} to the "
+                f"server's generation config; give every one of {list(SAMPLING_KEYS)}, e.g. "
+                "**memupdate.serving.decoding.GREEDY.request(max_tokens)"
+            )
         payload = {"model": self.endpoint.model, "messages": messages, **sampling}
         key = ResponseCache.key(self.endpoint.model, payload)
         cached = self.cache.get(key)

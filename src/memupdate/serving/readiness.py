@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from memupdate.serving.client import Endpoint, EndpointError
+from memupdate.serving.decoding import GREEDY
 from memupdate.utils.io import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def probe_models(base_url: str, served_model_name: str, timeout_s: float = 5.0) 
 
 def probe_completion(base_url: str, served_model_name: str, timeout_s: float = 30.0) -> None:
     """Send one 1-token completion; listing a model does not prove the engine can generate yet."""
-    payload = {"model": served_model_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    payload = {"model": served_model_name, "prompt": "Hello", **GREEDY.request(1)}
     data = _request_json(base_url.rstrip("/") + "/completions", payload, timeout_s)
     if not isinstance(data, dict) or not data.get("choices"):
         raise ServerNotReady(f"POST {base_url}/completions: no choices in {str(data)[:300]}")

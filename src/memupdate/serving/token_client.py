@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
+from memupdate.serving.decoding import VLLM_DEFAULTS
 from memupdate.serving.readiness import get_models
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,6 @@ logger = logging.getLogger(__name__)
 #: Sampling keys vLLM's /v1/completions accepts that are passed through unchanged when given.
 PASSTHROUGH_SAMPLING_KEYS = frozenset(
     {
-        "repetition_penalty",
         "presence_penalty",
         "frequency_penalty",
         "min_p",
@@ -46,8 +46,11 @@ class VLLMTokenClient:
     so what the trainer sees is exactly what was sampled. ``max_tokens`` caps every request; a smaller
     ``sampling_params["max_tokens"]`` wins; and, like verl's own vLLM server, a request never asks
     for more than the context has left (``max_model_len``, read once from ``/v1/models`` unless
-    given), because vLLM rejects that with HTTP 400. One aiohttp session per event loop (verl runs
-    one loop per worker; tests run one per ``asyncio.run``); timeouts and retries are the
+    given), because vLLM rejects that with HTTP 400. Every request states every sampling key
+    (:data:`~memupdate.serving.decoding.SAMPLING_KEYS`): one the sampling params leave out is vLLM's
+    ``SamplingParams`` default (:data:`~memupdate.serving.decoding.VLLM_DEFAULTS`, what verl's own
+    server would decode with), never the model's generation config. One aiohttp session per event loop
+    (verl runs one loop per worker; tests run one per ``asyncio.run``); timeouts and retries are the
     :class:`Endpoint`'s.
     """
 
@@ -123,6 +126,8 @@ class VLLMTokenClient:
         >>> p = c.build_payload([1, 2], {"temperature": 0, "max_tokens": 99, "logprobs": True})
         >>> p["prompt"], p["max_tokens"], p["logprobs"], p["return_token_ids"]
         ([1, 2], 8, 0, True)
+        >>> {k: p[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")}
+        {'temperature': 0.0, 'top_p': 1.0, 'top_k': -1, 'repetition_penalty': 1.0}
         >>> c.build_payload([1, 2], {}, max_model_len=5)["max_tokens"]
         3
         """
@@ -141,9 +146,11 @@ class VLLMTokenClient:
             "model": self.endpoint.model,
             "prompt": [int(t) for t in prompt_ids],
             "max_tokens": max(1, max_tokens),
-            "temperature": float(params.pop("temperature", 1.0)),
-            "top_p": float(params.pop("top_p", 1.0)),
-            "top_k": int(params.pop("top_k", -1) or -1),
+            "temperature": float(_take(params, "temperature")),
+            "top_p": float(_take(params, "top_p")),
+            # 0 means "no cut" as -1 does (verl's configs use both); older vLLM versions take only -1.
+            "top_k": int(_take(params, "top_k")) or -1,
+            "repetition_penalty": float(_take(params, "repetition_penalty")),
             "stop_token_ids": [int(t) for t in params.pop("stop_token_ids", None) or []],
             "return_token_ids": True,
             # 0 = the sampled token's own log-prob, no alternatives: what the policy loss needs.
@@ -217,6 +224,12 @@ class GenerationMeter:
                 self.seconds += time.perf_counter() - self._since
         self.generated_tokens += len(output.token_ids)
         return output
+
+
+def _take(params: dict[str, Any], key: str) -> Any:
+    """Pop a sampling key; absent or None is vLLM's ``SamplingParams`` default, never the server's."""
+    value = params.pop(key, None)
+    return getattr(VLLM_DEFAULTS, key) if value is None else value
 
 
 async def _close_at_loop_shutdown(client: OpenAIClient):
