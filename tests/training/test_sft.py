@@ -15,7 +15,10 @@ from transformers import AutoTokenizer
 
 from memupdate.data.ingestion import build_ingestion_rows
 from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
+from memupdate.memory.environment import DEFAULT_MAX_CONTENT_CHARS
+from memupdate.settings import RewardSettings
 from memupdate.training.demonstrations import DONE
+from memupdate.training.ingestion_expert import merge_chars
 from memupdate.training.memagent_expert import NOTHING_YET, covers
 from memupdate.training.sft import DEMONSTRATIONS, cold_start, cold_start_memagent
 from memupdate.training.verl_sft import ROWS_FILE
@@ -187,9 +190,11 @@ def ingest_sft(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
     return out / "run", rows, ckpt
 
 
-def test_ingestion_demonstrations_merge_what_belongs_together_and_pay(ingest_sft, locomo_conversations):
+def test_ingestion_demonstrations_merge_what_belongs_together(ingest_sft, locomo_conversations):
     """The ingestion expert searches with a new memory's text and merges the memories shown that cite one
-    question's evidence; it is never shown a question, and its merges raise the reward."""
+    question's evidence; it is never shown a question. Under the reward that pays for no trick (issue 34) its
+    merges do not raise the reward on these sessions (they sum to about -0.005): a merged memory is longer and
+    ranks lower; which demonstrations a cold start should keep is the experts' open half of that issue."""
     run_dir, rows, ckpt = ingest_sft
     prompts = {r["extra_info"]["session"]: r["prompt"][1]["content"] for r in pq.read_table(rows).to_pylist()}
     records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
@@ -204,10 +209,11 @@ def test_ingestion_demonstrations_merge_what_belongs_together_and_pay(ingest_sft
                 # The query is one of the session's new memories, as the prompt shows it.
                 assert call["arguments"]["query"] in prompts[record["session"]]
                 continue
-            # A merge of what the search just showed, in two memories' share of the reward's 500-character
-            # budget over 5 results (a search that shows too little is followed by the next search).
+            # A merge of what the search just showed, in two memories' share of the reader's budget over 5
+            # results (a search that shows too little is followed by the next search).
             assert call["name"] == MERGE_TOOL and before["name"] == SEARCH_TOOL
-            assert len(call["arguments"]["memory_ids"]) >= 2 and len(call["arguments"]["content"]) <= 200
+            cap = merge_chars(DEFAULT_MAX_CONTENT_CHARS, RewardSettings.top_k, RewardSettings.context_chars)
+            assert len(call["arguments"]["memory_ids"]) >= 2 and len(call["arguments"]["content"]) <= cap
         # The loop checks the turn limit first: a DONE on the last turn ends at max_assistant_turns.
         assert text.rstrip().endswith(DONE + "<|im_end|>")
         assert record["termination"] in ("done", "max_assistant_turns")
@@ -216,7 +222,7 @@ def test_ingestion_demonstrations_merge_what_belongs_together_and_pay(ingest_sft
             assert record["kept"] == (record["reward"] >= 0)
         if record.get("ops_merged"):
             merged.append(record["reward"])
-    assert merged and sum(merged) > 0, records
+    assert merged, records
     # No more episodes without an edit are trained on than episodes with one.
     kept = [r for r in records if r["kept"]]
     assert 0 < sum(not r.get("ops_merged") for r in kept) <= sum(bool(r.get("ops_merged")) for r in kept)
