@@ -138,6 +138,32 @@ def test_stage2_is_rewarded_by_its_answer_without_a_served_scorer(target, store_
         asyncio.run(qa.run_single(trajectory(target, {}, GOLD, stage="memory")))
 
 
+@pytest.mark.parametrize("scorer", ["answer_recall", "evidence_recall"])
+def test_a_batch_is_scored_as_its_trajectories_are_one_by_one(
+    scorer, target, store_paths, unchanged_delta, answering_delta
+):
+    """score_batch (the cold start's second scorer) builds each trajectory's request as run_single does."""
+    scored = manager({"scorer": scorer}, **store_paths)
+    deltas = [unchanged_delta, answering_delta]
+    batch = DataProto(
+        batch=None,
+        non_tensor_batch={
+            DELTA_KEY: np.array(deltas, dtype=object),
+            STAGE_KEY: np.array(["memory", "memory"], dtype=object),
+        },
+    )
+
+    async def both():
+        one_by_one = [await scored.run_single(trajectory(target, delta, None)) for delta in deltas]
+        return one_by_one, await scored.score_batch([target, target], batch)
+
+    one_by_one, batched = asyncio.run(both())
+    for out, result in zip(one_by_one, batched, strict=True):
+        assert result == {key: out["reward_extra_info"][key] for key in result}
+    assert batched[0]["score"] == 0.0  # no edit
+    assert batched[1]["memories_final"] == batched[1]["memories_initial"] + 1  # its delta was applied
+
+
 # ------------------------------------------------------------------ the settings' way to the manager
 
 

@@ -62,6 +62,24 @@ def test_the_expert_searches_with_a_new_memory_and_merges_what_cites_the_evidenc
     assert player.actions["r"] == [SEARCH_TOOL, MERGE_TOOL, DONE]
 
 
+def test_a_search_that_shows_one_memory_citing_the_evidence_is_no_reason_to_rewrite_it(session_rows, locomo_rows):
+    """One memory is never rewritten (its date metadata already dates it for the reader): the expert goes on
+    to its next target, here DONE, its turns spent."""
+    row = next(r for r in session_rows if r["extra_info"]["session"] == SESSION)
+    memories = read_memories(str(locomo_rows["memories"]))["conv-26"]
+    new_ids = [i for i, m in memories.items() if f"D{SESSION}:" in " ".join(m.evidence)]
+    query, evidence = merge_targets(row["extra_info"]["questions"], SESSION, new_ids, memories)[0]
+    transcript = row["prompt"][0]["content"] + "\n" + row["prompt"][1]["content"]
+    player = expert(session_rows, locomo_rows, turns=3)
+    assert call(player.reply("r", transcript))["name"] == SEARCH_TOOL
+    # The search shows the query's memory, which cites the evidence, and one that does not.
+    other = next(i for i, m in memories.items() if not m.evidence & evidence)
+    shown = "".join(f"[{i}] (session {SESSION}) {memories[i].content}\n" for i in (query, other))
+    transcript += "<tool_call>...</tool_call>" + shown
+    assert player.reply("r", transcript) == DONE
+    assert player.actions["r"] == [SEARCH_TOOL, DONE]
+
+
 def test_the_expert_stops_when_its_turns_leave_no_room_for_a_merge(session_rows, locomo_rows):
     row = next(r for r in session_rows if r["extra_info"]["session"] == SESSION)
     transcript = row["prompt"][1]["content"]

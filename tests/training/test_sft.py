@@ -17,7 +17,7 @@ from memupdate.data.ingestion import build_ingestion_rows
 from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 from memupdate.memory.environment import DEFAULT_MAX_CONTENT_CHARS
 from memupdate.settings import RewardSettings
-from memupdate.training.demonstrations import DONE
+from memupdate.training.demonstrations import DONE, MemoryExpert, expert_rows, read_memories
 from memupdate.training.ingestion_expert import merge_chars
 from memupdate.training.memagent_expert import NOTHING_YET, covers
 from memupdate.training.sft import DEMONSTRATIONS, cold_start, cold_start_memagent
@@ -67,22 +67,84 @@ def test_demonstrations_are_the_experts_program_in_the_loops_format(sft_run, tin
     records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
     assert len(records) == 8
     for record in records:
-        # Search with the question; merge or rewrite (dated) the memories shown that cite the evidence; stop.
+        # Search with the question; merge the memories shown that cite the evidence, if two or more; stop.
         text = record["policy_text"]
-        calls = [json.loads(c.split("</tool_call>")[0]) for c in text.split("<tool_call>\n")[1:]]
+        calls = calls_of(record)
         assert calls[0] == {"name": SEARCH_TOOL, "arguments": {"query": record["question"], "top_k": 5}}
-        assert [c["name"] for c in calls[1:]] in ([], [MERGE_TOOL], [MANAGE_TOOL])
+        assert [c["name"] for c in calls[1:]] in ([], [MERGE_TOOL])
         assert text.rstrip().endswith(DONE + "<|im_end|>")
         # Only the expert's own replies are trained: the tool's output (search results) never is.
         assert "Found " not in text and "Merged [" not in text
         assert record["termination"] == "done" and record["well_formed_call"]
-        assert record["kept"] == (record["reward"] >= 0)
-    assert any(r["tool_calls"] == 2 for r in records), records
+        assert record["edited"] == (len(calls) == 2)
     # The policy was shown the experiment's tools only, in compact form.
     tools = yaml.safe_load((run_dir / "tools.yaml").read_text())["tools"]
     assert [t["name"] for t in tools] == TOOLS["names"]
     environment = json.loads((run_dir / "memory_environment.json").read_text())
     assert environment["tools"] == TOOLS["names"] and environment["compact_schemas"] is True
+
+
+def calls_of(record):
+    """The tool calls of an episode's policy text, in order."""
+    return [json.loads(c.split("</tool_call>")[0]) for c in record["policy_text"].split("<tool_call>\n")[1:]]
+
+
+def test_kept_edits_raised_both_offline_scorers_and_no_single_memory_is_rewritten(sft_run, locomo_rows):
+    """The expert merges two or more memories that cite the question's evidence, never rewrites one alone,
+    and an edit is trained on only if it raised the reward under answer_recall and evidence_recall both;
+    stops (no edit, reward 0) are kept beside the kept edits, no more of them."""
+    run_dir, ckpt = sft_run
+    records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
+    rows = {r["question"]: r for r in pq.read_table(locomo_rows["train"]).column("extra_info").to_pylist()}
+    memories = read_memories(str(locomo_rows["memories"]))["conv-26"]
+    for record in records:
+        assert set(record["rewards"]) == {"answer_recall", "evidence_recall"}
+        assert record["reward"] == pytest.approx(record["rewards"]["answer_recall"])  # the training scorer
+        evidence = set(rows[record["question"]]["evidence"])
+        for call in calls_of(record)[1:]:
+            ids = call["arguments"]["memory_ids"]
+            assert len(ids) >= 2 and all(memories[i].evidence & evidence for i in ids), call
+        if record["edited"]:
+            assert record["kept"] == (min(record["rewards"].values()) > 0), record
+        else:
+            assert record["rewards"] == {"answer_recall": 0.0, "evidence_recall": 0.0}
+            assert record["kept"] != record.get("balanced_out", False)
+    assert_stops_balanced(records)
+    summary = json.loads((ckpt / "manifest.json").read_text())["metrics"]["demonstrations"]
+    kept_edits = sum(r["kept"] and r["edited"] for r in records)
+    assert summary["kept"] == sum(r["kept"] for r in records) and summary["kept_edits"] == kept_edits
+    assert min(summary["kept_reward_mean"].values()) >= 0 and (min(summary["kept_reward_mean"].values()) > 0) == (
+        kept_edits > 0
+    )
+
+
+def assert_stops_balanced(records):
+    """No more stops are trained on than kept edits; with no kept edit, every stop is (the format alone)."""
+    kept_edits = sum(r["kept"] and r["edited"] for r in records)
+    stops = [r for r in records if not r["edited"]]
+    if kept_edits:
+        assert 0 < sum(r["kept"] for r in stops) <= kept_edits
+    else:
+        assert stops and all(r["kept"] for r in stops), "no edit paid: every stop teaches the tool format"
+
+
+def test_one_memory_citing_the_evidence_is_left_as_it_is(locomo_rows):
+    """A search that shows a single memory citing the question's evidence ends the episode: rewriting it with
+    its date in front would tell the reader nothing its date metadata does not."""
+    table = pq.read_table(locomo_rows["train"]).to_pylist()
+    memories = read_memories(str(locomo_rows["memories"]))["conv-26"]
+
+    def citing(row):
+        return [i for i, m in memories.items() if m.evidence & set(row["extra_info"]["evidence"])]
+
+    row = next(r for r in table if len(citing(r)) == 1)
+    (single,) = citing(row)
+    expert = MemoryExpert(None, expert_rows(table), str(locomo_rows["memories"]), 300, 512, 5)
+    transcript = "\n".join(m["content"] for m in row["prompt"])
+    assert calls_of({"policy_text": expert.reply("r", transcript)})[0]["name"] == SEARCH_TOOL
+    shown = f"<tool_call>...</tool_call>Found 1:\n[{single}] {memories[single].content}\n"
+    assert expert.reply("r", transcript + shown) == DONE
+    assert expert.actions["r"] == [SEARCH_TOOL, DONE]
 
 
 def test_the_expert_needs_its_tools(tiny_model_dir, locomo_rows, cache_dir, tmp_path):
@@ -166,6 +228,8 @@ def test_verls_sft_trainer_fine_tunes_on_the_same_rows(tiny_model_dir, locomo_ro
 
 # ------------------------------------------------------------------------------------------- ingestion
 
+#: The longest text the ingestion expert merges into, with the reward's default budget.
+MERGE_CHARS = merge_chars(DEFAULT_MAX_CONTENT_CHARS, RewardSettings.top_k, RewardSettings.context_chars)
 #: An ingestion episode's lengths: a session's memories in the tiny vocabulary, two searches and merges.
 INGEST_STAGE = {**STAGE, "prompt_length": 6144, "response_length": 4096, "max_assistant_turns": 5}
 
@@ -212,20 +276,20 @@ def test_ingestion_demonstrations_merge_what_belongs_together(ingest_sft, locomo
             # A merge of what the search just showed, in two memories' share of the reader's budget over 5
             # results (a search that shows too little is followed by the next search).
             assert call["name"] == MERGE_TOOL and before["name"] == SEARCH_TOOL
-            cap = merge_chars(DEFAULT_MAX_CONTENT_CHARS, RewardSettings.top_k, RewardSettings.context_chars)
-            assert len(call["arguments"]["memory_ids"]) >= 2 and len(call["arguments"]["content"]) <= cap
+            assert len(call["arguments"]["memory_ids"]) >= 2 and len(call["arguments"]["content"]) <= MERGE_CHARS
         # The loop checks the turn limit first: a DONE on the last turn ends at max_assistant_turns.
         assert text.rstrip().endswith(DONE + "<|im_end|>")
         assert record["termination"] in ("done", "max_assistant_turns")
         assert not [q for q in questions if q in text or q in prompts[record["session"]]]
-        if not record.get("balanced_out"):
-            assert record["kept"] == (record["reward"] >= 0)
-        if record.get("ops_merged"):
+        # A merge is trained on only if both offline scorers paid for it; a stop changed nothing.
+        assert record["edited"] == bool(record.get("ops_merged"))
+        if record["edited"]:
+            assert record["kept"] == (min(record["rewards"].values()) > 0), record
             merged.append(record["reward"])
+        else:
+            assert record["rewards"] == {"answer_recall": 0.0, "evidence_recall": 0.0}
     assert merged, records
-    # No more episodes without an edit are trained on than episodes with one.
-    kept = [r for r in records if r["kept"]]
-    assert 0 < sum(not r.get("ops_merged") for r in kept) <= sum(bool(r.get("ops_merged")) for r in kept)
+    assert_stops_balanced(records)
     assert json.loads((ckpt / "manifest.json").read_text())["kind"] == "sft"
 
 

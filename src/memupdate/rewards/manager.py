@@ -6,6 +6,7 @@ category) and ``tool_extra_fields`` (the agent loop's ``extra_fields``: the stor
 answer). The reward is :func:`memupdate.rewards.memory.memory_reward` on base vs. base + delta for the
 memory role, and the answer's F1 for the QA role of two-stage training (``training_stage`` from the
 agent loop); all components become ``reward_extra_info`` (logged per sample by verl).
+:meth:`MemoryRewardManager.score_batch` scores a whole rollout's trajectories at once (one embedding call).
 
 Settings come from ``reward.custom_reward_function.reward_kwargs`` (verl's own key)::
 
@@ -36,7 +37,7 @@ import asyncio
 import dataclasses
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -266,14 +267,10 @@ class MemoryRewardManager(RewardManagerBase):
         row = data[-1]
         extra_info = row.non_tensor_batch["extra_info"]
         fields = row.non_tensor_batch.get("tool_extra_fields") or {}
-        delta = fields.get(DELTA_KEY)
-        if delta is None:
-            raise ValueError(
-                f"trajectory of {extra_info.get('namespace')!r} carries no '{DELTA_KEY}': run it with the "
-                "memupdate_agent loop (or any loop whose tools are memupdate's memory tools)"
-            )
         if is_ingestion_row(extra_info):
-            return await self._ingestion_reward(extra_info, fields, delta)
+            (result,) = await self.score([self.request(extra_info, fields)])
+            score = result["score"]
+            return {"reward_score": score, "reward_extra_info": {**result, "memory_reward": score, "score": score}}
         target = _item(extra_info)
         # Two-stage training: the memory role earns the memory reward, the QA role its answer's score.
         stage = fields.get(STAGE_KEY) or "memory"
@@ -285,6 +282,53 @@ class MemoryRewardManager(RewardManagerBase):
                     f"settings say training_stage {self.settings.get('training_stage')!r}, which asks no served scorer"
                 )
             return {"reward_score": answer, "reward_extra_info": {"answer_score": answer, "score": answer}}
+        (result,) = await self.score([self.request(extra_info, fields)])
+        score = {"memory": result["score"], "qa": answer, "joint": result["score"] + answer}[stage]
+        return {
+            "reward_score": score,
+            "reward_extra_info": {**result, "memory_reward": result["score"], "answer_score": answer, "score": score},
+        }
+
+    async def score_batch(self, extra_infos: Sequence[Mapping[str, Any]], batch: DataProto) -> list[dict[str, float]]:
+        """The memory reward's components of every trajectory of ``batch`` (one row each, the agent loop's
+        fields as columns, as the agent-loop worker returns them) whose rows' ``extra_info`` are
+        ``extra_infos`` (a worker that scores leaves them out of its output), as :meth:`run_single` scores
+        them one by one, but in one :meth:`score`: a second scorer's view of a scored rollout (the cold
+        start's demonstrations, :mod:`memupdate.training.sft`)."""
+        extra = batch.non_tensor_batch
+        columns = {key: extra[key] for key in (DELTA_KEY, STAGE_KEY, ANSWER_KEY) if key in extra}
+        if len(extra_infos) != len(batch):
+            raise ValueError(f"need one extra_info per row, got {len(extra_infos)} for {len(batch)} rows")
+        requests = [
+            self.request(info, {key: column[i] for key, column in columns.items()})
+            for i, info in enumerate(extra_infos)
+        ]
+        return await self.score(requests)
+
+    async def score(self, requests: list[RewardRequest]) -> list[dict[str, float]]:
+        """The memory reward of ``requests`` (:meth:`request`), with the scorer's clients open."""
+        await self._open_clients()
+        computer = await self.computer()
+        return await computer.compute(requests)
+
+    def request(self, extra_info: Mapping[str, Any], fields: Mapping[str, Any]) -> RewardRequest:
+        """What the memory reward scores of one finished trajectory: its row's ``extra_info`` and the agent
+        loop's ``fields`` (the store delta; the trained role and the QA phase's answer)."""
+        delta = fields.get(DELTA_KEY)
+        if delta is None:
+            raise ValueError(
+                f"trajectory of {extra_info.get('namespace')!r} carries no '{DELTA_KEY}': run it with the "
+                "memupdate_agent loop (or any loop whose tools are memupdate's memory tools)"
+            )
+        stage = fields.get(STAGE_KEY) or "memory"
+        if is_ingestion_row(extra_info):
+            return self._ingestion_request(extra_info, stage, delta)
+        if self.scorer is None:
+            raise ValueError(
+                f"trajectory of {extra_info.get('namespace')!r}: these reward settings compute no memory reward "
+                f"(training_stage {self.settings.get('training_stage')!r} with a served scorer)"
+            )
+        target = _item(extra_info)
         items = [target]
         if self.reward_config.other_questions:
             pool = self.pool.get(extra_info["sample_id"], [])
@@ -294,20 +338,12 @@ class MemoryRewardManager(RewardManagerBase):
         answers = None
         if stage == "memory" and self.scorer.name in SERVED_ROLES and fields.get(ANSWER_KEY) is not None:
             answers = [fields[ANSWER_KEY]] + [None] * (len(items) - 1)
-        await self._open_clients()
-        computer = await self.computer()
-        (result,) = await computer.compute([RewardRequest(extra_info["sample_id"], delta, items, answers)])
-        score = {"memory": result["score"], "qa": answer, "joint": result["score"] + answer}[stage]
-        return {
-            "reward_score": score,
-            "reward_extra_info": {**result, "memory_reward": result["score"], "answer_score": answer, "score": score},
-        }
+        return RewardRequest(extra_info["sample_id"], delta, items, answers)
 
-    async def _ingestion_reward(self, extra_info: Mapping[str, Any], fields: Mapping[str, Any], delta: Any) -> dict:
+    def _ingestion_request(self, extra_info: Mapping[str, Any], stage: str, delta: Any) -> RewardRequest:
         """A session's ingestion episode: S on the questions its row carries (their evidence lies in the
         sessions seen), final store against the ``ingestion_baseline`` store."""
         where = f"ingestion row {extra_info.get('namespace')!r}"
-        stage = fields.get(STAGE_KEY) or "memory"
         if stage != "memory" or self.scorer is None:
             raise ValueError(f"{where}: an ingestion episode trains the memory role only, not {stage!r}")
         session = int(extra_info["session"])
@@ -317,10 +353,4 @@ class MemoryRewardManager(RewardManagerBase):
         if not items:
             raise ValueError(f"{where} has no questions to score it on (its rows keep only sessions that have some)")
         initial = baseline_sessions(session, self.settings.get("ingestion_baseline") or "append")
-        await self._open_clients()
-        computer = await self.computer()
-        (result,) = await computer.compute(
-            [RewardRequest(extra_info["sample_id"], delta, items, initial_sessions=initial)]
-        )
-        score = result["score"]
-        return {"reward_score": score, "reward_extra_info": {**result, "memory_reward": score, "score": score}}
+        return RewardRequest(extra_info["sample_id"], delta, items, initial_sessions=initial)

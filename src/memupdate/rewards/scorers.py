@@ -4,7 +4,7 @@ Each scorer takes the questions and, per question, the memories retrieved for it
 in [0, 1] per question. Two are offline proxies, two ask served models:
 
 - ``answer_recall``: the F1 against the gold answer of the best unit the reader is shown (a memory's day
-  or one sentence of its content; upstream's proxy read the share of answer tokens anywhere in the text,
+  or its content; upstream's proxy read the share of answer tokens anywhere in the text,
   which paid for lists of candidate values; see :func:`answer_recall`); answer tokens the question
   itself contains count neither way, so pasting the question into memory earns nothing;
 - ``evidence_recall``: share of the question's gold evidence dialogue ids covered by the evidence
@@ -69,21 +69,23 @@ class Scorer(Protocol):
 def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "") -> float:
     """How well the reader can answer from its context: the best token F1 (SQuAD normalisation) against the
     gold answer of one unit of what the QA prompt shows, a unit being a retrieved memory's day (its
-    date, as :func:`memupdate.prompts.memory_line` shows it, without a time of day) or one sentence of its
-    content (:func:`reader_units`).
+    date, as :func:`memupdate.prompts.memory_line` shows it, without a time of day) or its content
+    (:func:`reader_units`).
 
     Why F1 of a unit, not the share of answer tokens anywhere in the text (this scorer's rule before): the
     LoCoMo prompt asks for "a short phrase ... with exact words from the context", and a reader can give
-    the answer only where the context states it. A sentence that states it scores high; the same tokens
+    the answer only where a memory states it. A memory that states it scores high; the same tokens
     scattered over the context, or one right value among many candidates, are no statement: a memory
-    listing the months, the days and the years holds every token of "7 May 2023" in one long sentence of
-    low precision, and so does a list of dates or names. Reading the date apart from the content makes the
+    listing the months, the days and the years holds every token of "7 May 2023" in one long text of low
+    precision, and so does a list of dates or names. Reading the date apart from the content makes the
     order they are shown in irrelevant, and a memory's copy without its date, or with its date copied
-    into the text, brings the reader nothing new and scores nothing more.
+    into the text, brings the reader nothing new and scores nothing more. The content is one unit whatever
+    its punctuation: units the writer could cut with full stops ("Adoption. Agencies.") would pay for
+    punctuation.
 
     Tokens of the ``question`` count neither way: a memory that repeats the question would otherwise supply
     them ("When did Melanie go camping in June?" gives away "June" of "The week before 27 June 2023"),
-    and a sentence is not penalised for repeating the question's words around the answer. An answer made
+    and a memory is not penalised for repeating the question's words around the answer. An answer made
     only of question tokens scores 0 from any store.
 
     >>> answer_recall("7 May 2023", [Retrieved("Caroline went to the group.", date="1:56 pm on 8 May, 2023")])
@@ -92,6 +94,8 @@ def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "
     0.75
     >>> round(answer_recall("7 May 2023", [Retrieved("April May June 1 2 3 4 5 6 7 8 9 10 2022 2023")]), 2)
     0.33
+    >>> answer_recall("Adoption agencies", [Retrieved("She researched. Adoption. Agencies. For years.")])
+    0.5
     >>> answer_recall("27 June 2023", [Retrieved("camping in June")], question="Camping in June?")
     0.0
     """
@@ -108,18 +112,13 @@ def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "
 
 #: A LoCoMo date_time's time of day ("1:56 pm on "): the reader reads the day after it.
 _TIME_OF_DAY = re.compile(r"^\s*\d{1,2}:\d{2}\s*[ap]\.?m\.?\s+on\s+", re.IGNORECASE)
-#: Where a sentence ends: ., ?, ! or ; followed by space.
-_SENTENCE_END = re.compile(r"(?<=[.?!;])\s+")
-
-
 def reader_units(memory: Retrieved) -> list[str]:
-    """The units a reader answers from in one memory's line: its day, then each sentence of its content.
+    """The units a reader answers from in one memory's line: its day, then its content.
 
     >>> reader_units(Retrieved("Ann moved to Oslo. She likes it there!", date="1:56 pm on 8 May, 2023"))
-    ['8 May, 2023', 'Ann moved to Oslo.', 'She likes it there!']
+    ['8 May, 2023', 'Ann moved to Oslo. She likes it there!']
     """
-    day = [_TIME_OF_DAY.sub("", memory.date)] if memory.date else []
-    return day + [s for s in _SENTENCE_END.split(memory.content) if s.strip()]
+    return ([_TIME_OF_DAY.sub("", memory.date)] if memory.date else []) + [memory.content]
 
 
 def _tokens(text: str, leave_out: set[str]) -> list[str]:

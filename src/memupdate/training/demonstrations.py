@@ -7,20 +7,30 @@ made by :class:`MemoryExpert`, a scripted policy with one privileged input: LoCo
 dialogue turns answer a question) and the seed memories that cite them. Its program, per question:
 
 1. ``search_memory`` with the question as the query (``top_k`` from the experiment's ``sft.search_top_k``);
-2. the memories shown that cite the question's evidence are made self-contained and dated, the system
-   prompt's "correct, specific, dated": two or more are merged (``merge_memory``, in the order shown, as
-   many as fit in ``max_content_chars``) into one memory holding each one's text after its date; a single
-   one is rewritten (``manage_memory`` update) with its date in front. The date comes from the memory's
-   metadata, which the search result shows, and answers "when" questions that a text without it cannot;
-   one merged memory also holds what the question needs within the reward's retrieval budget;
-3. reply ``DONE`` (the system prompt's way to stop), also straight after the search when no memory shown
-   cites the evidence.
+2. when two or more of the memories shown cite the question's evidence, ``merge_memory`` (in the order
+   shown, as many as fit in ``max_content_chars``) into one memory holding each one's text after its date:
+   a merged memory keeps its sources' date metadata only when they share it, so a memory spanning sessions
+   carries its dates in its text; one merged memory also holds what the question needs within the reward's
+   retrieval budget. A single memory is left as it is: rewritten with its date in front it would tell the
+   reader nothing new (``update`` keeps the date metadata, which the reader is shown), a trick only the
+   offline ``answer_recall`` scorer paid for;
+3. reply ``DONE`` (the system prompt's way to stop), also straight after the search when fewer than two
+   memories shown cite the evidence.
 
-It never writes the gold answer into memory and only uses ids it was shown, so a policy can learn every
-step from what it sees. It reads its transcript as a policy does (the question from the prompt, the ids
-from the search result) and is served to verl's ``AgentLoopWorker`` like any model (verl's ``generate``),
-so the episodes' token ids, response masks (tool outputs and prompts masked) and rewards are exactly
-those of a GRPO rollout. Episodes whose reward is negative are dropped (:func:`keep_episode`).
+It never writes the gold answer into memory and names only ids the search showed, but *which* memories it
+merges, and whether it merges at all, it decides by evidence ids the policy never sees: the policy cannot
+learn every step from what it sees. What it can learn is the format and the program's shape (search, merge
+what belongs together, stop). The expert reads its transcript as a policy does (the question from the
+prompt, the ids from the search result) and is served to verl's ``AgentLoopWorker`` like any model (verl's
+``generate``), so the episodes' token ids, response masks (tool outputs and prompts masked) and rewards are
+exactly those of a GRPO rollout.
+
+An episode that edits is trained on only if it raises the reward under both offline scorers
+(:func:`keep_episode`): ``answer_recall`` can be paid with answer-like tokens and ``evidence_recall`` cannot
+tell whether a text kept its sources' facts, so a kept edit brings both the answer's words and its evidence
+into what the reader is shown. An episode that stops without an edit teaches when not to edit (its store is
+the one it started from, so every scorer gives it exactly 0; an ingestion episode, against the ``append``
+baseline); :func:`balance_edits` keeps no more of those than kept edits.
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ from typing import Any
 import pyarrow.parquet as pq
 from verl.workers.rollout.replica import TokenOutput
 
-from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
+from memupdate.data.rows import MERGE_TOOL, SEARCH_TOOL
+from memupdate.rollout.episodes import COMPONENTS
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +95,17 @@ def edit_plan(
     shown: Iterable[int], evidence: Iterable[str], memories: Mapping[int, Memory], max_chars: int
 ) -> tuple[str, dict[str, Any]] | None:
     """The expert's edit, as a tool name and its arguments, or None: the memories among ``shown`` that cite
-    the question's ``evidence`` (in the order shown, as many as fit in ``max_chars`` once dated and joined),
-    merged if two or more, else the one rewritten dated; None when there is nothing to improve.
+    the question's ``evidence`` (in the order shown, as many as fit in ``max_chars`` once dated and joined)
+    merged, each text after its date; None when fewer than two are found. A single memory is never
+    rewritten: its date metadata, which the reader is shown, already dates it (module docstring).
 
     >>> mems = {1: Memory("Ann moved to Oslo.", frozenset({"D1:2"}), "8 May, 2023"),
     ...         2: Memory("Ann loves tea.", frozenset()), 3: Memory("Bo came too.", frozenset({"D1:3"}))}
     >>> edit_plan([2, 3, 1], ["D1:2", "D1:3"], mems, 300)
     ('merge_memory', {'memory_ids': [3, 1], 'content': 'Bo came too. 8 May, 2023: Ann moved to Oslo.'})
-    >>> edit_plan([2, 1], ["D1:2"], mems, 300)
-    ('manage_memory', {'operation': 'update', 'memory_id': 1, 'content': '8 May, 2023: Ann moved to Oslo.'})
-    >>> edit_plan([2, 3], ["D1:3"], mems, 300) is None  # already as good as the expert makes it
+    >>> edit_plan([2, 1], ["D1:2"], mems, 300) is None  # one memory: left as it is, undated text and all
+    True
+    >>> edit_plan([2, 3, 1], ["D1:2", "D1:3"], mems, 30) is None  # only one fits in 30 characters
     True
     """
     wanted = set(evidence)
@@ -106,11 +118,9 @@ def edit_plan(
             continue
         ids.append(memory_id)
         texts.append(memory.dated())
-    if len(ids) >= 2:
-        return MERGE_TOOL, {"memory_ids": ids, "content": " ".join(texts)}
-    if len(ids) == 1 and texts[0] != memories[ids[0]].content:
-        return MANAGE_TOOL, {"operation": "update", "memory_id": ids[0], "content": texts[0]}
-    return None
+    if len(ids) < 2:
+        return None
+    return MERGE_TOOL, {"memory_ids": ids, "content": " ".join(texts)}
 
 
 def read_memories(path: str) -> dict[str, dict[int, Memory]]:
@@ -238,11 +248,58 @@ def expert_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def keep_episode(reward: float) -> bool:
-    """Demonstrations teach the format and a safe program, never a harmful edit: an episode that lowered
-    the reward's QA score is dropped.
+def keep_episode(rewards: Mapping[str, float], edited: bool) -> bool:
+    """Whether an episode is trained on, from its reward under each offline scorer (``rewards``) and whether it
+    ``edited`` the store (:func:`edits`): an edit only if it raised every one of them (module docstring);
+    an episode without an edit always, for :func:`balance_edits` to weigh against the kept edits.
 
-    >>> [keep_episode(r) for r in (0.0, 0.5, -0.25)]
-    [True, True, False]
+    >>> both = {"answer_recall": 0.5, "evidence_recall": 0.25}
+    >>> keep_episode(both, True), keep_episode({**both, "evidence_recall": 0.0}, True)
+    (True, False)
+    >>> keep_episode({"answer_recall": 0.0, "evidence_recall": 0.0}, False)
+    True
     """
-    return reward >= 0.0
+    return not edited or all(reward > 0 for reward in rewards.values())
+
+
+def edits(record: Mapping[str, Any]) -> bool:
+    """Whether an episode's record (:func:`memupdate.rollout.episodes.episode_records`) shows an edit: any of
+    the reward's operation counts (``ops_created``, ``ops_merged``, ...) above 0.
+
+    >>> edits({"ops_created": 0.0, "ops_merged": 1.0}), edits({"ops_created": 0.0})
+    (True, False)
+    """
+    return any(record.get(key, 0) > 0 for key in COMPONENTS if key.startswith("ops_"))
+
+
+def balance_edits(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Keep at most as many kept episodes that edit nothing as kept episodes that edit, the first in row
+    order: most episodes end without an edit (nothing to merge, or the search did not show it), and kept
+    all they would teach the policy to stop without editing. The others are marked ``kept: False``,
+    ``balanced_out: True``, in place; returns ``records``.
+
+    When no edit is kept at all, every stop is kept: the cold start then teaches the tool format alone (a
+    search, read, and a stop), which is what an untrained model lacks, and no edit the reward does not pay.
+
+    >>> rs = [{"kept": True, "ops_merged": 0}, {"kept": True, "ops_merged": 1}, {"kept": True, "ops_merged": 0}]
+    >>> [r["kept"] for r in balance_edits(rs)]
+    [True, True, False]
+    >>> [r["kept"] for r in balance_edits([{"kept": True, "ops_merged": 0}, {"kept": False, "ops_merged": 1}])]
+    [True, False]
+    """
+    room = sum(r["kept"] and edits(r) for r in records)
+    if room == 0:
+        stops = sum(r["kept"] for r in records)
+        logger.warning(
+            "no edit raised the reward under every offline scorer: the cold start keeps the %d episodes that "
+            "search and stop, and teaches the tool format only",
+            stops,
+        )
+        return records
+    for record in records:
+        if record["kept"] and not edits(record):
+            if room == 0:
+                record.update(kept=False, balanced_out=True)
+            else:
+                room -= 1
+    return records

@@ -2,9 +2,11 @@
 session's new memories into the store, on the *train* conversations.
 
 An untrained small model never calls a tool in an ingestion episode either, so GRPO has nothing to learn
-from. The expert shows it one program that the reward pays for and that the policy can learn from what it
-sees. Its one privileged input is LoCoMo's evidence ids of the questions the session's reward is scored
-on (``extra_info.questions``, which no prompt contains): they say which memories belong together. Per
+from. The expert shows it one program and its tool format. Its one privileged input is LoCoMo's
+evidence ids of the questions the session's reward is scored on (``extra_info.questions``, which no prompt
+contains): they say which memories belong together, hence which new memory to search with and what to
+merge. The policy never sees them, so it cannot learn every step from what it sees; what it can learn is
+the format and the program's shape (search with a new memory, merge what belongs together, stop). Per
 session:
 
 1. for each question whose evidence lies partly in the new session and is cited by two or more memories
@@ -14,20 +16,22 @@ session:
    (:func:`memupdate.training.demonstrations.edit_plan`; a merged memory spanning sessions has no date of
    its own, so the texts carry them), as many as fit in two memories' share of the reward's retrieval
    budget (:func:`merge_chars`): the reader then finds what a question about several sessions needs in one
-   memory, and the merged memory does not crowd others out of the budget (measured on our split's 156
-   train sessions with SmolLM2's tokenizer: at the tool's 300 characters, 14 of the 32 merging episodes
+   memory, and the merged memory does not crowd others out of the budget (measured under the previous
+   reward on our split's 156 train sessions: at the tool's 300 characters, 14 of the 32 merging episodes
    lowered answer_recall; at 200, 5 of 19);
 3. ``DONE`` when no target is left or the episode's turns would run out.
-
-Most sessions end without a merge (nothing to merge, or the search did not show it): kept all, they would
-teach the policy to stop without editing. :func:`balance_edits` keeps as many of them as there are kept
-episodes that edit, the first in row order, so the cold start teaches both the edit and when not to make
-one.
 
 A search that shows fewer than two of them is followed by the next target's search (a single memory is
 not rewritten: the reader already sees its date). The expert writes nothing but the memories' own texts
 and dates, shows the policy no question, and reads its transcript as the policy does (the session from the
-prompt, the ids from the search result). Episodes that lower the reward are dropped (:func:`memupdate.training.demonstrations.keep_episode`).
+prompt, the ids from the search result).
+
+The demonstrations are kept as the question expert's are (:mod:`memupdate.training.demonstrations`): an
+episode that merges only if it raises the reward under both offline scorers
+(:func:`~memupdate.training.demonstrations.keep_episode`), and, as most sessions end without a merge
+(nothing to merge, or the search did not show it), no more episodes without an edit than kept merges
+(:func:`~memupdate.training.demonstrations.balance_edits`), so the cold start teaches both the edit and
+when not to make one.
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ from typing import Any
 
 from memupdate.data.locomo import evidence_session
 from memupdate.data.rows import MERGE_TOOL, SEARCH_TOOL
-from memupdate.rollout.episodes import COMPONENTS
 from memupdate.training.demonstrations import DONE, Memory, ScriptedExpert, edit_plan, tool_call
 
 _SESSION = re.compile(r"Conversation between (.+?) and (.+?)\. Session (\d+) \(")
@@ -84,29 +87,6 @@ def merge_chars(max_content_chars: int, top_k: int, context_chars: int) -> int:
     200
     """
     return min(max_content_chars, 2 * context_chars // top_k)
-
-
-def balance_edits(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Keep at most as many kept episodes that edit nothing as kept episodes that edit (module docstring):
-    the others are marked ``kept: False``, ``balanced_out: True``, in place; returns ``records``.
-
-    >>> rs = [{"kept": True, "ops_merged": 0}, {"kept": True, "ops_merged": 1}, {"kept": True, "ops_merged": 0}]
-    >>> [r["kept"] for r in balance_edits(rs)]
-    [True, True, False]
-    """
-    room = sum(r["kept"] and _edits(r) for r in records)
-    for record in records:
-        if record["kept"] and not _edits(record):
-            if room == 0:
-                record.update(kept=False, balanced_out=True)
-            else:
-                room -= 1
-    return records
-
-
-def _edits(record: Mapping[str, Any]) -> bool:
-    # The episode record's operation counts (rollout.episodes.COMPONENTS: ops_created, ops_merged, ...).
-    return any(record.get(key, 0) > 0 for key in COMPONENTS if key.startswith("ops_"))
 
 
 @dataclass
@@ -157,7 +137,7 @@ class IngestionExpert(ScriptedExpert):
             alive = {i: m for i, m in memories.items() if i not in episode.merged}
             plan = edit_plan(shown, episode.searching, alive, self.max_content_chars)
             episode.searching = None
-            if plan is not None and plan[0] == MERGE_TOOL:
+            if plan is not None:
                 episode.merged.update(plan[1]["memory_ids"])
                 reply, action = tool_call(*plan), MERGE_TOOL
         # A search needs two more replies (its merge, then DONE); the last turn is kept for DONE.

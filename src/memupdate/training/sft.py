@@ -5,16 +5,21 @@
 experiment's session rows; MemAgent: :mod:`memupdate.training.memagent_expert`) through the
 in-process agent loop worker on the train rows, so each demonstration is a GRPO rollout's rows (MemAgent:
 one per turn): prompt, response, ``response_mask`` (1 on the policy's own tokens; tool outputs and the
-prompt 0) and the reward the RL run would give it. :func:`train_sft` keeps the episodes the expert's rule
-accepts (:func:`keep_episode`; MemAgent: :func:`~memupdate.training.memagent_expert.covers`) and
-minimises the token-mean negative log-likelihood of the masked response tokens, with AdamW: in this process
-(backend local), or with verl's SFT trainer on the node's GPUs (backend verl: :mod:`memupdate.training.verl_sft`,
-the same rows and loss).
+prompt 0) and the reward the RL run would give it. The MemoryUpdate experts choose what to merge by LoCoMo
+evidence ids the policy never sees, so the demonstrations teach the format and the program's shape
+(search, merge what belongs together, stop), not every choice. A MemoryUpdate episode is also scored under
+the other offline scorer (:data:`OFFLINE_SCORERS`). :func:`train_sft` keeps the episodes the expert's rule
+accepts (MemoryUpdate: :func:`~memupdate.training.demonstrations.keep_episode`, an edit only if it raised
+the reward under both offline scorers, and no more episodes without an edit than kept edits,
+:func:`~memupdate.training.demonstrations.balance_edits`; MemAgent:
+:func:`~memupdate.training.memagent_expert.covers`) and minimises the token-mean negative log-likelihood of
+the masked response tokens, with AdamW: in this process (backend local), or with verl's SFT trainer on the
+node's GPUs (backend verl: :mod:`memupdate.training.verl_sft`, the same rows and loss).
 
 A run writes ``<run>/demonstrations.jsonl`` (one record per episode: question, reward, kept, the
-policy's text), ``<run>/metrics.jsonl`` (loss per optimiser step), ``<run>/resolved_config.json`` and
-``<run>/ckpt`` in the layout every trainer writes (``manifest.json`` with ``kind: sft``), which stage 1
-then starts from.
+policy's text; MemoryUpdate's also each offline scorer's reward, ``rewards``, and whether it ``edited``),
+``<run>/metrics.jsonl`` (loss per optimiser step), ``<run>/resolved_config.json`` and ``<run>/ckpt`` in the
+layout every trainer writes (``manifest.json`` with ``kind: sft``), which stage 1 then starts from.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl import DataProto
@@ -44,6 +50,7 @@ from memupdate.agents.fields import MEMAGENT_REWARD
 from memupdate.data.ingestion import is_ingestion_row
 from memupdate.data.rows import MEMAGENT_AGENT
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
+from memupdate.rewards.manager import MemoryRewardManager, reward_settings
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import episode_records
 from memupdate.rollout.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, in_process_workers
@@ -57,8 +64,8 @@ from memupdate.settings import (
     build,
 )
 from memupdate.tools.config import TOOL_CONFIG
-from memupdate.training.demonstrations import MemoryExpert, expert_rows, keep_episode
-from memupdate.training.ingestion_expert import IngestionExpert, balance_edits, merge_chars
+from memupdate.training.demonstrations import MemoryExpert, balance_edits, edits, expert_rows, keep_episode
+from memupdate.training.ingestion_expert import IngestionExpert, merge_chars
 from memupdate.training.local import response_log_probs
 from memupdate.training.memagent_expert import NOTHING_YET, MemAgentExpert, covers
 from memupdate.training.tracking import run_info, run_record, write_run_info
@@ -125,15 +132,52 @@ def _expert(cfg: SFTConfig, tokenizer: Any) -> Any:
     )
 
 
-def _records(batch: DataProto, prompts: DataProto, tokenizer: Any, expert: Any) -> list[dict[str, Any]]:
-    """A record per episode of ``batch``, in prompt order, with whether it is kept."""
+def _offline_scorers(config: Any, tokenizer: Any) -> tuple[str, dict[str, MemoryRewardManager]]:
+    """The rollout's own scorer (verl's ``config``) and its memory reward under each other offline scorer
+    (:data:`OFFLINE_SCORERS`; its settings otherwise), to score the demonstrations' store deltas again."""
+    settings = reward_settings(config)
+    own = settings.get("scorer") or "answer_recall"  # the reward manager's default
+    if own not in OFFLINE_SCORERS:
+        raise ValueError(
+            f"the demonstrations are scored by the offline scorers {', '.join(OFFLINE_SCORERS)} (the cold start "
+            f"runs before any model is served), but the rollout's reward scores with {own!r}"
+        )
+    others = {}
+    for name in OFFLINE_SCORERS:
+        if name != own:
+            kwargs = {**settings, "scorer": name}
+            others[name] = MemoryRewardManager(
+                OmegaConf.create({"reward": {"custom_reward_function": {"reward_kwargs": kwargs}}}), tokenizer
+            )
+    return own, others
+
+
+async def _records(
+    batch: DataProto,
+    prompts: DataProto,
+    tokenizer: Any,
+    expert: Any,
+    scorer: str | None,
+    others: Mapping[str, MemoryRewardManager],
+) -> list[dict[str, Any]]:
+    """A record per episode of ``batch``, in prompt order, with whether it is kept. A MemoryUpdate episode's
+    ``reward`` is the rollout's (its ``scorer``'s), and its ``rewards`` are that one and each of ``others``'
+    (one batch per scorer); ``edited`` says whether it changed the store. Episodes without an edit are
+    balanced against kept edits afterwards, over all batches (:func:`balance_edits`)."""
     trajectories = batch.non_tensor_batch[TRAJECTORY_KEY].astype(int)
     final = np.flatnonzero(batch.non_tensor_batch[FINAL_MASK_KEY].astype(bool))
     if trajectories[final].tolist() != list(range(len(prompts))):
         # SFTTrainer.train indexes the episodes' kept flags by each row's trajectory.
         raise RuntimeError(f"expected one episode per prompt in prompt order, got trajectories {trajectories[final]}")
     if not isinstance(expert, MemAgentExpert):
-        return [{**r, "kept": keep_episode(r["reward"])} for r in episode_records(batch, prompts, tokenizer)]
+        records = episode_records(batch, prompts, tokenizer)
+        infos = prompts.non_tensor_batch["extra_info"][trajectories[final]]
+        rescored = {name: await manager.score_batch(infos, batch[final]) for name, manager in others.items()}
+        for i, record in enumerate(records):
+            rewards = {scorer: record["reward"], **{name: results[i]["score"] for name, results in rescored.items()}}
+            edited = edits(record)
+            record.update(rewards=rewards, edited=edited, kept=keep_episode(rewards, edited))
+        return records
     records = []
     for i in final:
         info = prompts.non_tensor_batch["extra_info"][trajectories[i]]
@@ -159,6 +203,8 @@ async def make_demonstrations(cfg: SFTConfig, tokenizer: Any) -> tuple[DataProto
     config = run_config(rollout)
     dataset = RLHFDataset(rollout.train_files, tokenizer, config.data, max_samples=cfg.max_rows or -1)
     expert = _expert(cfg, tokenizer)
+    memagent = isinstance(expert, MemAgentExpert)
+    scorer, others = (None, {}) if memagent else _offline_scorers(config, tokenizer)
     worker = in_process_workers(config, expert, loop_context=LoopContext("sft"))
     parts, records, episodes = [], [], []
     with tqdm(total=len(dataset), desc="demonstrations", unit="episode", disable=None) as bar:
@@ -171,9 +217,9 @@ async def make_demonstrations(cfg: SFTConfig, tokenizer: Any) -> tuple[DataProto
             parts.append(batch)
             # The worker keeps a trajectory's rows together and trajectories in prompt order (n = 1).
             episodes.append(start + batch.non_tensor_batch[TRAJECTORY_KEY].astype(int))
-            records.extend(_records(batch, prompts, tokenizer, expert))
+            records.extend(await _records(batch, prompts, tokenizer, expert, scorer, others))
             bar.update(len(indices))
-    if isinstance(expert, IngestionExpert):
+    if not memagent:
         balance_edits(records)
     return DataProto.concat(parts), records, np.concatenate(episodes)
 
@@ -204,7 +250,10 @@ class SFTTrainer:
         summary = demonstration_summary(records, time.perf_counter() - start)
         logger.info("demonstrations: %s", json.dumps(summary))
         if not kept.any():
-            raise RuntimeError(f"no demonstration was kept (every episode lowered the reward); see {DEMONSTRATIONS}")
+            raise RuntimeError(
+                f"no demonstration was kept (no edit raised the reward under every offline scorer, and no episode "
+                f"stopped without an edit); see {DEMONSTRATIONS}"
+            )
         data = batch[np.flatnonzero(kept)]
         if self.cfg.backend == "verl":
             from memupdate.training.verl_sft import run_verl_sft
@@ -295,23 +344,36 @@ class SFTTrainer:
 
 
 def demonstration_summary(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
-    """Counts the SFT run reports: episodes, kept, how many merged, the kept episodes' mean reward.
+    """What the SFT run reports of its demonstrations: how many episodes there are, edit, and are kept
+    (``kept_edits``; ``kept_stops``: kept without an edit), ``dropped`` for their reward and
+    ``balanced_out`` (:func:`balance_edits`); per scorer, how many edits raised its reward and the kept
+    episodes' mean reward (a MemAgent record has only its one ``reward`` and no edits).
 
-    >>> demonstration_summary([{"kept": True, "reward": 0.5, "tool_calls": 2},
-    ...                        {"kept": False, "reward": -0.5, "tool_calls": 2}], 1.0)["kept_reward_mean"]
-    0.5
+    >>> s = demonstration_summary([
+    ...     {"kept": True, "edited": True, "rewards": {"answer_recall": 0.5, "evidence_recall": 0.25}},
+    ...     {"kept": False, "edited": True, "rewards": {"answer_recall": 0.5, "evidence_recall": -0.5}},
+    ...     {"kept": True, "edited": False, "rewards": {"answer_recall": 0.0, "evidence_recall": 0.0}}], 1.0)
+    >>> s["kept_reward_mean"], s["edits_raising"]
+    ({'answer_recall': 0.25, 'evidence_recall': 0.125}, {'answer_recall': 2, 'evidence_recall': 1})
+    >>> [s[k] for k in ("episodes", "edits", "kept", "kept_edits", "kept_stops", "dropped")]
+    [3, 2, 2, 1, 1, 1]
     """
-    kept = [r for r in records if r["kept"]]
-    # Dropped for their reward; an ingestion run also leaves out episodes without an edit (balance_edits).
-    dropped = [r["reward"] for r in records if not r["kept"] and not r.get("balanced_out")]
+    rewards = [r.get("rewards") or {"reward": r["reward"]} for r in records]
+    scorers = list(dict.fromkeys(name for by_scorer in rewards for name in by_scorer))
+    kept = [by_scorer for r, by_scorer in zip(records, rewards, strict=True) if r["kept"]]
+    edited = [by_scorer for r, by_scorer in zip(records, rewards, strict=True) if r.get("edited")]
     return {
         "episodes": len(records),
+        "edits": len(edited),
         "kept": len(kept),
-        # MemoryUpdate: a search and an edit (MemAgent episodes call no tools).
-        "kept_with_merge": sum(r.get("tool_calls", 0) >= 2 for r in kept),
-        "kept_reward_mean": float(np.mean([r["reward"] for r in kept])) if kept else None,
-        "dropped_reward_mean": float(np.mean(dropped)) if dropped else None,
+        "kept_edits": sum(r["kept"] and bool(r.get("edited")) for r in records),
+        "kept_stops": sum(r["kept"] and r.get("edited") is False for r in records),
+        "dropped": sum(not r["kept"] and not r.get("balanced_out") for r in records),
         "balanced_out": sum(bool(r.get("balanced_out")) for r in records),
+        "edits_raising": {name: sum(by_scorer[name] > 0 for by_scorer in edited) for name in scorers},
+        "kept_reward_mean": {
+            name: float(np.mean([by_scorer[name] for by_scorer in kept])) if kept else None for name in scorers
+        },
         "seconds": round(seconds, 1),
     }
 
@@ -341,8 +403,10 @@ def fine_tuner(backend: str, layout: Mapping[str, Any] | None) -> dict[str, Any]
     return {"backend": "verl", "device": run_device(layout), "world_size": world_size}
 
 
-#: The offline scorer demonstrations are filtered by (no served model: the cold start runs before any).
+#: The offline scorer demonstrations are rewarded by (no served model: the cold start runs before any).
 DEMONSTRATION_SCORER = "answer_recall"
+#: The offline scorers an edit must raise the reward under to be kept (memupdate.rewards.scorers).
+OFFLINE_SCORERS = ("answer_recall", "evidence_recall")
 
 
 def cold_start(
@@ -363,9 +427,11 @@ def cold_start(
 ) -> Path:
     """The experiment's ``sft`` run: demonstrations of stage 1's episodes (its lengths, from ``stage``: its
     :class:`~memupdate.settings.TrainSettings`), scored by the workflow's ``reward`` with the offline
-    :data:`DEMONSTRATION_SCORER`, and the fine-tuned policy in ``<run_dir>/ckpt``. The expert uses the tools
-    of the experiment's ``tools`` (:class:`~memupdate.settings.ToolSettings` values), as the policy will.
-    ``backend`` and ``layout``: who fine-tunes (:func:`fine_tuner`)."""
+    :data:`DEMONSTRATION_SCORER` and again with the other of :data:`OFFLINE_SCORERS` (a served scorer in
+    ``reward``, the reader or judge, is not used: the cold start runs before any model is served), and the
+    fine-tuned policy in ``<run_dir>/ckpt``. The expert uses the tools of the experiment's ``tools``
+    (:class:`~memupdate.settings.ToolSettings` values), as the policy will. ``backend`` and ``layout``: who
+    fine-tunes (:func:`fine_tuner`)."""
     sft = asdict(build(SFTSettings, settings, "sft"))
     stage_settings = build(TrainSettings, stage, "stage1")
     episode = {k: getattr(stage_settings, k) for k in EPISODE_KEYS}
