@@ -96,7 +96,8 @@ def edit_plan(
 ) -> tuple[str, dict[str, Any]] | None:
     """The expert's edit, as a tool name and its arguments, or None: the memories among ``shown`` that cite
     the question's ``evidence`` (in the order shown, as many as fit in ``max_chars`` once dated and joined)
-    merged, each text after its date; None when fewer than two are found. A single memory is never
+    merged, each text after its date unless they share one (the merged memory then keeps it as its date);
+    None when fewer than two are found. A single memory is never
     rewritten: its date metadata, which the reader is shown, already dates it (module docstring).
 
     >>> mems = {1: Memory("Ann moved to Oslo.", frozenset({"D1:2"}), "8 May, 2023"),
@@ -107,6 +108,9 @@ def edit_plan(
     True
     >>> edit_plan([2, 3, 1], ["D1:2", "D1:3"], mems, 30) is None  # only one fits in 30 characters
     True
+    >>> same_day = {**mems, 3: Memory("Bo came too.", frozenset({"D1:3"}), "8 May, 2023")}
+    >>> edit_plan([3, 1], ["D1:2", "D1:3"], same_day, 300)[1]["content"]
+    'Bo came too. Ann moved to Oslo.'
     """
     wanted = set(evidence)
     ids, texts = [], []
@@ -120,6 +124,9 @@ def edit_plan(
         texts.append(memory.dated())
     if len(ids) < 2:
         return None
+    if len({memories[i].date for i in ids}) == 1:
+        # One day for all: the merged memory keeps it as its date, which the reader is shown.
+        texts = [memories[i].content for i in ids]
     return MERGE_TOOL, {"memory_ids": ids, "content": " ".join(texts)}
 
 
