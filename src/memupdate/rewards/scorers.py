@@ -112,6 +112,8 @@ def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "
 
 #: A LoCoMo date_time's time of day ("1:56 pm on "): the reader reads the day after it.
 _TIME_OF_DAY = re.compile(r"^\s*\d{1,2}:\d{2}\s*[ap]\.?m\.?\s+on\s+", re.IGNORECASE)
+
+
 def reader_units(memory: Retrieved) -> list[str]:
     """The units a reader answers from in one memory's line: its day, then its content.
 
