@@ -38,6 +38,18 @@ def test_unchanged_store_scores_exactly_zero(base, embedder, scorer):
     assert out["score"] == 0.0 and out["qa_delta"] == 0.0 and out["efficiency"] == 1.0
 
 
+@pytest.mark.parametrize("scorer", [AnswerRecallScorer(), EvidenceRecallScorer()], ids=lambda s: s.name)
+def test_a_change_the_reader_cannot_see_scores_exactly_zero(base, embedder, scorer):
+    """The QA prompt shows each memory as its date and content: the top hit's session, type and speaker
+    changed (metadata no line shows) leave S where it was."""
+    query = embedder.encode([TARGET.question])[0]
+    top = TrialStore(base).search(query, 1)[0]
+    final = TrialStore(base)
+    final.update(top.id, metadata={"session": 99, "type": "event", "speaker": "Someone else"})
+    out = reward(TrialStore(base), final, [TARGET], embedder, scorer)
+    assert final.get(top.id).session == 99 and out["qa_delta"] == 0.0 and out["score"] == 0.0
+
+
 def test_a_memory_that_answers_the_question_earns_a_positive_reward(base, embedder):
     out = reward(TrialStore(base), improved_trial(base, embedder), [TARGET], embedder, AnswerRecallScorer())
     # Before: the observation says "recently", under the next day's date (8 May, 2023: "may 2023" of the gold);

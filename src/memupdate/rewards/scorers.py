@@ -10,15 +10,15 @@ in [0, 1] per question. Two are offline proxies, two ask served models:
 - ``evidence_recall``: share of the question's gold evidence dialogue ids covered by the evidence
   metadata of the retrieved memories. Evidence is provenance, never written: a memory the agent writes
   carries the evidence of a memory it derives from only where its text keeps that memory's words
-  (:mod:`memupdate.memory.store`), so a merge that throws a source's text away loses its evidence.
-
-Both offline scorers read exactly what the QA prompt shows the reader: the memories within the reader's
-budget (:func:`memupdate.prompts.within_budget`), each as its rendered line, so a change the reader cannot
-see scores exactly 0.
+  (:mod:`memupdate.memory.store`), so a merge that throws a source's text away loses its evidence;
 - ``reader``: a served QA model answers from the memories with a protocol's verbatim prompt
   (:mod:`memupdate.prompts`, Mem0's by default), scored with ``mem0_f1`` or ``locomo_f1``;
 - ``judge``: the reader's answer judged CORRECT or WRONG by a served judge model (Mem0's J, its
   ACCURACY_PROMPT in JSON mode).
+
+Both offline scorers read exactly what the QA prompt shows the reader: the memories within the reader's
+budget (:func:`memupdate.prompts.within_budget`), each as its rendered line, so a change the reader cannot
+see scores exactly 0.
 """
 
 from __future__ import annotations

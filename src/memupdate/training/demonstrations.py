@@ -8,10 +8,9 @@ dialogue turns answer a question) and the seed memories that cite them. Its prog
 
 1. ``search_memory`` with the question as the query (``top_k`` from the experiment's ``sft.search_top_k``);
 2. when two or more of the memories shown cite the question's evidence, ``merge_memory`` (in the order
-   shown, as many as fit in ``max_content_chars``) into one memory holding each one's text after its date:
-   a merged memory keeps its sources' date metadata only when they share it, so a memory spanning sessions
-   carries its dates in its text; one merged memory also holds what the question needs within the reward's
-   retrieval budget. A single memory is left as it is: rewritten with its date in front it would tell the
+   shown, as many as fit in ``max_content_chars``) into one memory holding each one's text after its date,
+   unless they share one: a merged memory keeps its sources' date metadata only when they share it, so a
+   memory spanning sessions carries its dates in its text. A single memory is left as it is: rewritten with its date in front it would tell the
    reader nothing new (``update`` keeps the date metadata, which the reader is shown), a trick only the
    offline ``answer_recall`` scorer paid for;
 3. reply ``DONE`` (the system prompt's way to stop), also straight after the search when fewer than two
@@ -26,11 +25,11 @@ prompt, the ids from the search result) and is served to verl's ``AgentLoopWorke
 exactly those of a GRPO rollout.
 
 An episode that edits is trained on only if it raises the reward under both offline scorers
-(:func:`keep_episode`): ``answer_recall`` can be paid with answer-like tokens and ``evidence_recall`` cannot
-tell whether a text kept its sources' facts, so a kept edit brings both the answer's words and its evidence
-into what the reader is shown. An episode that stops without an edit teaches when not to edit (its store is
-the one it started from, so every scorer gives it exactly 0; an ingestion episode, against the ``append``
-baseline); :func:`balance_edits` keeps no more of those than kept edits.
+(:func:`keep_episode`): each scorer sees one side of what the reader is shown (``answer_recall`` the text,
+``evidence_recall`` the provenance), so a kept edit raised both. An episode that stops without an edit
+teaches when not to edit (its store is the one it started from, so every scorer gives it exactly 0; an
+ingestion episode, against the ``append`` baseline); :func:`balance_edits` keeps no more of those than kept
+edits, or all of them when no edit is kept (the cold start then teaches the tool format alone).
 """
 
 from __future__ import annotations
@@ -97,8 +96,8 @@ def edit_plan(
     """The expert's edit, as a tool name and its arguments, or None: the memories among ``shown`` that cite
     the question's ``evidence`` (in the order shown, as many as fit in ``max_chars`` once dated and joined)
     merged, each text after its date unless they share one (the merged memory then keeps it as its date);
-    None when fewer than two are found. A single memory is never
-    rewritten: its date metadata, which the reader is shown, already dates it (module docstring).
+    None when fewer than two are found. A single memory is never rewritten: its date metadata, which the
+    reader is shown, already dates it (module docstring).
 
     >>> mems = {1: Memory("Ann moved to Oslo.", frozenset({"D1:2"}), "8 May, 2023"),
     ...         2: Memory("Ann loves tea.", frozenset()), 3: Memory("Bo came too.", frozenset({"D1:3"}))}
