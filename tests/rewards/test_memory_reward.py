@@ -52,9 +52,10 @@ def test_a_change_the_reader_cannot_see_scores_exactly_zero(base, embedder, scor
 
 def test_a_memory_that_answers_the_question_earns_a_positive_reward(base, embedder):
     out = reward(TrialStore(base), improved_trial(base, embedder), [TARGET], embedder, AnswerRecallScorer())
-    # Before: the observation says "recently", under the next day's date (8 May, 2023: "may 2023" of the gold);
-    # after: the new memory, ranked first, states the day ("went on 7 May 2023": F1 0.75).
-    assert out["qa_initial"] == pytest.approx(2 / 3) and out["qa_final"] == pytest.approx(0.75)
+    # Before: the observation says "recently", under the next day's date (8 May, 2023: "may 2023" of the gold,
+    # F1 2/3, and one wrong number of three: 2/3 of that); after: the new memory, ranked first, states the
+    # day ("went on 7 May 2023": F1 0.75).
+    assert out["qa_initial"] == pytest.approx(4 / 9) and out["qa_final"] == pytest.approx(0.75)
     assert out["score"] > 0 and out["memories_final"] == out["memories_initial"] + 1
     assert out["ops_created"] == 1.0 and out["ops_deleted"] == 0.0
 
