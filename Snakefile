@@ -41,7 +41,14 @@ include: "rules/serve.smk"
 include: "rules/train.smk"
 include: "rules/eval.smk"
 include: "rules/memagent.smk"
+include: "rules/preflight.smk"
 include: "rules/default.smk"
+
+
+# What downloads runs on the machine that submits the jobs: compute nodes often have no network.
+localrules:
+    fetch_data,
+    download_model,
 
 
 onstart:

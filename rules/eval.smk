@@ -18,8 +18,7 @@ rule eval_locomo:
         "../workflow/envs/memupdate.yaml"
     threads: 2
     resources:
-        runtime=120,
-        mem_mb=6000,
+        **job_resources("eval_locomo", policy_of, runtime=120, mem_mb=6000),
     params:
         settings=get_eval_settings,
         training_metrics=get_training_metrics,

@@ -69,9 +69,8 @@ rule eval_memagent:
         "../workflow/envs/memupdate.yaml"
     threads: 2
     resources:
-        runtime=120,
         # The models are served (serve_model); this job holds tokenizers and the agent loop only.
-        mem_mb=4000,
+        **job_resources("eval_memagent", policy_of, runtime=120, mem_mb=4000),
     params:
         settings=get_memagent_eval_settings,
         out_dir=get_memagent_eval_dir,

@@ -70,3 +70,52 @@ def test_the_repositorys_table_names_only_models_of_the_config():
         assert table.job(rule, "qwen2.5-7b").gpus_per_node >= 1, rule
     # The smoke models have no rows: their jobs ask for what their rules ask (CPUs).
     assert table.job("train_stage", "smollm2-135m") == Job()
+
+
+def test_a_row_gives_an_expected_time_per_step_or_per_system_and_the_limit_is_derived():
+    table = load_table(
+        {
+            "plan": {"margin": 2, "max_runtime": 600},
+            "train_stage": {"qwen": {"gpus_per_node": 8, "minutes": 30, "per_step": 5, "source": "README"}},
+            "eval_locomo": {"qwen": {"minutes": 10, "per_system": 60}},
+        },
+        "t.yaml",
+        MODELS,
+    )
+    assert table.limits.margin == 2 and table.limits.max_runtime == 600 and table.limits.queue_margin == 720
+    row = table.job("train_stage", "qwen")
+    assert row.planned and row.gpus == 8 and row.expected(300) == 1530 and row.expected(None) is None
+    assert table.job("eval_locomo", "qwen").expected(4) == 250
+    # No runtime is written into the request: rules/common.smk sets the derived one.
+    assert "runtime" not in row.snakemake()
+    assert not Job(runtime=30).planned and Job(runtime=30).expected() is None
+
+
+def test_a_row_has_an_expected_time_or_an_explicit_limit_and_the_rules_unit():
+    data = {
+        "train_stage": {"qwen": {"minutes": 30, "runtime": 60}},
+        "eval_locomo": {"qwen": {"per_step": 5}},
+        "prepare_model": {"qwen": {"per_system": 5}},
+        "plan": {"margin": 0.5, "spare": 1},
+    }
+    with pytest.raises(ConfigError) as err:
+        load_table(data, "resources.yaml", MODELS)
+    message = str(err.value)
+    assert "train_stage.qwen: runtime is derived from the expected time" in message
+    assert "eval_locomo.qwen.per_step: eval_locomo counts systems" in message
+    assert "prepare_model.qwen.per_system: prepare_model counts no units" in message
+    assert "plan.margin" in message and "plan.spare" in message
+
+
+def test_every_gpu_job_and_evaluation_of_the_full_scale_has_an_expected_time_with_its_source():
+    models = yaml.safe_load((REPO / "config/config.yaml").read_text())["models"]
+    table = read_table(REPO / "profiles/slurm/resources.yaml", models)
+    for rule in ("train_stage", "train_sft", "eval_locomo", "eval_memagent"):
+        for model in ("qwen2.5-3b", "qwen2.5-7b"):
+            row = table.job(rule, model)
+            assert row.planned and row.source and row.runtime is None, (rule, model)
+    for rule in ("train_memagent", "train_memagent_sft"):
+        assert table.job(rule, "qwen2.5-7b").planned, rule
+    # Servers take their consumers' time; the smoke models keep their rules' own limits.
+    assert not table.job("serve_model", "qwen2.5-7b").planned
+    assert table.job("eval_locomo", "smollm2-135m") == Job()

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from memupdate.dvc_stages import stage_outs
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 BIN = Path(sys.executable).parent
@@ -110,7 +112,7 @@ def test_repro_push_clone_pull_and_only_evaluation_reruns(dvc_repo, tmp_path):
     # curriculum's rows, which it makes itself.
     stages = yaml.safe_load((clone / "dvc.yaml").read_text())["stages"]
     assert {"results/tiny/stage1/ckpt", "results/tiny/stage2/ckpt"} <= set(stages["stage3"]["deps"])
-    assert {"results/tiny/stage3/ckpt", "results/tiny/data/stage3.train.parquet"} <= set(stages["stage3"]["outs"])
+    assert {"results/tiny/stage3/ckpt", "results/tiny/data/stage3.train.parquet"} <= set(stage_outs(stages["stage3"]))
     assert "--allowed-rules select_stage_rows serve_model train_stage3 vllm_env" in " ".join(
         stages["stage3"]["cmd"].split()
     )

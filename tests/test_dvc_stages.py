@@ -13,7 +13,7 @@ import pytest
 import yaml
 from snakemake.io import is_flagged
 
-from memupdate.dvc_stages import CodeScan
+from memupdate.dvc_stages import CodeScan, stage_outs
 
 BIN = Path(sys.executable).parent
 
@@ -26,7 +26,9 @@ def stages(repo_root):
 def parse_cmd(cmd: str) -> tuple[list[str], set[str], list[str]]:
     """A stage's snakemake targets, allowed rules and config files, from its command."""
     words = cmd.split()
-    assert words[:3] == ["snakemake", "--profile", "${profile}"], cmd
+    # memupdate dvc-run <stage> -- snakemake ...: the snakemake call runs through run_stage (test_dvc_adopt.py).
+    assert words[:2] == ["memupdate", "dvc-run"] and words[3:7] == ["--", "snakemake", "--profile", "${profile}"], cmd
+    words = words[4:]
     rules_at, config_at = words.index("--allowed-rules"), words.index("--configfile")
     return words[3:rules_at], set(words[rules_at + 1 : config_at]), words[config_at + 1 :]
 
@@ -74,7 +76,10 @@ def test_every_stage_covers_its_jobs_inputs_scripts_and_rule_files(repo_root, st
     producer = {str(f): job for job in dag.jobs for f in job.output}
     for name, stage in stages.items():
         targets, rules, _ = parse_cmd(stage["cmd"])
-        deps, outs = set(stage["deps"]), set(stage["outs"])
+        assert stage["cmd"].split()[2] == name, f"{name}: its command runs another stage"
+        # persist: DVC leaves them to run_stage, which removes them where DVC would and adopts them otherwise.
+        assert all(isinstance(out, dict) and list(out.values()) == [{"persist": True}] for out in stage["outs"]), name
+        deps, outs = set(stage["deps"]), set(stage_outs(stage))
         jobs = [producer[t] if t in producer else next(j for j in dag.jobs if j.rule.name == t) for t in targets]
         seen: set[int] = set()
         while jobs:

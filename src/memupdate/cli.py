@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL
+from memupdate.preflight import add_arguments as add_preflight_arguments
+from memupdate.preflight import run_from_args as run_preflight_from_args
 from memupdate.utils.logging import setup_logging
 
 #: Where the workflow puts the memories' embedding cache for the default model (rules/embed.smk).
@@ -179,6 +181,22 @@ def _cmd_dvc_yaml(args: argparse.Namespace) -> None:
     from memupdate.dvc_stages import write_or_check
 
     write_or_check(Path(args.directory), Path(args.output), args.configfile, check=args.check)
+
+
+def _cmd_dvc_run(args: argparse.Namespace) -> None:
+    from memupdate.dvc_stages import run_stage
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise ValueError("no command: memupdate dvc-run STAGE -- snakemake ...")
+    raise SystemExit(run_stage(args.stage, command))
+
+
+def _cmd_plan(args: argparse.Namespace) -> None:
+    from memupdate.plan import plan_targets
+
+    plan = plan_targets(Path(args.directory), args.targets, args.config, args.configfile, forceall=args.forceall)
+    sys.stdout.write(plan.render() + "\n")
 
 
 def _cmd_score(args: argparse.Namespace) -> None:
@@ -361,6 +379,38 @@ def build_parser() -> argparse.ArgumentParser:
     dvc.add_argument("--directory", default=".", help="the repository (holds the Snakefile)")
     dvc.add_argument("--check", action="store_true", help="fail if the file differs instead of writing it")
     dvc.set_defaults(func=_cmd_dvc_yaml)
+    dvc_run = sub.add_parser(
+        "dvc-run",
+        help="a dvc.yaml stage's cmd: run its snakemake call, adopting what Snakemake holds up to date while "
+        "dvc.lock does not record the stage, else rebuilding its outs (memupdate.dvc_stages.run_stage)",
+    )
+    dvc_run.add_argument("stage", help="the stage's name in dvc.yaml (run from the repository's root)")
+    dvc_run.add_argument("command", nargs=argparse.REMAINDER, help="-- and the stage's snakemake command")
+    dvc_run.set_defaults(func=_cmd_dvc_run)
+
+    flight = sub.add_parser(
+        "preflight",
+        help="on one GPU node, check CUDA, NCCL, flash-attn, verl, vLLM, the models offline and checkpoint disk; "
+        "print a table, write JSON, fail with the fixes",
+    )
+    add_preflight_arguments(flight)
+    flight.set_defaults(func=run_preflight_from_args)
+
+    plan = sub.add_parser(
+        "plan",
+        help="per job of the targets: GPUs, wall time, GPU-hours, checkpoint disk and Slurm time limit "
+        "(profiles/slurm/resources.yaml), measured or estimated, with totals",
+    )
+    plan.add_argument("targets", nargs="*", default=["all"], help="Snakemake targets (default: all)")
+    plan.add_argument(
+        "--config", nargs="+", default=[], metavar="KEY=VALUE", help="as snakemake's, e.g. --config scale=full"
+    )
+    plan.add_argument("--configfile", nargs="+", default=[], metavar="FILE", help="as snakemake's")
+    plan.add_argument("--directory", default=".", help="the repository (holds the Snakefile)")
+    plan.add_argument(
+        "--forceall", action="store_true", help="every job of the targets, not only those a run would submit now"
+    )
+    plan.set_defaults(func=_cmd_plan)
 
     score = sub.add_parser("score", help="score one prediction against one gold answer")
     score.add_argument("prediction")

@@ -6,6 +6,10 @@ gives each GPU-sized rule a row per model (keys of ``models`` in config/config.y
 or, for ``serve_model``, into the sbatch options of the server's own job (:meth:`Job.server`). Rows only add
 to what a rule asks for itself, so the CPU smoke models need none; a local run ignores ``nodes`` and ``gres``.
 
+A row also holds the job's expected wall time, with its source (``minutes``, ``per_step``, ``per_system``):
+the time limit is derived from it, expected x ``plan.margin``, capped by the partition's ``plan.max_runtime``
+(:mod:`memupdate.plan` does the arithmetic and prints the plan: GPUs, hours, GPU-hours, checkpoint disk).
+
 >>> table = load_table({"train_stage": {"qwen": {"nodes": 2, "gpus_per_node": 8, "mem_mb": 400000}}}, "t.yaml", ["qwen", "tiny"])
 >>> table.job("train_stage", "qwen").snakemake()["gres"], table.job("train_stage", "tiny").snakemake()
 ('gpu:8', {})
@@ -29,8 +33,20 @@ RULES = (
     "train_stage",
     "train_memagent",
     "serve_model",
+    "eval_locomo",
+    "eval_memagent",
 )
 DEFAULT = "default"
+#: The table's own settings (not a rule): :class:`Limits`.
+LIMITS_KEY = "plan"
+#: What a row's per-unit figure counts, by rule: a training step, an evaluated system (LoCoMo: one per
+#: memory/QA pairing and baseline; MemAgent: one per model and style, every haystack length).
+UNITS = {
+    "train_stage": "per_step",
+    "train_memagent": "per_step",
+    "eval_locomo": "per_system",
+    "eval_memagent": "per_system",
+}
 
 
 @dataclass(frozen=True)
@@ -41,7 +57,32 @@ class Job:
     gpus_per_node: int = setting(0, help="GPUs on each node (gres gpu:N)", minimum=0)
     cpus_per_task: int | None = setting(None, help="CPUs on each node", minimum=1)
     mem_mb: int | None = setting(None, help="memory on each node, MB", minimum=1)
-    runtime: int | None = setting(None, help="wall-clock limit, minutes", minimum=1)
+    runtime: int | None = setting(
+        None, help="an explicit wall-clock limit, minutes, for a row without an expected time", minimum=1
+    )
+    minutes: float | None = setting(
+        None, help="expected wall time, minutes: the whole job, or its fixed part with per_step/per_system", minimum=0
+    )
+    per_step: float | None = setting(None, help="expected minutes per training step (training rules)", minimum=0)
+    per_system: float | None = setting(None, help="expected minutes per evaluated system (eval rules)", minimum=0)
+    source: str | None = setting(None, help="where the expected times come from")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def planned(self) -> bool:
+        """Whether the row gives an expected wall time (the limit is then derived from it)."""
+        return any(v is not None for v in (self.minutes, self.per_step, self.per_system))
+
+    def expected(self, units: int | None = None) -> float | None:
+        """Expected wall time in minutes: ``minutes`` plus ``units`` steps or systems at the per-unit figure;
+        None without a figure, or when a per-unit figure has no count."""
+        per = self.per_step if self.per_step is not None else self.per_system
+        if not self.planned or (per is not None and units is None):
+            return None
+        return (self.minutes or 0) + (per or 0) * (units or 0)
 
     def snakemake(self) -> dict[str, Any]:
         """Resources of the rule's own job, as snakemake-executor-plugin-slurm 2.8 reads them."""
@@ -69,8 +110,32 @@ class Job:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """The table's ``plan`` section: how time limits follow from expected times, and the checkpoint sizes."""
+
+    margin: float = setting(1.5, help="time limit = expected wall time x margin", minimum=1)
+    queue_margin: int = setting(
+        720,
+        help="minutes a served model's job outlives its longest consumer's limit (the consumer may wait in the "
+        "queue after the server starts)",
+        minimum=0,
+    )
+    max_runtime: int | None = setting(
+        None,
+        help="the partition's longest time limit, minutes (MEMUPDATE_SLURM_MAX_RUNTIME overrides); a longer job "
+        "is asked for this and needs resubmits",
+        minimum=1,
+    )
+    save_bytes_per_param: float = setting(
+        13, help="bytes per parameter of one verl save (fp32 weights + Adam state, sharded)", minimum=0
+    )
+    merged_bytes_per_param: float = setting(2, help="bytes per parameter of the merged bf16 ckpt/", minimum=0)
+
+
+@dataclass(frozen=True)
 class Table:
     rows: Mapping[str, Mapping[str, Job]]
+    limits: Limits = Limits()
 
     def job(self, rule: str, model: str) -> Job:
         rows = self.rows.get(rule, {})
@@ -85,8 +150,14 @@ def load_table(data: Any, path: str | Path, models: Iterable[str]) -> Table:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: expected a mapping of rule -> model -> resources, got {type(data).__name__}")
     known = {*models, DEFAULT}
-    errors, rows = [], {}
+    errors, rows, limits = [], {}, Limits()
     for rule, per_model in data.items():
+        if rule == LIMITS_KEY:
+            try:
+                limits = build(Limits, per_model, f"{path}: {LIMITS_KEY}")
+            except ConfigError as err:
+                errors.extend(str(err).splitlines())
+            continue
         if rule not in RULES:
             errors.append(f"{path}: {rule}: not a rule the table sizes ({', '.join(RULES)})")
             continue
@@ -101,12 +172,27 @@ def load_table(data: Any, path: str | Path, models: Iterable[str]) -> Table:
                 )
                 continue
             try:
-                rows[rule][model] = build(Job, row, f"{path}: {rule}.{model}")
+                job = rows[rule][model] = build(Job, row, f"{path}: {rule}.{model}")
             except ConfigError as err:
                 errors.extend(str(err).splitlines())
+                continue
+            errors.extend(_figure_errors(job, rule, f"{path}: {rule}.{model}"))
     if errors:
         raise ConfigError("invalid Slurm resource table:\n  " + "\n  ".join(errors))
-    return Table(rows)
+    return Table(rows, limits)
+
+
+def _figure_errors(job: Job, rule: str, where: str) -> list[str]:
+    """A row's time is either an expected figure (the limit derived) or an explicit runtime, and a per-unit
+    figure must be the rule's unit."""
+    errors = []
+    if job.runtime is not None and job.planned:
+        errors.append(f"{where}: runtime is derived from the expected time (minutes/per_step/per_system); give one")
+    for key in ("per_step", "per_system"):
+        if getattr(job, key) is not None and UNITS.get(rule) != key:
+            unit = UNITS.get(rule)
+            errors.append(f"{where}.{key}: {rule} counts {unit.removeprefix('per_') + 's' if unit else 'no units'}")
+    return errors
 
 
 def read_table(path: str | Path, models: Iterable[str]) -> Table:

@@ -16,13 +16,36 @@ jobs of its other allowed rules. From those jobs come:
   config files given and every ``config/`` path the workflow, the jobs' params or those modules name.
 
 ``memupdate dvc-yaml`` writes the file; ``memupdate dvc-yaml --check`` fails when the committed one differs.
+
+Each stage's cmd is ``memupdate dvc-run <stage> -- snakemake ...`` (:func:`run_stage`) and its outs are
+``persist: true``, so that ``dvc repro`` adopts what Snakemake already built instead of deleting and rebuilding
+it. DVC 3 deletes a stage's outs before running its cmd unless they are persistent (``Stage.run`` calls
+``remove_outs``, which only unprotects a ``persist`` out), then saves the outs' hashes to dvc.lock and the cache.
+:func:`run_stage` does the rest of what DVC would do:
+
+- a stage dvc.lock records that DVC runs again (its deps or outs changed, or ``dvc repro -f``): its outs are
+  removed first, as DVC removes them, and Snakemake rebuilds them;
+- a stage dvc.lock does not record yet (the first ``dvc repro`` after ``snakemake all``): its outs stay;
+  Snakemake runs only the jobs its own rerun triggers find outdated (none after a complete run) and DVC then
+  records the outputs as they are.
+
+DVC re-copies a single-file out from its cache after hashing it (``relink`` with the default ``reflink,copy``
+cache), which gives the file a new mtime; Snakemake would then see a later stage's input as newer than that
+stage's outputs. :func:`run_stage` keeps the mtime Snakemake left on each single-file out and puts it back
+before the next stage runs, once the file's content is checked to be the same.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import json
 import logging
+import os
 import re
+import shutil
+import signal
+import subprocess
 import tomllib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 PACKAGE = __name__.split(".")[0]
 REGENERATE = "memupdate dvc-yaml"
+RUN = "memupdate dvc-run"
 
 
 @dataclass(frozen=True)
@@ -475,6 +499,11 @@ HEADER = """\
 # with DVC"). A stage's deps are every input of its jobs, the workflow files and scripts of its rules, the
 # package modules they import and the config they read. Served-model readiness markers are temp() and
 # never DVC outputs. Run: dvc repro; dvc push; dvc pull.
+#
+# Each cmd runs Snakemake through `memupdate dvc-run <stage>` and every out is persist: true, so the first
+# dvc repro after a Snakemake run adopts what Snakemake holds up to date (it records it in dvc.lock, it does
+# not rebuild it); a stage dvc.lock already records is rebuilt from scratch when DVC finds it changed
+# (memupdate.dvc_stages.run_stage).
 """
 
 
@@ -486,11 +515,15 @@ def render(stages: Sequence[Stage], configfiles: Sequence[str]) -> str:
     command = " ".join([REGENERATE, *(f"--configfile {f}" for f in configfiles)])
     lines = [HEADER.format(command=command), "vars:", "  - params.yaml", "", "stages:"]
     for stage in stages:
-        cmd = ["snakemake --profile ${profile}", *stage.targets, "--allowed-rules", *stage.rules]
-        cmd += ["--configfile", *(configfiles or ["config/config.yaml"])]
+        cmd = [RUN, stage.name, "--", "snakemake --profile ${profile}", *stage.targets, "--allowed-rules"]
+        cmd += [*stage.rules, "--configfile", *(configfiles or ["config/config.yaml"])]
         lines += [f"  {stage.name}:", "    cmd: >-", *_wrap(cmd, "      "), "    deps:"]
         lines += [f"      - {_scalar(d)}" for d in sorted(stage.deps)]
-        lines += ["    outs:", *(f"      - {_scalar(o)}" for o in sorted(stage.outs)), ""]
+        # persist: DVC leaves the outs in place for the cmd, which removes them itself where DVC would (run_stage).
+        lines.append("    outs:")
+        for out in sorted(stage.outs):
+            lines += [f"      - {_scalar(out)}:", "          persist: true"]
+        lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -527,3 +560,136 @@ def write_or_check(root: Path, output: Path, configfiles: Sequence[str] = (), ch
         path.write_text(text)
         logger.info("wrote %s", path)
     return current
+
+
+# ------------------------------------------------------------------------------------- a stage's cmd
+
+LOCKFILE = "dvc.lock"
+#: The mtimes Snakemake left on each stage's single-file outs (in DVC's own scratch folder, which git ignores).
+MTIMES = Path(".dvc") / "tmp" / "snakemake-mtimes"
+
+
+def stage_outs(stage: Mapping[str, Any]) -> list[str]:
+    """The paths of a dvc.yaml stage's outs (an out is a path, or a path mapped to its flags)."""
+    return [out if isinstance(out, str) else next(iter(out)) for out in stage.get("outs") or []]
+
+
+def _locked(root: Path, name: str) -> bool:
+    path = root / LOCKFILE
+    if not path.is_file():
+        return False
+    return name in ((yaml.safe_load(path.read_text()) or {}).get("stages") or {})
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _record_mtimes(root: Path, name: str, outs: Sequence[str]) -> None:
+    """Keep the size, mtime and md5 of each single-file out, as Snakemake left it. DVC re-copies those files
+    from its cache when it commits them (directories' files it leaves in place unless they are hard links, and
+    Snakemake reads a directory output's time from its .snakemake_timestamp)."""
+    files = {}
+    for out in outs:
+        path = root / out
+        if path.is_file():
+            stat = path.stat()
+            files[out] = [stat.st_size, stat.st_mtime_ns, _md5(path)]
+    record = root / MTIMES / f"{name}.json"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(files, indent=1, sort_keys=True) + "\n")
+
+
+def restore_mtimes(root: Path) -> list[str]:
+    """Give every recorded single-file out that DVC re-copied since (same size and content, a later mtime) its
+    mtime back, so Snakemake does not take it for a newer input of the next stage. Returns those paths."""
+    restored = []
+    for record in sorted((root / MTIMES).glob("*.json")):
+        for out, (size, mtime_ns, md5) in json.loads(record.read_text()).items():
+            path = root / out
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            if path.is_file() and stat.st_size == size and stat.st_mtime_ns > mtime_ns and _md5(path) == md5:
+                os.utime(path, ns=(stat.st_atime_ns, mtime_ns))
+                restored.append(out)
+    if restored:
+        logger.info("kept Snakemake's mtimes of %d files DVC re-copied from its cache", len(restored))
+    return restored
+
+
+def _mtimes(path: Path) -> Iterator[int]:
+    """The mtimes of a file, or of every file in a folder (Snakemake's .snakemake_timestamp included)."""
+    if path.is_file():
+        yield path.stat().st_mtime_ns
+    elif path.is_dir():
+        yield from (file.stat().st_mtime_ns for file in path.rglob("*") if file.is_file())
+
+
+def _newer_code(root: Path, stages: Mapping[str, Any], name: str) -> list[str]:
+    """The deps of a stage no stage makes (code, config, rule files) changed after its newest output was
+    written: Snakemake does not see an imported module change, so it would keep those outputs."""
+    made = {out for stage in stages.values() for out in stage_outs(stage)}
+    newest = max((t for out in stage_outs(stages[name]) for t in _mtimes(root / out)), default=None)
+    if newest is None:
+        return []
+    deps = [str(dep) for dep in stages[name].get("deps") or [] if str(dep) not in made]
+    return sorted(dep for dep in deps if max(_mtimes(root / dep), default=0) > newest)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def run_stage(name: str, command: Sequence[str], root: Path = Path(".")) -> int:
+    """A dvc.yaml stage's cmd: run ``command`` (its snakemake call) and return its exit status.
+
+    dvc.lock records the stage: DVC found its deps or outs changed (or was forced), so its outs are removed
+    first, as DVC does for outs that are not persistent, and Snakemake builds them again. dvc.lock does not record
+    it: Snakemake keeps every output its rerun triggers find up to date (and rebuilds the rest), and DVC records
+    them in dvc.lock as they are: outputs ``snakemake all`` made are adopted, not rebuilt.
+    """
+    root = Path(root)
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    if name not in stages:
+        raise ValueError(f"no stage {name!r} in {root / 'dvc.yaml'}")
+    outs = stage_outs(stages[name])
+    restore_mtimes(root)
+    if _locked(root, name):
+        logger.info("stage %s is in %s and changed: removing its outs, then Snakemake rebuilds them", name, LOCKFILE)
+        for out in outs:
+            _remove(root / out)
+    else:
+        logger.info(
+            "stage %s is not in %s yet: Snakemake runs what it finds outdated; DVC records the outputs it keeps",
+            name,
+            LOCKFILE,
+        )
+        newer = _newer_code(root, stages, name)
+        if newer:
+            logger.warning(
+                "stage %s: %s changed after its outputs were made; Snakemake does not track these, so outputs it "
+                "finds up to date are recorded as they are. To rebuild them instead: remove them, then dvc repro %s",
+                name,
+                ", ".join(newer[:5]) + (f" and {len(newer) - 5} more" if len(newer) > 5 else ""),
+                name,
+            )
+    (root / MTIMES / f"{name}.json").unlink(missing_ok=True)
+    process = subprocess.Popen(list(command), cwd=root)
+    # Ctrl-C reaches Snakemake too (same process group); it stops its jobs and exits, then so does this.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code = process.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if code == 0:
+        _record_mtimes(root, name, outs)
+    return code if code >= 0 else 128 - code

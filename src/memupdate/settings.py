@@ -101,7 +101,18 @@ class ServeSettings:
     python: str | None = setting(None, help="interpreter with vLLM (null = the engine's default)")
     max_model_len: int = setting(4096, minimum=256)
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
-    startup_timeout_s: float = setting(900.0, minimum=10)
+    startup_timeout_s: float = setting(
+        900.0, help="seconds from the server's start (its Slurm job RUNNING) until it answers", minimum=10
+    )
+    queue_timeout_s: float | None = setting(
+        None, help="seconds a server's Slurm job may stay queued before the run gives up (null = wait)", minimum=10
+    )
+    reconnect_timeout_s: float = setting(
+        1800.0,
+        help="seconds a client waits for a server that stopped answering (re-reading its readiness marker, which a "
+        "requeued server rewrites with its new address) before it fails; 0 = fail after its retries",
+        minimum=0,
+    )
     extra_args: list[str] = setting(help="extra arguments of the vLLM server", factory=list)
     env: dict[str, str] = setting(
         help="environment variables of the server (e.g. VLLM_CPU_KVCACHE_SPACE)", factory=dict

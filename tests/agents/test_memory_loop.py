@@ -240,13 +240,14 @@ def test_memory_stage_without_qa_phase_needs_no_fixed_model_and_qa_stage_does(se
 
 
 def test_fixed_model_from_agent_loops_yaml_becomes_one_metered_vllm_token_client_per_context():
-    from memupdate.serving.token_client import GenerationMeter
+    from memupdate.serving.token_client import GenerationMeter, SharedGreedyRequests
 
     context = LoopContext("test")
     spec = {"base_url": "http://127.0.0.1:8011/v1", "model": "qa"}
     client = context.fixed_client(OmegaConf.create(spec), 64)
-    assert isinstance(client, GenerationMeter) and isinstance(client.client, VLLMTokenClient)
-    assert client.client.endpoint.model == "qa" and client.client.max_tokens == 64
+    assert isinstance(client, SharedGreedyRequests) and isinstance(client.client, GenerationMeter)
+    assert isinstance(client.client.client, VLLMTokenClient)
+    assert client.client.client.endpoint.model == "qa" and client.client.client.max_tokens == 64
     # Every trajectory's loop of a worker gets the same client (one HTTP session, one context-length lookup) ...
     assert context.fixed_client(dict(spec), 64) is client and context.fixed_seconds() == 0.0
     # ... unless it asks for another endpoint or cap; another worker's context has its own.
@@ -257,6 +258,34 @@ def test_fixed_model_from_agent_loops_yaml_becomes_one_metered_vllm_token_client
         context.fixed_client({"base_url": "http://127.0.0.1:8011/v1", "model": ""}, 64)
     with pytest.raises(ValueError, match="fixed_model must be an endpoint"):
         context.fixed_client("qa-model", 64)
+
+
+def test_a_groups_greedy_requests_to_the_fixed_model_are_generated_once(setup):
+    """The 8 rollouts of a group replay the fixed role's greedy turns: one generation serves them all, in flight or
+    finished; what they get equals a generation of their own; a sampled request is generated every time."""
+    from memupdate.serving.token_client import GenerationMeter, SharedGreedyRequests
+
+    _, tokenizer, _, _, _, fixed = setup
+    prompt = tokenizer.encode("Who went camping in June?")
+    greedy = {**GREEDY.params(), "logprobs": True}
+    alone = asyncio.run(fixed.generate("alone", prompt_ids=prompt, sampling_params=greedy))
+    meter = GenerationMeter(fixed)
+    client = SharedGreedyRequests(meter)
+
+    async def group(params, n=8):
+        return await asyncio.gather(
+            *(client.generate(f"r{i}", prompt_ids=prompt, sampling_params=params) for i in range(n))
+        )
+
+    outputs = asyncio.run(group(greedy))
+    assert all(o.token_ids == alone.token_ids for o in outputs) and meter.generated_tokens == len(alone.token_ids)
+    assert client.shared == 7 and outputs[0] is not outputs[1]
+    # The next step draws the question again: answered from the finished generation.
+    asyncio.run(group(greedy, n=1))
+    assert client.shared == 8 and meter.generated_tokens == len(alone.token_ids)
+    before = meter.generated_tokens
+    asyncio.run(group({**greedy, "temperature": 1.0}, n=3))
+    assert client.shared == 8 and meter.generated_tokens > before
 
 
 def test_prompt_ids_are_built_once_per_prompt_and_equal_the_builders(setup, monkeypatch):

@@ -143,6 +143,35 @@ def test_hf_resaves_a_local_checkpoint(tiny_model_dir, tmp_path):
     assert (tmp_path / "replaced" / "generation_config.json").is_file()
 
 
+def test_a_hub_model_is_downloaded_once_and_prepared_with_no_network(tiny_model_dir, tmp_path, monkeypatch):
+    """download_model (a local rule: the submitting machine has the network) fills the shared cache and records the
+    commit; prepare_model (a compute node's job) reads that snapshot offline and pins the same commit."""
+    import huggingface_hub
+
+    # The hub cache as a download leaves it (models--org--name/snapshots/<commit>, refs/main), read offline.
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--tiny"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(repo / "snapshots" / commit)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    spec = {"kind": "hf", "name_or_path": "org/tiny", "dtype": "float32"}
+
+    record = prepare.download_model(spec, tmp_path / "tiny.download.json")
+    assert record["commit"] == commit and record == json.loads((tmp_path / "tiny.download.json").read_text())
+    with pytest.raises(ValueError, match="download_model"):
+        prepare_model(spec, tmp_path / "undownloaded")
+    built = prepare_model(spec, tmp_path / "tiny", download=tmp_path / "tiny.download.json")
+    assert built["source"] == "org/tiny" and built["source_revision"] == commit
+    assert built["parameters"] == manifest(tiny_model_dir)["parameters"]
+    # A marker whose snapshot another machine's cache holds says what to share.
+    (tmp_path / "other.json").write_text(json.dumps({**record, "path": "/elsewhere/snapshots/x"}))
+    with pytest.raises(FileNotFoundError, match="HF_HOME must be on a file system every node shares"):
+        prepare_model(spec, tmp_path / "other", download=tmp_path / "other.json")
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

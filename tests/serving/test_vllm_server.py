@@ -237,7 +237,8 @@ def test_marker_round_trip(vllm_server, tiny_model_dir, tmp_path):
         model_path=tiny_model_dir,
     )
     endpoint = read_marker(path, max_retries=1)
-    assert endpoint == Endpoint(vllm_server.base_url, "tiny", max_retries=1)
+    # The endpoint keeps its marker: a client that loses the server re-reads it for a new address.
+    assert endpoint == Endpoint(vllm_server.base_url, "tiny", max_retries=1, marker=str(path.resolve()))
     assert load_marker(path)["pid"] == vllm_server.pid
 
 

@@ -69,7 +69,7 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
             run_dir=str(run_dir),
             reward={**reward, "training_stage": stage.role},
             fixed=ENDPOINT,
-            verl={},
+            verl={"val_files": [str(tmp_path / "val.parquet")]},
             env=slurm_env(table, "train_stage", model),
         )
         resolved = OmegaConf.load(run_dir / vl.RESOLVED_CONFIG)

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -71,6 +74,111 @@ def test_cluster_command_is_the_srun_payload(tmp_path):
         "-c",
         "pass",
     ]
+
+
+def _nic(family, address):
+    return SimpleNamespace(family=family, address=address)
+
+
+NICS = {
+    "lo": [_nic(socket.AF_INET, "127.0.0.1")],
+    "eth0": [_nic(socket.AF_INET6, "fe80::1"), _nic(socket.AF_INET, "192.168.1.5")],
+    "ib0": [_nic(socket.AF_INET, "10.10.0.5")],
+    "ib1": [_nic(socket.AF_INET6, "fe80::2")],
+}
+
+
+def test_the_node_ip_is_the_named_interfaces_ipv4_address():
+    assert rc.interface_ipv4("ib0", NICS) == "10.10.0.5"
+    assert rc.interface_ipv4("eth0", NICS) == "192.168.1.5"
+    # A node without it says which node and which interfaces it has.
+    with pytest.raises(rc.RayClusterError, match=r"node gpu17: network interface 'ib2'.*does not exist") as err:
+        rc.interface_ipv4("ib2", NICS, host="gpu17")
+    assert "eth0 (192.168.1.5)" in str(err.value) and "ib0 (10.10.0.5)" in str(err.value)
+    assert rc.NODE_IP_INTERFACE_ENV in str(err.value)
+    with pytest.raises(rc.RayClusterError, match="'ib1'.*has no IPv4 address"):
+        rc.interface_ipv4("ib1", NICS, host="gpu17")
+    # An address given outright wins; both at once is a mistake.
+    assert rc.node_ip_address("10.0.0.9", None, 2) == "10.0.0.9"
+    with pytest.raises(rc.RayClusterError, match="not both"):
+        rc.node_ip_address("10.0.0.9", "ib0", 2)
+
+
+def test_the_interface_comes_from_the_environment_the_workflow_started_in(monkeypatch, tmp_path):
+    monkeypatch.setenv(rc.NODE_IP_INTERFACE_ENV, "ib0")
+    assert rc._parser().parse_args(["--shared-dir", str(tmp_path), "--", "true"]).node_ip_interface == "ib0"
+    monkeypatch.delenv(rc.NODE_IP_INTERFACE_ENV)
+    assert rc._parser().parse_args(["--shared-dir", str(tmp_path), "--", "true"]).node_ip_interface is None
+    argv = rc.cluster_command(["true"], shared_dir=tmp_path, node_ip_interface="ib0")
+    assert argv[argv.index("--node-ip-interface") + 1] == "ib0"
+
+
+def test_a_node_without_the_interface_fails_before_ray_starts_saying_why_in_its_log(tmp_path):
+    with pytest.raises(rc.RayClusterError, match="no-such-nic0"):
+        rc.run_ray_cluster(
+            ["true"], shared_dir=tmp_path, rank=1, nnodes=2, cluster_id="9", node_ip_interface="no-such-nic0"
+        )
+    # Rank 0's start-up error names the missing ranks' logs: the reason is there.
+    assert "no-such-nic0" in (tmp_path / "9.rank1.ray.log").read_text()
+
+
+def test_ray_counts_the_cpus_slurm_gave_the_task():
+    assert rc.slurm_num_cpus({"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "32", "SLURM_CPUS_ON_NODE": "64"}) == 32
+    assert rc.slurm_num_cpus({"SLURM_JOB_ID": "7", "SLURM_CPUS_ON_NODE": "64"}) == 64
+    # Outside Slurm, or when Slurm does not say, Ray counts the machine's CPUs itself.
+    assert rc.slurm_num_cpus({"SLURM_CPUS_PER_TASK": "32"}) is None
+    assert rc.slurm_num_cpus({"SLURM_JOB_ID": "7"}) is None
+
+
+def test_a_temp_dir_too_long_for_rays_sockets_moves_under_tmp(caplog):
+    assert rc.ray_temp_dir("/tmp", "42", 0) == Path("/tmp/ray-42-0")
+    deep = "/local/scratch/slurm-1234567.batch/tmp/ray-cluster"
+    with caplog.at_level("WARNING", logger=rc.__name__):
+        short = rc.ray_temp_dir(deep, "1234567.2", 1)
+    assert short == Path("/tmp/ray-1234567.2-1")
+    assert deep in caplog.text and "/tmp/ray-1234567.2-1" in caplog.text and "--temp-root" in caplog.text
+    # A cluster id too long for /tmp too is shortened to a hash of it, still one folder per job and rank.
+    long_id = "x" * 60
+    hashed = rc.ray_temp_dir(deep, long_id, 3)
+    assert hashed.parent == Path("/tmp") and hashed.name.endswith("-3")
+    assert len(str(hashed)) <= rc.MAX_TEMP_DIR_LEN and hashed != rc.ray_temp_dir(deep, "y" * 60, 3)
+    # What remains is a path ray start accepts (it refuses a longer one).
+    rc.ray_start_argv(head_address="h:1", node_ip="h", temp_dir=hashed, node_name="n")
+
+
+class FakeRlimit:
+    """The part of the resource module raise_open_files_limit uses, with its calls recorded."""
+
+    RLIMIT_NOFILE = resource.RLIMIT_NOFILE
+    RLIM_INFINITY = resource.RLIM_INFINITY
+
+    def __init__(self, soft, hard, fail=False):
+        self.limits, self.fail, self.set = (soft, hard), fail, []
+
+    def getrlimit(self, which):
+        assert which == self.RLIMIT_NOFILE
+        return self.limits
+
+    def setrlimit(self, which, limits):
+        if self.fail:
+            raise ValueError("not allowed")
+        self.set.append(limits)
+        self.limits = limits
+
+
+def test_the_open_files_limit_is_raised_to_the_hard_limit(caplog):
+    low = FakeRlimit(1024, 131072)
+    with caplog.at_level("INFO", logger=rc.__name__):
+        assert rc.raise_open_files_limit(low) == (1024, 131072)
+    assert low.set == [(131072, 131072)] and "raised from 1024 to 131072" in caplog.text
+    already = FakeRlimit(4096, 4096)
+    assert rc.raise_open_files_limit(already) == (4096, 4096) and already.set == []
+    # An unlimited hard limit: Linux allows at most fs.nr_open open files.
+    unlimited = FakeRlimit(1024, resource.RLIM_INFINITY)
+    old, new = rc.raise_open_files_limit(unlimited)
+    assert old == 1024 and new > 1024 and unlimited.set == [(new, resource.RLIM_INFINITY)]
+    # A refusal is logged, and Ray starts with the limit it has.
+    assert rc.raise_open_files_limit(FakeRlimit(1024, 2048, fail=True)) == (1024, 1024)
 
 
 CHECK = textwrap.dedent(

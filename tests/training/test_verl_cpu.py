@@ -93,7 +93,10 @@ def test_memagent_runs_verls_trainer_on_cpu_with_multi_output_trajectories(
         model=str(tiny_model_dir),
         train_files=[str(hotpot_rows)],
         run_dir=str(run_dir),
-        verl={"serving": {**workflow["serving"], "python": str(vllm_python), "dtype": "float32"}},
+        verl={
+            "val_files": [str(hotpot_rows)],
+            "serving": {**workflow["serving"], "python": str(vllm_python), "dtype": "float32"},
+        },
     )
     assert ckpt == run_dir / "ckpt"
     check_run(run_dir, tiny_model_dir)

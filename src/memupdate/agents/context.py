@@ -89,8 +89,9 @@ class LoopContext:
     def fixed_client(self, spec: Any, max_tokens: int) -> Any:
         """The fixed model's client: an object with verl's ``generate`` is used as is; an endpoint mapping
         (``{base_url, model, ...}``, as agent_loops.yaml gives it) becomes a ``VLLMTokenClient`` behind a
-        ``GenerationMeter``, one per endpoint and cap. The mapping's ``max_tokens`` caps each of its turns
-        (default ``max_tokens``), as the policy's own cap does."""
+        ``GenerationMeter``, one per endpoint and cap, whose greedy requests are made once for all the
+        trajectories that send them (``SharedGreedyRequests``). The mapping's ``max_tokens`` caps each of its
+        turns (default ``max_tokens``), as the policy's own cap does."""
         if spec is None or hasattr(spec, "generate"):
             return spec
         if hasattr(spec, "items") and not isinstance(spec, Mapping):  # an OmegaConf DictConfig
@@ -106,9 +107,11 @@ class LoopContext:
         if client is None:
             # Imported here: the serving client is not needed by loops without a fixed model.
             from memupdate.serving.client import Endpoint
-            from memupdate.serving.token_client import GenerationMeter, VLLMTokenClient
+            from memupdate.serving.token_client import GenerationMeter, SharedGreedyRequests, VLLMTokenClient
 
-            client = GenerationMeter(VLLMTokenClient(Endpoint.from_dict(spec), max_tokens=max_tokens))
+            client = SharedGreedyRequests(
+                GenerationMeter(VLLMTokenClient(Endpoint.from_dict(spec), max_tokens=max_tokens))
+            )
             self._fixed_clients[key] = client
         return client
 

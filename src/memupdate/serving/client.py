@@ -3,11 +3,18 @@ and a response cache.
 
 A fixed model is a typed :class:`Endpoint`: the URL and the served model name are required and checked
 up front, so a missing server name fails before a job is submitted, not at the first reward call.
+
+A served model's Slurm job can be preempted and requeued; it comes back on another node and port and its
+supervisor rewrites the readiness marker with the new address. So an endpoint read from a marker keeps the
+marker's path, and a client that loses the server (connection refused or reset, timeouts) re-reads it and
+retries with backoff, for the marker's ``reconnect_timeout_s`` (``serving.reconnect_timeout_s``), instead
+of failing the trajectories of a training step after a few seconds of retries.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -21,6 +28,7 @@ from urllib.parse import urlparse
 import aiohttp
 
 from memupdate.serving.decoding import SAMPLING_KEYS
+from memupdate.serving.markers import load_marker
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +45,9 @@ class Endpoint:
     'http://127.0.0.1:8000/v1/chat/completions'
 
     ``api_key_env`` names an environment variable holding the key (never the key itself), so
-    configs can be committed.
+    configs can be committed. ``marker`` is the readiness marker the address was read from
+    (:func:`memupdate.serving.readiness.read_marker` sets it): a client that loses the server re-reads it
+    for the server's new address.
     """
 
     base_url: str
@@ -45,6 +55,7 @@ class Endpoint:
     timeout_s: float = 60.0
     max_retries: int = 3
     api_key_env: str | None = None
+    marker: str | None = None
 
     def __post_init__(self) -> None:
         parsed = urlparse(self.base_url or "")
@@ -79,7 +90,7 @@ class Endpoint:
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> Endpoint:
-        unknown = set(spec) - {"base_url", "model", "timeout_s", "max_retries", "api_key_env"}
+        unknown = set(spec) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown endpoint keys {sorted(unknown)}")
         return cls(**spec)
@@ -115,17 +126,34 @@ class ResponseCache:
             self._data.popitem(last=False)
 
 
+class _Retry(Exception):
+    """One attempt failed in a way worth retrying; ``lost``: the server did not answer at all."""
+
+    def __init__(self, error: str, *, lost: bool):
+        super().__init__(error)
+        self.error, self.lost = error, lost
+
+
 class OpenAIClient:
-    """One aiohttp session per event loop; use as ``async with OpenAIClient(endpoint) as client``."""
+    """One aiohttp session per event loop; use as ``async with OpenAIClient(endpoint) as client``.
+
+    ``endpoint`` changes when a request finds the server moved (its marker names another address); the
+    requests that follow go to the new address, also those whose URL a caller built from the old one.
+    """
 
     # Statuses worth retrying: overload and transient server errors. 4xx errors are the caller's bug.
     RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+    #: The longest pause between two tries while waiting for a lost server to come back.
+    MAX_RECONNECT_DELAY_S = 30.0
 
     def __init__(self, endpoint: Endpoint, cache: ResponseCache | None = None, max_concurrency: int = 64):
         self.endpoint = endpoint
         self.cache = cache if cache is not None else ResponseCache()
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self._session: aiohttp.ClientSession | None = None
+        # Every address the server had, so a URL built from an old one is sent to the current one.
+        self._bases = [endpoint.base_url.rstrip("/")]
+        self._reconnecting = 0
 
     async def __aenter__(self) -> OpenAIClient:
         timeout = aiohttp.ClientTimeout(total=self.endpoint.timeout_s)
@@ -140,26 +168,105 @@ class OpenAIClient:
             await self._session.close()
             self._session = None
 
+    def _path(self, url: str) -> str:
+        """``url`` relative to the server's address (current or former), so it can be sent to the current one."""
+        for base in (self.endpoint.base_url.rstrip("/"), *reversed(self._bases)):
+            if url.startswith(base + "/"):
+                return url[len(base) :]
+        raise ValueError(f"{url} is not a URL of {self.endpoint.model} at {self.endpoint.base_url}")
+
+    def _url(self, path: str) -> str:
+        return self.endpoint.base_url.rstrip("/") + path
+
+    async def _attempt(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """One POST; raises :class:`_Retry` for a failure worth retrying, :class:`EndpointError` otherwise."""
+        assert self._session is not None
+        try:
+            async with self._semaphore, self._session.post(url, json=payload) as response:
+                if response.status == 200:
+                    return await response.json()
+                body = (await response.text())[:500]
+                if response.status not in self.RETRY_STATUSES:
+                    raise EndpointError(f"POST {url} returned {response.status}: {body}")
+                raise _Retry(f"HTTP {response.status}: {body}", lost=False)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            # Refused, reset or silent: the server (or its node) may be gone, not just busy.
+            lost = isinstance(exc, TimeoutError | aiohttp.ClientConnectionError)
+            raise _Retry(f"{type(exc).__name__}: {exc}", lost=lost) from exc
+
     async def _post(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
         if self._session is None:
             raise RuntimeError("OpenAIClient used outside 'async with'")
-        last_error = ""
+        path = self._path(url)
+        last_error, lost = "", False
         attempts = self.endpoint.max_retries + 1
         for attempt in range(attempts):
+            url = self._url(path)
             try:
-                async with self._semaphore, self._session.post(url, json=payload) as response:
-                    if response.status == 200:
-                        return await response.json()
-                    body = (await response.text())[:500]
-                    if response.status not in self.RETRY_STATUSES:
-                        raise EndpointError(f"POST {url} returned {response.status}: {body}")
-                    last_error = f"HTTP {response.status}: {body}"
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
+                return await self._attempt(url, payload)
+            except _Retry as exc:
+                last_error, lost = exc.error, exc.lost
             if attempt + 1 < attempts:
                 # Exponential backoff with jitter, so retries from many rollouts do not arrive together.
                 await asyncio.sleep(min(8.0, 0.25 * 2**attempt) * (0.5 + random.random()))
+        if lost and self.endpoint.marker:
+            return await self._reconnect(path, payload, last_error)
         raise EndpointError(f"POST {url} failed after {attempts} attempts; last error: {last_error}")
+
+    async def _reconnect(self, path: str, payload: dict[str, Any], last_error: str) -> dict[str, Any]:
+        """Wait for a lost server: re-read its readiness marker (a restarted server rewrites it with its new
+        address) and retry with backoff, for the marker's ``reconnect_timeout_s``; then fail naming the marker
+        and the last address tried. A missing or unreadable marker fails at once: the run ended or stopped
+        the server (the marker is replaced atomically, so a restart never leaves it missing)."""
+        marker = self.endpoint.marker
+        loop = asyncio.get_running_loop()
+        start, delay = loop.time(), 1.0
+        if not self._reconnecting:
+            logger.warning(
+                "%s at %s does not answer (%s); waiting for it, re-reading its readiness marker %s",
+                self.endpoint.model,
+                self.endpoint.base_url,
+                last_error,
+                marker,
+            )
+        self._reconnecting += 1
+        try:
+            while True:
+                tried = self.endpoint.base_url
+                try:
+                    # A few hundred bytes: reading it in the event loop blocks nothing worth a thread.
+                    content = load_marker(marker)
+                except (FileNotFoundError, ValueError) as exc:
+                    raise EndpointError(
+                        f"{self.endpoint.model} at {tried} does not answer ({last_error}), and its readiness "
+                        f"marker cannot be re-read for a new address: {exc}"
+                    ) from None
+                limit = float(content.get("reconnect_timeout_s") or 0.0)
+                base = str(content["endpoint"]).rstrip("/")
+                if base != self.endpoint.base_url.rstrip("/"):
+                    logger.info("readiness marker %s: %s moved from %s to %s", marker, self.endpoint.model, tried, base)
+                    self._bases.append(self.endpoint.base_url.rstrip("/"))
+                    self.endpoint = dataclasses.replace(self.endpoint, base_url=base)
+                tried = self.endpoint.base_url
+                try:
+                    result = await self._attempt(self._url(path), payload)
+                except _Retry as exc:
+                    last_error = exc.error
+                else:
+                    logger.info("%s answers again at %s after %.0f s", self.endpoint.model, tried, loop.time() - start)
+                    return result
+                waited = loop.time() - start
+                if waited >= limit:
+                    raise EndpointError(
+                        f"POST {self._url(path)}: {self.endpoint.model} has not answered for {waited:.0f} s "
+                        f"(reconnect_timeout_s {limit:.0f} s, from readiness marker {marker}); last address tried "
+                        f"{tried}, last error: {last_error}. Is the server's job (the marker's slurm_job_id or pid) "
+                        "still running?"
+                    )
+                await asyncio.sleep(min(delay, limit - waited))
+                delay = min(2 * delay, self.MAX_RECONNECT_DELAY_S)
+        finally:
+            self._reconnecting -= 1
 
     async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> str:
         """The assistant text for ``messages``; cached by (model, messages, sampling).

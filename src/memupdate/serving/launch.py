@@ -13,6 +13,13 @@ when its readiness marker is deleted (Snakemake deletes a temp() output once its
 or, for a local server, when the Snakemake run that started it is gone (so even a killed run leaves
 no server behind).
 
+A Slurm server's job lands where the serve rule's own job did (the same partition, account and QoS:
+:func:`with_job_placement`), and its ``startup_timeout_s`` counts from when the job runs, not from when it
+was queued (:func:`wait_until_running`; ``queue_timeout_s`` bounds the queue, if set). A job that is
+preempted and requeued starts the supervisor again on another node and port; the supervisor then rewrites
+the readiness marker with the new address, and clients that lost the server re-read it
+(:mod:`memupdate.serving.client`).
+
 Every started server is recorded in a registry folder (one JSON file per server) before anything waits
 on it; the Snakefile's ``onsuccess``/``onerror`` hooks call :func:`stop_servers` on that folder, which
 stops each by process group or Slurm job id. Readiness markers are ``temp()`` outputs, so a later run
@@ -33,13 +40,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from memupdate.serving.readiness import ServerNotReady, write_marker
+from memupdate.serving.readiness import ServerNotReady, probe, rewrite_marker, write_marker
 from memupdate.serving.vllm_env import ensure_vllm_env, env_path, env_python
 from memupdate.serving.vllm_server import error_lines, start_vllm_server, wait_until_ready
 from memupdate.settings import ServeSettings, SlurmOptions, build
@@ -182,6 +189,9 @@ def supervisor_argv(
         "--dtype",
         settings.dtype,
     ]
+    # CUDA graphs on GPU servers (vLLM's default); eager on CPU, where compiling costs a minute and gains little.
+    if settings.engine == "vllm-cpu":
+        argv.append("--enforce-eager")
     if watch_pid:
         argv += ["--watch-pid", str(watch_pid)]
     if marker is not None:
@@ -200,12 +210,97 @@ def sbatch_argv(job_name: str, log_path: Path, options: Mapping[str, Any], comma
     return [*argv, f"--wrap={shlex.join(command)}"]
 
 
-def _slurm_state(job_id: str) -> str | None:
+#: The Snakemake Slurm plugin's resources that place a job (profiles/slurm/config.yaml sets them for every job
+#: from MEMUPDATE_SLURM_PARTITION, _ACCOUNT and _QOS), by the ``serving.slurm`` key that places a server's job.
+PLACEMENT_RESOURCES = {"partition": "slurm_partition", "account": "slurm_account", "qos": "qos"}
+
+
+def with_job_placement(slurm: Mapping[str, Any], resources: Any) -> dict[str, Any]:
+    """``serving.slurm`` with the partition, account and QoS of the serve rule's own job where it sets none.
+
+    ``resources`` is that job's resolved resources (Snakemake's, or any object with ``get``). The server's
+    job is submitted by this code, not by the Slurm plugin, so without this it would land in the cluster's
+    default partition and account whatever the profile says; this way both come from the profile's one
+    definition. An empty value (the variable unset) adds nothing: sbatch then takes the cluster's default.
+
+    >>> with_job_placement({"gres": "gpu:1", "qos": "long"}, {"slurm_partition": "gpu", "slurm_account": "", "qos": "normal"})
+    {'gres': 'gpu:1', 'qos': 'long', 'partition': 'gpu'}
+    """
+    out = dict(slurm)
+    for key, resource in PLACEMENT_RESOURCES.items():
+        value = resources.get(resource) if resources is not None else None
+        if out.get(key) in (None, "") and value not in (None, ""):
+            out[key] = str(value)
+    return out
+
+
+def _slurm_status(job_id: str) -> tuple[str, str] | None:
+    """(state, reason) of a job as squeue shows it, or None when squeue does not list it (ended, or not yet)."""
     result = subprocess.run(
-        ["squeue", "--noheader", "--format=%T", f"--jobs={job_id}"], capture_output=True, text=True, check=False
+        ["squeue", "--noheader", "--format=%T %r", f"--jobs={job_id}"], capture_output=True, text=True, check=False
     )
-    state = result.stdout.strip()
-    return state or None
+    lines = result.stdout.strip().splitlines()
+    if not lines:
+        return None
+    state, _, reason = lines[0].strip().partition(" ")
+    return state, reason.strip() or "None"
+
+
+def _slurm_state(job_id: str) -> str | None:
+    status = _slurm_status(job_id)
+    return status[0] if status else None
+
+
+#: squeue states of a job that has not started: queued, held, requeued, or its nodes still booting.
+QUEUED_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"})
+
+
+def wait_until_running(
+    job_id: str,
+    status: Callable[[], tuple[str, str] | None],
+    *,
+    queue_timeout_s: float | None = None,
+    poll_s: float = 10.0,
+    log_every_s: float = 300.0,
+    grace_s: float = 5.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str | None:
+    """Wait while the server's job is queued; return its first state past the queue (``RUNNING``, or a final
+    one), or None once squeue no longer lists it (it ended unseen; the wait for its address says why).
+
+    The queue is the cluster's, not the server's: a GPU job may wait for hours, and a start-up timeout that
+    counted that time cancelled servers that never started. So the start-up timeout starts after this, and
+    the queue has its own limit, ``queue_timeout_s`` (None: wait; the serve rule's own job time still
+    bounds it). ``status`` gives (state, reason) as squeue does (:func:`_slurm_status`); a job squeue does
+    not list within ``grace_s`` of the first poll has left the queue. Logs on each change of state and every
+    ``log_every_s`` while it waits.
+    """
+    start = clock()
+    logged_at, logged_state = start, None
+    while True:
+        current = status()
+        waited = clock() - start
+        if current is None:
+            if waited > grace_s:
+                logger.info("Slurm job %s left the queue after %.0f s", job_id, waited)
+                return None
+            current = ("PENDING", "not listed by squeue yet")
+        state, reason = current
+        if state not in QUEUED_STATES:
+            logger.info("Slurm job %s is %s after %.0f s in the queue", job_id, state, waited)
+            return state
+        if queue_timeout_s is not None and waited >= queue_timeout_s:
+            raise ServeError(
+                f"Slurm job {job_id} is still {state} after {waited:.0f} s in the queue (squeue's reason: "
+                f"{reason}); serving.queue_timeout_s is {queue_timeout_s:.0f} s. Raise it (null = wait), or ask "
+                "for a server the cluster can place sooner (serving.slurm, profiles/slurm/resources.yaml)"
+            )
+        if state != logged_state or clock() - logged_at >= log_every_s:
+            limit = f" of at most {queue_timeout_s:.0f} s" if queue_timeout_s is not None else ""
+            logger.info("Slurm job %s is %s (%s) after %.0f s in the queue%s", job_id, state, reason, waited, limit)
+            logged_at, logged_state = clock(), state
+        sleep(poll_s if queue_timeout_s is None else max(0.0, min(poll_s, queue_timeout_s - waited)))
 
 
 class SlurmJob:
@@ -322,6 +417,13 @@ def serve_model(
         _register(registry_dir, served_model_name, {"slurm_job_id": job_id, **record})
         logger.info("submitted Slurm job %s serving %s (log %s)", job_id, model_dir, server_log)
     try:
+        if isinstance(process, SlurmJob):
+            wait_until_running(
+                process.job_id,
+                lambda: _slurm_status(process.job_id),
+                queue_timeout_s=settings.queue_timeout_s,
+                grace_s=SlurmJob.GRACE_S,
+            )
         address = _wait_for_address(address_file, server_log, settings.startup_timeout_s, process=process)
         start = time.monotonic()
         wait_until_ready(
@@ -338,6 +440,7 @@ def serve_model(
         pid=address["pid"] if launcher == "local" else None,
         slurm_job_id=job_id,
         model_path=model_dir,
+        reconnect_timeout_s=settings.reconnect_timeout_s,
     )
 
 
@@ -380,6 +483,7 @@ def run_supervisor(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         log_path=log_path,
         extra_args=args.extra_arg,
+        eager=args.enforce_eager,
     )
     server.base_url = f"http://{advertised}:{port}/v1"
     child = server.process
@@ -402,7 +506,10 @@ def run_supervisor(args: argparse.Namespace) -> int:
     )
     logger.info("vLLM pid %d serving %s at %s (log %s)", child.pid, args.served_model_name, server.base_url, log_path)
     marker = Path(args.marker) if args.marker else None
-    marked = False
+    # A marker there already was written for this server's previous start (its job was preempted and
+    # requeued, and now runs on another node and port): point it at this start once the server answers.
+    stale = marker is not None and marker.exists()
+    marked, next_probe = stale, 0.0
     while stop["why"] is None:
         if child.poll() is not None:
             logger.error("vLLM exited with code %s:\n%s", child.returncode, tail(log_path, 40))
@@ -410,6 +517,8 @@ def run_supervisor(args: argparse.Namespace) -> int:
         if args.watch_pid and not _pid_alive(args.watch_pid):
             stop["why"] = f"run process {args.watch_pid} ended"
             break
+        if stale and time.monotonic() >= next_probe:
+            stale, next_probe = _refresh_marker(marker, server.base_url, port, args), time.monotonic() + 2.0
         # The marker is a temp() output: once written, its deletion means every consumer is done.
         if marker is not None:
             if marker.exists():
@@ -421,6 +530,24 @@ def run_supervisor(args: argparse.Namespace) -> int:
     logger.info("stopping vLLM pid %d (%s)", child.pid, stop["why"])
     server.stop()
     return 0
+
+
+def _refresh_marker(marker: Path, base_url: str, port: int, args: argparse.Namespace) -> bool:
+    """Rewrite a restarted server's marker with its address once it answers; returns whether it is still stale."""
+    try:
+        # Probed on loopback: the advertised host name may resolve to another interface.
+        probe(f"http://127.0.0.1:{port}/v1", args.served_model_name, timeout_s=10.0)
+    except ServerNotReady:
+        return True
+    try:
+        rewrite_marker(marker, endpoint=base_url, pid=os.getpid() if args.bind_host == "127.0.0.1" else None)
+    except FileNotFoundError:
+        return False  # deleted meanwhile: its consumers are done, and the loop stops the server
+    except ValueError as exc:
+        logger.error("cannot rewrite readiness marker %s for the restarted server: %s", marker, exc)
+        return False
+    logger.info("restarted server: readiness marker %s now points at %s", marker, base_url)
+    return False
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -437,6 +564,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--watch-pid", type=int)
     run.add_argument("--marker", help="stop once this readiness marker, after being written, is deleted")
     run.add_argument("--extra-arg", action="append", default=[])
+    run.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (the CPU engine)")
     stop = sub.add_parser("stop", help="stop every server recorded in a registry folder")
     stop.add_argument("registry_dir")
     return parser

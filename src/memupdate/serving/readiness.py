@@ -10,6 +10,10 @@ that holds forever (the server's job can end, be pre-empted, or the machine can 
 - every reader goes through :func:`read_marker`, which probes again and fails with a message naming
   the marker, the URL and the fix, instead of the first reward call timing out deep inside a run.
 
+A server whose Slurm job is requeued (preempted) comes back on another node and port; its supervisor
+then points the marker at the new address (:func:`rewrite_marker`, atomically), and clients that lost the
+server re-read it (:class:`memupdate.serving.client.OpenAIClient`) for the marker's ``reconnect_timeout_s``.
+
 The probes use ``urllib`` and are synchronous: they run in serve scripts and before training
 starts, where there is no event loop to share.
 """
@@ -28,12 +32,10 @@ from typing import Any
 
 from memupdate.serving.client import Endpoint, EndpointError
 from memupdate.serving.decoding import GREEDY
+from memupdate.serving.markers import MARKER_FORMAT, load_marker
 from memupdate.utils.io import write_json_atomic
 
 logger = logging.getLogger(__name__)
-
-#: Bumped when the marker's keys change incompatibly; readers reject other versions.
-MARKER_FORMAT = 1
 
 
 class ServerNotReady(EndpointError):
@@ -111,6 +113,7 @@ def write_marker(
     pid: int | None = None,
     slurm_job_id: str | None = None,
     model_path: str | os.PathLike | None = None,
+    reconnect_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Write the readiness marker for a served model at ``path`` (atomically) and return its content.
 
@@ -119,7 +122,8 @@ def write_marker(
     is the OpenAI-compatible root (``http://host:port/v1``) or an :class:`Endpoint`; it must be
     reachable from the consumers, so a server for other nodes records its hostname, not 127.0.0.1.
     ``slurm_job_id`` defaults to ``$SLURM_JOB_ID`` when the writer runs inside a Slurm job, which is
-    how a server's job is found and cancelled later.
+    how a server's job is found and cancelled later. ``reconnect_timeout_s`` (``serving.reconnect_timeout_s``)
+    is how long a client that loses this server waits for it to come back (None: it does not wait).
     """
     base_url = endpoint.base_url if isinstance(endpoint, Endpoint) else str(endpoint)
     Endpoint(base_url, served_model_name)  # validates URL and name before anything is written
@@ -134,30 +138,31 @@ def write_marker(
         "pid": pid,
         "slurm_job_id": slurm_job_id,
         "health_checked_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "reconnect_timeout_s": reconnect_timeout_s,
     }
     write_json_atomic(path, marker)
     logger.info("readiness marker %s: %s serves %r", path, base_url, served_model_name)
     return marker
 
 
-def load_marker(path: str | os.PathLike) -> dict[str, Any]:
-    """The marker's content, checked for shape, without probing (for reports and for stopping servers)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no readiness marker at {path}: run the serve rule that writes it")
-    try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"readiness marker {path} is not valid JSON ({exc}); rerun the serve rule") from exc
-    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
-        raise ValueError(
-            f"readiness marker {path} has format {marker.get('format') if isinstance(marker, dict) else None!r}, "
-            f"this code reads format {MARKER_FORMAT}; rerun the serve rule"
-        )
-    for key in ("endpoint", "served_model_name"):
-        if not marker.get(key):
-            raise ValueError(f"readiness marker {path} has no {key!r}; rerun the serve rule")
-    return marker
+def rewrite_marker(path: str | os.PathLike, *, endpoint: str, pid: int | None = None) -> dict[str, Any]:
+    """Point the marker at ``path`` at a restarted server's ``endpoint`` (call it after that server passed
+    :func:`probe`); returns the new content.
+
+    Keeps what the serve rule recorded (served name, model, reconnect time) and records the new address,
+    host, process and check time. The write replaces the file atomically, so a client re-reading it sees the
+    old address or the new one, never a partial file. Raises :class:`FileNotFoundError` when the marker is
+    gone: its consumers are done, and nothing should point at the server any more.
+    """
+    old = load_marker(path)
+    return write_marker(
+        path,
+        endpoint=endpoint,
+        served_model_name=old["served_model_name"],
+        pid=pid,
+        model_path=old.get("model_path"),
+        reconnect_timeout_s=old.get("reconnect_timeout_s"),
+    )
 
 
 def read_marker(path: str | os.PathLike, *, timeout_s: float = 10.0, **endpoint_options: Any) -> Endpoint:
@@ -165,7 +170,8 @@ def read_marker(path: str | os.PathLike, *, timeout_s: float = 10.0, **endpoint_
 
     Probes ``GET /v1/models`` (cheap; no generation) and raises :class:`ServerGone` naming the marker,
     the URL and the fix when it fails. ``endpoint_options`` (``timeout_s``, ``max_retries``,
-    ``api_key_env``) go to the returned :class:`Endpoint`.
+    ``api_key_env``) go to the returned :class:`Endpoint`, which keeps the marker's path: a client that
+    loses the server re-reads the marker for its new address.
     """
     marker = load_marker(path)
     base_url, name = marker["endpoint"], marker["served_model_name"]
@@ -178,4 +184,5 @@ def read_marker(path: str | os.PathLike, *, timeout_s: float = 10.0, **endpoint_
             f"{where} on {marker.get('host')} and last health-checked at {marker.get('health_checked_at')}: "
             f"rerun the serve rule (e.g. snakemake --forcerun {path})"
         ) from exc
+    endpoint_options.setdefault("marker", str(Path(path).resolve()))
     return Endpoint(base_url, name, **endpoint_options)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -224,6 +226,61 @@ class GenerationMeter:
                 self.seconds += time.perf_counter() - self._since
         self.generated_tokens += len(output.token_ids)
         return output
+
+
+class SharedGreedyRequests:
+    """A verl ``generate`` client that generates each greedy request once: identical requests at temperature 0
+    share one generation, in flight or among the last ``size`` finished; a request that samples is sent as is.
+
+    The fixed role decodes greedily, so the rollouts of a GRPO group send it identical requests: in a QA stage
+    each of a group's 8 trajectories replays the fixed memory model's whole episode on the same question and
+    store, and in a memory stage the QA phase asks the same question of stores the rollouts left alike. Without
+    this the served model makes each episode 8 times per step (and again at every step that draws the question,
+    the fixed model being fixed for the stage), while the trainer's GPUs wait. ``shared`` counts the requests
+    answered from another's generation; ``seconds`` is the wrapped client's (a :class:`GenerationMeter`).
+    """
+
+    def __init__(self, client: Any, size: int = 4096):
+        self.client = client
+        self.size = size
+        self.shared = 0
+        self._done: OrderedDict[str, Any] = OrderedDict()
+        self._pending: dict[str, asyncio.Future] = {}
+
+    @property
+    def seconds(self) -> float:
+        return self.client.seconds
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs):
+        if sampling_params.get("temperature") != 0 or any(value is not None for value in kwargs.values()):
+            return await self.client.generate(
+                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
+            )
+        key = json.dumps([list(prompt_ids), sampling_params], sort_keys=True, default=str)
+        if key in self._done:
+            self._done.move_to_end(key)
+            self.shared += 1
+            return self._done[key].model_copy(deep=True)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(
+                self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+            )
+            self._pending[key] = pending
+            pending.add_done_callback(lambda done: self._finish(key, done))
+        else:
+            self.shared += 1
+        # Shielded: one caller cancelled must not cancel the generation the others wait for. A copy each: the
+        # agent loop owns the lists it is given.
+        return (await asyncio.shield(pending)).model_copy(deep=True)
+
+    def _finish(self, key: str, done: asyncio.Future) -> None:
+        self._pending.pop(key, None)
+        if done.cancelled() or done.exception() is not None:
+            return
+        self._done[key] = done.result()
+        while len(self._done) > self.size:
+            self._done.popitem(last=False)
 
 
 def _take(params: dict[str, Any], key: str) -> Any:

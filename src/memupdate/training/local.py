@@ -91,9 +91,10 @@ class LocalGRPOConfig(TrainSettings, RolloutConfig):
         nor where its metrics are logged."""
         settings = asdict(self)
         settings.pop("steps"), settings.pop("save_every"), settings.pop("logger")
-        # A served model's address changes with every server start; the model it serves is what counts.
+        # A served model's address changes with every server start, and its marker's path with the checkout;
+        # the model it serves is what counts.
         if self.fixed_model:
-            settings["fixed_model"] = {k: v for k, v in self.fixed_model.items() if k != "base_url"}
+            settings["fixed_model"] = {k: v for k, v in self.fixed_model.items() if k not in ("base_url", "marker")}
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -33,16 +33,28 @@ Several nodes on one host (CI runs two slurmd daemons on one machine) must not c
   --max-worker-port 0``, each worker binds a free port), the dashboard agent's HTTP port (default 52365)
   and the dashboard's (8265); the head's GCS and Ray-client ports (6379, 10001 by default) are picked
   free unless given. Every other Ray port is random already.
+
+On a cluster:
+
+- each node gives Ray the IPv4 address of the network interface ``--node-ip-interface`` names (default
+  ``$MEMUPDATE_NODE_IP_INTERFACE``, e.g. ``ib0``; unset: Ray's guess, the default route's address);
+- under Slurm Ray counts the CPUs Slurm gave the task (``SLURM_CPUS_PER_TASK``, else ``SLURM_CPUS_ON_NODE``),
+  not the host's, unless ``--num-cpus`` says otherwise (the CPU platform does);
+- a node's temp dir too long for Ray's socket paths moves to a short one under ``/tmp``;
+- the soft limit of open files (``ulimit -n``) is raised to the hard limit for the Ray processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import ipaddress
 import json
 import logging
 import os
 import re
+import resource
 import secrets
 import signal
 import socket
@@ -66,9 +78,14 @@ logger = logging.getLogger(__name__)
 
 # Spelled out: under `python -m` this module's __name__ is "__main__".
 MODULE = "memupdate.training.ray_cluster"
+#: The network interface whose address each node gives Ray (e.g. ib0), set where the workflow starts.
+NODE_IP_INTERFACE_ENV = "MEMUPDATE_NODE_IP_INTERFACE"
 # The plasma socket is <temp dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store: 64 characters
-# after the temp dir, and an AF_UNIX path holds at most 107.
-MAX_TEMP_DIR_LEN = 43
+# after the temp dir, and an AF_UNIX path holds at most 107 bytes.
+AF_UNIX_PATH_MAX = 107
+MAX_TEMP_DIR_LEN = AF_UNIX_PATH_MAX - 64
+#: Where a node's temp dir goes when the one under $TMPDIR (or --temp-root) is too long.
+SHORT_TEMP_ROOT = Path("/tmp")
 POLL_S = 0.5
 # How long a `ray start --block` gets to stop its node after SIGTERM before it is killed.
 STOP_TIMEOUT_S = 60.0
@@ -146,9 +163,9 @@ def ray_start_argv(
 ) -> list[str]:
     """``ray start ... --block`` for the head (``head_address`` None: give ``port`` and ``client_port``)
     or a worker joining ``head_address``."""
-    if len(str(temp_dir)) > MAX_TEMP_DIR_LEN:
+    if len(os.fsencode(temp_dir)) > MAX_TEMP_DIR_LEN:
         raise RayClusterError(
-            f"Ray temp dir {temp_dir} is longer than {MAX_TEMP_DIR_LEN} characters: Ray's socket paths "
+            f"Ray temp dir {temp_dir} is longer than {MAX_TEMP_DIR_LEN} bytes: Ray's socket paths "
             "under it would exceed the AF_UNIX limit; use a shorter --temp-root"
         )
     argv = [_ray_executable(), "start"]
@@ -185,6 +202,119 @@ def ray_start_argv(
     if resources:
         argv += ["--resources", json.dumps(dict(resources), sort_keys=True)]
     return argv
+
+
+def interface_ipv4(interface: str, addresses: Mapping[str, Sequence] | None = None, host: str | None = None) -> str:
+    """The IPv4 address of network interface ``interface`` (``addresses``: :func:`psutil.net_if_addrs`' mapping,
+    read when None); a :class:`RayClusterError` naming the node and its interfaces if it has no such address.
+
+    >>> from types import SimpleNamespace as A
+    >>> interface_ipv4("ib0", {"ib0": [A(family=socket.AF_INET6, address="fe80::1"),
+    ...                                A(family=socket.AF_INET, address="10.1.0.7")]})
+    '10.1.0.7'
+    """
+    addresses = psutil.net_if_addrs() if addresses is None else addresses
+    ipv4 = {name: [a.address for a in entries if a.family == socket.AF_INET] for name, entries in addresses.items()}
+    if ipv4.get(interface):
+        return ipv4[interface][0]
+    host = host or socket.gethostname()
+    have = ", ".join(f"{name} ({', '.join(ips) or 'no IPv4'})" for name, ips in sorted(ipv4.items())) or "none"
+    why = "has no IPv4 address" if interface in ipv4 else "does not exist"
+    raise RayClusterError(
+        f"node {host}: network interface {interface!r} ({NODE_IP_INTERFACE_ENV} or --node-ip-interface) {why} "
+        f"there; its interfaces: {have}"
+    )
+
+
+def node_ip_address(node_ip: str | None, interface: str | None, nnodes: int) -> str:
+    """This node's address for Ray: ``node_ip``, else ``interface``'s IPv4 address, else Ray's guess (the
+    default route's), with a warning when that is a loopback address other nodes cannot reach."""
+    if node_ip and interface:
+        raise RayClusterError(f"give a node IP ({node_ip}) or an interface ({interface}), not both")
+    if node_ip:
+        return node_ip
+    if interface:
+        address = interface_ipv4(interface)
+        logger.info("node %s: Ray uses %s of interface %s", socket.gethostname(), address, interface)
+        return address
+    address = ray.util.get_node_ip_address()
+    if nnodes > 1 and ipaddress.ip_address(address).is_loopback:
+        logger.warning(
+            "node %s: Ray's guess of this node's address is %s, a loopback address the other nodes cannot reach; "
+            "set %s to the interface of the cluster's network (e.g. ib0 or eth0)",
+            socket.gethostname(),
+            address,
+            NODE_IP_INTERFACE_ENV,
+        )
+    return address
+
+
+def slurm_num_cpus(env: Mapping[str, str] = os.environ) -> int | None:
+    """The CPUs Slurm gave this task (one task per node): ``SLURM_CPUS_PER_TASK``, else ``SLURM_CPUS_ON_NODE``;
+    None outside Slurm, where Ray counts the machine's. Ray's own count ignores Slurm's cpuset: it sees every
+    CPU of the host.
+
+    >>> slurm_num_cpus({"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "32", "SLURM_CPUS_ON_NODE": "64"})
+    32
+    >>> slurm_num_cpus({"SLURM_JOB_ID": "7", "SLURM_CPUS_ON_NODE": "64"}), slurm_num_cpus({})
+    (64, None)
+    """
+    if "SLURM_JOB_ID" not in env:
+        return None
+    for name in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
+        if env.get(name, "").strip().isdigit():
+            return int(env[name])
+    return None
+
+
+def ray_temp_dir(root: str | os.PathLike, cluster_id: str, rank: int) -> Path:
+    """This node's Ray temp dir, ``<root>/ray-<cluster id>-<rank>``; if that is too long for Ray's socket paths
+    (:data:`MAX_TEMP_DIR_LEN` bytes: an AF_UNIX path holds 107, and Ray adds 64 below it), one under
+    :data:`SHORT_TEMP_ROOT` (node-local), logged.
+
+    >>> str(ray_temp_dir("/tmp", "42.1", 0))
+    '/tmp/ray-42.1-0'
+    >>> str(ray_temp_dir("/scratch/local/slurm-job-1234567/tmp/very/deep", "1234567", 1))
+    '/tmp/ray-1234567-1'
+    """
+    wanted = Path(root) / f"ray-{cluster_id}-{rank}"
+    if len(os.fsencode(wanted)) <= MAX_TEMP_DIR_LEN:
+        return wanted
+    short = SHORT_TEMP_ROOT / f"ray-{cluster_id}-{rank}"
+    if len(os.fsencode(short)) > MAX_TEMP_DIR_LEN:
+        short = SHORT_TEMP_ROOT / f"ray-{hashlib.sha256(cluster_id.encode()).hexdigest()[:10]}-{rank}"
+    logger.warning(
+        "Ray temp dir %s is %d bytes, more than the %d Ray's socket paths leave (AF_UNIX: %d): using %s; give "
+        "--temp-root (or TMPDIR) a short node-local folder to choose another",
+        wanted,
+        len(os.fsencode(wanted)),
+        MAX_TEMP_DIR_LEN,
+        AF_UNIX_PATH_MAX,
+        short,
+    )
+    return short
+
+
+def raise_open_files_limit(rlimit=resource) -> tuple[int, int]:
+    """Raise the soft limit of open files (``ulimit -n``) to the hard limit, for the Ray processes this one
+    starts (each raylet and worker holds many sockets); returns ``(old, new)``. Linux caps an unlimited
+    hard limit at ``fs.nr_open``. ``rlimit`` is the :mod:`resource` module (a stand-in in tests)."""
+    soft, hard = rlimit.getrlimit(rlimit.RLIMIT_NOFILE)
+    target = hard
+    if hard == rlimit.RLIM_INFINITY:
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft == rlimit.RLIM_INFINITY or soft >= target:
+        return soft, soft
+    try:
+        rlimit.setrlimit(rlimit.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError) as err:
+        logger.warning("could not raise the open files limit (ulimit -n) from %d to %d: %s", soft, target, err)
+        return soft, soft
+    logger.info("open files limit (ulimit -n) raised from %d to %d (the hard limit) for Ray", soft, target)
+    return soft, target
 
 
 def _write_token(path: Path) -> None:
@@ -391,6 +521,7 @@ def run_ray_cluster(
     cluster_id: str = "local",
     port: int | None = None,
     node_ip: str | None = None,
+    node_ip_interface: str | None = None,
     num_cpus: int | None = None,
     num_gpus: int | None = None,
     resources: Mapping[str, float] | None = None,
@@ -403,19 +534,30 @@ def run_ray_cluster(
 
     ``shared_dir`` must be visible to every node; ``cluster_id`` (the Slurm job id) keeps the files of
     different jobs apart. ``timeout`` bounds the start-up: the head coming up and every node joining.
+    ``node_ip_interface`` names the interface whose address this node gives Ray (:func:`node_ip_address`);
+    ``num_cpus`` None is Slurm's count under Slurm (:func:`slurm_num_cpus`).
     """
     cluster_id = re.sub(r"[^\w.-]", "_", cluster_id)
     files = ClusterFiles(Path(shared_dir).resolve(), cluster_id)
     files.shared_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        node_ip = node_ip_address(node_ip, node_ip_interface, nnodes)
+    except RayClusterError as err:
+        # Rank 0's start-up error names the missing ranks' logs: the reason is there too.
+        with open(files.log(rank), "a", encoding="utf-8") as log:
+            log.write(f"{err}\n")
+        raise
+    if num_cpus is None and (num_cpus := slurm_num_cpus()) is not None:
+        logger.info("Ray node of rank %d offers the %d CPUs Slurm gave its task", rank, num_cpus)
+    raise_open_files_limit()
     # Ray reads its authentication settings only from the environment. Set here, in the launcher's own
     # process, they reach the Ray nodes it starts, its readiness check and the command it runs; Ray caches
     # its config on import, so it is read again (what ray.init does when it turns token auth on itself).
     os.environ.update(files.auth_env())
     ray._raylet.Config.initialize("")
-    node_ip = node_ip or ray.util.get_node_ip_address()
     node_argv = {
         "node_ip": node_ip,
-        "temp_dir": Path(temp_root or tempfile.gettempdir()) / f"ray-{cluster_id}-{rank}",
+        "temp_dir": ray_temp_dir(temp_root or tempfile.gettempdir(), cluster_id, rank),
         # Ends in "rank<r>" so a failed start-up can tell which ranks are missing.
         "node_name": f"{socket.gethostname()}-rank{rank}",
         "num_cpus": num_cpus,
@@ -463,7 +605,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cluster-id", default=_default_cluster_id(), help="default: the Slurm job id, or 'local'")
     parser.add_argument("--port", type=int, help="the head's GCS port (default: a free port)")
     parser.add_argument("--node-ip", help="this node's address (default: Ray's guess)")
-    parser.add_argument("--num-cpus", type=int)
+    parser.add_argument(
+        "--node-ip-interface",
+        default=os.environ.get(NODE_IP_INTERFACE_ENV) or None,
+        help=f"network interface whose IPv4 address each node gives Ray, e.g. ib0 (default: ${NODE_IP_INTERFACE_ENV}; "
+        "unset: Ray's guess, the default route's)",
+    )
+    parser.add_argument("--num-cpus", type=int, help="default: Slurm's CPUs of the task, else Ray's count")
     parser.add_argument("--num-gpus", type=int)
     parser.add_argument("--resources", type=json.loads, help="custom Ray resources of each node, as JSON")
     parser.add_argument("--object-store-memory", type=int, help="bytes")
@@ -494,6 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cluster_id=args.cluster_id,
             port=args.port,
             node_ip=args.node_ip,
+            node_ip_interface=args.node_ip_interface,
             num_cpus=args.num_cpus,
             num_gpus=args.num_gpus,
             resources=args.resources,

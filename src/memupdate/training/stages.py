@@ -12,7 +12,9 @@ Token ids cross between the policy and the served model unchanged, so both must 
 ``backend="local"`` runs :class:`memupdate.training.local.LocalGRPOTrainer` in this process.
 ``backend="verl"`` composes and validates ``main_ppo``'s overrides, starts Ray across the Slurm
 allocation (:mod:`memupdate.training.ray_cluster`, one task per node), runs the trainer, and merges the
-last FSDP checkpoint into the same ``<run>/ckpt`` layout (HF weights + ``manifest.json``).
+last FSDP checkpoint into the same ``<run>/ckpt`` layout (HF weights + ``manifest.json``). verl resumes from
+whatever ``<run>/checkpoints`` holds; :func:`guard_verl_checkpoints` keeps only a checkpoint of this very run
+there (:func:`verl_run_digest`), as the local backend does, and the export refuses any other.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -80,12 +83,13 @@ def check_same_tokenizer(policy_dir: str | os.PathLike, served_dir: str | os.Pat
 
 
 def fixed_model_endpoint(marker: str | os.PathLike | None, policy_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """``{base_url, model}`` of the served model in ``marker`` (re-probed), or None without a marker."""
+    """``{base_url, model, marker}`` of the served model in ``marker`` (re-probed), or None without a marker;
+    the marker's path lets the rollout's client find a requeued server's new address."""
     if marker is None:
         return None
     endpoint = read_marker(marker)
     check_same_tokenizer(policy_dir, load_marker(marker).get("model_path"))
-    return {"base_url": endpoint.base_url, "model": endpoint.model}
+    return {"base_url": endpoint.base_url, "model": endpoint.model, "marker": endpoint.marker}
 
 
 def stage_reward(
@@ -224,7 +228,7 @@ def train_memagent(
     argv, run_env = prepare_memagent_ppo(
         model_path=model,
         train_files=train_files,
-        val_files=verl.get("val_files") or train_files,
+        val_files=validation_files(verl),
         loop=loop,
         n_gpus_per_node=gpus,
         nnodes=nnodes,
@@ -234,6 +238,14 @@ def train_memagent(
     )
     command = allocation_command(argv, run_dir, nnodes, gpus, device=run_device(settings))
     return run_verl(command, run_env, run_dir, model)
+
+
+def validation_files(verl: Mapping[str, Any]) -> str | list[str]:
+    """verl's ``data.val_files``: required, because verl validates on the training files when none are given
+    (training accuracy, at the cost of a pass over the whole training file)."""
+    if not verl.get("val_files"):
+        raise ValueError("a verl run needs val_files (held-out rows to validate on); verl would use the training files")
+    return verl["val_files"]
 
 
 def rollout_server(settings: Mapping[str, Any], verl: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -307,7 +319,7 @@ def verl_commands(
         training_stage,
         model_path=model,
         train_files=train_files,
-        val_files=verl.get("val_files") or train_files,
+        val_files=validation_files(verl),
         tool_config=tool_config,
         memory=memory,
         n_gpus_per_node=gpus,
@@ -349,8 +361,10 @@ def allocation_command(
 ) -> list[str]:
     """``argv`` (main_ppo) wrapped to start Ray on every node of the allocation and run on the head. Each node
     offers ``gpus`` GPUs, or on CPU as many ``cpu_slot`` resources (one per trainer rank) and more logical
-    CPUs than it has (:data:`memupdate.verl_ext.cpu_platform.RAY_NUM_CPUS`)."""
-    from memupdate.training.ray_cluster import cluster_command
+    CPUs than it has (:data:`memupdate.verl_ext.cpu_platform.RAY_NUM_CPUS`); on GPUs Ray counts the CPUs Slurm
+    gave the task (:func:`memupdate.training.ray_cluster.slurm_num_cpus`). ``$MEMUPDATE_NODE_IP_INTERFACE``
+    (e.g. ``ib0``) makes every node give Ray that interface's address instead of Ray's default-route guess."""
+    from memupdate.training.ray_cluster import NODE_IP_INTERFACE_ENV, cluster_command
 
     if device == "cpu":
         from memupdate.verl_ext.cpu_platform import RAY_NUM_CPUS, RAY_RESOURCE
@@ -358,13 +372,64 @@ def allocation_command(
         node = {"resources": {RAY_RESOURCE: gpus}, "num_cpus": RAY_NUM_CPUS}
     else:
         node = {"num_gpus": gpus}
-    command = cluster_command(argv, shared_dir=Path(run_dir) / "ray", **node)
+    interface = env.get(NODE_IP_INTERFACE_ENV) or None
+    command = cluster_command(argv, shared_dir=Path(run_dir) / "ray", node_ip_interface=interface, **node)
     if env.get("SLURM_JOB_ID") and nnodes > 1:
         # One task per node (the rule asks for tasks=nnodes and mpi, so it runs in the batch step); each starts
         # its Ray node, rank 0 the trainer. A one-node job already runs in a step holding the node's GPUs,
         # where a nested srun would wait for them forever.
-        command = ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", *command]
+        step = ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1"]
+        command = [*step, *step_resources(env, gpus, device), *command]
     return command
+
+
+def step_resources(env: Mapping[str, str], gpus: int, device: str) -> list[str]:
+    """The inner ``srun``'s ``--cpus-per-task`` and ``--gres``: the allocation's, stated. Since Slurm 22.05 a
+    step does not inherit the job's ``--cpus-per-task`` (each task would get one CPU, and every Ray worker
+    of the node would share it), and snakemake-executor-plugin-slurm-jobstep strips ``SLURM_*``/``SRUN_*`` from
+    an ``mpi`` rule's environment, so the value comes from Slurm (``scontrol``) when the variable is gone.
+
+    >>> step_resources({"SLURM_CPUS_PER_TASK": "64"}, 8, "cuda")
+    ['--cpus-per-task=64', '--gres=gpu:8']
+    >>> step_resources({"SLURM_CPUS_PER_TASK": "2"}, 1, "cpu")
+    ['--cpus-per-task=2']
+    """
+    cpus = env.get("SLURM_CPUS_PER_TASK") or (
+        allocation_cpus_per_task(env["SLURM_JOB_ID"]) if "SLURM_JOB_ID" in env else None
+    )
+    options = [f"--cpus-per-task={int(cpus)}"] if cpus else []
+    if device != "cpu" and gpus > 0:
+        options.append(f"--gres=gpu:{gpus}")
+    return options
+
+
+def allocation_cpus_per_task(job_id: str) -> int | None:
+    """``CPUs/Task`` of Slurm job ``job_id`` (``scontrol show job``), or None (logged) when Slurm does not say."""
+    where = f"`scontrol show job -o {job_id}`"
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        logger.warning("%s failed (%s): the Ray nodes' srun states no --cpus-per-task", where, err)
+        return None
+    cpus = cpus_per_task(out.stdout)
+    if cpus is None:
+        logger.warning(
+            "no CPUs/Task in the output of %s (exit %d: %s): the Ray nodes' srun states no --cpus-per-task",
+            where,
+            out.returncode,
+            out.stderr.strip(),
+        )
+    return cpus
+
+
+def cpus_per_task(record: str) -> int | None:
+    """``CPUs/Task`` of a job record of ``scontrol show job -o`` (None if absent).
+
+    >>> cpus_per_task("JobId=72 NumNodes=2 NumCPUs=128 NumTasks=2 CPUs/Task=64 ReqB:S:C:T=0:0:*:*")
+    64
+    """
+    match = re.search(r"\bCPUs/Task=(\d+)", record)
+    return int(match.group(1)) if match else None
 
 
 def run_verl(
@@ -378,7 +443,9 @@ def run_verl(
 ) -> Path:
     """Run a verl training command to its end, its output in ``<run_dir>/<log_name>`` (main_ppo: Ray's workers and
     the trainer; follow it with ``tail -f``), and export its last checkpoint to ``<run_dir>/ckpt``
-    (:func:`export_verl_checkpoint` with ``export``)."""
+    (:func:`export_verl_checkpoint` with ``export``). verl resumes from ``<run_dir>/checkpoints`` only if they
+    are this very run's (:func:`guard_verl_checkpoints`)."""
+    guard_verl_checkpoints(Path(run_dir))
     log = Path(run_dir) / log_name
     logger.info("running %s\nits output: %s", " ".join(command), log)
     with log.open("w", encoding="utf-8") as out:
@@ -406,16 +473,189 @@ def verl_run_record(run_dir: Path) -> dict[str, Any]:
     return {key: info[key] for key in ("git", "config_digest", "data_sha256")}
 
 
+#: In ``<run>/checkpoints`` (verl's ``trainer.default_local_dir``): the digest of the run its checkpoints belong to.
+RUN_DIGEST_FILE = "memupdate_run.json"
+#: verl's record of its last complete save, in the same folder (verl.utils.checkpoint.checkpoint_manager).
+VERL_TRACKER = "latest_checkpointed_iteration.txt"
+#: What a verl run writes beside its checkpoints, moved aside with them: its logs and validation generations.
+RUN_OUTPUTS = ("tensorboard", "tracking.jsonl", "metrics.jsonl", "validation")
+#: verl keys that say how far a run goes or how often it saves, validates and logs, not what a step does:
+#: extending a run resumes it (the local backend's digest leaves out steps, save_every and logger alike).
+RESUMABLE_KEYS = (
+    "trainer.total_training_steps",
+    "trainer.total_epochs",
+    "trainer.save_freq",
+    "trainer.test_freq",
+    "trainer.val_before_train",
+    "trainer.logger",
+    "trainer.max_actor_ckpt_to_keep",
+    "trainer.max_critic_ckpt_to_keep",
+)
+
+
+def verl_run_digest(run_dir: Path) -> str:
+    """The digest of what determines a verl run, which its checkpoints must share to be resumed or exported:
+    sha256 over
+
+    - its settings: ``resolved_config.yaml`` (when ``run_info.json``'s config digest is that file's: main_ppo)
+      less :data:`RESUMABLE_KEYS`, with the run files the config names by path (agent loops, tools, memory
+      environment); a served model's address and marker are left out (they change with every server start,
+      the model they serve is what counts), and the run's folder and the working directory are written as
+      ``<run>`` and ``<cwd>`` (a moved checkout is the same run). Without that file (verl's SFT trainer) the
+      record's own config digest;
+    - the code: the memupdate package the run executes (:func:`code_digest`), not the commit, so a commit that
+      changes no code (a README, a config the run does not read) does not restart a run resubmitted after a
+      time limit;
+    - the data: ``run_info.json``'s data sha256s.
+    """
+    from memupdate.memory.environment import FILE_NAME as MEMORY_ENVIRONMENT_FILE
+    from memupdate.tools.config import FILE_NAME as TOOLS_FILE
+    from memupdate.training.verl_launcher import AGENT_LOOPS_FILE, RESOLVED_CONFIG
+
+    record = verl_run_record(run_dir)
+    prefixes = [(p, "<run>") for p in {os.path.abspath(run_dir), os.path.realpath(run_dir)}]
+    prefixes += [(p, "<cwd>") for p in {os.path.abspath(os.getcwd()), os.path.realpath(os.getcwd())}]
+    config: Any = record["config_digest"]
+    resolved = run_dir / RESOLVED_CONFIG
+    if resolved.is_file() and sha256_file(resolved) == record["config_digest"]:
+        import yaml
+
+        config = yaml.safe_load(resolved.read_text(encoding="utf-8"))
+        for key in RESUMABLE_KEYS:
+            *parents, leaf = key.split(".")
+            node = config
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node.pop(leaf, None)
+        files = {}
+        for name in (AGENT_LOOPS_FILE, TOOLS_FILE, MEMORY_ENVIRONMENT_FILE):
+            if (run_dir / name).is_file():
+                files[name] = yaml.safe_load((run_dir / name).read_text(encoding="utf-8"))
+        for entry in files.get(AGENT_LOOPS_FILE) or []:
+            if isinstance(entry, dict) and isinstance(entry.get("fixed_model"), dict):
+                entry["fixed_model"] = {
+                    k: v for k, v in entry["fixed_model"].items() if k not in ("base_url", "marker")
+                }
+        config = {"config": config, "files": files}
+    data = {
+        role: [entry["sha256"] or entry["path"] for entry in entries]
+        for role, entries in (record["data_sha256"] or {}).items()
+    }
+    payload = {"settings": config, "code": code_digest(), "data": data}
+    text = json.dumps(_portable(payload, prefixes), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+#: The package whose code a verl run executes (our agent loops, tools, rewards and plugins in every Ray worker).
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def code_digest(root: Path | None = None) -> str:
+    """sha256 over the package's source and packaged configs (path and content of every .py, .yaml, .jinja
+    and .txt file under ``root``, default :data:`PACKAGE_DIR`)."""
+    root = root or PACKAGE_DIR
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".yaml", ".jinja", ".txt") and p.is_file()):
+        digest.update(f"{path.relative_to(root).as_posix()}\0{sha256_file(path)}\0".encode())
+    return digest.hexdigest()
+
+
+def _portable(value: Any, prefixes: list[tuple[str, str]]) -> Any:
+    """``value`` with every string under one of ``prefixes``' folders written with its placeholder instead."""
+    if isinstance(value, dict):
+        return {key: _portable(item, prefixes) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_portable(item, prefixes) for item in value]
+    if isinstance(value, str):
+        # The longest folder first: the run's folder lies inside the working directory.
+        for prefix, placeholder in sorted(prefixes, key=lambda p: -len(p[0])):
+            if value == prefix or value.startswith(prefix.rstrip("/") + "/"):
+                return placeholder + value[len(prefix.rstrip("/")) :]
+    return value
+
+
+def checkpoint_digest(checkpoints: Path) -> str | None:
+    """The run digest recorded in a checkpoint folder (None: none recorded, e.g. one written before the record)."""
+    path = checkpoints / RUN_DIGEST_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8")).get("run_digest")
+
+
+def guard_verl_checkpoints(run_dir: Path, digest: str | None = None) -> Path | None:
+    """Before verl starts: keep ``<run>/checkpoints`` for verl to resume (``resume_mode: auto``) only if they
+    are this run's (its :func:`verl_run_digest`, or ``digest``); otherwise move them aside, with the logs of
+    the run they belong to (:data:`RUN_OUTPUTS`), to ``<name>.stale-<their digest, 12 characters>-<time>``:
+    never deleted, and verl starts afresh. Then record this run's digest in the folder. Returns the moved
+    checkpoint folder, or None."""
+    from memupdate.training.verl_launcher import CHECKPOINT_DIR
+
+    digest = digest or verl_run_digest(run_dir)
+    checkpoints = run_dir / CHECKPOINT_DIR
+    recorded = checkpoint_digest(checkpoints)
+    held = checkpoints.is_dir() and any(p.name != RUN_DIGEST_FILE for p in checkpoints.iterdir())
+    moved = None
+    if held and recorded != digest:
+        stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+        while True:
+            suffix = f".stale-{(recorded or 'unknown')[:12]}-{stamp}{f'-{n}' if n else ''}"
+            if not any((run_dir / f"{name}{suffix}").exists() for name in (CHECKPOINT_DIR, *RUN_OUTPUTS)):
+                break
+            n += 1
+        names = [name for name in (CHECKPOINT_DIR, *RUN_OUTPUTS) if (run_dir / name).exists()]
+        for name in names:
+            (run_dir / name).rename(run_dir / f"{name}{suffix}")
+        moved = run_dir / f"{CHECKPOINT_DIR}{suffix}"
+        logger.warning(
+            "%s holds checkpoints of another run (run digest %s; this run's is %s: its settings, code or data "
+            "differ): moved %s aside with the suffix %s (nothing deleted) and verl starts afresh",
+            checkpoints,
+            recorded or f"unknown, no {RUN_DIGEST_FILE}",
+            digest,
+            ", ".join(names),
+            suffix,
+        )
+    elif held:
+        logger.info(
+            "%s holds checkpoints of this very run (run digest %s): kept for verl to resume from", checkpoints, digest
+        )
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(checkpoints / RUN_DIGEST_FILE, {"run_digest": digest})
+    return moved
+
+
+def last_checkpoint(checkpoints: Path) -> Path | None:
+    """The checkpoint verl saved last: the one its tracker file names (a ``global_step_*`` folder without it
+    may be a save cut short), else the highest ``global_step_*``; None without any."""
+    tracker = checkpoints / VERL_TRACKER
+    if tracker.is_file():
+        step = checkpoints / f"global_step_{tracker.read_text().strip()}"
+        if step.is_dir():
+            return step
+    steps = sorted(checkpoints.glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    return steps[-1] if steps else None
+
+
 def export_verl_checkpoint(
     run_dir: Path, base_model: str, *, shards: str | None = "actor", kind: str | None = None
 ) -> Path:
-    """Merge the last ``global_step_*/<shards>`` FSDP shards (main_ppo's ``actor``; the SFT trainer's lie in
-    ``global_step_*`` itself: ``shards=None``) into ``<run_dir>/ckpt`` (HF format + manifest, with the run's
-    commit, config digest and data sha256s, and ``kind`` if given), and write ``<run_dir>/metrics.jsonl`` from
-    verl's log."""
-    steps = sorted((run_dir / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
-    if not steps:
-        raise FileNotFoundError(f"verl wrote no checkpoint under {run_dir / 'checkpoints'}; see the training log")
+    """Merge the last checkpoint's FSDP shards (:func:`last_checkpoint`; main_ppo's lie in its ``actor``, the SFT
+    trainer's in the folder itself: ``shards=None``) into ``<run_dir>/ckpt`` (HF format + manifest, with the
+    run's commit, config digest and data sha256s, and ``kind`` if given), and write ``<run_dir>/metrics.jsonl``
+    from verl's log. A checkpoint of another run (:func:`checkpoint_digest` not this run's
+    :func:`verl_run_digest`) is refused."""
+    checkpoints = run_dir / "checkpoints"
+    last = last_checkpoint(checkpoints)
+    if last is None:
+        raise FileNotFoundError(f"verl wrote no checkpoint under {checkpoints}; see the training log")
+    digest, recorded = verl_run_digest(run_dir), checkpoint_digest(checkpoints)
+    if recorded != digest:
+        raise RuntimeError(
+            f"{checkpoints} holds checkpoints of run {recorded or f'unknown (no {RUN_DIGEST_FILE})'}, not of this "
+            f"run ({digest}: its settings, code or data differ); refusing to export {last.name} as this run's "
+            "checkpoint. Run the stage again: the checkpoints are moved aside and verl trains afresh"
+        )
     from memupdate.training.tracking import metrics_from_verl
 
     record = verl_run_record(run_dir)  # before the merge, which takes minutes
@@ -430,12 +670,12 @@ def export_verl_checkpoint(
         "--backend",
         "fsdp",
         "--local_dir",
-        str(steps[-1] / shards if shards else steps[-1]),
+        str(last / shards if shards else last),
         "--target_dir",
         str(tmp),
     ]
     subprocess.run(merge, check=True)
-    step = int(steps[-1].name.rsplit("_", 1)[1])
+    step = int(last.name.rsplit("_", 1)[1])
     manifest = {"backend": "verl", **({"kind": kind} if kind else {}), "step": step, "base_model": base_model}
     write_json_atomic(tmp / "manifest.json", {**manifest, **record})
     shutil.rmtree(final, ignore_errors=True)

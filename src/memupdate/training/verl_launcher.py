@@ -486,7 +486,33 @@ def validate_overrides(config_dir: PathLike, config_name: str, overrides: Sequen
         validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     except (AssertionError, ValueError) as err:
         raise ConfigValidationError(f"verl's validate_config rejects {config_name}: {err}") from err
+    _refuse_what_verl_accepts(config, config_name)
     return config
+
+
+def _refuse_what_verl_accepts(config: DictConfig, config_name: str) -> None:
+    """Settings verl 0.9.1 accepts that would hang, crash or silently change a GPU run, refused with the fix."""
+    problems = []
+    if config.algorithm.filter_groups.enable:
+        problems.append(
+            "algorithm.filter_groups.enable: verl 0.9.1 refills dropped groups with no cap (it ignores "
+            "max_num_gen_batches), so a policy whose groups all score alike (one that stops editing scores 0 "
+            "every time) never finishes a step; set it to false"
+        )
+    if config.actor_rollout_ref.rollout.name == EXTERNAL_ROLLOUT and config.trainer.device != "cpu":
+        problems.append(
+            f"actor_rollout_ref.rollout.name: {EXTERNAL_ROLLOUT} starts its vLLM servers without asking Ray for a "
+            "GPU, so every replica lands on device 0; it is for trainer.device: cpu, use vllm (verl's own) on GPUs"
+        )
+    actor, batch = config.actor_rollout_ref.actor, config.data.train_batch_size
+    if actor.ppo_mini_batch_size > batch:
+        # verl checks this only without dynamic batch sizes; with them it pads the step with no-op rows.
+        problems.append(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) exceeds "
+            f"data.train_batch_size ({batch}): verl pads the batch with rows that train nothing; set it to at most {batch}"
+        )
+    if problems:
+        raise ConfigValidationError(f"verl config {config_name}: " + "; ".join(problems))
 
 
 # ----------------------------------------------------------------------------------- run files
@@ -599,6 +625,22 @@ def memagent_overrides(
     return overrides + _extra_overrides(extra)
 
 
+def memagent_mini_batch(config: DictConfig, loop: Mapping[str, Any]) -> str:
+    """The override that states MemAgent's mini-batch in verl's V1 unit. The config gives it in questions
+    (upstream's 128 / 8: 16 updates per step); verl counts rows (``ppo_mini_batch_size * n``), and each turn of a
+    trajectory is a row: up to ``max_chunks`` memory updates and the answer. Multiplied by that, capped at the
+    batch, a step makes at most as many updates as the config says instead of up to ``max_chunks + 1`` times
+    as many.
+
+    >>> memagent_mini_batch(OmegaConf.create({"data": {"train_batch_size": 128},
+    ...     "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 8}}}), {"max_chunks": 8})
+    'actor_rollout_ref.actor.ppo_mini_batch_size=72'
+    """
+    rows = build(MemAgentLoopSettings, loop, "loop").max_chunks + 1
+    questions = config.actor_rollout_ref.actor.ppo_mini_batch_size
+    return f"actor_rollout_ref.actor.ppo_mini_batch_size={min(questions * rows, config.data.train_batch_size)}"
+
+
 def prepare_memagent_ppo(
     *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, loop: Mapping[str, Any], **run: Any
 ) -> list[str]:
@@ -606,6 +648,8 @@ def prepare_memagent_ppo(
     ``agent_loops.yaml`` (the ``memagent`` loop with ``loop``'s budgets) and ``resolved_config.yaml``, and
     return ``main_ppo``'s ``(argv, env)``. Nothing is written when validation fails."""
     overrides = memagent_overrides(loop=loop, **run)
+    # Validated twice: the mini-batch in rows needs the composed mini-batch in questions, and the result is checked.
+    overrides.append(memagent_mini_batch(validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides), loop))
     config = validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides)
     run_dir = Path(_abs(run["experiment_dir"]))
     entry = {"name": MEMAGENT_AGENT, "_target_": AGENT_LOOPS[MEMAGENT_AGENT], **dict(loop)}

@@ -1,0 +1,481 @@
+"""A plan before paying: per job, GPUs, expected wall time, GPU-hours, checkpoint disk and the Slurm time limit.
+
+The figures live in one place, ``profiles/slurm/resources.yaml`` (:mod:`memupdate.cluster`): each row of a rule
+and model gives the job's expected wall time with its source, and the limit Slurm gets is derived from it,
+expected x ``plan.margin``, capped by the partition's ``plan.max_runtime`` (or ``MEMUPDATE_SLURM_MAX_RUNTIME``);
+a job that needs more is asked for the cap and needs resubmits (verl resumes from its last save). A served
+model's job must outlive its consumers: its limit is its longest consumer's plus ``plan.queue_margin``. A
+previous run's benchmark file (``benchmarks/<rule>/...tsv``, Snakemake's ``s`` column) replaces the estimate,
+labelled measured.
+
+``rules/common.smk`` plans each job of a sized rule (:func:`job`, :func:`served`), and prints the :class:`Plan`
+of the jobs a run would submit once Snakemake has built the DAG, dry run included (:func:`print_after_dag`);
+``memupdate plan [targets] --config scale=full`` prints it alone (:func:`plan_targets`).
+
+>>> from memupdate.cluster import Job, Limits
+>>> entry = job("train_stage1", Job(gpus_per_node=8, minutes=30, per_step=5), Limits(max_runtime=1440), units=300)
+>>> entry.minutes, entry.limit, entry.resubmits, entry.gpu_hours
+(1530, 1440, 1, 204.0)
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from memupdate.cluster import Job, Limits
+from memupdate.settings import ConfigError
+
+#: The partition cap the plan's notes assume when none is set (48 h is common; MEMUPDATE_SLURM_MAX_RUNTIME).
+REFERENCE_CAP = 48 * 60
+MAX_RUNTIME_ENV = "MEMUPDATE_SLURM_MAX_RUNTIME"
+MEASURED, ESTIMATED = "measured", "estimated"
+#: Rules whose jobs write verl checkpoints (train_stage: every train_stage<N>).
+TRAINING = ("train_stage", "train_memagent", "train_sft", "train_memagent_sft")
+SERVED_SOURCE = (
+    "a served model holds its GPU while its consumers run: the longest one's time; its limit is that one's "
+    "limit + plan.queue_margin"
+)
+_ORDER = ("prepare_model", "train_sft", "train_memagent_sft", "train_stage", "train_memagent", "serve_model")
+
+
+# ------------------------------------------------------------------------------------------- figures
+
+
+@dataclass(frozen=True)
+class Figure:
+    """An expected wall time in minutes, measured (a previous run's benchmark) or estimated (the table)."""
+
+    minutes: float
+    label: str
+    source: str
+
+
+def measured_minutes(path: str | Path | None) -> float | None:
+    """Wall time in minutes from a Snakemake benchmark file (the mean of its ``s`` column); None if absent."""
+    if path is None or not Path(path).is_file():
+        return None
+    with open(path, encoding="utf-8", newline="") as fh:
+        seconds = [float(row["s"]) for row in csv.DictReader(fh, delimiter="\t") if row.get("s")]
+    return sum(seconds) / len(seconds) / 60 if seconds else None
+
+
+def figure(row: Job, units: int | None = None, benchmark: str | Path | None = None) -> Figure | None:
+    """The job's figure: a previous run's measurement if ``benchmark`` exists, else the row's estimate for
+    ``units`` steps or systems; None when the row has neither."""
+    seconds = measured_minutes(benchmark)
+    if seconds is not None:
+        return Figure(seconds, MEASURED, str(benchmark))
+    minutes = row.expected(units)
+    if minutes is None:
+        return None
+    return Figure(minutes, ESTIMATED, row.source or "profiles/slurm/resources.yaml (no source given)")
+
+
+def time_limit(minutes: float, limits: Limits) -> tuple[int, int]:
+    """(limit, jobs): expected x margin in whole minutes, or the partition cap and how many jobs of the cap
+    that time takes (1 + resubmits; each resumes from the last save, the margin covering the restarts)."""
+    return _capped(math.ceil(minutes * limits.margin), limits)
+
+
+def _capped(needed: int, limits: Limits) -> tuple[int, int]:
+    cap = limits.max_runtime
+    if cap and needed > cap:
+        return cap, math.ceil(needed / cap)
+    return needed, 1
+
+
+def with_cap(limits: Limits, value: str | None) -> Limits:
+    """``limits`` with the partition cap of ``MEMUPDATE_SLURM_MAX_RUNTIME`` (minutes), when set."""
+    if value is None or not value.strip():
+        return limits
+    try:
+        cap = int(value)
+        if cap < 1:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"{MAX_RUNTIME_ENV}: expected a time limit in minutes, got {value!r}") from None
+    return replace(limits, max_runtime=cap)
+
+
+# ---------------------------------------------------------------------------------- checkpoint disk
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([bm])(?![a-z])", re.IGNORECASE)
+
+
+def model_params(name: str, spec: Mapping[str, Any] | None = None) -> float | None:
+    """Parameters of a model from its hub id or name (``Qwen/Qwen2.5-7B-Instruct``: 7e9; ``...-135M``: 1.35e8):
+    the nominal size; None when neither names one.
+
+    >>> model_params("qwen2.5-7b", {"name_or_path": "Qwen/Qwen2.5-7B-Instruct"}), model_params("tiny-random")
+    (7000000000.0, None)
+    """
+    for text in ((spec or {}).get("name_or_path"), name):
+        found = _SIZE.findall(str(text or ""))
+        if found:
+            number, unit = found[-1]
+            return float(number) * (1e9 if unit.lower() == "b" else 1e6)
+    return None
+
+
+@cache
+def trainer_defaults(kind: str) -> dict[str, Any]:
+    """The ``trainer`` section of ``verl_config/grpo_<kind>.yaml`` (memupdate or memagent)."""
+    import yaml
+
+    path = Path(__file__).parent / "training" / "verl_config" / f"grpo_{kind}.yaml"
+    return dict(yaml.safe_load(path.read_text(encoding="utf-8")).get("trainer") or {})
+
+
+def training_steps(settings: Mapping[str, Any]) -> int | None:
+    """A training stage's steps: verl's ``trainer.total_training_steps`` (the local backend's ``steps``)."""
+    steps = settings.get("trainer.total_training_steps", settings.get("steps"))
+    return int(steps) if steps else None
+
+
+def saves_kept(settings: Mapping[str, Any], defaults: Mapping[str, Any]) -> int:
+    """How many verl saves a stage leaves on disk: ``trainer.max_actor_ckpt_to_keep`` of the saves it makes
+    (one every ``save_freq`` steps and the last; all of them when nothing is pruned)."""
+
+    def get(key: str) -> Any:
+        return settings.get(f"trainer.{key}", defaults.get(key))
+
+    steps, freq, keep = training_steps(settings), get("save_freq"), get("max_actor_ckpt_to_keep")
+    made = math.ceil(steps / freq) if steps and freq and freq > 0 else 1
+    return min(made, keep) if keep else made
+
+
+def checkpoint_gb(params: float | None, saves: int, limits: Limits) -> float | None:
+    """Disk of a training job's checkpoints, GB: ``saves`` verl saves and the merged bf16 ``ckpt/``."""
+    if params is None:
+        return None
+    return params * (saves * limits.save_bytes_per_param + limits.merged_bytes_per_param) / 1e9
+
+
+def memagent_systems(eval_section: Mapping[str, Any]) -> int:
+    """MemAgent's evaluation passes: the base and the trained model, each in every style (ours, and
+    MemAgent's own when ``memagent_style``), every haystack length in one pass."""
+    from memupdate.settings import MemAgentEvalSettings
+
+    default = {f.name: f.default for f in fields(MemAgentEvalSettings)}["memagent_style"]
+    return 2 * (2 if eval_section.get("memagent_style", default) else 1)
+
+
+# ----------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One job of the plan."""
+
+    rule: str
+    row: Job
+    figure: Figure | None
+    limit: int | None
+    jobs: int = 1
+    exp: str | None = None
+    what: str = ""
+    model: str = ""
+    disk_gb: float | None = None
+    #: A served model's: its consumers (:attr:`name`) and the longest one's limit.
+    consumers: tuple[str, ...] = ()
+    consumer_limit: int | None = None
+
+    @property
+    def name(self) -> str:
+        """``train_stage1 of two_stage_7b``, ``serve_model train/qa-base of two_stage_7b``, ``prepare_model of
+        qwen2.5-7b``."""
+        job = f"{self.rule} {self.what}" if self.what else self.rule
+        return f"{job} of {self.exp or self.model}" if self.exp or self.model else job
+
+    @property
+    def gpus(self) -> int:
+        return self.row.gpus
+
+    @property
+    def minutes(self) -> float | None:
+        return self.figure.minutes if self.figure else None
+
+    @property
+    def hours(self) -> float | None:
+        return None if self.figure is None else self.figure.minutes / 60
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.gpus * (self.hours or 0)
+
+    @property
+    def resubmits(self) -> int:
+        return self.jobs - 1
+
+    @property
+    def table_rule(self) -> str:
+        return "train_stage" if re.fullmatch(r"train_stage\d+", self.rule) else self.rule
+
+
+def job(
+    rule: str,
+    row: Job,
+    limits: Limits,
+    *,
+    units: int | None = None,
+    benchmark: str | Path | None = None,
+    disk_gb: float | None = None,
+    **about: Any,
+) -> Entry:
+    """A job's entry: its figure (measured or estimated), the limit derived from it, or the row's own
+    explicit ``runtime`` without a figure."""
+    found = figure(row, units, benchmark)
+    limit, jobs = time_limit(found.minutes, limits) if found else (row.runtime, 1)
+    return Entry(rule, row, found, limit, jobs, disk_gb=disk_gb, **about)
+
+
+def served(row: Job, consumers: Sequence[Entry], limits: Limits, **about: Any) -> Entry:
+    """A served model's job: it holds its GPU as long as its longest consumer runs, and its limit is that
+    consumer's limit plus the queue margin (the consumer may wait in the queue after the server starts),
+    capped by the partition's limit. A server is never resubmitted: a rerun starts it again."""
+    timed = [c for c in consumers if c.figure is not None and c.limit is not None]
+    names = tuple(c.name for c in consumers)
+    if not timed:
+        return Entry("serve_model", row, None, row.runtime, consumers=names, **about)
+    longest = max(timed, key=lambda c: (c.limit or 0, c.minutes or 0))
+    limit = max(c.limit or 0 for c in timed) + limits.queue_margin
+    if limits.max_runtime:
+        limit = min(limit, limits.max_runtime)
+    found = Figure(max(c.minutes or 0 for c in timed), longest.figure.label, SERVED_SOURCE)  # type: ignore[union-attr]
+    return Entry("serve_model", row, found, limit, consumers=names, consumer_limit=longest.limit, **about)
+
+
+def longest_chain(minutes: Mapping[Any, float], deps: Mapping[Any, Iterable[Any]]) -> float:
+    """The longest path through the jobs, minutes, if each starts as soon as its inputs exist."""
+    done: dict[Any, float] = {}
+
+    def finish(node: Any) -> float:
+        if node not in done:
+            done[node] = 0.0  # a cycle cannot happen in a DAG; this only stops runaway recursion
+            done[node] = minutes.get(node, 0.0) + max((finish(d) for d in deps.get(node, ())), default=0.0)
+        return done[node]
+
+    return max((finish(n) for n in minutes), default=0.0)
+
+
+@dataclass
+class Plan:
+    """The planned jobs of a run, their totals and notes; :meth:`render` is what a dry run prints."""
+
+    entries: list[Entry]
+    limits: Limits
+    others: int = 0
+    chain_minutes: float | None = None
+    where: str = "profiles/slurm/resources.yaml"
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.entries = sorted(self.entries, key=_entry_order)
+
+    @property
+    def planned(self) -> list[Entry]:
+        return [e for e in self.entries if e.figure is not None]
+
+    @property
+    def gpu_hours(self) -> float:
+        return sum(e.gpu_hours for e in self.entries)
+
+    @property
+    def disk_gb(self) -> float:
+        return sum(e.disk_gb or 0 for e in self.entries)
+
+    def experiments(self) -> dict[str, list[Entry]]:
+        out: dict[str, list[Entry]] = {}
+        for entry in self.entries:
+            out.setdefault(entry.exp or "-", []).append(entry)
+        return out
+
+    def render(self) -> str:
+        return render(self)
+
+
+def _entry_order(entry: Entry) -> tuple[Any, ...]:
+    rule = entry.table_rule
+    rank = _ORDER.index(rule) if rule in _ORDER else len(_ORDER)
+    return (entry.exp is not None, entry.exp or "", rank, entry.rule, entry.what, entry.model)
+
+
+def _hours(minutes: float | None) -> str:
+    return "-" if minutes is None else f"{minutes / 60:.1f}"
+
+
+def _gpus(row: Job) -> str:
+    if not row.gpus:
+        return "-"
+    return f"{row.nodes}x{row.gpus_per_node}" if row.nodes > 1 else str(row.gpus)
+
+
+def _gb(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def render(plan: Plan) -> str:
+    """The plan as a table: a line per job (grouped by experiment, with subtotals), the totals, the figures'
+    sources and the notes (resubmits, jobs past a common partition cap)."""
+    limits = plan.limits
+    cap = f"partition cap {_hours(limits.max_runtime)} h" if limits.max_runtime else "no partition cap"
+    lines = [
+        f"Plan of the GPU-sized jobs (figures: {plan.where}; limit = expected x {limits.margin:g}, {cap}; "
+        f"a served model's limit = its longest consumer's + {_hours(limits.queue_margin)} h):"
+    ]
+    header = ("experiment", "job", "model", "GPUs", "wall h", "GPU-h", "limit h", "resub", "disk GB", "figure")
+    rows: list[tuple[str, ...]] = [header]
+    sources: dict[str, int] = {}
+    for exp, entries in plan.experiments().items():
+        for e in entries:
+            label = "-"
+            if e.figure is not None:
+                number = sources.setdefault(e.figure.source, len(sources) + 1)
+                label = f"{e.figure.label} [{number}]"
+            name = e.rule if not e.what else f"{e.rule} {e.what}"
+            rows.append(
+                (
+                    exp,
+                    name,
+                    e.model or "-",
+                    _gpus(e.row),
+                    _hours(e.minutes),
+                    f"{e.gpu_hours:,.0f}",
+                    _hours(e.limit),
+                    str(e.resubmits) if e.resubmits else "",
+                    _gb(e.disk_gb),
+                    label,
+                )
+            )
+        if len(entries) > 1:
+            gpu_h = sum(e.gpu_hours for e in entries)
+            disk = sum(e.disk_gb or 0 for e in entries)
+            rows.append((exp, "subtotal", "", "", "", f"{gpu_h:,.0f}", "", "", _gb(disk), ""))
+    total = f"{len(plan.entries)} jobs" + (f" (+{plan.others} other jobs, not planned)" if plan.others else "")
+    rows.append(("total", total, "", "", "", f"{plan.gpu_hours:,.0f}", "", "", _gb(plan.disk_gb), ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    numeric = {3, 4, 5, 6, 7, 8}
+    for r in rows:
+        cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+    if plan.chain_minutes:
+        lines.append(
+            f"Longest chain of jobs: {plan.chain_minutes / 60:,.0f} h ({plan.chain_minutes / 1440:.1f} days), "
+            "if every job starts as soon as its inputs exist."
+        )
+    lines.append("Figures:")
+    lines.extend(f"  [{n}] {source}" for source, n in sources.items())
+    notes = [*plan.notes, *_notes(plan)]
+    if notes:
+        lines.append("Notes:")
+        lines.extend(f"  - {note}" for note in notes)
+    return "\n".join(lines)
+
+
+def _notes(plan: Plan) -> list[str]:
+    limits, cap, notes = plan.limits, plan.limits.max_runtime, []
+    short: dict[int, list[str]] = {}
+    for e in plan.entries:
+        if e.figure is None or e.limit is None:
+            if e.gpus:
+                notes.append(f"{e.name}: no expected time in {plan.where}; its limit is the row's own runtime")
+            continue
+        expected = f"{e.figure.minutes / 60:,.0f} h ({e.figure.minutes / 1440:.1f} days) expected"
+        if e.rule == "serve_model":
+            if cap and e.consumer_limit and e.consumer_limit + limits.queue_margin > cap:
+                short.setdefault(max(cap - e.consumer_limit, 0), []).append(e.name)
+            continue
+        if e.resubmits:
+            notes.append(
+                f"{e.name}: {expected}, {e.figure.minutes * limits.margin / 60:,.0f} h with the margin, past the "
+                f"partition cap of {_hours(cap)} h: {e.jobs} jobs, {e.resubmits} resubmit(s). {_resume(e)}"
+            )
+        elif not cap and e.limit > REFERENCE_CAP:
+            jobs = math.ceil(e.limit / REFERENCE_CAP)
+            notes.append(
+                f"{e.name}: {expected}, limit {_hours(e.limit)} h; under a 48 h partition cap "
+                f"({MAX_RUNTIME_ENV}={REFERENCE_CAP}) {jobs} jobs, {jobs - 1} resubmit(s). {_resume(e)}"
+            )
+    for spare, names in sorted(short.items()):
+        notes.append(
+            f"{len(names)} served model(s) capped at {_hours(cap)} h outlive their consumer's limit by "
+            f"{_hours(spare)} h, not plan.queue_margin's {_hours(limits.queue_margin)} h: the consumer must start "
+            f"within that ({', '.join(names)})."
+        )
+    return notes
+
+
+def _resume(entry: Entry) -> str:
+    if entry.table_rule in TRAINING:
+        return "Rerun the same snakemake command after each cut (or pass --retries): verl resumes from its last save."
+    if entry.rule == "eval_locomo":
+        return "Rerun the same snakemake command after each cut: it completes only the missing predictions."
+    return "It does not resume (each pass is predicted again): raise the cap or make the job fit."
+
+
+# ---------------------------------------------------------------------------------- from Snakemake
+
+
+def print_after_dag(workflow: Any, logger: logging.Logger, make_plan: Callable[[Any], Plan | None]) -> None:
+    """Log the plan of ``workflow``'s DAG once Snakemake has built it, in a dry run too: when it reports the
+    jobs' statistics (its ``run_info`` event; in a dry run the second one, after the job list, unless
+    ``--quiet`` stops it after the first). Nothing is written; Snakemake's jobs on the cluster never print it."""
+    from snakemake.settings.enums import Quietness
+    from snakemake_interface_logger_plugins.common import LogEvent
+
+    class PlanPrinter(logging.Handler):
+        seen = 0
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if getattr(record, "event", None) != LogEvent.RUN_INFO:
+                return
+            self.seen += 1
+            # Snakemake's own test: a dry run with --quiet ends after the first report.
+            stops = workflow.output_settings.quiet == {Quietness.RULES, Quietness.PROGRESS}
+            last = 2 if workflow.dryrun and not stops else 1
+            if self.seen != last:
+                return
+            plan = make_plan(workflow.dag)
+            if plan is not None:
+                logger.info(plan.render())
+
+    logger.addHandler(PlanPrinter(level=logging.INFO))
+
+
+def plan_targets(
+    root: Path,
+    targets: Sequence[str],
+    config: Sequence[str] = (),
+    configfiles: Sequence[str] = (),
+    forceall: bool = False,
+) -> Plan:
+    """The plan of the jobs ``snakemake -n <targets> --config ...`` would run (every job with ``forceall``),
+    from the workflow's own ``workflow_plan`` (rules/common.smk)."""
+    from snakemake.api import SnakemakeApi
+    from snakemake.cli import parse_config
+    from snakemake.settings.types import ConfigSettings, DAGSettings, OutputSettings, Quietness, ResourceSettings
+
+    root = root.resolve()
+    with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+        workflow_api = api.workflow(
+            resource_settings=ResourceSettings(),
+            config_settings=ConfigSettings(
+                config=parse_config(list(config)), configfiles=[root / f for f in configfiles]
+            ),
+            snakefile=root / "Snakefile",
+            workdir=root,
+        )
+        workflow_api.dag(DAGSettings(targets=set(targets), forceall=forceall))
+        workflow = workflow_api._workflow
+        workflow._prepare_dag(forceall=forceall, ignore_incomplete=True, lock_warn_only=True, nolock=True)
+        workflow._build_dag()
+        return workflow.globals["workflow_plan"](workflow.dag, always=True)

@@ -1,0 +1,296 @@
+"""A served model's Slurm job on a real cluster: where it is placed, how long it may queue, and what happens
+when it is preempted and requeued (a new node and port): the supervisor rewrites the readiness marker and
+clients that lost the server find it again.
+
+No cluster and no vLLM here: the queue is a sequence of squeue states on a fake clock (the real Slurm tests
+are in tests/slurm), and the served model is a small HTTP server that answers like vLLM's OpenAI API, run by
+the real supervisor in place of vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memupdate.serving import launch
+from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
+from memupdate.serving.decoding import GREEDY
+from memupdate.serving.readiness import load_marker, read_marker, write_marker
+from memupdate.settings import ServeSettings, build
+from memupdate.utils.system import free_port
+
+PLACEMENT_FLAGS = ("--partition", "--account", "--qos")
+
+
+# ---------------------------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.parametrize(("engine", "eager"), [("vllm", False), ("vllm-cpu", True)])
+def test_gpu_servers_keep_cuda_graphs_and_cpu_servers_skip_the_compile(tmp_path, engine, eager):
+    """A fixed-role server decodes for a whole training stage: without CUDA graphs a GPU server is several times
+    slower. On CPU, compiling costs a minute at start-up and gains little."""
+    settings = build(ServeSettings, {"engine": engine}, "serving")
+    argv = launch.supervisor_argv(
+        tmp_path / "m", "qa", tmp_path / "a.json", settings, "python", bind_host="0.0.0.0", watch_pid=None
+    )
+    assert ("--enforce-eager" in argv) is eager
+    assert launch._parser().parse_args(argv[3:]).enforce_eager is eager
+
+
+# ---------------------------------------------------------------------------------------- placement
+
+
+def test_the_server_job_gets_the_partition_account_and_qos_of_the_serve_rules_job(tmp_path):
+    command = ["python", "-m", launch.MODULE, "run"]
+    # The serve_model job's resources as the Slurm profile resolves them from MEMUPDATE_SLURM_*.
+    placed = {"slurm_partition": "gpu", "slurm_account": "proj42", "qos": "long"}
+    slurm = launch.with_job_placement({"gres": "gpu:1", "time": 2880}, placed)
+    argv = launch.sbatch_argv("memupdate-serve-qa", tmp_path / "s.log", slurm, command)
+    assert {"--partition=gpu", "--account=proj42", "--qos=long", "--gres=gpu:1", "--time=2880"} <= set(argv)
+    # Unset variables (the profile's empty strings), or no Slurm profile at all: no flag, the cluster's default.
+    for resources in ({"slurm_partition": "", "slurm_account": "", "qos": ""}, {}, None):
+        argv = launch.sbatch_argv("x", tmp_path / "s.log", launch.with_job_placement({}, resources), command)
+        assert not [a for a in argv if a.startswith(PLACEMENT_FLAGS)], argv
+    # Set only the partition: only that flag.
+    argv = launch.sbatch_argv("x", tmp_path / "s.log", launch.with_job_placement({}, {"slurm_partition": "a"}), command)
+    assert [a for a in argv if a.startswith(PLACEMENT_FLAGS)] == ["--partition=a"]
+    # serving.slurm's own setting wins (a cluster whose GPUs are in another partition than the CPU jobs).
+    assert launch.with_job_placement({"partition": "a100"}, placed)["partition"] == "a100"
+
+
+def test_the_placement_resources_are_the_ones_the_slurm_profile_sets(repo_root):
+    """One definition: the profile reads MEMUPDATE_SLURM_* into these resources for every job, serve_model's
+    included, and the server's job takes them from there."""
+    profile = yaml.safe_load((repo_root / "profiles/slurm/config.yaml").read_text())
+    defaults = profile["default-resources"]
+    for resource, variable in zip(launch.PLACEMENT_RESOURCES.values(), ("PARTITION", "ACCOUNT", "QOS"), strict=True):
+        assert f"MEMUPDATE_SLURM_{variable}" in defaults[resource]
+
+
+# ---------------------------------------------------------------------------------------- the queue
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += seconds
+
+
+def squeue(*states):
+    """``status`` for wait_until_running: each call the next (state, reason), or None (not listed)."""
+    it = iter(states)
+    return lambda: next(it)
+
+
+PENDING = ("PENDING", "Resources")
+
+
+def test_queue_time_is_not_start_up_time_and_is_logged_now_and_then(caplog):
+    clock = FakeClock()
+    # Two hours queued, then the nodes boot, then it runs: far past startup_timeout_s, and no error.
+    states = squeue(*itertools.repeat(PENDING, 720), ("CONFIGURING", "None"), ("RUNNING", "None"))
+    with caplog.at_level(logging.INFO, logger=launch.__name__):
+        state = launch.wait_until_running("123", states, poll_s=10, log_every_s=300, clock=clock, sleep=clock.sleep)
+    assert state == "RUNNING" and clock.now == 7210
+    lines = [r.getMessage() for r in caplog.records]
+    queued = [line for line in lines if "PENDING (Resources)" in line]
+    # Once at first, then every 5 minutes: 24 lines for two hours, not 720.
+    assert len(queued) == 24 and queued[0] == "Slurm job 123 is PENDING (Resources) after 0 s in the queue"
+    assert any("CONFIGURING" in line for line in lines)
+    assert lines[-1] == "Slurm job 123 is RUNNING after 7210 s in the queue"
+
+
+def test_a_queue_limit_fails_naming_the_job_and_squeues_reason():
+    clock = FakeClock()
+    states = squeue(*itertools.repeat(("PENDING", "QOSMaxGRESPerUser"), 100))
+    with pytest.raises(launch.ServeError) as err:
+        launch.wait_until_running("4711", states, queue_timeout_s=60, poll_s=25, clock=clock, sleep=clock.sleep)
+    message = str(err.value)
+    assert "Slurm job 4711 is still PENDING after 60 s in the queue" in message
+    assert "squeue's reason: QOSMaxGRESPerUser" in message and "serving.queue_timeout_s" in message
+    # The last poll is cut to the limit: it fails at 60 s, not at the next 25 s step.
+    assert clock.now == 60
+
+
+def test_a_job_not_listed_yet_is_queued_and_one_that_left_the_queue_is_reported():
+    clock = FakeClock()
+    # squeue may not list a job in its first seconds.
+    assert (
+        launch.wait_until_running(
+            "1", squeue(None, PENDING, ("RUNNING", "None")), poll_s=2, clock=clock, sleep=clock.sleep
+        )
+        == "RUNNING"
+    )
+    # A job that failed at once (or was cancelled) before a poll saw it run: the address wait says why.
+    clock = FakeClock()
+    assert (
+        launch.wait_until_running(
+            "2", squeue(PENDING, None, None, None, None), poll_s=2, grace_s=5, clock=clock, sleep=clock.sleep
+        )
+        is None
+    )
+    assert (
+        launch.wait_until_running("3", squeue(("FAILED", "NonZeroExitCode")), clock=clock, sleep=clock.sleep)
+        == "FAILED"
+    )
+
+
+def test_the_new_settings_are_typed_with_their_defaults():
+    settings = build(ServeSettings, {}, "serving")
+    assert settings.queue_timeout_s is None and settings.reconnect_timeout_s == 1800
+    with pytest.raises(ValueError, match="serving.reconnect_timeout_s"):
+        build(ServeSettings, {"reconnect_timeout_s": -1}, "serving")
+
+
+# ---------------------------------------------------------------------------------------- restarts
+
+FAKE_VLLM = """#!{python}
+# Stands in for `python -m vllm.entrypoints.openai.api_server ...`: lists the served model and answers
+# completions and chat with the port it serves on.
+import json
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+args = sys.argv[1:]
+port, name = int(args[args.index("--port") + 1]), args[args.index("--served-model-name") + 1]
+
+
+class Handler(BaseHTTPRequestHandler):
+    def send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.send({{"data": [{{"id": name, "max_model_len": 2048}}]}})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        text = f"port {{port}}"
+        self.send({{"choices": [{{"text": text, "message": {{"role": "assistant", "content": text}}}}]}})
+
+    def log_message(self, *args):
+        pass
+
+
+ThreadingHTTPServer((args[args.index("--host") + 1], port), Handler).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_vllm(tmp_path):
+    path = tmp_path / "fake-vllm-python"
+    path.write_text(FAKE_VLLM.format(python=sys.executable))
+    path.chmod(0o755)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return path, model
+
+
+def start_supervisor(python: Path, model: Path, marker: Path, tmp_path: Path) -> subprocess.Popen:
+    """What the server's Slurm job runs, here on loopback; started again, it is the requeued job."""
+    argv = [sys.executable, "-m", launch.MODULE, "run", "--model", str(model), "--served-model-name", "qa"]
+    argv += ["--address-file", str(tmp_path / "qa.address.json"), "--python", str(python), "--marker", str(marker)]
+    with (tmp_path / "qa.supervisor.log").open("a") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def test_a_client_finds_a_requeued_server_through_its_rewritten_marker(fake_vllm, tmp_path):
+    """The server's job was preempted: its marker still names the old port, where nothing answers. A request
+    made now waits; the requeued job's supervisor starts the server on a new port and rewrites the marker
+    once it answers, and the request is answered there, as are the ones after it."""
+    python, model = fake_vllm
+    marker = tmp_path / "serve" / "qa.ready.json"
+    gone = f"http://127.0.0.1:{free_port()}/v1"
+    written = write_marker(marker, endpoint=gone, served_model_name="qa", model_path=model, reconnect_timeout_s=120)
+    messages = [{"role": "user", "content": "who serves?"}]
+
+    async def main():
+        async with OpenAIClient(Endpoint(gone, "qa", max_retries=1, marker=str(marker))) as client:
+            waiting = asyncio.create_task(client.chat(messages, **GREEDY.request(8)))
+            await asyncio.sleep(1.0)
+            assert not waiting.done()
+            supervisor = start_supervisor(python, model, marker, tmp_path)
+            try:
+                first = await asyncio.wait_for(waiting, 60)
+                second = await client.chat([{"role": "user", "content": "again"}], **GREEDY.request(8))
+            except BaseException:
+                stop(supervisor)
+                raise
+            return first, second, client.endpoint, supervisor
+
+    start = time.monotonic()
+    first, second, endpoint, supervisor = asyncio.run(main())
+    try:
+        address = json.loads((tmp_path / "qa.address.json").read_text())
+        port = address["base_url"].rsplit(":", 1)[1].split("/")[0]
+        assert first == second == f"port {port}" and endpoint.base_url == address["base_url"] != gone
+        rewritten = load_marker(marker)
+        assert rewritten["endpoint"] == address["base_url"] and rewritten["pid"] == supervisor.pid
+        # What the serve rule recorded is kept.
+        assert (rewritten["model_path"], rewritten["reconnect_timeout_s"]) == (written["model_path"], 120)
+        # A consumer starting now reads the new address, and keeps the marker for the next restart.
+        assert read_marker(marker) == Endpoint(address["base_url"], "qa", marker=str(marker.resolve()))
+        assert time.monotonic() - start < 45
+        # Its consumers done, Snakemake deletes the marker (temp()): the supervisor stops the server.
+        marker.unlink()
+        assert supervisor.wait(timeout=30) == 0
+    finally:
+        stop(supervisor)
+
+
+def test_a_client_gives_up_after_the_markers_reconnect_time_naming_marker_and_address(tmp_path):
+    marker = tmp_path / "qa.ready.json"
+    gone = f"http://127.0.0.1:{free_port()}/v1"
+    write_marker(marker, endpoint=gone, served_model_name="qa", reconnect_timeout_s=2)
+
+    async def main(endpoint):
+        async with OpenAIClient(endpoint) as client:
+            with pytest.raises(EndpointError) as err:
+                await client.chat([{"role": "user", "content": "q"}], **GREEDY.request(8))
+        return str(err.value)
+
+    start = time.monotonic()
+    message = asyncio.run(main(Endpoint(gone, "qa", max_retries=0, marker=str(marker))))
+    assert 2 <= time.monotonic() - start < 10
+    assert f"from readiness marker {marker}" in message and f"last address tried {gone}" in message
+    assert "ClientConnectorError" in message
+    # A marker that is gone (the run stopped the server) ends the wait at once, naming it.
+    marker.unlink()
+    start = time.monotonic()
+    message = asyncio.run(main(Endpoint(gone, "qa", max_retries=0, marker=str(marker))))
+    assert f"no readiness marker at {marker}" in message and gone in message and time.monotonic() - start < 2
+    # Without a marker, nothing to re-read: the bounded retries only.
+    message = asyncio.run(main(Endpoint(gone, "qa", max_retries=0)))
+    assert "failed after 1 attempts" in message
+
+
+def test_an_endpoint_mapping_carries_its_marker():
+    """The fixed model reaches verl's agent loops as a mapping (training.stages.fixed_model_endpoint)."""
+    spec = {"base_url": "http://n1:8000/v1", "model": "m", "marker": "/r/serve/m.ready.json"}
+    assert Endpoint.from_dict(spec).marker == "/r/serve/m.ready.json"
