@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -55,6 +56,29 @@ def hotpotqa_path() -> Path:
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
     return SHARED_DATA
+
+
+#: What a Snakemake run of the workflow needs of the repository (the package is installed).
+WORKFLOW_PARTS = ("Snakefile", "rules", "workflow", "config", "profiles")
+
+
+def _copy_workflow(root: Path) -> Path:
+    repo = root / "repo"
+    repo.mkdir()
+    for part in WORKFLOW_PARTS:
+        src = REPO_ROOT / part
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, repo / part)
+    if SHARED_DATA.is_dir():
+        (root / "shared").mkdir()
+        (root / "shared" / "data").symlink_to(SHARED_DATA)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def copy_workflow():
+    """``copy_workflow(root)``: a copy of the workflow in ``root/repo``, with ``root/shared/data`` the shared data,
+    as in a fresh clone on CI; returns the copy."""
+    return _copy_workflow
 
 
 # ----------------------------------------------------------------------------------- memory fixtures

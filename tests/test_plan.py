@@ -30,7 +30,6 @@ from memupdate.plan import (
 )
 from memupdate.settings import ConfigError
 
-WORKFLOW_PARTS = ["Snakefile", "rules", "workflow", "config", "profiles"]
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 FULL = ["--config", "scale=full"]
 STAGE = Job(gpus_per_node=8, minutes=30, per_step=5, source="README")
@@ -97,18 +96,8 @@ def test_the_longest_chain_follows_dependencies():
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory, repo_root, shared_data_dir):
-    """A copy of the workflow, as test_workflow makes one."""
-    root = tmp_path_factory.mktemp("plan")
-    repo = root / "repo"
-    repo.mkdir()
-    for part in WORKFLOW_PARTS:
-        src = repo_root / part
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, repo / part)
-    if shared_data_dir.is_dir():
-        (root / "shared").mkdir()
-        (root / "shared" / "data").symlink_to(shared_data_dir)
-    return repo
+def workdir(tmp_path_factory, copy_workflow):
+    return copy_workflow(tmp_path_factory.mktemp("plan"))
 
 
 def snakemake(workdir, *args, env=None):

@@ -182,14 +182,12 @@ def test_the_file_runs_alone(tiny_models, hf_home, tmp_path):
     assert json.loads((tmp_path / "preflight.json").read_text())["ok"] is False
 
 
-def test_the_rule_asks_slurm_for_one_gpu(repo_root, tmp_path):
-    for part in ("Snakefile", "rules", "workflow", "config", "profiles"):
-        src = repo_root / part
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / part)
+def test_the_rule_asks_slurm_for_one_gpu(tmp_path, copy_workflow):
+    repo = copy_workflow(tmp_path)
     snakemake = str(Path(sys.executable).parent / "snakemake")
     run = subprocess.run(
         [snakemake, "-n", "--profile", "profiles/slurm", "preflight", "--config", "scale=full"],
-        cwd=tmp_path,
+        cwd=repo,
         capture_output=True,
         text=True,
         timeout=300,

@@ -2,7 +2,6 @@
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -13,22 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM
 
-WORKFLOW_PARTS = ["Snakefile", "rules", "workflow", "config", "profiles"]
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 
 
 @pytest.fixture()
-def workdir(tmp_path, repo_root, shared_data_dir):
-    """A copy of the workflow with ../shared beside it, as in a fresh clone on CI."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for part in WORKFLOW_PARTS:
-        src = repo_root / part
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, repo / part)
-    if shared_data_dir.is_dir():
-        (tmp_path / "shared").mkdir()
-        (tmp_path / "shared" / "data").symlink_to(shared_data_dir)
-    return repo
+def workdir(tmp_path, copy_workflow):
+    return copy_workflow(tmp_path)
 
 
 def snakemake(workdir, *args, timeout=600):

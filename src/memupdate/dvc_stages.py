@@ -47,12 +47,14 @@ import shutil
 import signal
 import subprocess
 import tomllib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from memupdate.workflow_dag import load_dag
 
 logger = logging.getLogger(__name__)
 
@@ -121,36 +123,6 @@ class Stage:
 
 
 # ------------------------------------------------------------------------------------------- the DAG
-
-
-def load_dag(root: Path, configfiles: Sequence[str] = (), targets: Iterable[str] = DAG_TARGETS) -> Any:
-    """The Snakemake workflow of ``root`` with its DAG built for ``targets``, every job included (forceall).
-
-    Returns the ``snakemake.workflow.Workflow``; its ``dag`` holds the jobs. Snakemake's API stops at
-    printing a DAG; the two calls below are the ones its ``printdag`` makes (Snakemake is pinned).
-    """
-    from snakemake.api import SnakemakeApi
-    from snakemake.settings.types import (
-        ConfigSettings,
-        DAGSettings,
-        OutputSettings,
-        Quietness,
-        ResourceSettings,
-    )
-
-    root = root.resolve()
-    with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
-        workflow_api = api.workflow(
-            resource_settings=ResourceSettings(),
-            config_settings=ConfigSettings(configfiles=[root / f for f in configfiles]),
-            snakefile=root / "Snakefile",
-            workdir=root,
-        )
-        workflow_api.dag(DAGSettings(targets=set(targets), forceall=True))
-        workflow = workflow_api._workflow
-        workflow._prepare_dag(forceall=True, ignore_incomplete=True, lock_warn_only=True, nolock=True)
-        workflow._build_dag()
-        return workflow
 
 
 def _producers(dag: Any) -> dict[str, Any]:
@@ -540,7 +512,7 @@ def _wrap(words: Sequence[str], indent: str, width: int = 110) -> list[str]:
 
 def generate(root: Path, configfiles: Sequence[str] = ()) -> str:
     """dvc.yaml's text for the workflow in ``root`` with ``configfiles`` merged over config/config.yaml."""
-    workflow = load_dag(root, configfiles)
+    workflow = load_dag(root, configfiles, DAG_TARGETS)
     stages = build_stages(workflow, configfiles)
     logger.info("%d DVC stages: %s", len(stages), ", ".join(s.name for s in stages))
     return render(stages, configfiles)

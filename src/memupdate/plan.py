@@ -460,22 +460,7 @@ def plan_targets(
 ) -> Plan:
     """The plan of the jobs ``snakemake -n <targets> --config ...`` would run (every job with ``forceall``),
     from the workflow's own ``workflow_plan`` (rules/common.smk)."""
-    from snakemake.api import SnakemakeApi
-    from snakemake.cli import parse_config
-    from snakemake.settings.types import ConfigSettings, DAGSettings, OutputSettings, Quietness, ResourceSettings
+    from memupdate.workflow_dag import load_dag
 
-    root = root.resolve()
-    with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
-        workflow_api = api.workflow(
-            resource_settings=ResourceSettings(),
-            config_settings=ConfigSettings(
-                config=parse_config(list(config)), configfiles=[root / f for f in configfiles]
-            ),
-            snakefile=root / "Snakefile",
-            workdir=root,
-        )
-        workflow_api.dag(DAGSettings(targets=set(targets), forceall=forceall))
-        workflow = workflow_api._workflow
-        workflow._prepare_dag(forceall=forceall, ignore_incomplete=True, lock_warn_only=True, nolock=True)
-        workflow._build_dag()
-        return workflow.globals["workflow_plan"](workflow.dag, always=True)
+    workflow = load_dag(root, configfiles, targets, config=config, forceall=forceall)
+    return workflow.globals["workflow_plan"](workflow.dag, always=True)
