@@ -292,7 +292,9 @@ def target_needs(config: Mapping[str, Any], experiments: Iterable[str]) -> list[
     memagent = [e.get("kind", "memupdate") == "memagent" for e in chosen]
     tokenizer = (config.get("data") or {}).get("hotpotqa", {}).get("tokenizer")
     if tokenizer and any(memagent):
-        needs.append(Need(f"tokenizer {tokenizer}", "tokenizer", "data.hotpotqa.tokenizer", tokenizer))
+        # A hub model's tokenizer is read from that model's download (rules/common.smk).
+        model = next((k for k, s in config["models"].items() if s.get("name_or_path") == tokenizer), None)
+        needs.append(Need(f"tokenizer {tokenizer}", "tokenizer", "data.hotpotqa.tokenizer", tokenizer, key=model))
     if not all(memagent):
         embedding = (config.get("memory") or {}).get("embedding_model") or PACKAGED_EMBEDDING
         needs.append(Need(f"embedding {embedding}", "embedding", "memory.embedding_model", embedding))
@@ -466,12 +468,15 @@ def _check_source(need: Need, parts: Sequence[str]) -> Check:
         return Check(need.name, True, f"local folder {path}")
     cache = hub_cache()
     revision = f" --revision {need.revision}" if need.revision else ""
-    marker = f"results/models/{need.key}.download.json" if need.key else "results/data/hotpotqa/*.parquet"
+    rule = (
+        f"the workflow's local rule does it (snakemake --profile profiles/slurm results/models/{need.key}.download.json"
+        " --config scale=full, on the machine that runs Snakemake) into HF_HOME, which every node must share; "
+        if need.key
+        else ""
+    )
     download = (
-        f"download it where the network is: the workflow's local rule does (snakemake --profile profiles/slurm "
-        f"{marker} --config scale=full, on the machine that runs Snakemake), into HF_HOME, which every node must "
-        f"share (this node reads {cache}); or hf download {source}{revision} --cache-dir {cache}; or set "
-        f"{need.setting} to a local folder"
+        f"download it where the network is: {rule}hf download {source}{revision} --cache-dir {cache} does it by hand "
+        f"(this node reads {cache}); or set {need.setting} to a local folder"
     )
     try:
         from huggingface_hub import snapshot_download
