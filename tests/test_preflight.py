@@ -203,3 +203,11 @@ def test_the_disk_estimate_counts_the_saves_the_verl_configs_keep(repo_root, con
 
     config = yaml.safe_load((repo_root / "src/memupdate/training/verl_config" / config_name).read_text())
     assert config["trainer"]["max_actor_ckpt_to_keep"] == preflight.KEPT_SAVES
+
+
+def test_the_disk_estimate_counts_bytes_per_parameter_as_the_plan_does(repo_root):
+    """The preflight runs as one file with only torch, so it cannot import the plan's figure: this pins the two."""
+    from memupdate import preflight
+
+    plan = yaml.safe_load((repo_root / "profiles/slurm/resources.yaml").read_text())["plan"]
+    assert plan["save_bytes_per_param"] == preflight.SAVE_BYTES_PER_PARAM
