@@ -19,6 +19,7 @@
 # logs/<rule>/..., benchmarks/<rule>/...   one log and one benchmark per job
 
 
+from snakemake.logging import logger
 from snakemake.utils import min_version
 
 from memupdate.settings import check_config
@@ -29,8 +30,14 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-# Every setting at every depth, and the names one section gives another, checked before any job runs.
-check_config(config, "config/schema/config.schema.yaml")
+# Every setting at every depth, and the names one section gives another, checked before any job runs. A
+# rehearsal (`--config rehearse=true`) prints what it swapped, on every run.
+rehearsal_swaps = check_config(config, "config/schema/config.schema.yaml")
+if rehearsal_swaps:
+    logger.warning(
+        "rehearsal: the GPU experiments as configured, with only these swapped (config/config.yaml rehearsal):\n  "
+        + "\n  ".join(rehearsal_swaps)
+    )
 
 
 include: "rules/common.smk"

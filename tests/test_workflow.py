@@ -297,12 +297,21 @@ def test_vllm_cpu_servers_depend_on_the_environment_artifact(workdir):
     assert "vllm_env" not in {job["rule"] for job in dry_run_jobs(gpu.stdout)}
 
 
-def test_the_full_scale_on_the_slurm_profile_asks_for_gpus(workdir):
+def test_the_full_scale_on_the_slurm_profile_asks_for_gpus(workdir, monkeypatch):
     """`snakemake -n --profile profiles/slurm all --config scale=full`: every paper-scale experiment, each GPU job
-    with its request from profiles/slurm/resources.yaml."""
+    with its request from profiles/slurm/resources.yaml, every job and every server's own job in the partition and
+    account of the user's environment."""
+    monkeypatch.setenv("MEMUPDATE_SLURM_PARTITION", "gpu")
+    monkeypatch.setenv("MEMUPDATE_SLURM_ACCOUNT", "lab")
     result = snakemake(workdir, "-n", "--profile", "profiles/slurm", "all", "--config", "scale=full")
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = dry_run_jobs(result.stdout)
+    submitted = [job for job in jobs if job["rule"] not in ("fetch_data", "download_model")]
+    assert submitted and all(
+        (resources(job)["slurm_partition"], resources(job)["slurm_account"]) == ("gpu", "lab") for job in submitted
+    )
+    servers = [resources(job)["server"].split() for job in jobs if job["rule"] == "serve_model"]
+    assert servers and all({"partition=gpu", "account=lab"} <= set(server) for server in servers)
     trained = {(job["rule"], job["wildcards"]) for job in jobs if job["rule"].startswith("train_")}
     assert trained == {
         *(("train_stage1", f"exp={e}, n=1") for e in ("memupdate_3b", "memupdate_7b", "two_stage_3b", "two_stage_7b")),
@@ -384,26 +393,22 @@ def check_question_agnostic_ingestion(workdir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_python, monkeypatch):
+def test_the_whole_dag_on_the_local_profile(tiny_pipeline):
     """Data, embeddings, models, served models, three training stages (memory, QA, memory again on a curriculum's
-    rows) and the evaluation, from a clean copy; the tiny experiment stands in for SmolLM2 (same rules, same code
-    paths, minutes instead of a quarter hour)."""
-    if not shared_data_dir.is_dir():
-        pytest.skip("needs ../shared/data as the data mirror")
-    monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(vllm_python.parent.parent))
-    result = snakemake(workdir, "--profile", "profiles/local", "results/data/locomo/train.parquet")
+    rows) and the evaluation, from a clean copy (tests/conftest.py ``tiny_pipeline``); the tiny experiment stands in
+    for SmolLM2 (same rules, same code paths, minutes instead of a quarter hour)."""
+    workdir = tiny_pipeline.repo
+    result = tiny_pipeline.data
     assert result.returncode == 0, result.stderr[-3000:]
     assert pq.read_metadata(workdir / "results/data/locomo/train.parquet").num_rows == 885
     assert (workdir / "logs/preprocess_locomo.log").read_text().count("rows from") == 3
     assert (workdir / "benchmarks/preprocess_locomo.tsv").is_file()
     assert (workdir / "resources/data/locomo10.json").stat().st_size == 2_805_274
-    rerun = snakemake(workdir, "--profile", "profiles/local", "results/data/locomo/train.parquet")
+    rerun = tiny_pipeline.data_again
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
 
     # `all` and the default experiment's short paths (the product brief's `snakemake results/stage2/ckpt`).
-    short = ["results/stage1/ckpt", "results/stage2/ckpt", "results/eval/report.json"]
-    ingest = "results/tiny_ingest/eval/report.json"
-    everything = snakemake(workdir, "--profile", "profiles/local", "all", *short, ingest, *TINY, timeout=1800)
+    everything = tiny_pipeline.everything
     assert everything.returncode == 0, everything.stderr[-5000:]
     log = everything.stdout + everything.stderr
     summary = json.loads((workdir / "results/embeddings/all-MiniLM-L6-v2/memories.summary.json").read_text())
@@ -516,14 +521,18 @@ def test_the_whole_dag_on_the_local_profile(workdir, shared_data_dir, vllm_pytho
     assert not _supervisors(workdir)
 
     start = time.perf_counter()
-    noop = snakemake(workdir, "--profile", "profiles/local", "all", *TINY)
+    noop = tiny_pipeline.snakemake("--profile", "profiles/local", "all", *TINY)
     noop_seconds = time.perf_counter() - start
     assert "Nothing to be done" in noop.stdout + noop.stderr
     assert noop_seconds < 10, f"a no-op rerun took {noop_seconds:.1f} s"
 
     # Snakemake deletes the cache before a forced rerun; the pool outside it keeps every vector.
     embeddings = "results/embeddings/all-MiniLM-L6-v2/memories"
-    forced = snakemake(workdir, "--profile", "profiles/local", "--forcerun", "embed_memories", "--", embeddings)
+    forced = tiny_pipeline.snakemake("--profile", "profiles/local", "--forcerun", "embed_memories", "--", embeddings)
     assert forced.returncode == 0, forced.stderr[-3000:]
     summary = json.loads((workdir / "results/embeddings/all-MiniLM-L6-v2/memories.summary.json").read_text())
     assert summary["new"] == 0 and summary["reused"] == 2541
+    # The forced cache is newer than what was built from it: touched, the run is whole again for the next reader
+    # of the session's pipeline (tests/test_dvc.py adopts it).
+    touched = tiny_pipeline.snakemake("--profile", "profiles/local", "--touch", "all", *TINY)
+    assert touched.returncode == 0, touched.stderr[-3000:]

@@ -17,12 +17,32 @@ the time limit is derived from it, expected x ``plan.margin``, capped by the par
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memupdate.settings import ConfigError, build, setting
+
+#: The environment variables that place every Slurm job, by the Slurm plugin's resource they set
+#: (profiles/slurm/config.yaml's default resources read them through :func:`placement`; README "Running on a
+#: cluster"). Unset: the cluster's default.
+PLACEMENT_ENV = {
+    "slurm_partition": "MEMUPDATE_SLURM_PARTITION",
+    "slurm_account": "MEMUPDATE_SLURM_ACCOUNT",
+    "qos": "MEMUPDATE_SLURM_QOS",
+}
+
+
+def placement(resource: str, env: Mapping[str, str] = os.environ) -> str:
+    """The value of a placing resource (a key of :data:`PLACEMENT_ENV`) from the user's environment; "" if unset.
+
+    >>> placement("slurm_account", {"MEMUPDATE_SLURM_ACCOUNT": "lab"}), placement("qos", {})
+    ('lab', '')
+    """
+    return env.get(PLACEMENT_ENV[resource], "")
+
 
 #: Rules whose jobs the table sizes: the trainers, the servers and the model download (a 7B checkpoint is
 #: loaded and saved again in memory).

@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from memupdate.data.rows import MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SEARCH_TOOL
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS
+from memupdate.rehearsal import apply_rehearsal
 from memupdate.rewards.efficiency import EfficiencyConfig
 
 #: A number in scientific notation without a dot, which YAML 1.2 reads as a float and PyYAML as a string.
@@ -856,18 +857,22 @@ SECTIONS = {
 VERL_SECTIONS = {"memupdate": (), "memagent": ("train",)}
 
 
-def check_config(config: dict[str, Any], schema_path: str | Path, *, root: str | Path = ".") -> None:
-    """Check the workflow config at Snakefile load and normalise it in place: keys set to null where null
-    is not valid removed, scientific-notation strings made numbers, the schema's defaults filled in, typed
-    sections rebuilt with their typed values. Raises :class:`ConfigError` listing every problem, each with
-    the key's full path, the bad value and what is allowed."""
+def check_config(config: dict[str, Any], schema_path: str | Path, *, root: str | Path = ".") -> list[str]:
+    """Check the workflow config at Snakefile load and normalise it in place: the scale's settings merged over
+    it, then the rehearsal's swaps if ``rehearse`` (:func:`memupdate.rehearsal.apply_rehearsal`; returned, one
+    line each, for the run to print), keys set to null where null is not valid removed, scientific-notation
+    strings made numbers, the schema's defaults filled in, typed sections rebuilt with their typed values.
+    Raises :class:`ConfigError` listing every problem, each with the key's full path, the bad value and what
+    is allowed."""
     import yaml
 
     schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
     _apply_scale_settings(config)
     _prune_and_coerce(config, schema)
     errors = _schema_errors(config, schema)
+    swaps = []
     if not errors:
+        swaps = apply_rehearsal(config, _verl_sections)
         errors = _typed_errors(config) + _reference_errors(config, Path(root))
     if errors:
         shown = errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])
@@ -875,6 +880,13 @@ def check_config(config: dict[str, Any], schema_path: str | Path, *, root: str |
             f"invalid configuration (config/config.yaml with any --configfile/--config over it), "
             f"{len(errors)} problem(s):\n  " + "\n  ".join(shown)
         )
+    return swaps
+
+
+def _verl_sections(experiment: Mapping[str, Any]) -> list[str]:
+    """The sections of an experiment that hold verl keys."""
+    kind = experiment.get("kind", "memupdate")
+    return stage_sections(experiment) if kind == "memupdate" else list(VERL_SECTIONS[kind])
 
 
 def _apply_scale_settings(config: dict[str, Any]) -> None:
@@ -915,6 +927,9 @@ def _prune_and_coerce(node: Any, schema: Mapping[str, Any]) -> None:
             continue
         if isinstance(value, str) and _SCIENTIFIC.match(value.strip()) and {"number", "integer"} & _types(sub):
             node[key] = _number(value)
+        # `--config rehearse=true` gives Snakemake's string "true".
+        if isinstance(value, str) and value.lower() in ("true", "false") and _types(sub) == {"boolean"}:
+            node[key] = value.lower() == "true"
         _prune_and_coerce(node[key], sub)
 
 

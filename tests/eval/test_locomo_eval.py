@@ -383,3 +383,15 @@ def test_a_question_agnostic_system_is_labelled_and_its_ingestion_timed(tmp_path
     assert "## Beside published numbers" in md and md.count(report.AGNOSTIC_NOTE) == 2
     assert report.SETTING_NOTE not in md
     assert "| stage1+qa_base | agnostic |" in md and "| stage1+qa_base | 3 | 6.0 | 3.00 | 12 | 9 |" in md
+
+
+def test_training_curves_leave_out_the_validation_verl_logs_before_training(tmp_path):
+    """verl logs its validation before training as step 0 with no training reward: not a point of the curve."""
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": 0, "verl": {"val-core/locomo-conv-47/reward/mean@1": 0.1}},
+        {"step": 1, "reward_mean": 0.25, "num_turns_mean": 2.0, "verl": {}},
+    ]
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (curve,) = report.training_curves({"stage1": metrics}).values()
+    assert [(point["step"], point["reward_mean"]) for point in curve] == [(1, 0.25)]

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from memupdate.cluster import PLACEMENT_ENV, placement
 from memupdate.serving import launch
 from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
 from memupdate.serving.decoding import GREEDY
@@ -72,8 +73,12 @@ def test_the_placement_resources_are_the_ones_the_slurm_profile_sets(repo_root):
     included, and the server's job takes them from there."""
     profile = yaml.safe_load((repo_root / "profiles/slurm/config.yaml").read_text())
     defaults = profile["default-resources"]
-    for resource, variable in zip(launch.PLACEMENT_RESOURCES.values(), ("PARTITION", "ACCOUNT", "QOS"), strict=True):
-        assert f"MEMUPDATE_SLURM_{variable}" in defaults[resource]
+    assert set(launch.PLACEMENT_RESOURCES.values()) == set(PLACEMENT_ENV)
+    env = {variable: f"from {variable}" for variable in PLACEMENT_ENV.values()}
+    for resource, variable in PLACEMENT_ENV.items():
+        # Snakemake evaluates a default resource as a Python expression.
+        assert defaults[resource] == f"__import__('memupdate.cluster').cluster.placement('{resource}')"
+        assert placement(resource, env) == f"from {variable}"
 
 
 # ---------------------------------------------------------------------------------------- the queue

