@@ -222,6 +222,43 @@ def test_verl_backend_settings_are_checked_against_verls_config():
     assert ok["experiments"]["smoke"]["stage1"]["actor_rollout_ref.actor.optim.lr"] == 1e-6
 
 
+@pytest.mark.parametrize(
+    ("experiment", "section", "settings", "named"),
+    [
+        (
+            "memupdate_3b",
+            "stage1",
+            {"algorithm.filter_groups.enable": True},
+            "filter_groups.enable: verl 0.9.1 refills",
+        ),
+        (
+            "memupdate_3b",
+            "stage1",
+            {"actor_rollout_ref.rollout.name": "memupdate_vllm"},
+            "every replica lands on device 0",
+        ),
+        (
+            "ingest_7b",
+            "stage1",
+            {"data.train_batch_size": 8},
+            "ppo_mini_batch_size (16) exceeds data.train_batch_size (8)",
+        ),
+        ("memagent_7b", "train", {"algorithm.filter_groups.enable": True}, "filter_groups.enable: verl 0.9.1 refills"),
+    ],
+)
+def test_what_verl_accepts_but_would_hang_a_gpu_run_is_refused_when_the_snakefile_loads(
+    experiment, section, settings, named
+):
+    """Not in the training job after hours in the queue: the stage's settings over the configs the launcher composes
+    (our base config, verl on CPU's keys, verl's defaults) meet the launcher's own refusals."""
+    config = merged({"scale": "full", "experiments": {experiment: {section: settings}}})
+    text = problems(config)
+    assert f"experiments.{experiment}.{section}: " in text and named in text, text
+    # verl on CPU serves the policy from its own vLLM server: the same rollout is right there.
+    cpu = merged({"experiments": {"verl_cpu": {"stage1": {"actor_rollout_ref.rollout.name": "memupdate_vllm"}}}})
+    check_config(cpu, SCHEMA, root=REPO)
+
+
 def test_the_schema_of_a_section_is_its_dataclass():
     schema = json_schema(TrainSettings)
     assert list(schema["properties"]) == [f.name for f in dataclasses.fields(TrainSettings)]

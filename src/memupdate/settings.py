@@ -36,7 +36,7 @@ import json
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -1010,7 +1010,12 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
         if backend == "verl":
             for section in VERL_SECTIONS[kind]:
                 if section in experiment:
-                    errors += verl_key_errors(experiment[section], f"experiments.{name}.{section}", kind)
+                    where = f"experiments.{name}.{section}"
+                    typing_errors = verl_key_errors(experiment[section], where, kind)
+                    errors += typing_errors
+                    if not typing_errors and isinstance(experiment[section], Mapping):
+                        refused = verl_refusals(composed_value(experiment[section], kind))
+                        errors += [f"{where}: {problem}" for problem in refused]
         if kind == "memupdate":
             errors += _stage_errors(name, experiment)
     try:
@@ -1061,7 +1066,10 @@ def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
         settings = dict(stage.settings)
         if experiment["backend"] == "verl":
             # Typed in place (1e-6 as a number), as the local settings are by clean().
-            errors += verl_key_errors(settings, where, "memupdate")
+            typing_errors = verl_key_errors(settings, where, "memupdate")
+            errors += typing_errors
+            if not typing_errors:
+                errors += [f"{where}: {problem}" for problem in verl_refusals(composed_value(settings, "memupdate"))]
         else:
             try:
                 settings = clean(TrainSettings, settings, where)
@@ -1238,6 +1246,76 @@ def _verl_field_type(defaults: Mapping[str, Any], key: str) -> str | None:
         return None
 
     return annotation(cls, frozenset())
+
+
+#: The configs the launcher composes a verl run from (memupdate.training.verl_launcher), under a stage's settings:
+#: the base config of the experiment's kind, and verl on CPU's keys when ``trainer.device`` is cpu.
+VERL_CONFIG_DIR = Path(__file__).resolve().parent / "training" / "verl_config"
+VERL_BASE_CONFIG = {"memupdate": "grpo_memupdate.yaml", "memagent": "grpo_memagent.yaml"}
+VERL_CPU_CONFIG = "cpu.yaml"
+#: The rollout served by a vLLM server process of its own (memupdate.verl_ext.external_vllm.NAME): for CPUs.
+EXTERNAL_ROLLOUT = "memupdate_vllm"
+
+
+def verl_refusals(value: Callable[[str], Any]) -> list[str]:
+    """Settings verl 0.9.1 accepts that would hang, crash or silently change a GPU run, each with its fix;
+    ``value(key)`` is a dotted key's value in the composed config. The launcher refuses them in the composed
+    config, and :func:`check_config` in a stage's settings when the Snakefile loads (:func:`composed_value`).
+
+    >>> verl_refusals({"algorithm.filter_groups.enable": False, "actor_rollout_ref.rollout.name": "vllm",
+    ...                "trainer.device": "cuda", "actor_rollout_ref.actor.ppo_mini_batch_size": 32,
+    ...                "data.train_batch_size": 16}.get)
+    ['actor_rollout_ref.actor.ppo_mini_batch_size (32) exceeds data.train_batch_size (16): verl pads the batch with rows that train nothing; set it to at most 16']
+    """
+    problems = []
+    if value("algorithm.filter_groups.enable"):
+        problems.append(
+            "algorithm.filter_groups.enable: verl 0.9.1 refills dropped groups with no cap (it ignores "
+            "max_num_gen_batches), so a policy whose groups all score alike (one that stops editing scores 0 "
+            "every time) never finishes a step; set it to false"
+        )
+    if value("actor_rollout_ref.rollout.name") == EXTERNAL_ROLLOUT and value("trainer.device") != "cpu":
+        problems.append(
+            f"actor_rollout_ref.rollout.name: {EXTERNAL_ROLLOUT} starts its vLLM servers without asking Ray for a "
+            "GPU, so every replica lands on device 0; it is for trainer.device: cpu, use vllm (verl's own) on GPUs"
+        )
+    mini, batch = value("actor_rollout_ref.actor.ppo_mini_batch_size"), value("data.train_batch_size")
+    if isinstance(mini, int) and isinstance(batch, int) and mini > batch:
+        # verl checks this only without dynamic batch sizes; with them it pads the step with no-op rows.
+        problems.append(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({mini}) exceeds data.train_batch_size ({batch}): verl "
+            f"pads the batch with rows that train nothing; set it to at most {batch}"
+        )
+    return problems
+
+
+def composed_value(settings: Mapping[str, Any], kind: str) -> Callable[[str], Any]:
+    """A verl key's value as the launcher will compose a stage with ``settings``, without composing it (hydra and
+    verl are too slow to load while the Snakefile is read): the stage's own value, else verl on CPU's (if
+    ``trainer.device`` is cpu), else the base config's, else verl's default."""
+    layers = [settings]
+    if settings.get("trainer.device") == "cpu":
+        layers.append(_verl_yaml(VERL_CPU_CONFIG))
+    layers += [_verl_yaml(VERL_BASE_CONFIG[kind]), verl_defaults()]
+
+    def value(key: str) -> Any:
+        return next((layer[key] for layer in layers if key in layer), None)
+
+    return value
+
+
+@functools.lru_cache(maxsize=4)
+def _verl_yaml(name: str) -> dict[str, Any]:
+    """One of our verl configs, flattened to dotted keys (hydra's ``++`` prefix dropped)."""
+    import yaml
+
+    def flat(node: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(node, dict) and node:
+            return {k: v for key, child in node.items() for k, v in flat(child, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): node}
+
+    loaded = yaml.safe_load((VERL_CONFIG_DIR / name).read_text(encoding="utf-8"))
+    return {key.lstrip("+"): value for key, value in flat(loaded, "").items()}
 
 
 def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -88,7 +89,26 @@ REHEARSAL = """
 serving:
   slurm: {time: 30, mem_mb: 3000, cpus_per_task: 2}
   reconnect_timeout_s: 900
+# The rehearsal's model as a hub repository (HUB_ID), so that it is downloaded and read as the Qwen models are.
+models:
+  tiny-hub: {kind: hf, name_or_path: memupdate-ci/tiny-qwen2, dtype: float32}
+rehearsal:
+  model: tiny-hub
 """
+HUB_ID, HUB_COMMIT = "memupdate-ci/tiny-qwen2", "5eedc0ffee" * 4
+
+
+def hub_cache(root: Path, spec: dict) -> Path:
+    """A Hugging Face cache (HF_HOME) holding ``spec``'s model as the hub repository HUB_ID at HUB_COMMIT, as a
+    download on the submitting machine leaves it."""
+    from memupdate.models.prepare import prepare_model
+
+    repo = root / "hub" / f"models--{HUB_ID.replace('/', '--')}"
+    (repo / "snapshots").mkdir(parents=True)
+    prepare_model(spec, repo / "snapshots" / HUB_COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(HUB_COMMIT)
+    return root
 
 
 @pytest.mark.verl_cpu
@@ -105,6 +125,20 @@ def test_the_full_scale_rehearsal_trains_on_two_nodes_through_a_requeued_server(
     requeue`: it comes back on a new port, rewrites its marker, and training goes on)."""
     monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(vllm_python.parent.parent))
     (slurm_workdir / "rehearsal-ci.yaml").write_text(REHEARSAL)
+    # The model is a hub repository in the cache a download filled; the submitting machine reaches no hub either
+    # (the download finds its snapshot there), and the compute nodes read it offline.
+    config = yaml.safe_load((slurm_workdir / "config/config.yaml").read_text())
+    hf_home = hub_cache(slurm_workdir.parent / "hf", config["models"][config["rehearsal"]["model"]])
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(name, f"localhost,127.0.0.1,{socket.gethostname()}")
+    # A cluster user sizes a model's training job in the profile's table: two CPU nodes, as the tiny model's row.
+    table = slurm_workdir / "profiles/slurm/resources.yaml"
+    rows = yaml.safe_load(table.read_text())
+    rows["train_stage"]["tiny-hub"] = rows["train_stage"]["tiny-random-vllm"]
+    table.write_text(yaml.safe_dump(rows))
     run_dir = slurm_workdir / "results/two_stage_7b/stage1"
     # A checkpoint another run left (its digest is not this run's): verl would resume from its step 9.
     stale = run_dir / "checkpoints"
@@ -156,7 +190,12 @@ def test_the_full_scale_rehearsal_trains_on_two_nodes_through_a_requeued_server(
     # The run printed what it swapped, and nothing else was changed: tests/test_rehearsal.py compares the composed
     # configs key by key.
     assert "rehearsal: the GPU experiments as configured, with only these swapped" in log
-    assert "models: qwen2.5-3b, qwen2.5-7b -> tiny-random-vllm" in log
+    assert "models: qwen2.5-3b, qwen2.5-7b -> tiny-hub" in log
+    # Downloaded on the submitting machine (from the cache, with no hub to reach), read offline on a compute node.
+    download = json.loads((slurm_workdir / "results/models/tiny-hub.download.json").read_text())
+    assert download["source"] == HUB_ID and download["commit"] == HUB_COMMIT
+    prepared = json.loads((slurm_workdir / "results/models/tiny-hub/memupdate_model.json").read_text())
+    assert prepared["source"] == HUB_ID and prepared["source_revision"] == HUB_COMMIT
 
     # Every job, the server's own included, named the partition and account the cluster requires.
     jobs = jobs_since(start, run_name) + jobs_since(start, "memupdate-serve-two_stage_7b")
@@ -164,7 +203,7 @@ def test_the_full_scale_rehearsal_trains_on_two_nodes_through_a_requeued_server(
     assert {
         "rule_preprocess_locomo",
         "rule_embed_memories",
-        "rule_prepare_model_wildcards_tiny-random-vllm",
+        "rule_prepare_model_wildcards_tiny-hub",
         "rule_serve_model_wildcards_two_stage_7b_train_qa-base",
         "rule_train_stage1_wildcards_two_stage_7b_1",
     } <= comments, sorted(comments)

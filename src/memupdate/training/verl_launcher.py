@@ -54,7 +54,14 @@ from memupdate.agents.fields import AGENT_LOOPS
 from memupdate.data.rows import MEMAGENT_AGENT, MEMORY_AGENT
 from memupdate.memory.environment import FILE_NAME as MEMORY_ENVIRONMENT_FILE
 from memupdate.memory.environment import MemoryEnvironment
-from memupdate.settings import MemAgentLoopSettings, build
+from memupdate.settings import (
+    EXTERNAL_ROLLOUT,
+    VERL_CONFIG_DIR,
+    VERL_CPU_CONFIG,
+    MemAgentLoopSettings,
+    build,
+    verl_refusals,
+)
 from memupdate.tools.config import FILE_NAME as TOOLS_FILE
 from memupdate.tools.config import write_tool_config
 from memupdate.training.tracking import (
@@ -71,15 +78,13 @@ logger = logging.getLogger(__name__)
 
 #: The hydra deltas over verl's trainer config and the agent-loop template: package data, so the launcher
 #: works from an installed package as from a checkout.
-CONFIG_DIR = Path(__file__).resolve().with_name("verl_config")
+CONFIG_DIR = VERL_CONFIG_DIR
 CONFIG_NAME = "grpo_memupdate"
 AGENT_LOOP_TEMPLATE = "agent_loops.yaml"
 #: What a run on CPU nodes changes (``trainer.device: cpu``): flat verl keys, the README's "verl on CPU".
-CPU_CONFIG = "cpu.yaml"
+CPU_CONFIG = VERL_CPU_CONFIG
 #: verl's platform selector, in the driver's and every Ray worker's environment for ``trainer.device: cpu``.
 CPU_ENV = {"VERL_PLATFORM": "cpu"}
-#: The rollout served by a vLLM server process of its own (memupdate.verl_ext.external_vllm.NAME).
-EXTERNAL_ROLLOUT = "memupdate_vllm"
 #: Its settings in the rollout config (memupdate.verl_ext.external_vllm reads them there).
 EXTERNAL_ROLLOUT_SETTINGS = "actor_rollout_ref.rollout.custom"
 #: The serving settings the external rollout's server takes (the rest are about serving rules' jobs).
@@ -491,26 +496,9 @@ def validate_overrides(config_dir: PathLike, config_name: str, overrides: Sequen
 
 
 def _refuse_what_verl_accepts(config: DictConfig, config_name: str) -> None:
-    """Settings verl 0.9.1 accepts that would hang, crash or silently change a GPU run, refused with the fix."""
-    problems = []
-    if config.algorithm.filter_groups.enable:
-        problems.append(
-            "algorithm.filter_groups.enable: verl 0.9.1 refills dropped groups with no cap (it ignores "
-            "max_num_gen_batches), so a policy whose groups all score alike (one that stops editing scores 0 "
-            "every time) never finishes a step; set it to false"
-        )
-    if config.actor_rollout_ref.rollout.name == EXTERNAL_ROLLOUT and config.trainer.device != "cpu":
-        problems.append(
-            f"actor_rollout_ref.rollout.name: {EXTERNAL_ROLLOUT} starts its vLLM servers without asking Ray for a "
-            "GPU, so every replica lands on device 0; it is for trainer.device: cpu, use vllm (verl's own) on GPUs"
-        )
-    actor, batch = config.actor_rollout_ref.actor, config.data.train_batch_size
-    if actor.ppo_mini_batch_size > batch:
-        # verl checks this only without dynamic batch sizes; with them it pads the step with no-op rows.
-        problems.append(
-            f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) exceeds "
-            f"data.train_batch_size ({batch}): verl pads the batch with rows that train nothing; set it to at most {batch}"
-        )
+    """Settings verl 0.9.1 accepts that would hang, crash or silently change a GPU run, refused with the fix
+    (:func:`memupdate.settings.verl_refusals`; the Snakefile refuses them in a stage's settings already)."""
+    problems = verl_refusals(lambda key: OmegaConf.select(config, key))
     if problems:
         raise ConfigValidationError(f"verl config {config_name}: " + "; ".join(problems))
 
