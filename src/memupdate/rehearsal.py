@@ -1,5 +1,5 @@
-"""The dress rehearsal: a scale's verl experiments as they are composed for GPUs, with only what a CPU cluster
-cannot run swapped (config ``rehearsal``; ``--config rehearse=true`` switches it on).
+"""The dress rehearsal: the experiments verl trains on GPUs as they are composed, with only what a CPU cluster
+cannot run swapped (config ``rehearsal``; ``--config scale=full rehearse=true`` switches it on).
 
 Everything the swaps do not name stays the GPU run's: the validation files and their sampling, the refill cap,
 checkpoint retention, the resume guard, the Slurm placement of every job and server, the reward. The CI Slurm

@@ -275,7 +275,7 @@ def test_the_full_scale_rehearsal_trains_on_two_nodes_through_a_requeued_server(
 def test_the_cluster_refuses_a_job_without_its_partition_and_account(slurm_cluster, placement):
     """The CI cluster is as strict as the clusters the README's cluster section is for: what passes here names
     both."""
-    submit = ["sbatch", "--parsable", "-t", "1", "--mem=100", "--wrap=true"]
+    submit = ["sbatch", "--parsable", "-t", "1", "--mem=100", "--output=/dev/null", "--wrap=true"]
     bare = subprocess.run(submit, capture_output=True, text=True)
     assert bare.returncode != 0 and "partition" in bare.stderr.lower(), bare.stderr
     no_account = subprocess.run([*submit, "-p", placement["partition"]], capture_output=True, text=True)
@@ -322,13 +322,14 @@ def test_compute_nodes_reach_the_cluster_but_not_the_internet(slurm_cluster, pla
 def test_a_server_left_in_the_queue_past_its_limit_fails_naming_job_and_reason(
     slurm_cluster, placement, vllm_python, tiny_model_dir, tmp_path
 ):
-    """A server whose partition is full waits in the queue; its start-up timeout has not begun. With
-    serving.queue_timeout_s set, the wait ends there with the job and squeue's reason, and the job is cancelled."""
-    from memupdate.serving.launch import ServeError, serve_model
+    """A server whose partition is full waits in the queue past its start-up timeout, which has not begun (it
+    counts from when the job runs). With serving.queue_timeout_s set, the wait ends there with the job and squeue's
+    reason, and the job is cancelled."""
+    from memupdate.serving.launch import ServeError
 
     fill = subprocess.run(
         ["sbatch", "--parsable", "-p", placement["busy"], "-A", placement["account"], "--exclusive", "-t", "10"]
-        + ["--job-name=fill-busy", "--wrap=sleep 600"],
+        + ["--job-name=fill-busy", "--output=/dev/null", "--wrap=sleep 600"],
         capture_output=True,
         text=True,
         check=True,
@@ -340,31 +341,38 @@ def test_a_server_left_in_the_queue_past_its_limit_fails_naming_job_and_reason(
         settings = {
             "launcher": "slurm",
             "python": str(vllm_python),
-            "queue_timeout_s": 15,
-            "startup_timeout_s": 60,
+            "queue_timeout_s": 25,
+            "startup_timeout_s": 10,
             "slurm": {"time": 5, "mem_mb": 1000, "cpus_per_task": 1, **placement_of(placement)},
         }
         settings["slurm"]["partition"] = placement["busy"]
         start = time.monotonic()
         with pytest.raises(ServeError) as failure:
-            serve_model(
-                tiny_model_dir,
-                tmp_path / "queued.ready.json",
-                served_model_name="queued",
-                settings=settings,
-                server_log=tmp_path / "logs" / "queued.log",
-                registry_dir=tmp_path / "running",
-            )
+            serve_on_slurm(tiny_model_dir, tmp_path, "queued", settings)
         waited = time.monotonic() - start
     finally:
         subprocess.run(["scancel", fill], check=False)
     message = str(failure.value)
-    assert 15 <= waited < 60, (waited, message)
+    assert 25 <= waited < 60, (waited, message)
     assert "PENDING" in message and "Resources" in message and "queue_timeout_s" in message, message
     job = message.split("Slurm job ")[1].split()[0]
     # Cancelled, so it never starts once the partition frees up (gone from the queue at once).
     assert squeue_state(job) is None
     assert not (tmp_path / "queued.ready.json").exists()
+
+
+def serve_on_slurm(model_dir: Path, tmp_path: Path, name: str, settings: dict) -> dict:
+    """serve_model as the serve rule's job calls it (its marker, logs and registry under ``tmp_path``)."""
+    from memupdate.serving.launch import serve_model
+
+    return serve_model(
+        model_dir,
+        tmp_path / f"{name}.ready.json",
+        served_model_name=name,
+        settings=settings,
+        server_log=tmp_path / "logs" / f"{name}.log",
+        registry_dir=tmp_path / "running",
+    )
 
 
 CHECK = textwrap.dedent(
@@ -430,7 +438,7 @@ def test_a_server_that_dies_in_its_slurm_job_fails_the_serve_rule_at_once(
     """The supervisor writes the server's address as soon as vLLM starts; a vLLM that dies after that (a bad
     argument here; a crashing kernel on the day it was seen) ends the job, and the wait must end with it, not
     at the start-up timeout (it once idled 15 minutes)."""
-    from memupdate.serving.launch import ServeError, serve_model
+    from memupdate.serving.launch import ServeError
     from memupdate.serving.readiness import ServerNotReady
 
     settings = {
@@ -443,16 +451,9 @@ def test_a_server_that_dies_in_its_slurm_job_fails_the_serve_rule_at_once(
     }
     start = time.monotonic()
     with pytest.raises((ServeError, ServerNotReady)) as failure:
-        serve_model(
-            tiny_model_dir,
-            tmp_path / "dead.ready.json",
-            served_model_name="dies",
-            settings=settings,
-            server_log=tmp_path / "logs" / "dies.log",
-            registry_dir=tmp_path / "running",
-        )
+        serve_on_slurm(tiny_model_dir, tmp_path, "dies", settings)
     assert time.monotonic() - start < 120, str(failure.value)
-    assert "--no-such-vllm-option" in str(failure.value) and not (tmp_path / "dead.ready.json").exists()
+    assert "--no-such-vllm-option" in str(failure.value) and not (tmp_path / "dies.ready.json").exists()
 
 
 @pytest.fixture
