@@ -1,28 +1,28 @@
-"""Shared pieces of the local-backend tests: a toy reward a tiny random model can learn, and run configs."""
+"""Shared pieces of the training tests: a toy reward a tiny random model can learn, and run configs."""
+
+from pathlib import Path
 
 import pytest
 from verl.experimental.reward_loop.reward_manager import register
-from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+from verl.utils.import_utils import load_extern_object
 
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training.local import LocalGRPOConfig
 
+#: The toy reward's file (verl's reward workers load it by path, the local backend by its registered name).
+TOKEN_SHARE = Path(__file__).with_name("token_share.py")
+TokenShareReward = register("test_token_share")(load_extern_object(str(TOKEN_SHARE), "TokenShareReward"))
 
-@register("test_token_share")
-class TokenShareReward(RewardManagerBase):
-    """A toy reward a random tiny model can learn: the share of response tokens among the lowest eighth
-    of the vocabulary (about 1/8 at random, so every GRPO group has spread to learn from)."""
 
-    def __init__(self, config, tokenizer, compute_score=None, **kwargs):
-        super().__init__(config, tokenizer, compute_score)
-
-    async def run_single(self, data):
-        row = data[-1]
-        length = int(row.batch["attention_mask"][-row.batch["responses"].size(-1) :].sum())
-        tokens = row.batch["responses"][:length]
-        share = float((tokens < len(self.tokenizer) // 8).float().mean()) if length else 0.0
-        return {"reward_score": share, "reward_extra_info": {"share": share}}
+@pytest.fixture(scope="session")
+def token_share_reward() -> dict[str, str]:
+    """verl's settings that make the toy reward its reward manager, loaded by path in every reward worker."""
+    return {
+        "reward.reward_manager.source": "importlib",
+        "reward.reward_manager.module.path": str(TOKEN_SHARE),
+        "reward.reward_manager.name": "TokenShareReward",
+    }
 
 
 #: The reward of HalfConstantReward's constant groups.

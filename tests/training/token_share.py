@@ -1,0 +1,23 @@
+"""A toy reward a random tiny model can learn: the share of the policy's response tokens among the lowest eighth
+of the vocabulary (about 1/8 at random, so every GRPO group has spread to learn from).
+
+Its own file, so that verl's reward workers can load it by path (``reward.reward_manager.source: importlib``);
+tests/training/conftest.py registers it for the local backend."""
+
+from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+
+
+class TokenShareReward(RewardManagerBase):
+    def __init__(self, config, tokenizer, compute_score=None, **kwargs):
+        super().__init__(config, tokenizer, compute_score)
+
+    async def run_single(self, data):
+        row = data[-1]
+        responses = row.batch["responses"]
+        length = int(row.batch["attention_mask"][-responses.size(-1) :].sum())
+        tokens = responses[:length]
+        # The policy's own tokens only: tool responses and the QA phase's prompt are not its choices.
+        if "response_mask" in row.batch.keys():
+            tokens = tokens[row.batch["response_mask"][:length].bool()]
+        share = float((tokens < len(self.tokenizer) // 8).float().mean()) if len(tokens) else 0.0
+        return {"reward_score": share, "reward_extra_info": {"share": share}}
