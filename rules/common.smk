@@ -324,10 +324,9 @@ def server_request(wildcards):
     QoS are serve_model's own job's (with_job_placement at submission), which the profile reads from the
     user's environment, as here."""
     from memupdate.cluster import PLACEMENT_ENV, placement
-    from memupdate.serving.launch import with_job_placement
 
     job = {resource: placement(resource) for resource in PLACEMENT_ENV}
-    slurm = with_job_placement(get_serving_settings(wildcards)["slurm"], job)
+    slurm = get_serving_settings(wildcards, job)["slurm"]
     return " ".join(f"{k}={v}" for k, v in sorted(slurm.items()) if v is not None)
 
 

@@ -67,12 +67,16 @@ def shared_data_dir() -> Path:
 WORKFLOW_PARTS = ("Snakefile", "rules", "workflow", "config", "profiles")
 
 
-def _copy_workflow(root: Path) -> Path:
+def _copy_workflow(root: Path, parts: tuple[str, ...] = WORKFLOW_PARTS) -> Path:
     repo = root / "repo"
     repo.mkdir()
-    for part in WORKFLOW_PARTS:
+    for part in parts:
         src = REPO_ROOT / part
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, repo / part)
+        (repo / part).parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, repo / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy(src, repo / part)
     if SHARED_DATA.is_dir():
         (root / "shared").mkdir()
         (root / "shared" / "data").symlink_to(SHARED_DATA)
@@ -105,14 +109,13 @@ class Pipeline:
     everything: subprocess.CompletedProcess
 
     def snakemake(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [str(BIN / "snakemake"), *args],
-            cwd=self.repo,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return _snakemake(self.repo, self.env, *args, timeout=timeout)
+
+
+def _snakemake(repo: Path, env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "snakemake"), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="session")
@@ -123,28 +126,23 @@ def tiny_pipeline(tmp_path_factory, vllm_python) -> Pipeline:
     Snakemake run, as a user versions a run); neither changes what the other reads."""
     if not SHARED_DATA.is_dir():
         pytest.skip("needs ../shared/data as the data mirror")
-    root = tmp_path_factory.mktemp("pipeline")
-    repo = _copy_workflow(root)
-    for part in DVC_PARTS:
-        (repo / part).parent.mkdir(parents=True, exist_ok=True)
-        src = REPO_ROOT / part
-        if src.is_dir():
-            shutil.copytree(src, repo / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy(src, repo / part)
+    repo = _copy_workflow(tmp_path_factory.mktemp("pipeline"), WORKFLOW_PARTS + DVC_PARTS)
     # dvc and snakemake from this environment, as the DVC stages' commands name them; vLLM from its own.
     env = {
         **os.environ,
         "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
         "MEMUPDATE_VLLM_ENV": str(vllm_python.parent.parent),
     }
-    pipeline = Pipeline(repo, env, None, None, None)
-    pipeline.data = pipeline.snakemake("--profile", "profiles/local", "results/data/locomo/train.parquet")
-    pipeline.data_again = pipeline.snakemake("--profile", "profiles/local", "results/data/locomo/train.parquet")
-    short = ["results/stage1/ckpt", "results/stage2/ckpt", "results/eval/report.json"]
+    data = ("--profile", "profiles/local", "results/data/locomo/train.parquet")
+    short = ("results/stage1/ckpt", "results/stage2/ckpt", "results/eval/report.json")
     ingest = "results/tiny_ingest/eval/report.json"
-    pipeline.everything = pipeline.snakemake("--profile", "profiles/local", "all", *short, ingest, *TINY, timeout=1800)
-    return pipeline
+    return Pipeline(
+        repo,
+        env,
+        data=_snakemake(repo, env, *data),
+        data_again=_snakemake(repo, env, *data),
+        everything=_snakemake(repo, env, "--profile", "profiles/local", "all", *short, ingest, *TINY, timeout=1800),
+    )
 
 
 # ----------------------------------------------------------------------------------- memory fixtures

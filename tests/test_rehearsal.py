@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from memupdate.cluster import read_table
 from memupdate.memory.environment import MemoryEnvironment
-from memupdate.settings import ConfigError, check_config, experiment_stages
+from memupdate.settings import ConfigError, check_config, experiment_stages, flatten_keys
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training import verl_launcher as vl
 from memupdate.training.stages import verl_commands
@@ -83,17 +83,7 @@ def composed(config, repo_root, tmp_path, name="two_stage_3b") -> dict:
         verl={"val_files": [str(tmp_path / "val.parquet")]},
         env={"SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": str(job.nodes), "SLURM_GPUS_ON_NODE": str(job.gpus_per_node)},
     )
-    return flat(OmegaConf.to_container(OmegaConf.load(run_dir / vl.RESOLVED_CONFIG)))
-
-
-def flat(node: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in node.items():
-        if isinstance(value, dict) and value:
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+    return flatten_keys(OmegaConf.to_container(OmegaConf.load(run_dir / vl.RESOLVED_CONFIG)))
 
 
 def test_the_rehearsal_changes_only_what_it_swaps_and_what_verl_on_cpu_changes(config, repo_root, tmp_path):
@@ -103,10 +93,7 @@ def test_the_rehearsal_changes_only_what_it_swaps_and_what_verl_on_cpu_changes(c
     after = composed(rehearsal, repo_root, tmp_path / "gpu")  # the same run folder: paths compare equal
     changed = {key for key in before.keys() | after.keys() if before.get(key, "absent") != after.get(key, "absent")}
     swapped = set(config["rehearsal"]["verl"])
-    cpu = {
-        key.removeprefix("++")
-        for key in yaml.safe_load((Path(vl.__file__).parent / "verl_config" / "cpu.yaml").read_text())
-    }
+    cpu = {key.removeprefix("++") for key in yaml.safe_load((vl.CONFIG_DIR / vl.CPU_CONFIG).read_text())}
     unexplained = {
         key
         for key in changed - swapped - cpu

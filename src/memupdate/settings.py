@@ -1010,12 +1010,7 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
         if backend == "verl":
             for section in VERL_SECTIONS[kind]:
                 if section in experiment:
-                    where = f"experiments.{name}.{section}"
-                    typing_errors = verl_key_errors(experiment[section], where, kind)
-                    errors += typing_errors
-                    if not typing_errors and isinstance(experiment[section], Mapping):
-                        refused = verl_refusals(composed_value(experiment[section], kind))
-                        errors += [f"{where}: {problem}" for problem in refused]
+                    errors += _verl_section_errors(experiment[section], f"experiments.{name}.{section}", kind)
         if kind == "memupdate":
             errors += _stage_errors(name, experiment)
     try:
@@ -1066,10 +1061,7 @@ def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
         settings = dict(stage.settings)
         if experiment["backend"] == "verl":
             # Typed in place (1e-6 as a number), as the local settings are by clean().
-            typing_errors = verl_key_errors(settings, where, "memupdate")
-            errors += typing_errors
-            if not typing_errors:
-                errors += [f"{where}: {problem}" for problem in verl_refusals(composed_value(settings, "memupdate"))]
+            errors += _verl_section_errors(settings, where, "memupdate")
         else:
             try:
                 settings = clean(TrainSettings, settings, where)
@@ -1188,13 +1180,18 @@ def verl_defaults() -> dict[str, Any]:
     path = Path(next(iter(spec.submodule_search_locations))) / "trainer" / "config" / "_generated_ppo_trainer.yaml"
     if not path.is_file():
         return {}
+    return flatten_keys(yaml.safe_load(path.read_text(encoding="utf-8")))
 
-    def flat(node: Any, prefix: str) -> dict[str, Any]:
-        if isinstance(node, dict) and node:
-            return {k: v for key, child in node.items() for k, v in flat(child, f"{prefix}{key}.").items()}
-        return {prefix.rstrip("."): node}
 
-    return flat(yaml.safe_load(path.read_text(encoding="utf-8")), "")
+def flatten_keys(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys (verl's own spelling of its keys).
+
+    >>> flatten_keys({"data": {"train_batch_size": 32, "val_files": None}, "trainer": {"logger": []}})
+    {'data.train_batch_size': 32, 'data.val_files': None, 'trainer.logger': []}
+    """
+    if isinstance(node, dict) and node:
+        return {k: v for key, child in node.items() for k, v in flatten_keys(child, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): node}
 
 
 @functools.lru_cache(maxsize=8)
@@ -1251,8 +1248,8 @@ def _verl_field_type(defaults: Mapping[str, Any], key: str) -> str | None:
 #: The configs the launcher composes a verl run from (memupdate.training.verl_launcher), under a stage's settings:
 #: the base config of the experiment's kind, and verl on CPU's keys when ``trainer.device`` is cpu.
 VERL_CONFIG_DIR = Path(__file__).resolve().parent / "training" / "verl_config"
-VERL_BASE_CONFIG = {"memupdate": "grpo_memupdate.yaml", "memagent": "grpo_memagent.yaml"}
-VERL_CPU_CONFIG = "cpu.yaml"
+VERL_BASE_CONFIG = {"memupdate": "grpo_memupdate", "memagent": "grpo_memagent"}
+VERL_CPU_CONFIG = "cpu"
 #: The rollout served by a vLLM server process of its own (memupdate.verl_ext.external_vllm.NAME): for CPUs.
 EXTERNAL_ROLLOUT = "memupdate_vllm"
 
@@ -1289,6 +1286,15 @@ def verl_refusals(value: Callable[[str], Any]) -> list[str]:
     return problems
 
 
+def _verl_section_errors(settings: Any, path: str, kind: str) -> list[str]:
+    """A verl section's problems: keys and types against verl's config (:func:`verl_key_errors`, typing the
+    values in place), then, if those pass, what verl accepts but we refuse (:func:`verl_refusals`)."""
+    errors = verl_key_errors(settings, path, kind)
+    if errors:
+        return errors
+    return [f"{path}: {problem}" for problem in verl_refusals(composed_value(settings, kind))]
+
+
 def composed_value(settings: Mapping[str, Any], kind: str) -> Callable[[str], Any]:
     """A verl key's value as the launcher will compose a stage with ``settings``, without composing it (hydra and
     verl are too slow to load while the Snakefile is read): the stage's own value, else verl on CPU's (if
@@ -1306,16 +1312,11 @@ def composed_value(settings: Mapping[str, Any], kind: str) -> Callable[[str], An
 
 @functools.lru_cache(maxsize=4)
 def _verl_yaml(name: str) -> dict[str, Any]:
-    """One of our verl configs, flattened to dotted keys (hydra's ``++`` prefix dropped)."""
+    """One of our verl configs (``name`` without .yaml), flattened to dotted keys (hydra's ``++`` prefix dropped)."""
     import yaml
 
-    def flat(node: Any, prefix: str) -> dict[str, Any]:
-        if isinstance(node, dict) and node:
-            return {k: v for key, child in node.items() for k, v in flat(child, f"{prefix}{key}.").items()}
-        return {prefix.rstrip("."): node}
-
-    loaded = yaml.safe_load((VERL_CONFIG_DIR / name).read_text(encoding="utf-8"))
-    return {key.lstrip("+"): value for key, value in flat(loaded, "").items()}
+    loaded = yaml.safe_load((VERL_CONFIG_DIR / f"{name}.yaml").read_text(encoding="utf-8"))
+    return {key.lstrip("+"): value for key, value in flatten_keys(loaded).items()}
 
 
 def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-WORKFLOW_PARTS = ["Snakefile", "rules", "workflow", "config", "profiles"]
 #: What slurm-up.sh's cluster requires every job to name (it has no default partition, and root's default account
 #: may use none), and its partition of one node that tests fill.
 PARTITION, ACCOUNT, BUSY_PARTITION = "debug", "ci", "busy"
@@ -41,16 +40,9 @@ def placement(monkeypatch) -> dict[str, str]:
 
 
 @pytest.fixture
-def slurm_workdir(tmp_path, repo_root, shared_data_dir):
+def slurm_workdir(tmp_path, copy_workflow, shared_data_dir):
     """A copy of the workflow with ../shared/data beside it (as in a fresh clone on CI)."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for part in WORKFLOW_PARTS:
-        src = repo_root / part
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, repo / part)
-    (tmp_path / "shared").mkdir()
-    (tmp_path / "shared" / "data").symlink_to(shared_data_dir)
-    return repo
+    return copy_workflow(tmp_path)
 
 
 @pytest.fixture

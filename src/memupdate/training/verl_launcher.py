@@ -56,6 +56,7 @@ from memupdate.memory.environment import FILE_NAME as MEMORY_ENVIRONMENT_FILE
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.settings import (
     EXTERNAL_ROLLOUT,
+    VERL_BASE_CONFIG,
     VERL_CONFIG_DIR,
     VERL_CPU_CONFIG,
     MemAgentLoopSettings,
@@ -79,10 +80,10 @@ logger = logging.getLogger(__name__)
 #: The hydra deltas over verl's trainer config and the agent-loop template: package data, so the launcher
 #: works from an installed package as from a checkout.
 CONFIG_DIR = VERL_CONFIG_DIR
-CONFIG_NAME = "grpo_memupdate"
+CONFIG_NAME = VERL_BASE_CONFIG["memupdate"]
 AGENT_LOOP_TEMPLATE = "agent_loops.yaml"
 #: What a run on CPU nodes changes (``trainer.device: cpu``): flat verl keys, the README's "verl on CPU".
-CPU_CONFIG = VERL_CPU_CONFIG
+CPU_CONFIG = f"{VERL_CPU_CONFIG}.yaml"
 #: verl's platform selector, in the driver's and every Ray worker's environment for ``trainer.device: cpu``.
 CPU_ENV = {"VERL_PLATFORM": "cpu"}
 #: Its settings in the rollout config (memupdate.verl_ext.external_vllm reads them there).
@@ -577,7 +578,7 @@ def prepare_main_ppo(
     return main_ppo_argv(overrides, python=python, config_dir=config_dir), run_env(run_dir, run.get("extra", ()))
 
 
-MEMAGENT_CONFIG_NAME = "grpo_memagent"
+MEMAGENT_CONFIG_NAME = VERL_BASE_CONFIG["memagent"]
 
 
 def memagent_overrides(
