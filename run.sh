@@ -54,16 +54,22 @@ ensure_env() {
     echo "$want" > "$stamp"
 }
 
+# The machine's memory, MB: Snakemake runs jobs together only while their declared mem_mb fit in it (a verl
+# training job on CPU declares 14 GB).
+machine_mem_mb() {
+    awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
     pipeline)
         ensure_env
-        exec "$VENV/bin/snakemake" --profile profiles/local all "$@"
+        exec "$VENV/bin/snakemake" --profile profiles/local --resources=mem_mb="$(machine_mem_mb)" all "$@"
         ;;
     demo)
         ensure_env
-        exec "$VENV/bin/snakemake" --profile profiles/local \
+        exec "$VENV/bin/snakemake" --profile profiles/local --resources=mem_mb="$(machine_mem_mb)" \
             results/cpu_demo/policy_eval/report.json results/cpu_demo/eval/report.json "$@"
         ;;
     tests)

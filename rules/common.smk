@@ -12,8 +12,6 @@ from memupdate import plan as planning
 from memupdate.cluster import read_table
 from memupdate.models.hub import is_hub_id
 from memupdate.settings import (
-    EPISODE_KEYS,
-    SAMPLING_KEYS,
     IngestionSettings,
     PolicyEvalSettings,
     build,
@@ -31,6 +29,9 @@ EMBEDDING_MODEL = config["memory"]["embedding_model"]
 MAX_CONTENT_CHARS = config["memory"]["max_content_chars"]
 EMBEDDING_TAG = Path(EMBEDDING_MODEL).name
 EMBEDDINGS = f"results/embeddings/{EMBEDDING_TAG}"
+# Memory of a verl training job on a CPU node, MB (measured 10-14 GB with the tiny and the 135M models); on GPU
+# nodes profiles/slurm/resources.yaml's rows give theirs.
+VERL_CPU_MEM_MB = 14000
 
 
 wildcard_constraints:
@@ -215,13 +216,13 @@ def plan_units(sized, wildcards):
 
 def plan_disk(sized, wildcards, model):
     """Checkpoint disk of a training job, GB: verl's saves kept (memupdate.plan.saves_kept) at
-    plan.save_bytes_per_param and the merged bf16 ckpt/; the cold start and the local backend: ckpt/ only.
+    plan.save_bytes_per_param and the merged bf16 ckpt/; the cold start: ckpt/ only.
     """
     if sized not in planning.TRAINING:
         return None
     params = planning.model_params(model, config["models"][model])
     saves = 0
-    if get_backend(wildcards) == "verl" and sized in ("train_stage", "train_memagent"):
+    if sized in ("train_stage", "train_memagent"):
         memagent = sized == "train_memagent"
         settings = (
             get_memagent_experiment(wildcards)["train"]
@@ -374,9 +375,7 @@ def memory_inputs():
 
 def validation_inputs(wildcards):
     """verl validates on the held-out validation conversation(s) (their questions, or their sessions for an
-    ingestion experiment); the local backend does not validate."""
-    if get_experiment(wildcards)["backend"] != "verl":
-        return {}
+    ingestion experiment)."""
     if is_ingestion(wildcards):
         return {"val": f"results/{wildcards.exp}/data/ingest.val.parquet"}
     return {"val": "results/data/locomo/val.parquet"}
@@ -467,17 +466,11 @@ def get_training_start(wildcards):
     return policy_model(wildcards)
 
 
-def get_stage1_episode(wildcards):
-    """Stage 1's settings that shape its episodes (memupdate.settings.EPISODE_KEYS, SAMPLING_KEYS, seed): the
-    cold start and the policy evaluation play them, and are not redone when stage 1's training changes.
+def get_episode(wildcards):
+    """The experiment's episode (memupdate.settings.EpisodeSettings): training, the cold start's demonstrations, the
+    policy evaluation and the LoCoMo evaluation play it; the latter three are not redone when training changes.
     """
-    return episode_settings(get_stages(wildcards)["stage1"].settings)
-
-
-def episode_settings(settings):
-    """The training settings that shape an episode (the rest say how training learns from it)."""
-    keys = (*EPISODE_KEYS, *SAMPLING_KEYS, "seed")
-    return {k: v for k, v in settings.items() if k in keys}
+    return get_experiment(wildcards).get("episode", {})
 
 
 def get_tool_settings(wildcards):
@@ -494,12 +487,10 @@ def get_sft_run_dir(wildcards):
 
 
 def get_sft_layout(wildcards):
-    """Where verl's SFT trainer runs (backend verl): the training stage's trainer.device (cpu: verl's cpu
-    platform) and trainer.n_gpus_per_node, so the cold start runs where training will. Empty for local.
+    """Where verl's SFT trainer runs: the training stage's trainer.device (cpu: verl's cpu platform) and
+    trainer.n_gpus_per_node, so the cold start runs where training will.
     """
     experiment = get_experiment(wildcards)
-    if experiment["backend"] != "verl":
-        return {}
     stage = experiment["train" if is_memagent(wildcards.exp) else "stage1"]
     keys = ("trainer.device", "trainer.n_gpus_per_node")
     return {k: v for k, v in stage.items() if k in keys}
@@ -628,10 +619,6 @@ def stage_model_of(wildcards):
     return role_model_of(wildcards, get_stage(wildcards).role)
 
 
-def get_backend(wildcards):
-    return get_experiment(wildcards)["backend"]
-
-
 def get_stage_run_dir(wildcards):
     return f"results/{wildcards.exp}/stage{wildcards.n}"
 
@@ -656,12 +643,8 @@ def vllm_env_inputs(serving):
 
 
 def rollout_env_inputs(settings):
-    """A training stage's: its rollout server's environment, for `rollout: vllm` (local backend) or
-    verl's memupdate_vllm rollout (set, or the default of trainer.device: cpu)."""
-    if settings.get("rollout") == "vllm":
-        return vllm_env_inputs(
-            {**config["serving"], **settings.get("rollout_server", {})}
-        )
+    """A training stage's: its rollout server's environment, for verl's memupdate_vllm rollout (set, or the
+    default of trainer.device: cpu)."""
     rollout = settings.get("actor_rollout_ref.rollout.name")
     cpu = settings.get("trainer.device") == "cpu"
     if rollout == "memupdate_vllm" or (rollout is None and cpu):
@@ -829,18 +812,13 @@ def hotpotqa_rows(ndocs, part):
 
 def get_memagent_train_inputs(wildcards):
     """verl validates on held-out questions (a sample of the test split's: grpo_memagent.yaml), never on the
-    training file; the local backend does not validate."""
+    training file."""
     experiment = get_memagent_experiment(wildcards)
     num_docs = experiment["train"]["num_docs"]
-    val = (
-        {"val": hotpotqa_rows(num_docs, "test")}
-        if experiment["backend"] == "verl"
-        else {}
-    )
     return {
         "model": get_training_start(wildcards),
         "train": hotpotqa_rows(num_docs, "train"),
-        **val,
+        "val": hotpotqa_rows(num_docs, "test"),
         **rollout_env_inputs(experiment["train"]),
     }
 
@@ -851,12 +829,6 @@ def get_memagent_sft_inputs(wildcards):
         "model": policy_model(wildcards),
         "train": hotpotqa_rows(experiment["train"]["num_docs"], "train"),
     }
-
-
-def get_memagent_episode(wildcards):
-    """MemAgent training's settings that shape its episodes: the cold start plays them, and is not redone
-    when how training learns changes."""
-    return episode_settings(get_memagent_experiment(wildcards)["train"])
 
 
 def get_memagent_train_settings(wildcards):

@@ -21,6 +21,8 @@ rule eval_locomo:
         **job_resources("eval_locomo", policy_of, runtime=120, mem_mb=6000),
     params:
         settings=get_eval_settings,
+        # The memory models play the episodes they were trained on.
+        episode=get_episode,
         training_metrics=get_training_metrics,
         stages=get_eval_stages,
         # Question-agnostic: memory built session by session before the questions (memupdate.data.ingestion).
@@ -56,7 +58,7 @@ rule eval_policy:
         mem_mb=6000,
     params:
         settings=get_policy_eval_settings,
-        stage=get_stage1_episode,
+        episode=get_episode,
         reward=get_policy_eval_reward,
         out_dir=subpath(output.summary, parent=True),
         serving=config["serving"],

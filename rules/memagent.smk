@@ -21,10 +21,8 @@ rule train_memagent_sft:
     resources:
         **job_resources("train_memagent_sft", policy_of, runtime=120, mem_mb=8000),
     params:
-        backend=get_backend,
         layout=get_sft_layout,
         settings=get_sft_settings,
-        train=get_memagent_episode,
         loop=get_memagent_loop,
         run_dir=get_sft_run_dir,
     script:
@@ -44,13 +42,15 @@ rule train_memagent:
         "../workflow/envs/memupdate.yaml"
     threads: 2
     resources:
-        **job_resources("train_memagent", policy_of, runtime=120, mem_mb=8000),
+        # As train_stage's (rules/train.smk).
+        **job_resources(
+            "train_memagent", policy_of, runtime=120, mem_mb=VERL_CPU_MEM_MB
+        ),
     params:
-        backend=get_backend,
         settings=get_memagent_train_settings,
         loop=get_memagent_loop,
         run_dir=get_memagent_run_dir,
-        # The verl backend's own rollout server (memupdate_vllm, on CPU) runs with these.
+        # verl's rollout server on CPU (memupdate_vllm) runs with these.
         serving=config["serving"],
     script:
         "../workflow/scripts/train_memagent.py"

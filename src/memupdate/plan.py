@@ -136,8 +136,8 @@ def trainer_defaults(kind: str) -> dict[str, Any]:
 
 
 def training_steps(settings: Mapping[str, Any]) -> int | None:
-    """A training stage's steps: verl's ``trainer.total_training_steps`` (the local backend's ``steps``)."""
-    steps = settings.get("trainer.total_training_steps", settings.get("steps"))
+    """A training stage's steps: verl's ``trainer.total_training_steps``."""
+    steps = settings.get("trainer.total_training_steps")
     return int(steps) if steps else None
 
 

@@ -21,24 +21,28 @@ def apply_rehearsal(config: dict[str, Any], verl_sections: Callable[[Mapping[str
 
     The section's shape is the schema's (config/schema/config.schema.yaml), checked before this runs.
     ``verl_sections(experiment)``: the sections of an experiment that hold verl keys (a MemoryUpdate experiment's
-    stages, MemAgent's ``train``). Only the experiments verl trains on GPUs are swapped: the others (the local
-    backend's, and verl's with ``trainer.device: cpu``) run on CPUs already.
+    stages, MemAgent's ``train``). Only the experiments trained on GPUs are swapped: those with ``trainer.device: cpu``
+    run on CPUs already.
 
     >>> config = {
     ...     "rehearse": True,
     ...     "rehearsal": {"model": "tiny", "settings": {"serving": {"engine": "vllm-cpu"}},
-    ...                   "verl": {"trainer.device": "cpu", "data.train_batch_size": 2}},
+    ...                   "verl": {"trainer.device": "cpu", "data.train_batch_size": 2},
+    ...                   "episode": {"response_length": 512}},
     ...     "serving": {"engine": "vllm", "dtype": "bfloat16"},
-    ...     "experiments": {"big": {"backend": "verl", "policy": "qwen", "stage1": {"data.train_batch_size": 32}},
-    ...                     "cpu": {"backend": "local", "policy": "small", "stage1": {}}},
+    ...     "experiments": {"big": {"policy": "qwen", "stage1": {"data.train_batch_size": 32}},
+    ...                     "cpu": {"policy": "small", "stage1": {"trainer.device": "cpu"}}},
     ... }
     >>> for line in apply_rehearsal(config, lambda e: ["stage1"]): print(line)
     models: qwen -> tiny (policy/qa_model of 1 experiment)
     serving.engine: vllm -> vllm-cpu
     verl trainer.device: (its config's) -> cpu
     verl data.train_batch_size: 32 -> 2
+    episode.response_length: (its config's) -> 512
     >>> config["experiments"]["big"]["stage1"], config["experiments"]["cpu"]["policy"]
     ({'data.train_batch_size': 2, 'trainer.device': 'cpu'}, 'small')
+    >>> config["experiments"]["big"]["episode"]
+    {'response_length': 512}
     """
     if not config.get("rehearse"):
         return []
@@ -61,7 +65,6 @@ def apply_rehearsal(config: dict[str, Any], verl_sections: Callable[[Mapping[str
         experiment
         for experiment in config.get("experiments", {}).values()
         if isinstance(experiment, dict)
-        and experiment.get("backend") == "verl"
         and not any(
             (experiment.get(section) or {}).get("trainer.device") == "cpu" for section in verl_sections(experiment)
         )
@@ -81,6 +84,10 @@ def apply_rehearsal(config: dict[str, Any], verl_sections: Callable[[Mapping[str
             for key, new in (spec.get("verl") or {}).items():
                 swap(f"verl {key}", experiment[section].get(key, _UNSET), new)
                 experiment[section][key] = new
+        if experiment.get("kind", "memupdate") == "memupdate":
+            for key, new in (spec.get("episode") or {}).items():
+                swap(f"episode.{key}", (experiment.get("episode") or {}).get(key, _UNSET), new)
+                experiment.setdefault("episode", {})[key] = new
         if experiment.get("kind") == "memagent":
             for section, keys in (("loop", "memagent_loop"), ("train", "memagent_train")):
                 for key, new in (spec.get(keys) or {}).items():

@@ -19,12 +19,12 @@ Two conveniences of YAML are handled here rather than left to surprise:
 
 Example:
 
->>> settings = build(TrainSettings, {"steps": "3", "lr": "1e-6"}, "experiments.x.stage1")
+>>> settings = build(EpisodeSettings, {"max_assistant_turns": "3"}, "experiments.x.episode")
 Traceback (most recent call last):
 ...
-memupdate.settings.ConfigError: experiments.x.stage1.steps: '3' is not an integer
->>> build(TrainSettings, {"steps": 3, "lr": "1e-6"}, "experiments.x.stage1").lr
-1e-06
+memupdate.settings.ConfigError: experiments.x.episode.max_assistant_turns: '3' is not an integer
+>>> build(EpisodeSettings, {"max_assistant_turns": 3, "temperature": "7e-1"}, "experiments.x.episode").temperature
+0.7
 """
 
 from __future__ import annotations
@@ -122,84 +122,68 @@ class ServeSettings:
 
 
 @dataclass
-class TrainSettings:
-    """A GRPO run's settings on the ``local`` backend: a ``stage<N>`` of an experiment, and MemAgent's
-    ``train`` (with ``num_docs``). :class:`memupdate.training.local.LocalGRPOConfig` extends it with the
-    run's paths and roles."""
+class EpisodeSettings:
+    """An experiment's ``episode``: what shapes its memory episodes wherever they are played. verl's trainer plays
+    them with each setting on its verl key (:data:`VERL_EPISODE_KEYS`, set by the launcher; a stage may not set
+    those keys itself); the cold start's demonstrations, the held-out policy evaluation and the LoCoMo evaluation
+    (greedy) play the same ones. The defaults are the GPU runs' (notes/upstream-systems.md)."""
 
-    steps: int = setting(4, help="optimiser steps", minimum=1)
-    prompts_per_step: int = setting(2, help="prompts (GRPO groups) per step", minimum=1)
-    rollout_n: int = setting(4, help="rollouts per prompt; a GRPO group needs two to have an advantage", minimum=2)
-    micro_batch_size: int = setting(4, help="sequences per forward/backward pass (bounds peak memory)", minimum=1)
-    lr: float = setting(1e-5, help="AdamW learning rate", exclusiveMinimum=0)
-    weight_decay: float = setting(0.0, minimum=0)
-    max_grad_norm: float = setting(1.0, exclusiveMinimum=0)
-    clip_ratio: float = setting(0.2, help="PPO clip range", exclusiveMinimum=0)
-    kl_coef: float = setting(0.001, help="KL penalty to the reference policy", minimum=0)
-    norm_adv_by_std: bool = setting(True, help="divide advantages by the group's reward std (off: Dr.GRPO, MemAgent)")
-    filter_groups: bool = setting(
-        False,
-        help="leave groups whose rollouts all got one reward out of the update (DAPO's dynamic sampling, without "
-        "refilling; verl's algorithm.filter_groups): their policy gradient is 0, yet each costs a forward and backward",
+    max_new_tokens: int | None = setting(
+        None, help="tokens per assistant turn (null: what is left of response_length)", minimum=1
     )
-    temperature: float = setting(1.0, help="rollout sampling temperature", minimum=0)
+    prompt_length: int = setting(
+        2048,
+        help="system prompt, tool schemas and the question (or session); upstream MemoryUpdate used 2048",
+        minimum=1,
+    )
+    response_length: int = setting(
+        8192,
+        help="the whole episode after the prompt, assistant turns and tool responses alike; UMA's 8192 fits 10 "
+        "turns of a few memory searches each",
+        minimum=1,
+    )
+    max_assistant_turns: int = setting(
+        10,
+        help="enough to search, edit and check the result several times (upstream MemoryUpdate's debug value 2 "
+        "allowed one search and one edit; UMA used 10)",
+        minimum=1,
+    )
+    max_parallel_calls: int = setting(
+        4,
+        help="tool calls per turn: a few edits at once; more would let one turn's responses eat the budget",
+        minimum=1,
+    )
+    max_tool_response_length: int = setting(
+        2000,
+        help="characters of a tool response, cut at the end (ranked search results keep their best); a search "
+        "returns top-k memories of about 150 characters each",
+        minimum=1,
+    )
+    temperature: float = setting(1.0, help="the policy's sampling (the LoCoMo evaluation is greedy)", minimum=0)
     top_p: float = setting(1.0, exclusiveMinimum=0, maximum=1)
-    max_new_tokens: int = setting(96, help="tokens per assistant turn", minimum=1)
-    prompt_length: int = setting(2048, minimum=1)
-    response_length: int = setting(512, help="all turns of an episode after the prompt", minimum=1)
-    max_assistant_turns: int = setting(4, minimum=1)
-    max_parallel_calls: int = setting(2, minimum=1)
-    max_tool_response_length: int = setting(1024, minimum=1)
-    save_every: int = setting(2, help="steps between checkpoints", minimum=1)
-    seed: int = 0
-    max_rows: int | None = setting(None, help="training rows used (null = all)", minimum=1)
-    fixed_temperature: float | None = setting(
-        0.0, help="the served fixed role's temperature (greedy by default; null = the rollout's)", minimum=0
-    )
-    rollout: Literal["hf", "vllm"] = setting(
-        "hf", help="hf: the policy generates in process; vllm: a vLLM server of the policy, reloaded each step"
-    )
-    rollout_server: dict[str, Any] = setting(
-        help="serving keys of rollout: vllm's server (python, dtype, extra_args, env, startup_timeout_s)",
-        factory=dict,
-        schema=ServeSettings,
-    )
-    # The names verl 0.9.1's Tracking accepts (tests/training/test_tracking.py keeps them in step with it);
-    # written out because the Snakefile checks settings without importing verl.
-    logger: list[
-        Literal[
-            "console",
-            "tensorboard",
-            "file",
-            "wandb",
-            "mlflow",
-            "swanlab",
-            "vemlp_wandb",
-            "clearml",
-            "trackio",
-            "rl_insight",
-        ]
-    ] = setting(
-        help="verl tracking backends (trainer.logger); the default needs no account: tensorboard writes to "
-        "<run>/tensorboard. wandb, mlflow, ... read their keys from the environment (WANDB_API_KEY, ...)",
-        factory=lambda: ["console", "tensorboard"],
-    )
 
 
-#: Settings of a stage (TrainSettings) that shape a memory episode: its lengths and turns; RolloutConfig fields
-#: of the same names. A run playing stage 1's episodes outside its training (the cold start's demonstrations,
-#: the held-out policy evaluation) takes these from the stage, and only these (with ``seed``), so changing how
-#: stage 1 trains (its steps, lr, ...) does not redo them.
-EPISODE_KEYS = (
-    "max_new_tokens",
-    "prompt_length",
-    "response_length",
-    "max_assistant_turns",
-    "max_parallel_calls",
-    "max_tool_response_length",
-)
-#: ... and how the policy samples them.
-SAMPLING_KEYS = ("temperature", "top_p")
+#: verl's key for each episode setting (the launcher sets them from the experiment's ``episode``); max_new_tokens
+#: is our agent loop's (verl caps an episode, not a turn).
+VERL_EPISODE_KEYS = {
+    "prompt_length": "data.max_prompt_length",
+    "response_length": "data.max_response_length",
+    "max_assistant_turns": "actor_rollout_ref.rollout.multi_turn.max_assistant_turns",
+    "max_parallel_calls": "actor_rollout_ref.rollout.multi_turn.max_parallel_calls",
+    "max_tool_response_length": "actor_rollout_ref.rollout.multi_turn.max_tool_response_length",
+    "temperature": "actor_rollout_ref.rollout.temperature",
+    "top_p": "actor_rollout_ref.rollout.top_p",
+}
+
+
+def episode_overrides(episode: Mapping[str, Any] | None, path: str = "episode") -> dict[str, Any]:
+    """verl's keys and values for an experiment's ``episode`` (its defaults filled in).
+
+    >>> episode_overrides({"prompt_length": 1024})["data.max_prompt_length"]
+    1024
+    """
+    settings = build(EpisodeSettings, episode, path)
+    return {verl_key: getattr(settings, name) for name, verl_key in VERL_EPISODE_KEYS.items()}
 
 
 @dataclass
@@ -207,9 +191,9 @@ class SFTSettings:
     """An experiment's ``sft``: the cold start before stage 1 or MemAgent training (:mod:`memupdate.training.sft`),
     fine-tuning the policy on the scripted expert's demonstration episodes of the train rows. The episodes are
     those training plays (its loop, tools, reward and lengths); these are the optimiser's settings. A MemAgent
-    episode is one row per turn, and ``batch_size`` / ``micro_batch_size`` count rows. With backend verl the
-    fine-tuning is verl's SFT trainer on one node (:mod:`memupdate.training.verl_sft`): ``batch_size`` is the
-    global batch, ``micro_batch_size`` per GPU."""
+    episode is one row per turn, and ``batch_size`` / ``micro_batch_size`` count rows. The fine-tuning is verl's
+    SFT trainer on one node (:mod:`memupdate.training.verl_sft`): ``batch_size`` is the global batch,
+    ``micro_batch_size`` per GPU (per CPU rank on CPU)."""
 
     epochs: int = setting(2, help="passes over the kept demonstrations", minimum=1)
     batch_size: int = setting(8, help="episodes per optimiser step", minimum=1)
@@ -265,7 +249,7 @@ class ToolSettings:
 
 @dataclass
 class PolicyEvalSettings:
-    """An experiment's ``policy_eval``: its memory policies (base, the cold start, stage 1) play stage 1's
+    """An experiment's ``policy_eval``: its memory policies (base, the cold start, stage 1) play the experiment's
     episodes on held-out questions, scored by the training reward (:mod:`memupdate.eval.policy`)."""
 
     split: Literal["val", "test"] = setting(
@@ -279,6 +263,7 @@ class PolicyEvalSettings:
         minimum=1,
     )
     server: Literal["vllm", "hf"] = setting("vllm", help="vllm: a vLLM server of the policy; hf: in-process")
+    seed: int = setting(0, help="draws the questions (the same for every policy) and the rollouts")
 
 
 #: An experiment's training stages are its ``stage<N>`` sections, run in the order of N.
@@ -320,8 +305,8 @@ class IngestionSettings:
 
 @dataclass
 class StagePlan:
-    """The keys of a ``stage<N>`` section that say what the stage is, beside how it trains (its
-    :class:`TrainSettings`, or verl keys): the role it trains and the rows it trains on."""
+    """The keys of a ``stage<N>`` section that say what the stage is, beside how it trains (verl keys): the role
+    it trains and the rows it trains on."""
 
     role: Literal["memory", "qa"] | None = setting(
         None, help="memory or qa; default: stage1 memory, then the other role than the stage before"
@@ -383,13 +368,6 @@ def experiment_stages(experiment: Mapping[str, Any], path: str = "experiment") -
 
 
 @dataclass
-class MemAgentTrainSettings(TrainSettings):
-    """MemAgent's ``train``: the haystack length trained on, and the GRPO run's settings."""
-
-    num_docs: int = setting(help="documents per training haystack", minimum=2)
-
-
-@dataclass
 class MemAgentLoopSettings:
     """MemAgent's budgets in the policy's tokens (:class:`memupdate.agents.memagent.MemAgentLoop`), the same
     in training and evaluation except ``max_chunks`` (training only)."""
@@ -398,6 +376,21 @@ class MemAgentLoopSettings:
     max_chunks: int | None = setting(8, help="training centre-truncates a haystack to this many chunks", minimum=1)
     max_memory_tokens: int = setting(1024, minimum=1)
     max_final_tokens: int = setting(256, minimum=1)
+
+    #: Tokens of a turn's prompt besides its chunk and memory: the template and the question take well under this.
+    TEMPLATE_TOKENS: ClassVar[int] = 1024
+
+    def lengths(self) -> dict[str, int]:
+        """A turn's prompt and reply budgets (a prompt holds the template, the question, a chunk and the memory; a
+        reply is at most a memory or the answer): what verl pads to, and what the cold start's turns play.
+
+        >>> MemAgentLoopSettings(chunk_size=512, max_memory_tokens=64, max_final_tokens=32).lengths()
+        {'prompt_length': 1600, 'response_length': 64}
+        """
+        return {
+            "prompt_length": self.chunk_size + self.max_memory_tokens + self.TEMPLATE_TOKENS,
+            "response_length": max(self.max_memory_tokens, self.max_final_tokens),
+        }
 
 
 @dataclass
@@ -418,11 +411,7 @@ class LocomoEvalSettings:
         help="protocols whose verbatim QA prompt answers every question", factory=lambda: ["locomo", "mem0"]
     )
     seed: int = 0
-    max_new_tokens: int = setting(64, help="per-turn cap of the memory model", minimum=1)
     qa_max_tokens: int = setting(32, help="answer cap of the QA model", minimum=1)
-    max_assistant_turns: int = setting(3, minimum=1)
-    prompt_length: int = setting(2048, minimum=1)
-    response_length: int = setting(768, minimum=1)
     batch_size: int = setting(8, help="episodes run concurrently; predictions are saved after each batch", minimum=1)
     judge: Literal["qa-base", "base", "stage1", "stage2"] | None = setting(
         "qa-base", help="served model that judges answers for Mem0's J (null: no J)"
@@ -631,10 +620,10 @@ def check_bounds(obj: Any, path: str) -> None:
     """Enforce the bounds (``minimum``, ``exclusiveMinimum``, ``maximum``) of a built settings object's fields,
     so code that constructs a settings class directly gets the checks :func:`build` gives user values.
 
-    >>> check_bounds(TrainSettings(rollout_n=1), "train")
+    >>> check_bounds(EpisodeSettings(max_assistant_turns=0), "episode")
     Traceback (most recent call last):
     ...
-    memupdate.settings.ConfigError: train.rollout_n: 1 is below the minimum 2
+    memupdate.settings.ConfigError: episode.max_assistant_turns: 0 is below the minimum 1
     """
     errors = []
     for f in dataclasses.fields(obj):
@@ -825,11 +814,11 @@ def _type_schema(hint: Any) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ workflow config
 
-#: Typed sections of an experiment, by the experiment's kind and backend (verl stage settings are verl's).
-#: A MemoryUpdate experiment's ``stage<N>`` sections are :class:`TrainSettings` (local) or verl keys, beside
-#: their :class:`StagePlan` keys (:func:`experiment_stages`).
+#: Typed sections of an experiment, by the experiment's kind. A MemoryUpdate experiment's ``stage<N>`` sections are
+#: verl keys beside their :class:`StagePlan` keys (:func:`experiment_stages`).
 SECTIONS = {
-    ("memupdate", "local"): {
+    "memupdate": {
+        "episode": EpisodeSettings,
         "reward": RewardSettings,
         "ingestion": IngestionSettings,
         "tools": ToolSettings,
@@ -837,22 +826,9 @@ SECTIONS = {
         "policy_eval": PolicyEvalSettings,
         "eval": LocomoEvalSettings,
     },
-    ("memupdate", "verl"): {
-        "reward": RewardSettings,
-        "ingestion": IngestionSettings,
-        "tools": ToolSettings,
-        "sft": SFTSettings,
-        "eval": LocomoEvalSettings,
-    },
-    ("memagent", "local"): {
-        "loop": MemAgentLoopSettings,
-        "sft": SFTSettings,
-        "train": MemAgentTrainSettings,
-        "eval": MemAgentExperimentEval,
-    },
-    ("memagent", "verl"): {"loop": MemAgentLoopSettings, "sft": SFTSettings, "eval": MemAgentExperimentEval},
+    "memagent": {"loop": MemAgentLoopSettings, "sft": SFTSettings, "eval": MemAgentExperimentEval},
 }
-#: Sections of a verl MemAgent experiment that are verl config keys (``trainer.total_training_steps: 100``);
+#: Sections of a MemAgent experiment that are verl config keys (``trainer.total_training_steps: 100``);
 #: a MemoryUpdate one's are its stages.
 VERL_SECTIONS = {"memupdate": (), "memagent": ("train",)}
 
@@ -987,8 +963,8 @@ def _describe(err: Any) -> str:
 def _typed_errors(config: dict[str, Any]) -> list[str]:
     errors = []
     for name, experiment in config.get("experiments", {}).items():
-        kind, backend = experiment.get("kind", "memupdate"), experiment["backend"]
-        for section, cls in SECTIONS[(kind, backend)].items():
+        kind = experiment.get("kind", "memupdate")
+        for section, cls in SECTIONS[kind].items():
             if section not in experiment:
                 continue
             path = f"experiments.{name}.{section}"
@@ -1002,15 +978,9 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
                 f"experiments.{name}.tools.names: the cold start's expert uses {', '.join(SFTSettings.TOOLS)}; "
                 f"give the policy all of them (it has {', '.join(names)})"
             )
-        if "policy_eval" in experiment and (kind, backend) != ("memupdate", "local"):
-            errors.append(
-                f"experiments.{name}.policy_eval: runs with backend local on MemoryUpdate experiments only "
-                f"(this one is {kind} with backend {backend})"
-            )
-        if backend == "verl":
-            for section in VERL_SECTIONS[kind]:
-                if section in experiment:
-                    errors += _verl_section_errors(experiment[section], f"experiments.{name}.{section}", kind)
+        for section in VERL_SECTIONS[kind]:
+            if section in experiment:
+                errors += _verl_section_errors(experiment[section], f"experiments.{name}.{section}", kind)
         if kind == "memupdate":
             errors += _stage_errors(name, experiment)
     try:
@@ -1059,14 +1029,14 @@ def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
         # experiment_stages built the plan keys already: cleaning them again cannot fail.
         plan = clean(StagePlan, {k: v for k, v in experiment[stage.name].items() if k in StagePlan.KEYS}, where)
         settings = dict(stage.settings)
-        if experiment["backend"] == "verl":
-            # Typed in place (1e-6 as a number), as the local settings are by clean().
-            errors += _verl_section_errors(settings, where, "memupdate")
-        else:
-            try:
-                settings = clean(TrainSettings, settings, where)
-            except ConfigError as err:
-                errors.extend(str(err).splitlines())
+        episode_keys = {verl_key: name for name, verl_key in VERL_EPISODE_KEYS.items()}
+        for key in (k for k in settings if k in episode_keys):
+            errors.append(
+                f"{where}.{key}: set episode.{episode_keys[key]} instead (the experiment's episode, which the cold "
+                "start, the policy evaluation and the evaluation play too)"
+            )
+        # Typed in place (1e-6 as a number).
+        errors += _verl_section_errors(settings, where, "memupdate")
         experiment[stage.name] = {**settings, **plan}
     return errors
 

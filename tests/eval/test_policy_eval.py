@@ -11,7 +11,7 @@ from memupdate.eval.policy import EPISODES, compare_policies, evaluate_policy, p
 
 pytestmark = pytest.mark.slow
 
-STAGE = {"max_new_tokens": 24, "prompt_length": 4096, "response_length": 256, "max_assistant_turns": 2}
+EPISODE = {"max_new_tokens": 24, "prompt_length": 4096, "response_length": 256, "max_assistant_turns": 2}
 
 
 def test_a_policy_is_scored_on_held_out_questions_with_n_rollouts_each(
@@ -25,7 +25,7 @@ def test_a_policy_is_scored_on_held_out_questions_with_n_rollouts_each(
             memories=str(locomo_rows["memories"]),
             embeddings=str(held_out_cache),
             out_dir=str(tmp_path / name),
-            stage=STAGE,
+            episode=EPISODE,
             reward={"scorer": "answer_recall", "efficiency": {"max_total_memories": None}},
             n=2,
             questions=3,

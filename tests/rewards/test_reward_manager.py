@@ -169,7 +169,7 @@ def test_a_batch_is_scored_as_its_trajectories_are_one_by_one(
 
 def test_stage_settings_carry_the_role_and_the_answer_cap_and_are_checked_before_training():
     reward = {"scorer": "answer_recall", "qa_prompt": "mem0"}
-    out = stages.stage_reward(reward, "memory", None, settings={"steps": 1})
+    out = stages.stage_reward(reward, "memory", None, settings={"trainer.total_training_steps": 1})
     assert out == {**reward, "training_stage": "memory", "qa_max_tokens": 32}
     with pytest.raises(ValueError, match=r"qa_max_tokens is the reward's \(reward.qa_max_tokens"):
         stages.stage_reward(reward, "memory", None, settings={"qa_max_tokens": 8})
@@ -180,10 +180,9 @@ def test_stage_settings_carry_the_role_and_the_answer_cap_and_are_checked_before
         stages.stage_reward({"scorer": "auto"}, "memory", None, settings={})
 
 
-def test_reward_settings_reach_the_qa_phase_on_the_local_backend(tmp_path, tiny_models):
+def test_reward_settings_reach_the_qa_phase_in_process(tmp_path, tiny_models):
     from memupdate.agents.memory_loop import qa_settings
-    from memupdate.rollout.config import agent_loop_entry, run_config
-    from memupdate.training.local import LocalGRPOConfig
+    from memupdate.rollout.config import RolloutConfig, agent_loop_entry, run_config
 
     reward = stages.stage_reward(
         {"scorer": "answer_recall", "qa_prompt": "mem0", "qa_max_tokens": 12, "top_k": 3, "context_chars": 200},
@@ -191,7 +190,7 @@ def test_reward_settings_reach_the_qa_phase_on_the_local_backend(tmp_path, tiny_
         None,
         settings={},
     )
-    cfg = LocalGRPOConfig(
+    cfg = RolloutConfig(
         model_path=str(tiny_models / "policy"),
         train_files=[],
         run_dir=str(tmp_path / "run"),
@@ -289,7 +288,7 @@ def test_stage1_takes_the_reader_and_judge_markers_as_inputs(workdir):
 
 
 def test_a_served_scorer_without_a_qa_model_fails_before_anything_runs(workdir):
-    single = {"backend": "local", "policy": "tiny-random", "stage1": {"steps": 1}}
+    single = {"policy": "tiny-random", "stage1": {"trainer.total_training_steps": 1}}
     result = dry_run(
         workdir, "results/single/stage1/ckpt", {"reward": {"scorer": "reader"}, "experiments": {"single": single}}
     )

@@ -20,16 +20,16 @@ from memupdate.settings import RewardSettings
 from memupdate.training.demonstrations import DONE, MemoryExpert, expert_rows, read_memories
 from memupdate.training.ingestion_expert import merge_chars
 from memupdate.training.memagent_expert import NOTHING_YET, covers
-from memupdate.training.sft import DEMONSTRATIONS, cold_start, cold_start_memagent
+from memupdate.training.sft import DEMONSTRATION_SUMMARY, DEMONSTRATIONS, cold_start, cold_start_memagent
 from memupdate.training.verl_sft import ROWS_FILE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.verl_cpu]
 
 #: The tools the expert uses, in compact form: the prompt a CPU experiment gives its policy.
 TOOLS = {"names": [SEARCH_TOOL, MANAGE_TOOL, MERGE_TOOL], "compact": True}
 
-#: Stage 1's episode lengths: the merged memory's call is the longest reply (~300 characters of text).
-STAGE = {
+#: The episode's lengths: the merged memory's call is the longest reply (~300 characters of text).
+EPISODE = {
     "max_new_tokens": 512,
     "prompt_length": 4096,
     "response_length": 2048,
@@ -38,12 +38,16 @@ STAGE = {
 }
 
 
-def train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, settings, **who):
-    """The cold start on conv-26 with the tiny model, stage 1's lengths and the compact tools; ``who``: its
-    backend and layout."""
+#: verl's SFT trainer on this machine's CPU.
+ON_CPU = {"trainer.device": "cpu"}
+
+
+def train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, settings):
+    """The cold start on conv-26 with the tiny model, the episode's lengths and the compact tools, fine-tuned by
+    verl's SFT trainer on CPU."""
     return cold_start(
         settings={**settings, "lr": 1e-3, "search_top_k": 5},
-        stage=STAGE,
+        episode=EPISODE,
         model=str(tiny_model_dir),
         train_files=[str(locomo_rows["train"])],
         memories=str(locomo_rows["memories"]),
@@ -51,15 +55,18 @@ def train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, settings, 
         run_dir=str(run_dir),
         reward={"efficiency": {"max_total_memories": None}},
         tools=TOOLS,
-        **who,
+        layout=ON_CPU,
     )
 
 
 @pytest.fixture(scope="module")
 def sft_run(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("sft") / "run"
-    settings = {"epochs": 2, "batch_size": 4, "micro_batch_size": 2, "max_rows": 8}
-    return run_dir, train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, settings)
+    return run_dir, train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, SFT)
+
+
+#: Two epochs of batches of two kept episodes.
+SFT = {"epochs": 2, "batch_size": 2, "micro_batch_size": 1, "max_rows": 8}
 
 
 def test_demonstrations_are_the_experts_program_in_the_loops_format(sft_run, tiny_model_dir):
@@ -110,7 +117,7 @@ def test_kept_edits_raised_both_offline_scorers_and_no_single_memory_is_rewritte
             assert record["rewards"] == {"answer_recall": 0.0, "evidence_recall": 0.0}
             assert record["kept"] != record.get("balanced_out", False)
     assert_stops_balanced(records)
-    summary = json.loads((ckpt / "manifest.json").read_text())["metrics"]["demonstrations"]
+    summary = json.loads((run_dir / DEMONSTRATION_SUMMARY).read_text())
     kept_edits = sum(r["kept"] and r["edited"] for r in records)
     assert summary["kept"] == sum(r["kept"] for r in records) and summary["kept_edits"] == kept_edits
     assert min(summary["kept_reward_mean"].values()) >= 0 and (min(summary["kept_reward_mean"].values()) > 0) == (
@@ -151,7 +158,7 @@ def test_the_expert_needs_its_tools(tiny_model_dir, locomo_rows, cache_dir, tmp_
     with pytest.raises(ValueError, match="the expert uses search_memory, manage_memory, merge_memory, but the policy"):
         cold_start(
             settings={"max_rows": 2},
-            stage=STAGE,
+            episode=EPISODE,
             model=str(tiny_model_dir),
             train_files=[str(locomo_rows["train"])],
             memories=str(locomo_rows["memories"]),
@@ -159,56 +166,38 @@ def test_the_expert_needs_its_tools(tiny_model_dir, locomo_rows, cache_dir, tmp_
             run_dir=str(tmp_path / "run"),
             reward={},
             tools={"names": [SEARCH_TOOL, MANAGE_TOOL]},
+            layout=ON_CPU,
         )
 
 
-def test_sft_moves_the_policy_towards_the_demonstrations(sft_run, tiny_model_dir):
-    run_dir, ckpt = sft_run
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    assert manifest["kind"] == "sft" and manifest["base_model"] == str(tiny_model_dir)
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    kept = manifest["metrics"]["demonstrations"]["kept"]
-    assert len(steps) == 2 * -(-kept // 4)
-    # Two epochs on the same episodes: the loss falls.
-    first_epoch = [s["loss"] for s in steps if s["epoch"] == 1]
-    second_epoch = [s["loss"] for s in steps if s["epoch"] == 2]
-    assert sum(second_epoch) / len(second_epoch) < sum(first_epoch) / len(first_epoch), steps
-    trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
-    assert any(not torch.equal(base[name], tensor) for name, tensor in trained.items())
-    assert (
-        AutoTokenizer.from_pretrained(ckpt).chat_template == AutoTokenizer.from_pretrained(tiny_model_dir).chat_template
-    )
-
-
 def test_a_reply_cap_the_expert_cannot_keep_is_refused(tiny_model_dir, locomo_rows, cache_dir, tmp_path):
-    """Demonstrations longer than stage 1 lets the policy reply would teach calls it can never finish."""
-    with pytest.raises(ValueError, match="over stage 1's max_new_tokens \\(16\\)"):
+    """Demonstrations longer than the episode lets the policy reply would teach calls it can never finish."""
+    with pytest.raises(ValueError, match="over the episode's max_new_tokens \\(16\\)"):
         cold_start(
             settings={"max_rows": 2},
-            stage={**STAGE, "max_new_tokens": 16},
+            episode={**EPISODE, "max_new_tokens": 16},
             model=str(tiny_model_dir),
             train_files=[str(locomo_rows["train"])],
             memories=str(locomo_rows["memories"]),
             embeddings=str(cache_dir),
             run_dir=str(tmp_path / "run"),
             reward={},
+            layout=ON_CPU,
         )
     assert not (tmp_path / "run" / "ckpt").exists()
 
 
-@pytest.mark.verl_cpu
-def test_verls_sft_trainer_fine_tunes_on_the_same_rows(tiny_model_dir, locomo_rows, cache_dir, tmp_path):
-    """Backend verl: the same demonstrations, as token rows, through verl's SFT trainer (FSDP engine; here on
-    verl's cpu platform), merged into the checkpoint stage 1 starts from."""
-    run_dir = tmp_path / "run"
-    settings = {"epochs": 3, "batch_size": 2, "micro_batch_size": 1, "max_rows": 4}
-    ckpt = train_cold_start(
-        tiny_model_dir, locomo_rows, cache_dir, run_dir, settings, backend="verl", layout={"trainer.device": "cpu"}
-    )
+def test_verls_sft_trainer_fine_tunes_on_the_policys_own_tokens(sft_run, tiny_model_dir):
+    """The demonstrations, as token rows, through verl's SFT trainer (FSDP engine; here on verl's cpu platform),
+    merged into the checkpoint stage 1 starts from."""
+    run_dir, ckpt = sft_run
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert (manifest["backend"], manifest["kind"], manifest["base_model"]) == ("verl", "sft", str(tiny_model_dir))
     assert (run_dir / "hydra" / ".hydra" / "config.yaml").is_file()  # hydra wrote into the run, not the cwd
     assert manifest["git"] and manifest["config_digest"]
+    assert (
+        AutoTokenizer.from_pretrained(ckpt).chat_template == AutoTokenizer.from_pretrained(tiny_model_dir).chat_template
+    )
     # verl trained on the kept episodes' rows, the loss on the policy's tokens only: never the prompt (the
     # question) nor a tool's output (search results).
     records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
@@ -219,11 +208,16 @@ def test_verls_sft_trainer_fine_tunes_on_the_same_rows(tiny_model_dir, locomo_ro
         trained = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
         assert trained.startswith("<tool_call>") and "Found " not in trained and "Target question" not in trained
         assert "Target question" in tokenizer.decode(row["input_ids"])
-    # Three epochs on the same rows: the loss falls, and the weights moved.
-    losses = [r["data"]["train/loss"] for r in map(json.loads, (run_dir / "tracking.jsonl").read_text().splitlines())]
-    assert len(losses) == 3 * (len(rows) // 2) and losses[-1] < losses[0], losses
+    # Two epochs on the same rows: the loss falls, and the weights moved.
+    losses = sft_losses(run_dir)
+    assert len(losses) == SFT["epochs"] * (len(rows) // SFT["batch_size"]) and losses[-1] < losses[0], losses
     trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
     assert any(not torch.equal(base[name], tensor.to(base[name].dtype)) for name, tensor in trained.items())
+
+
+def sft_losses(run_dir) -> list[float]:
+    """The loss of each of verl's SFT steps, from its file logger."""
+    return [r["data"]["train/loss"] for r in map(json.loads, (run_dir / "tracking.jsonl").read_text().splitlines())]
 
 
 # ------------------------------------------------------------------------------------------- ingestion
@@ -231,7 +225,7 @@ def test_verls_sft_trainer_fine_tunes_on_the_same_rows(tiny_model_dir, locomo_ro
 #: The longest text the ingestion expert merges into, with the reward's default budget.
 MERGE_CHARS = merge_chars(DEFAULT_MAX_CONTENT_CHARS, RewardSettings.top_k, RewardSettings.context_chars)
 #: An ingestion episode's lengths: a session's memories in the tiny vocabulary, two searches and merges.
-INGEST_STAGE = {**STAGE, "prompt_length": 6144, "response_length": 4096, "max_assistant_turns": 5}
+INGEST_EPISODE = {**EPISODE, "prompt_length": 6144, "response_length": 4096, "max_assistant_turns": 5}
 
 
 @pytest.fixture(scope="module")
@@ -241,8 +235,8 @@ def ingest_sft(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
     build_ingestion_rows(str(locomo_rows["train"]), str(locomo_rows["memories"]), str(rows), split="train")
     ckpt = cold_start(
         # conv-26's first 12 sessions: its first merges come in sessions 10 and 11 (one pays less than nothing).
-        settings={"epochs": 1, "batch_size": 4, "micro_batch_size": 2, "lr": 1e-3, "max_rows": 12, "search_top_k": 5},
-        stage=INGEST_STAGE,
+        settings={"epochs": 1, "batch_size": 1, "micro_batch_size": 1, "lr": 1e-3, "max_rows": 12, "search_top_k": 5},
+        episode=INGEST_EPISODE,
         model=str(tiny_model_dir),
         train_files=[str(rows)],
         memories=str(locomo_rows["memories"]),
@@ -250,6 +244,7 @@ def ingest_sft(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
         run_dir=str(out / "run"),
         reward={"efficiency": {"max_total_memories": None}},
         tools=TOOLS,
+        layout=ON_CPU,
     )
     return out / "run", rows, ckpt
 
@@ -298,19 +293,20 @@ def test_ingestion_demonstrations_merge_what_belongs_together(ingest_sft, locomo
 #: Every chunk read (no centre truncation), so every supporting sentence passes the expert; the tiny BPE takes
 #: about a token per character, and three supporting sentences are about 400 characters.
 MEMAGENT_LOOP = {"chunk_size": 128, "max_chunks": None, "max_memory_tokens": 1024, "max_final_tokens": 64}
-MEMAGENT_TRAIN = {"num_docs": 3, "prompt_length": 2048, "response_length": 1024}
+#: Batches of two kept turns.
+MEMAGENT_SFT = {"epochs": 2, "batch_size": 2, "micro_batch_size": 1, "lr": 1e-3, "max_rows": 4}
 
 
 @pytest.fixture(scope="module")
 def memagent_sft(tiny_model_dir, hotpot_rows, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("memagent-sft") / "run"
     ckpt = cold_start_memagent(
-        settings={"epochs": 2, "batch_size": 8, "micro_batch_size": 4, "lr": 1e-3, "max_rows": 4},
-        train=MEMAGENT_TRAIN,
+        settings=MEMAGENT_SFT,
         loop=MEMAGENT_LOOP,
         model=str(tiny_model_dir),
         train_files=[str(hotpot_rows)],
         run_dir=str(run_dir),
+        layout=ON_CPU,
     )
     return run_dir, ckpt
 
@@ -331,7 +327,7 @@ def test_memagent_demonstrations_keep_the_supporting_facts_and_box_the_answer(me
         facts = " ".join(info["supporting_facts"])
         assert all(w in facts for w in re.findall(r"\w+", record["memory"])) or record["memory"] == NOTHING_YET
     assert any(r["kept"] for r in records)
-    summary = json.loads((ckpt / "manifest.json").read_text())["metrics"]["demonstrations"]
+    summary = json.loads((run_dir / DEMONSTRATION_SUMMARY).read_text())
     assert summary["kept"] == sum(r["kept"] for r in records)
 
 
@@ -339,10 +335,10 @@ def test_memagent_sft_trains_on_every_turn_of_the_kept_trajectories(memagent_sft
     run_dir, ckpt = memagent_sft
     records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
     rows = sum(r["turns"] for r in records if r["kept"])
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(steps) == 2 * -(-rows // 8)
-    first_epoch = [s["loss"] for s in steps if s["epoch"] == 1]
-    second_epoch = [s["loss"] for s in steps if s["epoch"] == 2]
-    assert sum(second_epoch) / len(second_epoch) < sum(first_epoch) / len(first_epoch), steps
+    assert len(pq.read_table(run_dir / ROWS_FILE)) == rows
+    losses = sft_losses(run_dir)
+    assert len(losses) == MEMAGENT_SFT["epochs"] * (rows // MEMAGENT_SFT["batch_size"])
+    per_epoch = len(losses) // 2
+    assert sum(losses[per_epoch:]) < sum(losses[:per_epoch]), losses
     trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
-    assert any(not torch.equal(base[name], tensor) for name, tensor in trained.items())
+    assert any(not torch.equal(base[name], tensor.to(base[name].dtype)) for name, tensor in trained.items())

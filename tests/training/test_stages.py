@@ -1,4 +1,4 @@
-"""One training stage on either backend: served-model checks, the Slurm layout, the verl command."""
+"""One training stage: served-model checks, the Slurm layout, the verl command, the resume guard and the export."""
 
 from __future__ import annotations
 
@@ -117,9 +117,27 @@ def test_verl_command_spans_the_allocation(run):
     # prepare_main_ppo validated the config and wrote the run's agent loop with the served memory model.
     loops = yaml.safe_load(open(f"{run['run_dir']}/agent_loops.yaml"))
     assert loops[0]["training_stage"] == "qa" and loops[0]["fixed_model"] == fixed
+    # The episode's defaults (memupdate.settings.EpisodeSettings) on verl's keys, its per-turn cap on the loop.
+    assert "data.max_prompt_length=2048" in trainer and "data.max_response_length=8192" in trainer
+    assert loops[0]["max_new_tokens"] is None
 
 
-def test_verl_backend_refuses_a_machine_without_gpus(run):
+def test_the_episode_reaches_verls_keys_and_the_loop(run):
+    episode = {"max_new_tokens": 48, "prompt_length": 1024, "max_assistant_turns": 3, "temperature": 0.7}
+    command, _ = stages.verl_commands(
+        training_stage="memory", settings={}, fixed=None, env=SLURM_ENV, episode=episode, **verl_run(run)
+    )
+    trainer = command[command.index("--") + 1 :]
+    for override in (
+        "data.max_prompt_length=1024",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        "actor_rollout_ref.rollout.temperature=0.7",
+    ):
+        assert override in trainer
+    assert yaml.safe_load(open(f"{run['run_dir']}/agent_loops.yaml"))[0]["max_new_tokens"] == 48
+
+
+def test_a_gpu_run_refuses_a_machine_without_gpus(run):
     with pytest.raises(RuntimeError, match="needs GPUs"):
         stages.verl_commands(training_stage="memory", settings={}, fixed=None, env={}, **verl_run(run))
 
@@ -133,11 +151,6 @@ def test_a_typo_in_verl_settings_fails_before_anything_runs(run):
             env=SLURM_ENV,
             **verl_run(run),
         )
-
-
-def test_unknown_backend(run):
-    with pytest.raises(ValueError, match="backend must be one of"):
-        stages.train_stage(backend="deepspeed", training_stage="memory", settings={}, **run)
 
 
 def test_a_cpu_run_asks_ray_for_cpu_slots_not_gpus(run, tmp_path):

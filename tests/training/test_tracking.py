@@ -1,45 +1,18 @@
-"""Run records (commit, config digest, data hashes) and verl's Tracking writing into the run directory."""
+"""Run records (commit, config digest, data hashes) and a verl run's metrics.jsonl."""
 
 import hashlib
 import json
 import subprocess
-import time
-import typing
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from verl.utils.tracking import Tracking
 
-from memupdate.settings import ConfigError, TrainSettings, build
 from memupdate.training.tracking import (
     data_sha256,
     git_state,
-    open_tracker,
     run_info,
     run_record,
     write_run_info,
 )
-
-
-def scalars(log_dir, tag) -> dict[int, float]:
-    events = EventAccumulator(str(log_dir))
-    events.Reload()
-    return {e.step: e.value for e in events.Scalars(tag)}
-
-
-def next_second():
-    """Event files are read in name order, and a name holds the second it was opened and a per-process
-    counter (9 sorts after 10): writers opened within one second of each other in one process may be read
-    out of order. Runs are separate processes, seconds apart; the tests wait for the next second."""
-    time.sleep(1.01 - time.time() % 1)
-
-
-def test_the_logger_setting_names_what_verl_tracking_supports():
-    (choices,) = typing.get_args(typing.get_type_hints(TrainSettings)["logger"])
-    assert sorted(typing.get_args(choices)) == sorted(Tracking.supported_backend)
-    assert TrainSettings().logger == ["console", "tensorboard"]
-    with pytest.raises(ConfigError, match="x.logger"):
-        build(TrainSettings, {"logger": ["tensorbord"]}, "x")
 
 
 def test_git_state_of_a_checkout_clean_dirty_and_absent(tmp_path):
@@ -83,52 +56,6 @@ def test_run_info_hashes_files_and_folders(tmp_path):
 
     path = write_run_info(tmp_path / "run", info)
     assert json.loads(path.read_text()) == info
-
-
-def test_tracker_writes_tensorboard_into_the_run_and_a_resume_hides_unsaved_steps(tmp_path, monkeypatch):
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    monkeypatch.chdir(cwd)
-    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
-    run = tmp_path / "results" / "smoke" / "stage1"
-    config = {"trainer": {"project_name": "memupdate"}, "run_info": {"config_digest": "abc"}}
-
-    # An attempt killed before its first checkpoint: the run starts again at step 1.
-    from torch.utils.tensorboard import SummaryWriter
-
-    with SummaryWriter(run / "tensorboard") as writer:
-        writer.add_scalar("reward_mean", -1.0, 5)
-    next_second()
-    tracker = open_tracker(["tensorboard", "file"], run, config)
-    for step in (1, 2, 3):
-        tracker.log({"reward_mean": float(step)}, step=step)
-    tracker.finish()
-    # Killed after step 3, resumed from the checkpoint of step 2: step 3 is trained again.
-    next_second()
-    tracker = open_tracker(["tensorboard", "file"], run, config, resume_step=2)
-    tracker.log({"reward_mean": 30.0}, step=3)
-    tracker.finish()
-
-    assert scalars(run / "tensorboard", "reward_mean") == {1: 1.0, 2: 2.0, 3: 30.0}
-    assert [json.loads(line)["step"] for line in (run / "tracking.jsonl").read_text().splitlines()] == [
-        1,
-        2,
-        3,
-    ]
-    assert list(cwd.iterdir()) == []
-    assert (
-        "config_digest"
-        in EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
-        .Reload()
-        .Tensors("run_config/text_summary")[0]
-        .tensor_proto.string_val[0]
-        .decode()
-    )
-
-
-def test_an_unknown_tracker_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="unknown tracking backends \\['tensorbord'\\]"):
-        open_tracker(["tensorbord"], tmp_path, {})
 
 
 def test_a_verl_runs_metrics_jsonl_is_made_from_verls_file_log(tmp_path):

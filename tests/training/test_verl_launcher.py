@@ -236,8 +236,10 @@ def test_misspelt_key_in_the_delta_file_fails(tmp_path):
     config_dir = tmp_path / "verl"
     shutil.copytree(vl.CONFIG_DIR, config_dir)
     path = config_dir / "grpo_memupdate.yaml"
-    path.write_text(path.read_text().replace("max_parallel_calls:", "max_parallel_call:"))
-    with pytest.raises(vl.ConfigValidationError, match="actor_rollout_ref.rollout.multi_turn.max_parallel_call$"):
+    path.write_text(path.read_text().replace("tool_response_truncate_side:", "tool_response_truncate_sid:"))
+    with pytest.raises(
+        vl.ConfigValidationError, match="actor_rollout_ref.rollout.multi_turn.tool_response_truncate_sid$"
+    ):
         vl.validate_overrides(config_dir, vl.CONFIG_NAME, [])
 
 
@@ -282,6 +284,8 @@ def test_prepare_writes_the_run_files(run):
         "fixed_model": ENDPOINT,
         "fixed_temperature": 0.0,
         "qa_max_tokens": 32,
+        # The episode's per-turn cap (none by default: the rest of the response budget).
+        "max_new_tokens": None,
     }
     # ... and the loop takes each of them (verl passes `name` through **kwargs to its base class).
     from memupdate.agents.memory_loop import MemoryUpdateAgentLoop

@@ -2,7 +2,7 @@
 of the vocabulary (about 1/8 at random, so every GRPO group has spread to learn from).
 
 Its own file, so that verl's reward workers can load it by path (``reward.reward_manager.source: importlib``);
-tests/training/conftest.py registers it for the local backend."""
+"""
 
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 

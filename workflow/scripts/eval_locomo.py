@@ -15,6 +15,7 @@ evaluate_locomo(
     markers={name: inputs.get(key) for name, key in served.items() if inputs.get(key)},
     out_dir=params.out_dir,
     settings=params.settings,
+    episode=params.episode,
     training_metrics=params.training_metrics,
     published=params.published,
     split=params.split,

@@ -4,7 +4,6 @@ from memupdate.utils.logging import setup_logging
 setup_logging(snakemake.log[0])
 inputs, params = snakemake.input, snakemake.params
 train_memagent(
-    backend=params.backend,
     settings=params.settings,
     loop=params.loop,
     model=inputs.model,

@@ -5,11 +5,9 @@ setup_logging(snakemake.log[0])
 inputs, params = snakemake.input, snakemake.params
 cold_start_memagent(
     settings=params.settings,
-    train=params.train,
     loop=params.loop,
     model=inputs.model,
     train_files=[inputs.train],
     run_dir=params.run_dir,
-    backend=params.backend,
     layout=params.layout,
 )

@@ -5,7 +5,7 @@ setup_logging(snakemake.log[0])
 inputs, params = snakemake.input, snakemake.params
 cold_start(
     settings=params.settings,
-    stage=params.stage,
+    episode=params.episode,
     model=inputs.model,
     train_files=[inputs.train],
     memories=inputs.memories,
@@ -15,6 +15,5 @@ cold_start(
     tools=params.tools,
     run_dir=params.run_dir,
     reward=params.reward,
-    backend=params.backend,
     layout=params.layout,
 )

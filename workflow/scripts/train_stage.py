@@ -4,9 +4,9 @@ from memupdate.utils.logging import setup_logging
 setup_logging(snakemake.log[0])
 inputs, params = snakemake.input, snakemake.params
 train_stage(
-    backend=params.backend,
     training_stage=params.training_stage,
     settings=params.settings,
+    episode=params.episode,
     model=inputs.model,
     train_files=[inputs.train],
     memories=inputs.memories,

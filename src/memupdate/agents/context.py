@@ -9,12 +9,12 @@ verl builds a new agent loop for every trajectory, so what must outlive one traj
   out first);
 - the fixed model's clients, one per endpoint and answer cap: a client of each loop's own would open an
   HTTP session and ask the server for its context length every trajectory; their meters say how long the
-  fixed role generated (the local backend logs it per step);
+  fixed role generated;
 - deterministic request ids (``deterministic_ids``), a counter under a prefix the owner sets per rollout,
-  so a rerun gives every trajectory the same id (the local backend's reproducible runs).
+  so a rerun gives every trajectory the same id (reproducible in-process runs).
 
-Owners: our in-process worker (:class:`memupdate.rollout.workers.MultiOutputAgentLoopWorker`, used by the
-local backend, evaluation and benchmarks) holds one per worker and hands it to every loop it builds, and
+Owners: our in-process worker (:class:`memupdate.rollout.workers.MultiOutputAgentLoopWorker`, used by
+evaluation, the cold start and benchmarks) holds one per worker and hands it to every loop it builds, and
 its owner reads it (meters, ids); it goes with the worker. verl's own Ray workers build loops without one:
 those share :func:`process_context`, which lives as long as the worker's process. The fixed-model clients'
 HTTP sessions close with the event loop that opened them.
@@ -63,7 +63,7 @@ class LoopContext:
     # ---------------------------------------------------------------------------------- request ids
 
     def reset_request_ids(self, prefix: str) -> None:
-        """Restart the deterministic request ids (the local backend calls this before each rollout)."""
+        """Restart the deterministic request ids (before each batch of a reproducible run)."""
         self._prefix, self._counter = prefix, itertools.count()
 
     def next_request_id(self) -> str:

@@ -40,7 +40,7 @@ WEIGHT_VERSION_KEYS = ("min_global_steps", "max_global_steps")
 
 def weight_versions(*replies: Any) -> dict[str, Any]:
     """The oldest and newest policy version among ``replies`` (verl ``TokenOutput`` objects); None where a
-    reply carries none (a server that is not verl's, e.g. the local backend's or the fixed model's).
+    reply carries none (a server that is not verl's, e.g. evaluation's or the fixed model's).
 
     >>> from types import SimpleNamespace as R
     >>> weight_versions(R(extra_fields={"min_global_steps": 3, "max_global_steps": 3}),

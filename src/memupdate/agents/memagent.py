@@ -7,7 +7,7 @@ in ``\\boxed{}``. Every turn is its own conversation (its prompt never holds an 
 trajectory yields one :class:`AgentLoopOutput` per turn, returned as a list: verl 0.9.1's V1 trainer
 stores each one as its own row and gives them all the advantage of the final turn
 (``compute_advantage_for_multi_trajectories``); :class:`memupdate.rollout.workers.MultiOutputAgentLoopWorker`
-does the same for the local backend.
+does the same for the in-process paths (evaluation, the cold start, benchmarks).
 
 Fixes over upstream: the final turn has its own token limit (upstream reused the memory limit); the
 memory is text with ``<think>`` blocks dropped, capped at ``max_memory_tokens`` with a visible marker when

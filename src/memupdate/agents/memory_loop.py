@@ -9,11 +9,11 @@ MemoryUpdate needs, through verl's extension points only:
 - the episode ends on verl's limits (response budget, assistant/user turns) or when the model replies
   without a tool call (``DONE`` is the documented way); the reason is recorded in
   ``extra_fields["termination_reason"]``;
-- request ids can be made deterministic (``deterministic_ids``) for the local backend's reproducible
-  runs; they stay unique per process, as trial namespaces (keyed by the whole id) need.
+- request ids can be made deterministic (``deterministic_ids``) for reproducible in-process runs (evaluation,
+  the cold start); they stay unique per process, as trial namespaces (keyed by the whole id) need.
 
 Registered as ``memupdate_agent`` (the rows' ``agent_name``); ``memupdate/training/verl_config/agent_loops.yaml`` wires the
-same class for the verl backend.
+same class for verl's trainer.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         fixed_model: Any = None,
         fixed_temperature: float | None = 0.0,
         qa_max_tokens: int = RewardSettings.qa_max_tokens,
+        max_new_tokens: int | None = None,
         loop_context: LoopContext | None = None,
         **kwargs,
     ):
@@ -113,7 +114,9 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         (``reward.qa_prompt``, :mod:`memupdate.prompts`) over the final store's top-k memories within the
         reward's text budget (``reward.top_k``, ``reward.context_chars``), exactly what evaluation's
         ``no_update`` system asks from the initial store. Its answer is ``extra_fields["qa_answer"]``; when
-        the QA role is trained, the QA turn is the loop's (second) output."""
+        the QA role is trained, the QA turn is the loop's (second) output. ``max_new_tokens`` caps each memory
+        turn (the episode's, :class:`~memupdate.settings.EpisodeSettings`; None: what is left of the response
+        budget)."""
         super().__init__(*args, **kwargs)
         if training_stage not in STAGES:
             raise ValueError(f"training_stage must be one of {STAGES}, got {training_stage!r}")
@@ -131,6 +134,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         self.fixed_model = self.loop_context.fixed_client(fixed_model, self.response_length)
         self.fixed_temperature = fixed_temperature
         self.qa_max_tokens = int(qa_max_tokens)
+        self.max_new_tokens = max_new_tokens
         # The QA phase retrieves as the reward scores: one definition, the reward's settings.
         settings = qa_settings(self.config)
         self.qa_top_k, self.qa_context_chars, self.qa_prompt = (
@@ -248,6 +252,8 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         with ``response_mask = 0`` (the role not being trained never enters the loss)."""
         fixed = self.fixed_role == "memory"
         start = len(agent_data.response_mask)
+        if self.max_new_tokens is not None:
+            sampling_params = {**sampling_params, "max_tokens": int(self.max_new_tokens)}
         policy_server = self.server_manager
         if fixed:
             self.server_manager = self.fixed_model

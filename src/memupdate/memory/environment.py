@@ -1,8 +1,8 @@
 """A run's memory environment: where its memory tools and reward find the store, and how they may edit it.
 
 One typed record, written once per run as ``<run>/memory_environment.json`` next to the resolved config
-and read back wherever a tool or a reward manager is built: in process (local backend, evaluation,
-benchmarks) or in a Ray worker on another node (verl backend; the run folder is on the shared file
+and read back wherever a tool or a reward manager is built: in process (evaluation, the cold start,
+benchmarks) or in a Ray worker on another node (verl's trainer; the run folder is on the shared file
 system). Tools get the file's path through their config (:func:`memupdate.tools.config.write_tool_config`),
 reward managers through their settings (``memory_environment``); nothing travels through the process
 environment.

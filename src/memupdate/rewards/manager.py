@@ -27,7 +27,7 @@ final store's answer to the target question is the one the QA phase already gave
 the initial store's answer is asked once per question and reused across rollouts. Stage ``qa`` is
 rewarded by its own answer; with a served scorer it computes no memory reward (nothing serves a reader
 there). The HTTP sessions open in the event loop that scores and close with it (``asyncio.run``'s
-shutdown, as in the local backend) or by :meth:`MemoryRewardManager.close`; verl's Ray reward workers
+shutdown, in process) or by :meth:`MemoryRewardManager.close`; verl's Ray reward workers
 have no teardown hook, so theirs close when the worker process ends.
 """
 

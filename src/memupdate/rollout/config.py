@@ -5,9 +5,8 @@ environment and reward, sampled how. :func:`run_config` turns it into the files 
 in-process workers (:mod:`memupdate.rollout.workers`) read: ``<run>/agent_loops.yaml`` (the loop and its
 arguments), ``<run>/memory_environment.json`` and ``<run>/tools.yaml`` (the tools, pointed at it).
 
-The local trainer's :class:`~memupdate.training.local.LocalGRPOConfig` is a rollout configuration plus
-the optimiser's settings; evaluation and benchmarks build a rollout configuration alone (one rollout
-per prompt, no optimiser).
+Evaluation, the cold start's demonstrations, the held-out policy evaluation and the benchmarks run on it; verl's
+trainer runs the same agent loops in its own workers (:mod:`memupdate.training.verl_launcher`).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from memupdate.agents.fields import AGENT_LOOPS, MEMORY_REWARD
 from memupdate.data.rows import MEMORY_AGENT
 from memupdate.memory.environment import MemoryEnvironment
-from memupdate.settings import RewardSettings, TrainSettings
+from memupdate.settings import EpisodeSettings, RewardSettings
 from memupdate.tools.config import write_tool_config
 from memupdate.utils.io import write_text_atomic
 
@@ -32,8 +31,8 @@ STAGES = ("memory", "qa", "joint")
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    """The rows, the model, the agent loop with its tools and reward, and how the policy samples. Sampling
-    and length defaults are the training settings' (:class:`memupdate.settings.TrainSettings`)."""
+    """The rows, the model, the agent loop with its tools and reward, and the episode (the experiment's
+    :class:`memupdate.settings.EpisodeSettings`: lengths, turns, sampling; its defaults)."""
 
     model_path: str
     train_files: list[str]
@@ -59,16 +58,18 @@ class RolloutConfig:
     qa_max_tokens: int = RewardSettings.qa_max_tokens
     #: Rollouts per prompt (evaluation: one; GRPO needs a group).
     rollout_n: int = 1
-    temperature: float = TrainSettings.temperature
-    top_p: float = TrainSettings.top_p
-    max_new_tokens: int = TrainSettings.max_new_tokens
-    prompt_length: int = TrainSettings.prompt_length
-    response_length: int = TrainSettings.response_length
-    max_assistant_turns: int = TrainSettings.max_assistant_turns
-    max_parallel_calls: int = TrainSettings.max_parallel_calls
-    max_tool_response_length: int = TrainSettings.max_tool_response_length
-    seed: int = TrainSettings.seed
-    fixed_temperature: float | None = TrainSettings.fixed_temperature
+    temperature: float = EpisodeSettings.temperature
+    top_p: float = EpisodeSettings.top_p
+    max_new_tokens: int | None = EpisodeSettings.max_new_tokens
+    prompt_length: int = EpisodeSettings.prompt_length
+    response_length: int = EpisodeSettings.response_length
+    max_assistant_turns: int = EpisodeSettings.max_assistant_turns
+    max_parallel_calls: int = EpisodeSettings.max_parallel_calls
+    max_tool_response_length: int = EpisodeSettings.max_tool_response_length
+    seed: int = 0
+    #: The served role's decoding temperature (greedy, so a GRPO group varies only in what is trained; None:
+    #: the rollout's sampling).
+    fixed_temperature: float | None = 0.0
 
     def __post_init__(self) -> None:
         if self.agent_name not in AGENT_LOOPS:
@@ -79,6 +80,11 @@ class RolloutConfig:
             raise ValueError(f"rollout_n must be at least 1, got {self.rollout_n}")
         if (self.memory is None) != (self.tool_config is None):
             raise ValueError("the memory tools need both tool_config and memory (a MemAgent rollout has neither)")
+
+    @property
+    def turn_tokens(self) -> int:
+        """The most tokens one turn may generate: the episode's per-turn cap, else its whole response budget."""
+        return self.max_new_tokens or self.response_length
 
 
 def verl_config(cfg: RolloutConfig, agent_loop_config: Path, tool_config: Path | None, memory: Path | None):
@@ -125,13 +131,14 @@ def agent_loop_entry(cfg: RolloutConfig) -> dict[str, Any]:
     entry = {"name": cfg.agent_name, "_target_": AGENT_LOOPS[cfg.agent_name], "deterministic_ids": True}
     if cfg.agent_name == MEMORY_AGENT:
         # The served role's turns get the same per-turn cap as the policy's.
-        fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.max_new_tokens}
+        fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.turn_tokens}
         entry.update(
             training_stage=cfg.training_stage,
             qa_phase=cfg.qa_phase,
             fixed_model=fixed_model,
             fixed_temperature=cfg.fixed_temperature,
             qa_max_tokens=cfg.qa_max_tokens,
+            max_new_tokens=cfg.max_new_tokens,
         )
     return {**entry, **cfg.agent}
 

@@ -1,8 +1,8 @@
 """verl's agent-loop and reward-loop workers in one process, without Ray.
 
 verl 0.9.1 runs ``AgentLoopWorker`` and ``RewardLoopWorker`` as Ray actors and hands the agent-loop worker
-Ray handles of the reward workers (``handle.compute_score.remote(data)``). The local backend, the
-evaluation and the rollout benchmark (each with a :class:`~memupdate.rollout.config.RolloutConfig`) run both
+Ray handles of the reward workers (``handle.compute_score.remote(data)``). Evaluation, the cold
+start and the rollout benchmark (each with a :class:`~memupdate.rollout.config.RolloutConfig`) run both
 in the calling process instead: the handle below offers
 the same call on an in-process worker, and times it.
 """
@@ -59,7 +59,7 @@ TRAJECTORY_KEY, TURN_INDEX_KEY, FINAL_MASK_KEY = "trajectory", "turn_index", "fi
 class MultiOutputAgentLoopWorker(AgentLoopWorker):
     """verl's ``AgentLoopWorker`` for loops whose trajectory is several conversations (MemAgent returns one
     :class:`AgentLoopOutput` per turn). verl 0.9.1's V1 trainer takes such lists through its TransferQueue
-    worker; this worker gives the in-process paths (local backend, evaluation, benchmark) the same: each
+    worker; this worker gives the in-process paths (evaluation, the cold start, benchmark) the same: each
     turn becomes a row, scored once from the whole trajectory (the reward sees every turn, the final one
     last) with that score copied to every turn, as the V1 worker does. Rows carry ``trajectory`` (the
     input row), ``turn_index`` and ``final_mask``. A loop returning a single output gives exactly the rows

@@ -1,6 +1,7 @@
 """Token-in, token-out generation with Hugging Face transformers, shaped like verl's ``LLMServerClient``.
 
-The local backend hands this object to verl's ``AgentLoopWorker`` as its server: verl only calls
+Tests and the in-process policy evaluation (``server: hf``) hand this object to verl's ``AgentLoopWorker`` as
+its server: verl only calls
 ``await generate(request_id, prompt_ids=..., sampling_params=...)`` (``verl-0.9.1.md`` §2b).
 
 Sampling is reproducible: every request draws from its own generator, seeded by (seed, request id,

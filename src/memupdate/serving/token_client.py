@@ -1,7 +1,7 @@
 """verl's token-in/token-out ``generate`` over a vLLM OpenAI server's HTTP API.
 
-:class:`VLLMTokenClient` serves the fixed model of two-stage training, the local backend's vLLM rollout
-server and evaluation; :class:`GenerationMeter` counts what a client generated and for how long.
+:class:`VLLMTokenClient` serves the fixed model of two-stage training, verl's rollout on CPU and
+evaluation; :class:`GenerationMeter` counts what a client generated and for how long.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class VLLMTokenClient:
 class GenerationMeter:
     """A verl ``generate`` client that counts generated tokens and the seconds generation was under way:
     the union of the requests' time in flight, so concurrent requests are not counted twice. Both only
-    grow: a caller takes differences (the local backend, per step)."""
+    grow: a caller takes differences."""
 
     def __init__(self, client: Any):
         self.client = client

@@ -83,7 +83,7 @@ _ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): .*")
 
 #: Environment that makes vLLM expose its development endpoints (``/collective_rpc``,
 #: ``/reset_prefix_cache``), which :meth:`ServerProcess.reload_weights` needs. They let any client
-#: run worker methods: only for servers bound to loopback, as the local backend starts its rollout server.
+#: run worker methods: only for servers bound to loopback, as verl's rollout on CPU starts its own.
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 

@@ -245,7 +245,7 @@ class MemoryTool(BaseTool):
 
     def use_manager(self, manager: MemoryStoreManager) -> None:
         """Serve trajectories from this manager instead of the per-process one built from ``config``
-        (the local backend and benchmarks hold their own)."""
+        (evaluation and benchmarks hold their own)."""
         self._manager = manager
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:

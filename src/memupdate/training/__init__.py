@@ -1,1 +1,1 @@
-"""Training backends: the verl launcher (GPU clusters, multi-node Ray) and the local single-process GRPO."""
+"""Training: verl's trainer through our launcher (GPU clusters or CPUs, multi-node Ray), and the cold start."""

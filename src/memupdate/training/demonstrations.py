@@ -170,7 +170,7 @@ class ScriptedExpert:
         ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
         if len(ids) > self.max_new_tokens:
             raise ValueError(
-                f"the expert's reply has {len(ids)} tokens, over stage 1's max_new_tokens ({self.max_new_tokens}): "
+                f"the expert's reply has {len(ids)} tokens, over the episode's max_new_tokens ({self.max_new_tokens}): "
                 f"a policy capped there could never make this call; raise max_new_tokens. The reply: {text[:200]!r}"
             )
         self.generated_tokens += len(ids)

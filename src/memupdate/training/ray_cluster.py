@@ -30,9 +30,9 @@ Several nodes on one host (CI runs two slurmd daemons on one machine) must not c
 
 - each node gets its own ``--temp-dir`` (session, sockets, logs);
 - ports Ray would take from fixed defaults are random instead: worker ports (``--min-worker-port 0
-  --max-worker-port 0``, each worker binds a free port), the dashboard agent's HTTP port (default 52365)
-  and the dashboard's (8265); the head's GCS and Ray-client ports (6379, 10001 by default) are picked
-  free unless given. Every other Ray port is random already.
+  --max-worker-port 0``, each worker binds a free port) and the dashboard agent's HTTP port (default 52365);
+  the head's GCS and Ray-client ports (6379, 10001 by default) are picked free unless given; the head starts no
+  dashboard (8265). Every other Ray port is random already.
 
 On a cluster:
 
@@ -173,7 +173,8 @@ def ray_start_argv(
         if port is None or client_port is None:
             raise ValueError("the head needs its GCS port and Ray-client port")
         argv += ["--head", "--port", str(port), "--ray-client-server-port", str(client_port)]
-        argv += ["--dashboard-port", "0"]
+        # No dashboard: nothing reads it, and on a CPU node its processes cost start-up time and memory.
+        argv += ["--include-dashboard=false"]
     else:
         argv += ["--address", head_address]
     argv += [

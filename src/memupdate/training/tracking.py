@@ -1,18 +1,14 @@
-"""What a training run records beside its metrics, and verl's experiment tracking for the local backend.
+"""What a training run records beside its metrics.
 
-Both backends log through verl's :class:`verl.utils.tracking.Tracking` (``trainer.logger``: console,
-tensorboard, wandb, mlflow, ...). The offline default, ``[console, tensorboard]``, needs no account; a
-tracker's keys (``WANDB_API_KEY``, ``MLFLOW_TRACKING_URI``, ...) come from the user's environment only.
+verl's trainer logs through its :class:`verl.utils.tracking.Tracking` (``trainer.logger``: console, tensorboard,
+file, wandb, mlflow, ...). The offline default needs no account; a tracker's keys (``WANDB_API_KEY``,
+``MLFLOW_TRACKING_URI``, ...) come from the user's environment only.
 
 Every run writes ``<run>/run_info.json`` (:func:`run_info`): the git commit of the code (and whether the
 checkout had uncommitted changes), the digest of the run's configuration and the sha256 of each data
-file, so a curve in a tracker can be traced to the code, the settings and the data that made it. The same
-record goes to the tracker as the run's config (hyperparameters), and commit and digest into the
-checkpoint's ``manifest.json``.
-
->>> flat_metrics({"step": 3, "reward_mean": 0.5, "seconds": {"rollout": 1.25}, "termination": {},
-...               "num_turns_mean": None, "update_skipped": "all advantages are zero"})
-{'step': 3.0, 'reward_mean': 0.5, 'seconds/rollout': 1.25}
+file, so a curve in a tracker can be traced to the code, the settings and the data that made it. Commit and
+digest go into the checkpoint's ``manifest.json``; ``<run>/metrics.jsonl`` (:func:`metrics_from_verl`) is what
+the report's training curves and DVC read.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ PROJECT = "memupdate"
 RUN_INFO = "run_info.json"
 #: Event files of the run's tensorboard backend, under the run directory.
 TENSORBOARD_DIR = "tensorboard"
-#: The ``file`` backend's JSON lines (the local backend's own ``metrics.jsonl`` is the full record).
+#: The ``file`` backend's JSON lines, from which ``metrics.jsonl`` is made.
 TRACKING_FILE = "tracking.jsonl"
 
 #: The package's checkout: src/memupdate/training/ -> the repository root.
@@ -123,81 +119,6 @@ def write_run_info(run_dir: str | os.PathLike, info: Mapping[str, Any]) -> Path:
     return path
 
 
-def flat_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """The numbers of a metrics record, nested keys joined by ``/`` (trackers take scalars only)."""
-    flat: dict[str, float] = {}
-    for key, value in metrics.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flat_metrics(value, f"{name}/"))
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            flat[name] = float(value)
-    return flat
-
-
-def _lines(path: Path) -> list[str]:
-    """The complete JSON lines of ``path`` (none if absent); a killed writer may have torn the last one."""
-    if not path.exists():
-        return []
-    lines = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            json.loads(line)
-        except ValueError:
-            break
-        lines.append(line)
-    return lines
-
-
-def open_tracker(
-    backends: Iterable[str], run_dir: str | os.PathLike, config: Mapping[str, Any], *, resume_step: int = 0
-):
-    """verl's ``Tracking`` for a local run, with the file-writing backends inside ``run_dir``.
-
-    verl's tensorboard and file backends take their folder from environment variables (``TENSORBOARD_DIR``,
-    ``VERL_FILE_LOGGER_PATH``) and otherwise write into the working directory; library code sets no
-    environment, so those two are built here with the run's folder and handed to ``Tracking``. A resumed run
-    logs from ``resume_step + 1`` on: what a killed run logged after its last checkpoint is trained again, so
-    tensorboard hides it (``purge_step``) and the file backend drops it.
-    """
-    from verl.utils.tracking import FileLogger, Tracking, _TensorboardAdapter
-
-    class RunTensorboard(_TensorboardAdapter):
-        # verl's adapter (its log and finish), writing into the run instead of $TENSORBOARD_DIR.
-        def __init__(self, log_dir: Path):
-            from torch.utils.tensorboard import SummaryWriter
-
-            # A run that starts at step 1 hides an earlier attempt killed before its first checkpoint, too.
-            self.writer = SummaryWriter(log_dir, purge_step=resume_step + 1)
-            # The run's record beside its curves (verl gives it only to the trackers that take a config).
-            self.writer.add_text(
-                "run_config", f"```json\n{json.dumps(config, indent=2, default=str)}\n```", resume_step
-            )
-
-    class RunFile(FileLogger):
-        # verl's file backend in the run's folder. A resumed run keeps the steps its checkpoint holds and
-        # appends after them; a killed run's later steps are trained again, so they are dropped.
-        def __init__(self, path: Path):
-            self.project_name, self.experiment_name = PROJECT, experiment_name(run_dir)
-            self.filepath = str(path)
-            kept = [line for line in _lines(path) if json.loads(line)["step"] <= resume_step]
-            write_text_atomic(path, "".join(f"{line}\n" for line in kept))
-            self.fp = open(path, "ab", buffering=0)  # noqa: SIM115 - closed by finish()
-
-    backends = list(dict.fromkeys(backends))
-    unknown = [b for b in backends if b not in Tracking.supported_backend]
-    if unknown:
-        raise ValueError(f"unknown tracking backends {unknown}; verl's Tracking supports {Tracking.supported_backend}")
-    run_dir = Path(run_dir)
-    own = {"tensorboard", "file"}
-    tracker = Tracking(PROJECT, experiment_name(run_dir), [b for b in backends if b not in own], config=dict(config))
-    if "tensorboard" in backends:
-        tracker.logger["tensorboard"] = RunTensorboard(run_dir / TENSORBOARD_DIR)
-    if "file" in backends:
-        tracker.logger["file"] = RunFile(run_dir / TRACKING_FILE)
-    return tracker
-
-
 #: Our metrics.jsonl keys and verl's names for them (verl.trainer.ppo.metric_utils).
 VERL_METRICS = {
     "reward_mean": "critic/score/mean",
@@ -205,13 +126,13 @@ VERL_METRICS = {
     "reward_max": "critic/score/max",
     "num_turns_mean": "num_turns/mean",
     "response_tokens_mean": "response_length/mean",
+    "kl": "actor/kl_loss",
 }
 
 
 def metrics_from_verl(run_dir: str | Path) -> Path:
-    """``<run>/metrics.jsonl`` from verl's ``file`` backend (``<run>/tracking.jsonl``): the layout the local
-    backend writes, so the report's training curves and DVC read either backend's runs; every verl metric is
-    kept under ``verl``.
+    """``<run>/metrics.jsonl`` from verl's ``file`` backend (``<run>/tracking.jsonl``): one record per step with our
+    names for the metrics the report's training curves read; every verl metric is kept under ``verl``.
 
     >>> import json, tempfile; run = Path(tempfile.mkdtemp())
     >>> _ = (run / TRACKING_FILE).write_text(json.dumps({"step": 1, "data": {"critic/score/mean": 0.25}}) + "\\n")

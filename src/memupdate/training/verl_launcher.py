@@ -59,8 +59,10 @@ from memupdate.settings import (
     VERL_BASE_CONFIG,
     VERL_CONFIG_DIR,
     VERL_CPU_CONFIG,
+    EpisodeSettings,
     MemAgentLoopSettings,
     build,
+    episode_overrides,
     verl_refusals,
 )
 from memupdate.tools.config import FILE_NAME as TOOLS_FILE
@@ -328,6 +330,7 @@ def compose_overrides(
     experiment_dir: PathLike,
     fixed_model_endpoint: Mapping[str, Any] | None = None,
     reward: Mapping[str, Any] | None = None,
+    episode: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | Sequence[str] = (),
     rollout_server: Mapping[str, Any] | None = None,
 ) -> list[str]:
@@ -339,7 +342,8 @@ def compose_overrides(
     reward manager's settings (:func:`memupdate.training.stages.stage_reward`: scorer, the served scorers'
     readiness markers, top_k, other_questions, efficiency, ...); they reach the manager in every reward
     worker as ``reward.custom_reward_function.reward_kwargs``, and the QA phase reads its retrieval and
-    prompt there too. ``extra`` is either a mapping of config keys to values, or override strings passed
+    prompt there too. ``episode`` is the experiment's (:class:`~memupdate.settings.EpisodeSettings`, on verl's keys:
+    :func:`~memupdate.settings.episode_overrides`). ``extra`` is either a mapping of config keys to values, or override strings passed
     as they are (e.g. ``"trainer.total_epochs=1"``); :func:`device_overrides` come before it (with
     ``rollout_server`` for the external vLLM rollout). Every path becomes absolute, since Ray workers on
     other nodes do not share the driver's working directory.
@@ -357,6 +361,7 @@ def compose_overrides(
     reward = {k: _abs(v) if k.endswith("_marker") and v else v for k, v in (reward or {}).items()}
     reward["memory_environment"] = str(run_dir / MEMORY_ENVIRONMENT_FILE)
     overrides += [f"++{key}={hydra_value(value)}" for key, value in _flatten(REWARD_KWARGS, reward)]
+    overrides += [f"{key}={hydra_value(value)}" for key, value in episode_overrides(episode).items()]
     overrides += device_overrides(extra, run_dir, rollout_server)
     return overrides + _extra_overrides(extra)
 
@@ -533,10 +538,12 @@ def write_agent_loop_config(
     *,
     template: PathLike = CONFIG_DIR / AGENT_LOOP_TEMPLATE,
     qa_max_tokens: int | None = None,
+    max_new_tokens: int | None = None,
 ) -> Path:
     """Copy the agent-loop list from ``template`` with ``memupdate_agent``'s ``training_stage`` and
-    ``fixed_model`` set for this run (verl hands them to the loop's constructor), and ``qa_max_tokens``
-    when given (the reward's: its reader gives the QA phase's answers, so both share the cap)."""
+    ``fixed_model`` set for this run (verl hands them to the loop's constructor), ``qa_max_tokens``
+    when given (the reward's: its reader gives the QA phase's answers, so both share the cap) and the episode's
+    per-turn cap ``max_new_tokens``."""
     fixed = _fixed_model(training_stage, fixed_model)
     loops = OmegaConf.load(template)
     if not isinstance(loops, ListConfig):
@@ -548,6 +555,7 @@ def write_agent_loop_config(
     entries[0].fixed_model = fixed
     if qa_max_tokens is not None:
         entries[0].qa_max_tokens = int(qa_max_tokens)
+    entries[0].max_new_tokens = max_new_tokens
     header = f"# Written for this run by {__name__} from {_abs(template)}.\n"
     path = Path(path)
     write_text_atomic(path, header + OmegaConf.to_yaml(loops))
@@ -571,6 +579,7 @@ def prepare_main_ppo(
         run.get("fixed_model_endpoint"),
         template=Path(config_dir) / AGENT_LOOP_TEMPLATE,
         qa_max_tokens=(run.get("reward") or {}).get("qa_max_tokens"),
+        max_new_tokens=build(EpisodeSettings, run.get("episode"), "episode").max_new_tokens,
     )
     write_tool_config(run["tool_config"], run["memory"].write(run_dir), run_dir)
     write_run_files(run_dir, config, run["model_path"])
@@ -602,13 +611,11 @@ def memagent_overrides(
         raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
     overrides = run_overrides(model_path, train_files, val_files, n_gpus_per_node, nnodes, experiment_dir)
     if loop:
-        reply = max(budgets.max_memory_tokens, budgets.max_final_tokens)
-        # The template and question take well under 1024 tokens.
-        turn = budgets.chunk_size + budgets.max_memory_tokens + 1024
+        lengths = budgets.lengths()
         overrides += [
-            f"actor_rollout_ref.rollout.response_length={reply}",
-            f"data.max_response_length={reply}",
-            f"actor_rollout_ref.rollout.prompt_length={turn}",
+            f"actor_rollout_ref.rollout.response_length={lengths['response_length']}",
+            f"data.max_response_length={lengths['response_length']}",
+            f"actor_rollout_ref.rollout.prompt_length={lengths['prompt_length']}",
         ]
     overrides += device_overrides(extra, experiment_dir, rollout_server)
     return overrides + _extra_overrides(extra)

@@ -1,5 +1,5 @@
-"""The cold start on GPU nodes: verl's SFT trainer (``verl.trainer.sft_trainer``, its FSDP engine) on the
-demonstrations the local cold start makes.
+"""The cold start's fine-tuning: verl's SFT trainer (``verl.trainer.sft_trainer``, its FSDP engine, on GPUs or on
+CPU) on the demonstrations :mod:`memupdate.training.sft` makes.
 
 The demonstrations are the agent loop's own token rows (:func:`memupdate.training.sft.make_demonstrations`):
 verl's multi-turn dataset would re-tokenise the episode turn by turn from chat messages, which need not give
@@ -7,11 +7,10 @@ the tokens the agent loop gave the policy (tool outputs, the chat template's tur
 verl as tokens: :func:`write_rows` stores each kept row's ids and loss mask (1 on the policy's own tokens,
 0 on the prompt and the tool outputs) in ``<run>/demonstrations.parquet``, and :class:`DemonstrationDataset`
 hands them to verl's trainer (its ``data.custom_cls``), unpadded, in the layout of verl's own multi-turn
-dataset (``pad_mode: no_padding``). The loss is verl's ``sft_loss``: the token mean over the batch, as the
-local backend's.
+dataset (``pad_mode: no_padding``). The loss is verl's ``sft_loss``: the token mean over the batch.
 
 One node: :func:`sft_command` runs ``torchrun`` with one rank per GPU of the node (per ``cpu_slot`` on CPU,
-``trainer.device: cpu``, the test's path). :func:`run_verl_sft` runs it and merges the last checkpoint's FSDP
+``trainer.device: cpu``). :func:`run_verl_sft` runs it and merges the last checkpoint's FSDP
 shards into ``<run>/ckpt``, as a main_ppo run's (:func:`memupdate.training.stages.run_verl`).
 """
 

