@@ -14,7 +14,6 @@ import torch
 import yaml
 
 from memupdate.cli import main
-from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL
 from memupdate.preflight import (
     PACKAGED_EMBEDDING,
     Need,
@@ -28,6 +27,7 @@ from memupdate.preflight import (
     target_needs,
     verl_pin,
 )
+from memupdate.settings import DEFAULT_EMBEDDING_MODEL
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 PREFLIGHT_PY = Path(__file__).resolve().parents[1] / "src" / "memupdate" / "preflight.py"

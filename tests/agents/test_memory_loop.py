@@ -171,13 +171,14 @@ def test_the_qa_phase_the_reader_and_the_evaluation_ask_the_qa_model_alike(setup
     config = copy.deepcopy(config)
     OmegaConf.update(config, "reward.custom_reward_function.reward_kwargs.qa_max_tokens", 12, force_add=True)
     reward = config.reward.custom_reward_function.reward_kwargs
-    qa = qa_settings(config)
+    qa = qa_settings(reward)
     recording = Recording(fixed)
     output, _, _ = run_episode(
         (config, *setup[1:]),
         training_stage="memory",
         qa_phase=True,
         fixed_model=recording,
+        qa=qa,
         qa_max_tokens=reward.qa_max_tokens,  # as agent_loops.yaml passes the reward's
     )
     # No edit: the final store the QA phase read is the initial store the reader and the evaluation read.

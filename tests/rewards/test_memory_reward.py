@@ -3,7 +3,6 @@ import asyncio
 import numpy as np
 import pytest
 
-from memupdate.memory.environment import DEFAULT_MAX_CONTENT_CHARS
 from memupdate.memory.store import EvidenceNotWritable, TrialStore
 from memupdate.rewards.efficiency import EfficiencyConfig, efficiency_factor
 from memupdate.rewards.memory import (
@@ -14,6 +13,7 @@ from memupdate.rewards.memory import (
     select_questions,
 )
 from memupdate.rewards.scorers import AnswerRecallScorer, EvidenceRecallScorer, QAItem
+from memupdate.settings import DEFAULT_MAX_CONTENT_CHARS
 
 TARGET = QAItem("When did Caroline go to the LGBTQ support group?", "7 May 2023", 2, ("D1:3",))
 # Tie the reward to what retrieval returns, not to the efficiency factor.

@@ -200,8 +200,9 @@ def test_reward_settings_reach_the_qa_phase_in_process(tmp_path, tiny_models):
         qa_max_tokens=reward["qa_max_tokens"],
     )
     config = run_config(cfg)
-    # The QA phase reads its retrieval and prompt where the reward manager does, and the answer cap the reader uses.
-    assert qa_settings(config) == {"top_k": 3, "context_chars": 200, "qa_prompt": "mem0"}
+    # The QA phase gets the retrieval and prompt the reward manager reads, and the answer cap the reader uses.
+    assert qa_settings(agent_loop_entry(cfg)["qa"]) == {"top_k": 3, "context_chars": 200, "qa_prompt": "mem0"}
+    assert qa_settings(config.reward.custom_reward_function.reward_kwargs) == qa_settings(agent_loop_entry(cfg)["qa"])
     assert (
         config.reward.custom_reward_function.reward_kwargs.qa_max_tokens == agent_loop_entry(cfg)["qa_max_tokens"] == 12
     )

@@ -109,6 +109,9 @@ ClusterName=memupdate-ci
 SlurmctldHost=localhost
 SlurmUser=slurm
 AuthType=auth/munge
+# Credentials live 30 s, not 120: a requeued job waits out one lifetime before it runs again (the old attempt's
+# credential is revoked meanwhile), and the rehearsal requeues a server.
+AuthInfo=cred_expire=30
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc

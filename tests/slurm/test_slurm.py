@@ -173,8 +173,9 @@ def test_the_full_scale_rehearsal_trains_on_two_nodes_through_a_requeued_server(
             return
         requeued["job"] = job
         requeued["result"] = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-        # Slurm holds a requeued job for about two minutes (its EligibleTime), as a real preemption would; making
-        # it eligible at once raced the node's revocation of the old attempt ("Job credential revoked": FAILED).
+        # Slurm holds a requeued job for a credential's lifetime (its EligibleTime; 30 s on this cluster, 120 s by
+        # default), as a real preemption would; making it eligible at once raced the node's revocation of the old
+        # attempt ("Job credential revoked": FAILED).
 
     watcher = threading.Thread(target=requeue_the_server_mid_training, daemon=True)
     watcher.start()

@@ -15,8 +15,7 @@ from transformers import AutoTokenizer
 
 from memupdate.data.ingestion import build_ingestion_rows
 from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
-from memupdate.memory.environment import DEFAULT_MAX_CONTENT_CHARS
-from memupdate.settings import RewardSettings
+from memupdate.settings import DEFAULT_MAX_CONTENT_CHARS, RewardSettings
 from memupdate.training.demonstrations import DONE, MemoryExpert, expert_rows, read_memories
 from memupdate.training.ingestion_expert import merge_chars
 from memupdate.training.memagent_expert import NOTHING_YET, covers

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from memupdate.memory.environment import MemoryEnvironment
@@ -318,6 +319,24 @@ def test_the_export_refuses_a_checkpoint_of_another_run(tmp_path):
     with pytest.raises(RuntimeError, match="refusing to export global_step_5"):
         stages.export_verl_checkpoint(run_dir, "base")
     assert not (run_dir / "ckpt").exists()
+
+
+def test_the_export_copies_the_model_the_workers_saved_whole(tmp_path):
+    """On CPU verl's workers save the model in Hugging Face format with each checkpoint (cpu.yaml's hf_model): the
+    export is that folder, with the run's manifest, and no model merger runs (its shards here are not real)."""
+    from safetensors.torch import load_file, save_file
+
+    run_dir = prepared_run(tmp_path / "stage1")
+    stages.guard_verl_checkpoints(run_dir)
+    saved = verl_saves(run_dir, 5) / "actor" / stages.HF_MODEL_DIR
+    save_file({"w": torch.ones(2)}, saved / "model.safetensors")
+    (run_dir / "tracking.jsonl").write_text(json.dumps({"step": 5, "data": {"critic/score/mean": 0.5}}) + "\n")
+    ckpt = stages.export_verl_checkpoint(run_dir, "base")
+    assert torch.equal(load_file(ckpt / "model.safetensors")["w"], torch.ones(2))
+    assert (ckpt / "config.json").read_text() == "{}"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["step"] == 5 and manifest["base_model"] == "base" and manifest["git"]["commit"] == "a" * 40
+    assert not (run_dir / ".ckpt.tmp").exists()
 
 
 def test_the_export_takes_the_checkpoint_verl_saved_last(tmp_path):

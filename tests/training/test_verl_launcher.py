@@ -283,6 +283,8 @@ def test_prepare_writes_the_run_files(run):
         "training_stage": "qa",
         "fixed_model": ENDPOINT,
         "fixed_temperature": 0.0,
+        # The QA phase retrieves and prompts as the reward does (reward.top_k, context_chars, qa_prompt).
+        "qa": {key: run["reward"][key] for key in ("top_k", "context_chars", "qa_prompt")},
         "qa_max_tokens": 32,
         # The episode's per-turn cap (none by default: the rest of the response budget).
         "max_new_tokens": None,
@@ -459,6 +461,31 @@ def test_a_cpu_run_selects_the_cpu_platform_and_the_external_rollout(run):
     extra = {**extra, "actor_rollout_ref.rollout.agent.num_workers": 2}
     config = validate(vl.compose_overrides("memory", extra=extra, rollout_server=SERVER, **run))
     assert config.actor_rollout_ref.rollout.agent.num_workers == 2
+
+
+def test_the_launcher_starts_the_server_verls_actor_would_start(run):
+    """The launcher reads what a replica serves from the run's resolved_config.yaml; verl's actor from its
+    RolloutConfig. They must agree, or the server started before verl is never adopted."""
+    from memupdate.serving.rollout_server import prelaunch_specs, server_spec
+
+    (run["model_path"] / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    run = {**run, "nnodes": 1, "n_gpus_per_node": 1}
+    extra = {"trainer.device": "cpu", "trainer.total_training_steps": 2}
+    vl.prepare_main_ppo("memory", extra=extra, rollout_server=SERVER, **run)
+    resolved = yaml.safe_load((run["experiment_dir"] / vl.RESOLVED_CONFIG).read_text())
+    [spec] = prelaunch_specs(resolved)
+    config = validate(vl.compose_overrides("memory", extra=extra, rollout_server=SERVER, **run))
+    rollout = vl._to_dataclass(config, "actor_rollout_ref.rollout")
+    assert server_spec(rollout, config.actor_rollout_ref.model.path, 0) == spec
+    assert spec.weights_dir == run["experiment_dir"] / "rollout" / "replica0" and not spec.sleep_mode
+    # A whole episode of context, capped by the model's positions.
+    assert spec.max_model_len == min(2048, rollout.prompt_length + rollout.response_length)
+    # Two nodes: the replica's node is Ray's choice, so its actor starts the server.
+    assert prelaunch_specs({**resolved, "trainer": {**resolved["trainer"], "nnodes": 2}}) == []
+    # A server sharing its accelerator (vLLM's sleep mode: verl's default) starts after the trainer.
+    rollout_section = {k: v for k, v in resolved["actor_rollout_ref"]["rollout"].items() if k != "free_cache_engine"}
+    shared = {**resolved, "actor_rollout_ref": {**resolved["actor_rollout_ref"], "rollout": rollout_section}}
+    assert prelaunch_specs(shared) == []
 
 
 def test_the_external_rollout_needs_its_server_settings(run):

@@ -44,7 +44,7 @@ from memupdate.data.rows import MEMORY_AGENT
 from memupdate.prompts import DEFAULT_PROTOCOL, qa_messages, within_budget
 from memupdate.rewards.memory import MemoryRewardConfig
 from memupdate.serving.decoding import GREEDY
-from memupdate.settings import RewardSettings
+from memupdate.settings import QA_PHASE_KEYS, RewardSettings
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +52,16 @@ TERMINATION_REASONS = ("done", "no_tool_call", "response_budget", "max_assistant
 STAGES = ("memory", "qa", "joint")
 
 
-def qa_settings(config: Any) -> dict[str, Any]:
-    """The QA phase's retrieval and prompt: the reward's own settings (verl's
-    ``reward.custom_reward_function.reward_kwargs``: ``top_k``, ``context_chars``, ``qa_prompt``), so the
-    answer the reward reads comes from the memories the reward retrieves, on either backend."""
-    kwargs = (
-        OmegaConf.select(config, "reward.custom_reward_function.reward_kwargs", default=None)
-        if isinstance(config, DictConfig)
-        else ((config or {}).get("reward") or {}).get("custom_reward_function", {}).get("reward_kwargs")
-    )
-    if isinstance(kwargs, DictConfig):
-        kwargs = OmegaConf.to_container(kwargs, resolve=True)
-    kwargs = dict(kwargs or {})
+def qa_settings(reward: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The QA phase's retrieval and prompt from the reward's settings (:data:`~memupdate.settings.QA_PHASE_KEYS`
+    of ``reward``), each default the reward's own.
+
+    >>> qa_settings({"top_k": 3, "scorer": "reader"})["top_k"], qa_settings(None)["qa_prompt"]
+    (3, 'locomo')
+    """
+    if isinstance(reward, DictConfig):
+        reward = OmegaConf.to_container(reward, resolve=True)
+    kwargs = {k: v for k, v in (reward or {}).items() if k in QA_PHASE_KEYS}
     retrieval = MemoryRewardConfig.from_dict(
         {k: kwargs[k] for k in ("top_k", "context_chars") if kwargs.get(k) is not None}
     )
@@ -98,6 +96,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         qa_phase: bool = False,
         fixed_model: Any = None,
         fixed_temperature: float | None = 0.0,
+        qa: Mapping[str, Any] | None = None,
         qa_max_tokens: int = RewardSettings.qa_max_tokens,
         max_new_tokens: int | None = None,
         loop_context: LoopContext | None = None,
@@ -111,8 +110,9 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         default, so a GRPO group varies only in what is trained; None = the rollout's sampling).
 
         The QA phase is a conversation of its own, never a turn of the memory transcript: the QA prompt
-        (``reward.qa_prompt``, :mod:`memupdate.prompts`) over the final store's top-k memories within the
-        reward's text budget (``reward.top_k``, ``reward.context_chars``), exactly what evaluation's
+        (``qa``'s ``qa_prompt``, :mod:`memupdate.prompts`) over the final store's top-k memories within the
+        text budget (``qa``'s ``top_k`` and ``context_chars``: the reward's, which the run's agent loop entry
+        carries; :func:`qa_settings`), exactly what evaluation's
         ``no_update`` system asks from the initial store. Its answer is ``extra_fields["qa_answer"]``; when
         the QA role is trained, the QA turn is the loop's (second) output. ``max_new_tokens`` caps each memory
         turn (the episode's, :class:`~memupdate.settings.EpisodeSettings`; None: what is left of the response
@@ -136,7 +136,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         self.qa_max_tokens = int(qa_max_tokens)
         self.max_new_tokens = max_new_tokens
         # The QA phase retrieves as the reward scores: one definition, the reward's settings.
-        settings = qa_settings(self.config)
+        settings = qa_settings(qa)
         self.qa_top_k, self.qa_context_chars, self.qa_prompt = (
             settings["top_k"],
             settings["context_chars"],

@@ -32,11 +32,12 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentData
 from memupdate.bench.report import format_table, percentiles_ms, save_report
 from memupdate.data.locomo import load_locomo
 from memupdate.memory.embedder import Embedder
-from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.manager import MemoryStoreManager
 from memupdate.memory.store import BaseStore, TrialStore
 from memupdate.rewards.memory import MemoryRewardComputer, MemoryRewardConfig, RewardRequest
 from memupdate.rewards.scorers import AnswerRecallScorer, QAItem
+from memupdate.settings import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS
 from memupdate.tools.config import ENVIRONMENT_KEY
 from memupdate.tools.memory_tools import TOOL_CLASSES, MemoryTool, agent_data_for
 

@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 
 from memupdate.agents.fields import DELTA_KEY, STATS_KEY, TERMINATION_KEY
 from memupdate.eval.report import MEM0_CATEGORIES
-from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.manager import manager_for
 from memupdate.memory.store import MemoryRecord, TrialStore
 from memupdate.prompts import load_prompts, memory_line, qa_messages, within_budget
@@ -59,6 +59,8 @@ from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.decoding import GREEDY
 from memupdate.serving.readiness import load_marker, read_marker
 from memupdate.settings import (
+    DEFAULT_EMBEDDING_MODEL,
+    DEFAULT_MAX_CONTENT_CHARS,
     EpisodeSettings,
     LocomoEvalSettings,
     ToolSettings,

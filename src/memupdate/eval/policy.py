@@ -32,12 +32,20 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.agents.context import LoopContext
 from memupdate.eval.stats import paired_by_key
-from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import COMPONENTS, episode_records
 from memupdate.rollout.workers import in_process_workers
 from memupdate.serving.hf_server import HFGenerateServer
-from memupdate.settings import EpisodeSettings, PolicyEvalSettings, ServeSettings, ToolSettings, build
+from memupdate.settings import (
+    DEFAULT_EMBEDDING_MODEL,
+    DEFAULT_MAX_CONTENT_CHARS,
+    EpisodeSettings,
+    PolicyEvalSettings,
+    ServeSettings,
+    ToolSettings,
+    build,
+)
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import write_json_atomic, write_text_atomic
 

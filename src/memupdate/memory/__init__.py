@@ -20,7 +20,6 @@ _EXPORTS = {
     "build_embedding_cache": "cache",
     "Embedder": "embedder",
     "EmbedderLoadError": "embedder",
-    "DEFAULT_EMBEDDING_MODEL": "environment",
     "MemoryEnvironment": "environment",
     "VectorIndex": "index",
     "MemoryStoreManager": "manager",
@@ -37,7 +36,6 @@ _EXPORTS = {
 }
 __all__ = [
     "BaseStore",
-    "DEFAULT_EMBEDDING_MODEL",
     "Embedder",
     "EmbedderLoadError",
     "EmbeddingCache",
@@ -68,7 +66,7 @@ if TYPE_CHECKING:
         build_embedding_cache,
     )
     from memupdate.memory.embedder import Embedder, EmbedderLoadError
-    from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, MemoryEnvironment
+    from memupdate.memory.environment import MemoryEnvironment
     from memupdate.memory.index import VectorIndex
     from memupdate.memory.manager import MemoryStoreManager, NamespaceInUse, UnknownNamespace, trial_namespace
     from memupdate.memory.store import (

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL as DEFAULT_MODEL
+from memupdate.settings import DEFAULT_EMBEDDING_MODEL as DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer

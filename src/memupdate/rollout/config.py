@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from memupdate.agents.fields import AGENT_LOOPS, MEMORY_REWARD
 from memupdate.data.rows import MEMORY_AGENT
 from memupdate.memory.environment import MemoryEnvironment
-from memupdate.settings import EpisodeSettings, RewardSettings
+from memupdate.settings import QA_PHASE_KEYS, EpisodeSettings, RewardSettings
 from memupdate.tools.config import write_tool_config
 from memupdate.utils.io import write_text_atomic
 
@@ -137,6 +137,7 @@ def agent_loop_entry(cfg: RolloutConfig) -> dict[str, Any]:
             qa_phase=cfg.qa_phase,
             fixed_model=fixed_model,
             fixed_temperature=cfg.fixed_temperature,
+            qa={k: v for k, v in cfg.reward.items() if k in QA_PHASE_KEYS},
             qa_max_tokens=cfg.qa_max_tokens,
             max_new_tokens=cfg.max_new_tokens,
         )

@@ -77,7 +77,8 @@ def _register(registry_dir: Path, name: str, entry: dict[str, Any]) -> Path:
     return path
 
 
-def _is_our_supervisor(pid: int) -> bool:
+def is_our_supervisor(pid: int) -> bool:
+    """Whether ``pid`` is still a supervisor of ours (``python -m memupdate.serving.launch run``)."""
     # A pid can be reused after the server ended; only signal a process that is still our supervisor.
     try:
         proc = psutil.Process(pid)
@@ -86,15 +87,16 @@ def _is_our_supervisor(pid: int) -> bool:
         return False
 
 
-def _stop_local(pid: int, timeout_s: float) -> None:
-    if not _is_our_supervisor(pid):
+def stop_supervisor(pid: int, timeout_s: float = 60.0) -> None:
+    """Stop supervisor ``pid`` and its server (SIGTERM; its process group killed if it ignores that)."""
+    if not is_our_supervisor(pid):
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _is_our_supervisor(pid):
+    while time.monotonic() < deadline and is_our_supervisor(pid):
         time.sleep(0.2)
-    if _is_our_supervisor(pid):
+    if is_our_supervisor(pid):
         logger.warning("server supervisor pid %d ignored SIGTERM for %.0f s; killing its group", pid, timeout_s)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
@@ -127,7 +129,7 @@ def stop_servers(registry_dir: str | os.PathLike, timeout_s: float = 60.0, *, or
                 continue
             logger.info("cancelled Slurm job %s serving %s", entry["slurm_job_id"], entry["name"])
         elif entry.get("pid"):
-            _stop_local(int(entry["pid"]), timeout_s)
+            stop_supervisor(int(entry["pid"]), timeout_s)
             logger.info("stopped local server %s (pid %s)", entry["name"], entry["pid"])
         if entry.get("marker"):
             Path(entry["marker"]).unlink(missing_ok=True)

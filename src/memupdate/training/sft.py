@@ -46,12 +46,14 @@ from memupdate.agents.context import LoopContext
 from memupdate.agents.fields import MEMAGENT_REWARD
 from memupdate.data.ingestion import is_ingestion_row
 from memupdate.data.rows import MEMAGENT_AGENT
-from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.rewards.manager import MemoryRewardManager, reward_settings
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import episode_records
 from memupdate.rollout.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, in_process_workers
 from memupdate.settings import (
+    DEFAULT_EMBEDDING_MODEL,
+    DEFAULT_MAX_CONTENT_CHARS,
     EpisodeSettings,
     MemAgentLoopSettings,
     RewardSettings,

@@ -32,9 +32,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from memupdate.memory.environment import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, MemoryEnvironment
+from memupdate.memory.environment import MemoryEnvironment
 from memupdate.serving.readiness import load_marker, read_marker
-from memupdate.settings import ToolSettings
+from memupdate.settings import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, ToolSettings
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import sha256_file, write_json_atomic
 from memupdate.utils.system import tail
@@ -404,17 +404,30 @@ def run_verl(
     **export: Any,
 ) -> Path:
     """Run a verl training command to its end, its output in ``<run_dir>/<log_name>`` (main_ppo: Ray's workers and
-    the trainer; follow it with ``tail -f``), and export its last checkpoint to ``<run_dir>/ckpt``
+    the trainer; follow it with ``tail -f``), its rollout servers started beside it when they can be
+    (:func:`~memupdate.serving.rollout_server.prelaunched_servers`), and export its last checkpoint to ``<run_dir>/ckpt``
     (:func:`export_verl_checkpoint` with ``export``). verl resumes from ``<run_dir>/checkpoints`` only if they
     are this very run's (:func:`guard_verl_checkpoints`)."""
+    from memupdate.serving.rollout_server import prelaunched_servers
+
     guard_verl_checkpoints(Path(run_dir))
     log = Path(run_dir) / log_name
     logger.info("running %s\nits output: %s", " ".join(command), log)
-    with log.open("w", encoding="utf-8") as out:
+    with log.open("w", encoding="utf-8") as out, prelaunched_servers(_resolved_config(Path(run_dir))):
         code = subprocess.run(command, env={**os.environ, **run_env}, stdout=out, stderr=subprocess.STDOUT).returncode
     if code:
         raise RuntimeError(f"verl's trainer exited with code {code}; the end of {log}:\n{tail(log, 60)}")
     return export_verl_checkpoint(Path(run_dir), model, **export)
+
+
+def _resolved_config(run_dir: Path) -> dict[str, Any]:
+    """The run's ``resolved_config.yaml`` (empty without one)."""
+    import yaml
+
+    from memupdate.training.verl_launcher import RESOLVED_CONFIG
+
+    path = run_dir / RESOLVED_CONFIG
+    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
 
 
 def train_verl(*, run_dir: str, model: str, **kwargs: Any) -> Path:
@@ -437,6 +450,9 @@ def verl_run_record(run_dir: Path) -> dict[str, Any]:
 
 #: In ``<run>/checkpoints`` (verl's ``trainer.default_local_dir``): the digest of the run its checkpoints belong to.
 RUN_DIGEST_FILE = "memupdate_run.json"
+#: Where verl's checkpoint manager saves the model's config and tokenizer, and the whole model in Hugging Face format
+#: when ``hf_model`` is among its ``save_contents``, inside a checkpoint's shard folder.
+HF_MODEL_DIR = "huggingface"
 #: verl's record of its last complete save, in the same folder (verl.utils.checkpoint.checkpoint_manager).
 VERL_TRACKER = "latest_checkpointed_iteration.txt"
 #: What a verl run writes beside its checkpoints, moved aside with them: its logs and validation generations.
@@ -602,8 +618,9 @@ def last_checkpoint(checkpoints: Path) -> Path | None:
 def export_verl_checkpoint(
     run_dir: Path, base_model: str, *, shards: str | None = "actor", kind: str | None = None
 ) -> Path:
-    """Merge the last checkpoint's FSDP shards (:func:`last_checkpoint`; main_ppo's lie in its ``actor``, the SFT
-    trainer's in the folder itself: ``shards=None``) into ``<run_dir>/ckpt`` (HF format + manifest, with the
+    """Export the last checkpoint (:func:`last_checkpoint`; main_ppo's shards lie in its ``actor``, the SFT
+    trainer's in the folder itself: ``shards=None``) to ``<run_dir>/ckpt``: the whole model its workers saved
+    (:data:`HF_MODEL_DIR`, on CPU), else its FSDP shards merged by verl's model merger (HF format + manifest, with the
     run's commit, config digest and data sha256s, and ``kind`` if given), and write ``<run_dir>/metrics.jsonl``
     from verl's log. A checkpoint of another run (:func:`checkpoint_digest` not this run's
     :func:`verl_run_digest`) is refused."""
@@ -624,19 +641,14 @@ def export_verl_checkpoint(
     metrics_from_verl(run_dir)
     final, tmp = run_dir / "ckpt", run_dir / ".ckpt.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    merge = [
-        sys.executable,
-        "-m",
-        "verl.model_merger",
-        "merge",
-        "--backend",
-        "fsdp",
-        "--local_dir",
-        str(last / shards if shards else last),
-        "--target_dir",
-        str(tmp),
-    ]
-    subprocess.run(merge, check=True)
+    shard_dir = last / shards if shards else last
+    saved = shard_dir / HF_MODEL_DIR
+    if any(saved.glob("*.safetensors")):
+        # The workers saved the whole model (verl's `hf_model`, on CPU): the checkpoint as they wrote it.
+        shutil.copytree(saved, tmp)
+    else:
+        merge = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp"]
+        subprocess.run([*merge, "--local_dir", str(shard_dir), "--target_dir", str(tmp)], check=True)
     step = int(last.name.rsplit("_", 1)[1])
     manifest = {"backend": "verl", **({"kind": kind} if kind else {}), "step": step, "base_model": base_model}
     write_json_atomic(tmp / "manifest.json", {**manifest, **record})

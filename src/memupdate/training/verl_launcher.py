@@ -56,6 +56,7 @@ from memupdate.memory.environment import FILE_NAME as MEMORY_ENVIRONMENT_FILE
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.settings import (
     EXTERNAL_ROLLOUT,
+    QA_PHASE_KEYS,
     VERL_BASE_CONFIG,
     VERL_CONFIG_DIR,
     VERL_CPU_CONFIG,
@@ -341,8 +342,8 @@ def compose_overrides(
     tools into its ``tools.yaml`` (all written by :func:`prepare_main_ppo`). ``reward`` holds our
     reward manager's settings (:func:`memupdate.training.stages.stage_reward`: scorer, the served scorers'
     readiness markers, top_k, other_questions, efficiency, ...); they reach the manager in every reward
-    worker as ``reward.custom_reward_function.reward_kwargs``, and the QA phase reads its retrieval and
-    prompt there too. ``episode`` is the experiment's (:class:`~memupdate.settings.EpisodeSettings`, on verl's keys:
+    worker as ``reward.custom_reward_function.reward_kwargs``, and the QA phase's retrieval and prompt
+    (:data:`~memupdate.settings.QA_PHASE_KEYS`) reach the agent loop through ``agent_loops.yaml``. ``episode`` is the experiment's (:class:`~memupdate.settings.EpisodeSettings`, on verl's keys:
     :func:`~memupdate.settings.episode_overrides`). ``extra`` is either a mapping of config keys to values, or override strings passed
     as they are (e.g. ``"trainer.total_epochs=1"``); :func:`device_overrides` come before it (with
     ``rollout_server`` for the external vLLM rollout). Every path becomes absolute, since Ray workers on
@@ -537,13 +538,14 @@ def write_agent_loop_config(
     fixed_model: Mapping[str, Any] | None = None,
     *,
     template: PathLike = CONFIG_DIR / AGENT_LOOP_TEMPLATE,
+    qa: Mapping[str, Any] | None = None,
     qa_max_tokens: int | None = None,
     max_new_tokens: int | None = None,
 ) -> Path:
     """Copy the agent-loop list from ``template`` with ``memupdate_agent``'s ``training_stage`` and
-    ``fixed_model`` set for this run (verl hands them to the loop's constructor), ``qa_max_tokens``
-    when given (the reward's: its reader gives the QA phase's answers, so both share the cap) and the episode's
-    per-turn cap ``max_new_tokens``."""
+    ``fixed_model`` set for this run (verl hands them to the loop's constructor), the QA phase's retrieval and
+    prompt ``qa`` and its answer cap ``qa_max_tokens`` when given (the reward's: its reader scores the QA phase's
+    answers, so both retrieve, prompt and cap alike) and the episode's per-turn cap ``max_new_tokens``."""
     fixed = _fixed_model(training_stage, fixed_model)
     loops = OmegaConf.load(template)
     if not isinstance(loops, ListConfig):
@@ -553,6 +555,8 @@ def write_agent_loop_config(
         raise ValueError(f"{template} has no agent loop named {MEMORY_AGENT!r}")
     entries[0].training_stage = training_stage
     entries[0].fixed_model = fixed
+    if qa is not None:
+        entries[0].qa = dict(qa)
     if qa_max_tokens is not None:
         entries[0].qa_max_tokens = int(qa_max_tokens)
     entries[0].max_new_tokens = max_new_tokens
@@ -578,6 +582,7 @@ def prepare_main_ppo(
         stage,
         run.get("fixed_model_endpoint"),
         template=Path(config_dir) / AGENT_LOOP_TEMPLATE,
+        qa={k: v for k, v in (run.get("reward") or {}).items() if k in QA_PHASE_KEYS},
         qa_max_tokens=(run.get("reward") or {}).get("qa_max_tokens"),
         max_new_tokens=build(EpisodeSettings, run.get("episode"), "episode").max_new_tokens,
     )

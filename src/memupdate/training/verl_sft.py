@@ -36,13 +36,15 @@ TRAINER_LOG = "sft_trainer.log"
 #: What a run on CPU changes (``trainer.device: cpu``), as :data:`memupdate.training.verl_launcher.CPU_CONFIG`
 #: does for main_ppo: verl's cpu platform (``VERL_PLATFORM=cpu``, set by :func:`sft_command`), FSDP2 (FSDP1
 #: pins its shards to a CUDA device), PyTorch's SDPA attention instead of flash-attn, padded attention
-#: (unpadded is flash-attn's CUDA kernel), no torch.compile and no data-loader processes.
+#: (unpadded is flash-attn's CUDA kernel), no torch.compile, no data-loader processes, and the model saved in
+#: Hugging Face format with the checkpoint (exported by copying it, as main_ppo's on CPU).
 CPU_OVERRIDES = (
     "engine.strategy=fsdp2",
     "engine.use_torch_compile=false",
     "model.use_remove_padding=false",
     "++model.override_config.attn_implementation=sdpa",
     "data.num_workers=0",
+    "checkpoint.save_contents=[model,optimizer,extra,hf_model]",
 )
 
 

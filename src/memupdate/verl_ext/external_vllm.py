@@ -16,10 +16,10 @@ a GPU and a vLLM importable beside verl. This one runs the server the project al
   the trainer (``rollout.enable_sleep_mode`` and ``free_cache_engine``, on GPU); a server on memory of its
   own (CPU) has nothing to give back, and both are no-ops there.
 
-The server runs under the project's supervisor (``python -m memupdate.serving.launch run``) watching the
-actor's pid. The supervisor is started outside the actor's process tree: Ray kills a worker's children when
-the worker exits (at the end of every run), which would kill the supervisor and orphan vLLM, whose engine
-lives in a session of its own; detached, the supervisor sees the actor gone and stops vLLM's process group.
+The server (:mod:`memupdate.serving.rollout_server`) runs under the project's supervisor (``python -m
+memupdate.serving.launch run``), started outside the actor's process tree and watching the actor's pid; or,
+on one node, the launcher started it before verl (its start-up overlaps verl's), watching the launcher's,
+and the actor adopts it.
 
 Settings: ``rollout.custom.memupdate_vllm`` = ``{serving: <ServeSettings keys, python resolved>,
 weights_dir: <folder on the node>}``, written by the verl launcher.
@@ -28,162 +28,44 @@ weights_dir: <folder on the node>}``, written by the verl launcher.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import psutil
 import ray
 import ray.util.scheduling_strategies
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY, BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
 from memupdate.serving.client import Endpoint
-from memupdate.serving.launch import supervisor_argv
+from memupdate.serving.rollout_server import (
+    SERVED_NAME,
+    Detached,
+    adopt_server,
+    rollout_settings,
+    server_spec,
+    start_server,
+    write_weights,
+)
 from memupdate.serving.token_client import VLLMTokenClient
-from memupdate.serving.vllm_server import DEV_MODE_ENV, error_lines, wait_until_ready
-from memupdate.settings import ServeSettings, build
+from memupdate.serving.vllm_server import error_lines, wait_until_ready
+from memupdate.settings import EXTERNAL_ROLLOUT
 from memupdate.utils.system import tail
 
 logger = logging.getLogger(__name__)
 
 #: ``actor_rollout_ref.rollout.name`` of this rollout.
-NAME = "memupdate_vllm"
-#: Where its settings are in the rollout config (``rollout.custom``, verl's free-form section).
-SETTINGS_KEY = NAME
-#: The name the served model answers to.
-SERVED_NAME = "policy"
-#: Safetensors weights and an untied copy of the model's config (see :func:`served_folder`).
-WEIGHTS_FILE = "model.safetensors"
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "generation_config.json",
-)
+NAME = EXTERNAL_ROLLOUT
 
 
 def server_name(replica_rank: int) -> str:
     """The Ray actor name of replica ``replica_rank``'s server: how a trainer rank finds it."""
     return f"memupdate_vllm_server_{replica_rank}"
-
-
-def rollout_settings(config: Any) -> tuple[ServeSettings, Path]:
-    """``(serving settings, weights_dir)`` from a rollout config's ``custom.memupdate_vllm``."""
-    custom = (getattr(config, "custom", None) or {}).get(SETTINGS_KEY)
-    if not custom or not custom.get("weights_dir"):
-        raise ValueError(
-            f"rollout.name={NAME} needs rollout.custom.{SETTINGS_KEY} with serving and weights_dir "
-            "(the verl launcher writes them)"
-        )
-    serving = build(ServeSettings, dict(custom.get("serving") or {}), f"rollout.custom.{SETTINGS_KEY}.serving")
-    return serving, Path(custom["weights_dir"])
-
-
-def served_folder(model_dir: str | os.PathLike, target: str | os.PathLike) -> Path:
-    """``target``: a folder vLLM serves ``model_dir`` from, with an untied output layer when it was tied.
-
-    vLLM's in-place reload keeps the old tensor of a layer the new checkpoint has no weights for, and a tied
-    ``lm_head`` has none (it is the embedding): the server would go on scoring with the base model's output
-    layer. Serving an untied copy (both tensors, ``tie_word_embeddings: false``) is the same model and
-    reloads whole. A model without tied embeddings is served from where it is.
-    """
-    model_dir, target = Path(model_dir), Path(target)
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    if not _tied(config):
-        return model_dir
-    from safetensors.torch import load_file
-
-    state: dict[str, Any] = {}
-    for part in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(part))
-    if not state:
-        raise FileNotFoundError(f"{model_dir} has no safetensors weights to serve")
-    return write_weights(target, state, config, tokenizer_from=model_dir)
-
-
-def _tied(config: Mapping[str, Any]) -> bool:
-    text = config.get("text_config") or {}
-    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-
-
-def _embedding_name(names: Iterable[str]) -> str | None:
-    return next((n for n in names if n.endswith("embed_tokens.weight")), None)
-
-
-def write_weights(
-    target: Path, state: dict[str, Any], config: Mapping[str, Any], *, tokenizer_from: Path | None = None
-) -> Path:
-    """Write ``state`` (HF names) and ``config`` with its output layer untied into ``target``, atomically."""
-    from safetensors.torch import save_file
-
-    config = dict(config)
-    if _tied(config):
-        embedding = _embedding_name(state)
-        if "lm_head.weight" not in state and embedding is not None:
-            state["lm_head.weight"] = state[embedding]
-        config["tie_word_embeddings"] = False
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    # safetensors refuses tensors that share memory; each gets its own contiguous copy.
-    save_file({k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}, tmp / WEIGHTS_FILE)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    for name in _TOKENIZER_FILES if tokenizer_from is not None else ():
-        if (tokenizer_from / name).is_file():
-            shutil.copy2(tokenizer_from / name, tmp / name)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
-
-
-def _post(base_url: str, path: str, params: str = "", timeout_s: float = 600.0) -> None:
-    import urllib.request
-
-    root = base_url.rstrip("/").removesuffix("/v1")
-    request = urllib.request.Request(f"{root}{path}{params}", data=b"{}", headers={"Content-Type": "application/json"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(request, timeout=timeout_s) as response:
-        response.read()
-
-
-#: Starts argv[2:] in a session of its own, output to argv[1], prints its pid and exits: the started process
-#: is then nobody's child here (see the module docstring).
-_DETACH = (
-    "import subprocess, sys\n"
-    "with open(sys.argv[1], 'w') as log:\n"
-    "    child = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,"
-    " start_new_session=True)\n"
-    "print(child.pid)"
-)
-
-
-class _Detached:
-    """A process this one did not start, polled as a ``Popen`` is (what ``wait_until_ready`` watches)."""
-
-    returncode = None
-
-    def __init__(self, process: psutil.Process):
-        self.process = process
-
-    def poll(self) -> int | None:
-        try:
-            running = self.process.is_running() and self.process.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            running = False
-        return None if running else -1
 
 
 class ExternalVLLMServer:
@@ -192,63 +74,34 @@ class ExternalVLLMServer:
     def __init__(self, config: Any, model_config: Any, replica_rank: int):
         self.config = config
         self.replica_rank = replica_rank
-        self.serving, weights_root = rollout_settings(config)
-        self.weights_dir = weights_root / f"replica{replica_rank}"
         # The replica gets the model section as verl's config holds it (a local folder on every node here).
-        self.model_path = Path(model_config.path)
-        self.max_model_len = int(config.max_model_len or config.prompt_length + config.response_length)
-        self.sleep_mode = bool(config.enable_sleep_mode and config.free_cache_engine)
-        self.supervisor: _Detached | None = None
+        self.spec = server_spec(config, model_config.path, replica_rank)
+        self.supervisor: Detached | None = None
         self.client: VLLMTokenClient | None = None
         self.base_url: str | None = None
         self.global_steps: int | None = None
         self.in_flight = 0
 
     async def launch(self) -> str:
-        """Start the server (untied copy of the model first, see :func:`served_folder`); return its address."""
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        served = await asyncio.to_thread(served_folder, self.model_path, self.weights_dir / "base")
-        # A whole episode, as far as the model's positions reach (vLLM refuses a longer context).
-        positions = json.loads((served / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
-        self.max_model_len = min(self.max_model_len, int(positions or self.max_model_len))
-        address_file = self.weights_dir / "server.address.json"
-        address_file.unlink(missing_ok=True)
-        log_path = self.weights_dir / "server.log"
-        settings = dataclasses.replace(self.serving, max_model_len=self.max_model_len)
-        if self.sleep_mode:
-            settings.extra_args = [*settings.extra_args, "--enable-sleep-mode"]
-        if not settings.python:
-            raise ValueError(
-                f"rollout.custom.{SETTINGS_KEY}.serving.python is not set: the launcher resolves the vLLM interpreter"
-            )
-        argv = supervisor_argv(
-            served,
-            SERVED_NAME,
-            address_file,
-            settings,
-            settings.python,
-            bind_host="127.0.0.1",
-            watch_pid=os.getpid(),
+        """Adopt the server the launcher started before verl (:func:`~memupdate.serving.rollout_server.adopt_server`)
+        or start one; return its address once it answers."""
+        spec = self.spec
+        self.supervisor = await asyncio.to_thread(adopt_server, spec) or await asyncio.to_thread(
+            start_server, spec, watch_pid=os.getpid()
         )
-        started = subprocess.run(
-            [sys.executable, "-c", _DETACH, str(log_path), *argv],
-            env={**os.environ, **settings.env, **DEV_MODE_ENV},
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        self.supervisor = _Detached(psutil.Process(int(started.stdout)))
-        deadline = time.monotonic() + settings.startup_timeout_s
-        while not address_file.is_file():
+        deadline = time.monotonic() + spec.serving.startup_timeout_s
+        while not spec.address_file.is_file():
             if self.supervisor.poll() is not None:
                 raise RuntimeError(
                     f"the rollout server of replica {self.replica_rank} exited before it started vLLM; "
-                    f"{log_path}:\n{tail(log_path, 30)}"
+                    f"{spec.log_path}:\n{tail(spec.log_path, 30)}"
                 )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the rollout server of replica {self.replica_rank} did not start; see {log_path}")
+                raise TimeoutError(
+                    f"the rollout server of replica {self.replica_rank} did not start; see {spec.log_path}"
+                )
             await asyncio.sleep(0.5)
-        address = json.loads(address_file.read_text(encoding="utf-8"))
+        address = json.loads(spec.address_file.read_text(encoding="utf-8"))
         self.base_url = address["base_url"]
         vllm_log = Path(address["vllm_log"])
         try:
@@ -268,9 +121,9 @@ class ExternalVLLMServer:
         self.client = VLLMTokenClient(
             Endpoint(self.base_url, SERVED_NAME),
             max_tokens=self.config.response_length,
-            max_model_len=self.max_model_len,
+            max_model_len=spec.max_model_len,
         )
-        logger.info("rollout replica %d: vLLM serves %s at %s", self.replica_rank, served, self.base_url)
+        logger.info("rollout replica %d: vLLM serves %s at %s", self.replica_rank, spec.model_path, self.base_url)
         return self.base_url
 
     def address(self) -> str:
@@ -307,11 +160,11 @@ class ExternalVLLMServer:
 
     async def sleep(self) -> None:
         await self.wait_for_requests_to_drain()
-        if self.sleep_mode:
+        if self.spec.sleep_mode:
             await asyncio.to_thread(_post, self.base_url, "/sleep", "?level=1")
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        if self.sleep_mode:
+        if self.spec.sleep_mode:
             query = "".join(f"&tags={t}" for t in tags or ()).replace("&", "?", 1)
             await asyncio.to_thread(_post, self.base_url, "/wake_up", query)
 
@@ -319,7 +172,7 @@ class ExternalVLLMServer:
         await asyncio.to_thread(_post, self.base_url, "/reset_prefix_cache")
 
     async def release_kv_cache(self) -> None:
-        if self.sleep_mode:
+        if self.spec.sleep_mode:
             await asyncio.to_thread(_post, self.base_url, "/sleep", "?level=1&mode=keep_weights")
 
     async def resume_kv_cache(self) -> None:
@@ -337,6 +190,16 @@ class ExternalVLLMServer:
 
     async def stop_profile(self) -> None:
         """No profiler (see start_profile)."""
+
+
+def _post(base_url: str, path: str, params: str = "", timeout_s: float = 600.0) -> None:
+    import urllib.request
+
+    root = base_url.rstrip("/").removesuffix("/v1")
+    request = urllib.request.Request(f"{root}{path}{params}", data=b"{}", headers={"Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=timeout_s) as response:
+        response.read()
 
 
 def _post_json(base_url: str, path: str, payload: Mapping[str, Any], timeout_s: float = 600.0) -> None:
