@@ -102,6 +102,15 @@ class ServerSpec:
         return json.loads(json.dumps(dataclasses.asdict(self), default=str))
 
 
+def replica_size(config: Any) -> int:
+    """Trainer ranks per rollout replica: tensor x data x pipeline parallel size (each 1 when unset)."""
+    sizes = ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size")
+    size = 1
+    for key in sizes:
+        size *= int(_field(config, key) or 1)
+    return size
+
+
 def server_spec(config: Any, model_path: str | os.PathLike, replica_rank: int) -> ServerSpec:
     """Replica ``replica_rank``'s :class:`ServerSpec` from verl's rollout config: a whole episode of context
     (``max_model_len``, else prompt plus response length), no more than the model's positions reach (vLLM
@@ -282,12 +291,7 @@ def prelaunch_specs(resolved_config: Mapping[str, Any]) -> list[ServerSpec]:
     model = ((resolved_config.get("actor_rollout_ref") or {}).get("model")) or {}
     if rollout.get("name") != EXTERNAL_ROLLOUT or int(trainer.get("nnodes") or 1) != 1:
         return []
-    per_replica = int(
-        (rollout.get("tensor_model_parallel_size") or 1)
-        * (rollout.get("data_parallel_size") or 1)
-        * (rollout.get("pipeline_model_parallel_size") or 1)
-    )
-    replicas = max(1, int(trainer.get("n_gpus_per_node") or 1) // per_replica)
+    replicas = max(1, int(trainer.get("n_gpus_per_node") or 1) // replica_size(rollout))
     specs = [server_spec(rollout, model["path"], rank) for rank in range(replicas)]
     return [] if any(spec.sleep_mode for spec in specs) else specs
 
@@ -296,8 +300,8 @@ def prelaunch_specs(resolved_config: Mapping[str, Any]) -> list[ServerSpec]:
 def prelaunched_servers(resolved_config: Mapping[str, Any]) -> Iterator[list[ServerSpec]]:
     """Start the servers of :func:`prelaunch_specs` for the duration of the block (verl's run), each recorded in
     its replica's :data:`PRELAUNCH_FILE` for verl's actor to adopt (:func:`adopt_server` notes it there); stopped
-    when the block ends, saying whether verl used them (and by their supervisor should this process die). A server that fails to start here is left to verl's actor, which
-    starts its own and reports what went wrong."""
+    when the block ends, saying whether verl used them (and by their supervisor should this process die). A
+    server that fails to start here is left to verl's actor, which starts its own and reports what went wrong."""
     started: list[tuple[ServerSpec, int]] = []
     try:
         for spec in prelaunch_specs(resolved_config):

@@ -47,6 +47,7 @@ from memupdate.serving.rollout_server import (
     SERVED_NAME,
     Detached,
     adopt_server,
+    replica_size,
     rollout_settings,
     server_spec,
     start_server,
@@ -262,11 +263,7 @@ class ExternalServerAdapter(BaseRollout):
     def __init__(self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1):
         super().__init__(config, model_config, device_mesh)
         rank = int(os.environ.get("RANK", "0"))
-        per_replica = (
-            self.config.tensor_model_parallel_size
-            * self.config.data_parallel_size
-            * self.config.pipeline_model_parallel_size
-        )
+        per_replica = replica_size(self.config)
         self.replica_rank = rank // per_replica if replica_rank == -1 else replica_rank
         self.is_writer = rank % per_replica == 0
         _, weights_root = rollout_settings(self.config)
