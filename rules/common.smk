@@ -422,33 +422,29 @@ def fixed_qa(stage):
     return stage.fixed or "qa-base"
 
 
-def get_reward_markers(wildcards):
-    """Readiness markers of the models a memory stage's reward asks: the reader is its fixed QA role (whose
-    QA-phase answers it scores), the judge the served reward.judge.
+def get_judge_marker(wildcards):
+    """The readiness marker of the served reward.judge, when a memory stage's reward asks it (the reader is the
+    stage's fixed QA role, its `fixed` input, whose QA-phase answers it scores: memupdate.training.stages.stage_reward).
     """
-    scorer = get_reward_scorer(wildcards)
-    if scorer not in SERVED_SCORERS:
+    if get_reward_scorer(wildcards) != "judge":
         return {}
-    markers = {
-        "reader": serve_marker(wildcards.exp, fixed_qa(get_stage(wildcards)), "train")
-    }
-    if scorer == "judge":
-        markers["judge"] = serve_marker(
+    return {
+        "judge": serve_marker(
             wildcards.exp, get_reward_config(wildcards)["judge"], "train"
         )
-    return markers
+    }
 
 
 def get_stage_reward(wildcards):
     """The reward manager's settings for a stage: config's reward section with the scorer resolved. A
-    memory stage's also names the served models' markers (listed as inputs too, so their servers run). A QA
+    memory stage's also names the served judge's marker (listed as an input too, so its server runs). A QA
     stage is rewarded by its answer's F1; a served scorer has no reader there (no other QA model is served
     for it), so only an offline one adds the memory reward's components to the log.
     """
     reward = {k: v for k, v in get_reward_config(wildcards).items() if k != "judge"}
     reward["scorer"] = get_reward_scorer(wildcards)
     if get_stage(wildcards).role == "memory":
-        for role, marker in get_reward_markers(wildcards).items():
+        for role, marker in get_judge_marker(wildcards).items():
             reward[f"{role}_marker"] = marker
     return reward
 
@@ -602,7 +598,7 @@ def get_stage_inputs(wildcards):
     # Without a QA model, or with an offline scorer, a memory stage is single-role MemoryUpdate: nothing served.
     if "qa_model" in experiment and get_reward_scorer(wildcards) in SERVED_SCORERS:
         inputs["fixed"] = serve_marker(wildcards.exp, fixed_qa(stage), "train")
-    return {**inputs, **get_reward_markers(wildcards)}
+    return {**inputs, **get_judge_marker(wildcards)}
 
 
 def get_stage_settings(wildcards):

@@ -20,7 +20,7 @@ from memupdate.dvc_stages import stage_outs
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 BIN = Path(sys.executable).parent
-STAGES = ("data", "embeddings", "models", "stage1", "stage2", "stage3", "eval", "hotpotqa", "memagent", "memagent_eval")
+STAGES = ("data", "embeddings", "models", "stage1", "stage2", "eval", "hotpotqa", "memagent", "memagent_eval")
 TINY = ("--configfile", "config/experiments/tiny.yaml")
 
 
@@ -132,20 +132,20 @@ def test_repro_adopts_the_run_then_push_clone_pull_and_only_evaluation_reruns(dv
     ):
         assert (clone / path).read_bytes() == (dvc_repo / path).read_bytes(), path
 
-    # The DVC stages follow the experiment's list: stage 3 continues stage 1's checkpoint against stage 2's, on its
+    # The DVC stages follow the experiment's list: stage 2 trains against stage 1's checkpoint, served, on its
     # curriculum's rows, which it makes itself.
     stages = yaml.safe_load((clone / "dvc.yaml").read_text())["stages"]
-    assert {"results/tiny/stage1/ckpt", "results/tiny/stage2/ckpt"} <= set(stages["stage3"]["deps"])
-    assert {"results/tiny/stage3/ckpt", "results/tiny/data/stage3.train.parquet"} <= set(stage_outs(stages["stage3"]))
-    assert "--allowed-rules select_stage_rows serve_model train_stage3 vllm_env" in " ".join(
-        stages["stage3"]["cmd"].split()
+    assert "results/tiny/stage1/ckpt" in stages["stage2"]["deps"]
+    assert {"results/tiny/stage2/ckpt", "results/tiny/data/stage2.train.parquet"} <= set(stage_outs(stages["stage2"]))
+    assert "--allowed-rules select_stage_rows serve_model train_stage2 vllm_env" in " ".join(
+        stages["stage2"]["cmd"].split()
     )
 
     # A change to the memory store makes every stage importing it stale (training among them); a change to
     # code no stage imports makes none.
     store = "src/memupdate/memory/store.py"
     importing = {name for name, stage in stages.items() if store in stage["deps"]}
-    assert {"stage1", "stage2", "stage3"} <= importing, importing
+    assert {"stage1", "stage2"} <= importing, importing
     assert appended(clone, store, env) == importing
     unrelated = "src/memupdate/bench/report.py"
     assert not any(unrelated in stage["deps"] for stage in stages.values())

@@ -44,6 +44,8 @@ FOLLOWING = {
     "trainer.nnodes": "the model's row",
     "trainer.n_gpus_per_node": "the model's row",
     "actor_rollout_ref.rollout.n_gpus_per_node": "the model's row",
+    # The device follows the job's row (memupdate.settings): the tiny model's asks for no GPUs.
+    "trainer.device": "the model's row",
     # verl on CPU (verl_launcher): the platform in every Ray worker, the served rollout's own settings.
     "ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM": "trainer.device: cpu",
     "actor_rollout_ref.rollout.custom.memupdate_vllm": "rollout.name memupdate_vllm (cpu.yaml)",

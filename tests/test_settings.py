@@ -18,9 +18,9 @@ from memupdate.settings import (
     build,
     check_config,
     experiment_stages,
-    json_schema,
     verl_defaults,
 )
+from memupdate.typed_config import json_schema
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "config" / "schema" / "config.schema.yaml"
@@ -348,10 +348,12 @@ def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows()
     )
     check_config(config, SCHEMA, root=REPO)
     smoke = config["experiments"]["smoke"]
+    # The device is the job's resources': SmolLM2 has no GPU row (profiles/slurm/resources.yaml), so CPU.
     assert smoke["stage3"] == {
         "trainer.total_training_steps": 3,
         "actor_rollout_ref.actor.optim.lr": 1e-6,
         "train_on": {"sessions": 8, "categories": [1, 4]},
+        "trainer.device": "cpu",
     }
     stages = experiment_stages(smoke)
     assert [(s.name, s.role, s.start, s.fixed) for s in stages] == [
@@ -364,10 +366,21 @@ def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows()
     assert stages[2].settings == {
         "trainer.total_training_steps": 3,
         "actor_rollout_ref.actor.optim.lr": 1e-6,
+        "trainer.device": "cpu",
     } and stages[2].train_on == {
         "sessions": 8,
         "categories": [1, 4],
     }
+    # A second check (a config passed on) keeps it; another device set by hand is refused with the row that decides.
+    check_config(config, SCHEMA, root=REPO)
+    on_gpu = merged({"experiments": {"smoke": {"stage1": {"trainer.device": "cuda"}}}})
+    with pytest.raises(
+        ConfigError,
+        match=r"experiments.smoke.stage1.trainer.device: the device follows the job's "
+        r"resources \(profiles/slurm/resources.yaml, rule train_stage, model smollm2-135m: 0 GPUs, "
+        r"so cpu\), not 'cuda'",
+    ):
+        check_config(on_gpu, SCHEMA, root=REPO)
     # A --configfile removes a stage with null, as any other key.
     dropped = merged({"experiments": {"smoke": {"stage2": None}}})
     check_config(dropped, SCHEMA, root=REPO)
@@ -377,6 +390,8 @@ def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows()
     check_config(full, SCHEMA, root=REPO)
     curriculum = experiment_stages(full["experiments"]["curriculum_7b"])
     assert [s.role for s in curriculum] == ["memory", "qa", "memory", "qa", "memory"]
+    # Qwen2.5-7B's training jobs ask for GPUs: verl runs on them.
+    assert {s.settings["trainer.device"] for s in curriculum} == {"cuda"}
     assert [s.train_on.get("sessions") for s in curriculum] == [8, None, 16, None, None]
     assert all("train_on" not in s.settings and "trainer.total_training_steps" in s.settings for s in curriculum)
 

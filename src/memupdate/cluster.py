@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memupdate.settings import ConfigError, build, setting
+from memupdate.typed_config import ConfigError, build, setting
 
 #: The environment variables that place every Slurm job, by the Slurm plugin's resource they set
 #: (profiles/slurm/config.yaml's default resources read them through :func:`placement`; README "Running on a

@@ -15,32 +15,34 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 
-def apply_rehearsal(config: dict[str, Any], verl_sections: Callable[[Mapping[str, Any]], list[str]]) -> list[str]:
+def apply_rehearsal(
+    config: dict[str, Any],
+    verl_sections: Callable[[Mapping[str, Any]], list[str]],
+    on_gpus: Callable[[Mapping[str, Any]], bool],
+) -> list[str]:
     """Swap what ``config['rehearsal']`` names into ``config`` in place, if ``config['rehearse']``; return one line
     per swapped key, its old values and its new one (empty when not rehearsing).
 
     The section's shape is the schema's (config/schema/config.schema.yaml), checked before this runs.
     ``verl_sections(experiment)``: the sections of an experiment that hold verl keys (a MemoryUpdate experiment's
-    stages, MemAgent's ``train``). Only the experiments trained on GPUs are swapped: those with ``trainer.device: cpu``
-    run on CPUs already.
+    stages, MemAgent's ``train``). Only the experiments trained on GPUs are swapped (``on_gpus(experiment)``: a
+    training job of theirs asks for GPUs in profiles/slurm/resources.yaml); the others run on CPUs already.
 
     >>> config = {
     ...     "rehearse": True,
     ...     "rehearsal": {"model": "tiny", "settings": {"serving": {"engine": "vllm-cpu"}},
-    ...                   "verl": {"trainer.device": "cpu", "data.train_batch_size": 2},
-    ...                   "episode": {"response_length": 512}},
+    ...                   "verl": {"data.train_batch_size": 2}, "episode": {"response_length": 512}},
     ...     "serving": {"engine": "vllm", "dtype": "bfloat16"},
     ...     "experiments": {"big": {"policy": "qwen", "stage1": {"data.train_batch_size": 32}},
-    ...                     "cpu": {"policy": "small", "stage1": {"trainer.device": "cpu"}}},
+    ...                     "cpu": {"policy": "small", "stage1": {}}},
     ... }
-    >>> for line in apply_rehearsal(config, lambda e: ["stage1"]): print(line)
+    >>> for line in apply_rehearsal(config, lambda e: ["stage1"], lambda e: e["policy"] == "qwen"): print(line)
     models: qwen -> tiny (policy/qa_model of 1 experiment)
     serving.engine: vllm -> vllm-cpu
-    verl trainer.device: (its config's) -> cpu
     verl data.train_batch_size: 32 -> 2
     episode.response_length: (its config's) -> 512
     >>> config["experiments"]["big"]["stage1"], config["experiments"]["cpu"]["policy"]
-    ({'data.train_batch_size': 2, 'trainer.device': 'cpu'}, 'small')
+    ({'data.train_batch_size': 2}, 'small')
     >>> config["experiments"]["big"]["episode"]
     {'response_length': 512}
     """
@@ -64,10 +66,7 @@ def apply_rehearsal(config: dict[str, Any], verl_sections: Callable[[Mapping[str
     rehearsed = [
         experiment
         for experiment in config.get("experiments", {}).values()
-        if isinstance(experiment, dict)
-        and not any(
-            (experiment.get(section) or {}).get("trainer.device") == "cpu" for section in verl_sections(experiment)
-        )
+        if isinstance(experiment, dict) and on_gpus(experiment)
     ]
     model = spec.get("model")
     swapped_models = 0

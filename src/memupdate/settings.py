@@ -22,7 +22,7 @@ Example:
 >>> settings = build(EpisodeSettings, {"max_assistant_turns": "3"}, "experiments.x.episode")
 Traceback (most recent call last):
 ...
-memupdate.settings.ConfigError: experiments.x.episode.max_assistant_turns: '3' is not an integer
+memupdate.typed_config.ConfigError: experiments.x.episode.max_assistant_turns: '3' is not an integer
 >>> build(EpisodeSettings, {"max_assistant_turns": 3, "temperature": "7e-1"}, "experiments.x.episode").temperature
 0.7
 """
@@ -34,36 +34,25 @@ import difflib
 import functools
 import json
 import re
-import types
-import typing
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal
 
+from memupdate.cluster import Table, read_table
 from memupdate.data.rows import MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SEARCH_TOOL
 from memupdate.rehearsal import apply_rehearsal
 from memupdate.rewards.efficiency import EfficiencyConfig
-
-#: A number in scientific notation without a dot, which YAML 1.2 reads as a float and PyYAML as a string.
-_SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-
-T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A setting is missing, misspelt or of the wrong type or value; the message names its full path."""
-
-
-def setting(default: Any = dataclasses.MISSING, *, help: str = "", factory: Any = None, **constraints: Any) -> Any:
-    """A dataclass field with its help text and JSON-schema constraints (``minimum``, ``maximum``,
-    ``exclusiveMinimum``), which :func:`build` enforces."""
-    metadata = {"help": help, **constraints}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    # A required setting is keyword-only, so it may follow settings with defaults (and subclasses add them).
-    return field(default=default, metadata=metadata, kw_only=default is dataclasses.MISSING)
-
+from memupdate.typed_config import (
+    SCIENTIFIC,
+    ConfigError,
+    as_number,
+    build,
+    clean,
+    setting,
+    show_value,
+    unknown_key,
+)
 
 # ------------------------------------------------------------------------------------------ sections
 
@@ -607,223 +596,12 @@ def model_spec(spec: Any, path: str = "model spec") -> dict[str, Any]:
     >>> model_spec({"kind": "hf"}, "models.mine")
     Traceback (most recent call last):
     ...
-    memupdate.settings.ConfigError: models.mine.name_or_path: required (a local folder or a hub id)
+    memupdate.typed_config.ConfigError: models.mine.name_or_path: required (a local folder or a hub id)
     """
     kind = spec.get("kind") if isinstance(spec, Mapping) else None
     if kind not in MODEL_KINDS:
-        raise ConfigError(f"{path}.kind: {_show(kind)} is not one of {', '.join(MODEL_KINDS)}")
+        raise ConfigError(f"{path}.kind: {show_value(kind)} is not one of {', '.join(MODEL_KINDS)}")
     return dataclasses.asdict(build(MODEL_KINDS[kind], spec, path))
-
-
-# ------------------------------------------------------------------------------------------ build
-
-
-def build(cls: type[T], values: Mapping[str, Any] | None, path: str) -> T:
-    """``cls`` from user ``values``, every key checked against ``cls``'s fields and types; ``path`` is where
-    the values sit in the config (``experiments.smoke.stage1``) and starts every error message."""
-    return _checked(cls, values, path)[0]
-
-
-def clean(cls: type, values: Mapping[str, Any] | None, path: str) -> dict[str, Any]:
-    """The values :func:`build` passes to ``cls``: known keys only, typed (``"1e-6"`` -> ``1e-06``), a null
-    where null is not allowed dropped (the default applies). Raises :class:`ConfigError`, naming the key."""
-    return _checked(cls, values, path)[1]
-
-
-def check_bounds(obj: Any, path: str) -> None:
-    """Enforce the bounds (``minimum``, ``exclusiveMinimum``, ``maximum``) of a built settings object's fields,
-    so code that constructs a settings class directly gets the checks :func:`build` gives user values.
-
-    >>> check_bounds(EpisodeSettings(max_assistant_turns=0), "episode")
-    Traceback (most recent call last):
-    ...
-    memupdate.settings.ConfigError: episode.max_assistant_turns: 0 is below the minimum 1
-    """
-    errors = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            try:
-                _bounded(value, f.metadata, f"{path}.{f.name}")
-            except ConfigError as err:
-                errors.append(str(err))
-    if errors:
-        raise ConfigError("\n".join(errors))
-
-
-def _checked(cls: type[T], values: Mapping[str, Any] | None, path: str) -> tuple[T, dict[str, Any]]:
-    if values is None:
-        values = {}
-    if not isinstance(values, Mapping):
-        raise ConfigError(f"{path}: expected a mapping of settings, got {_show(values)}")
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    hints = _hints(cls)
-    errors, out = [], {}
-    for key, value in values.items():
-        if key not in known:
-            moved = getattr(cls, "MOVED", {}).get(key)
-            errors.append(f"{path}.{key}: {moved}" if moved else _unknown(f"{path}.{key}", str(key), known))
-            continue
-        if value is None and not _admits_none(hints[key]):
-            continue
-        try:
-            out[key] = _convert(value, hints[key], known[key].metadata, f"{path}.{key}")
-        except ConfigError as err:
-            errors.append(str(err))
-    errors += [f"{path}.{name}: required ({_help(known[name])})" for name in _required(cls) if name not in out]
-    if errors:
-        raise ConfigError("\n".join(errors))
-    try:
-        return cls(**out), out
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"{path}: {err}") from err
-
-
-def _required(cls: type) -> list[str]:
-    """Fields without a default: the settings a user must give."""
-    return [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _help(f: dataclasses.Field) -> str:
-    return f.metadata.get("help") or "no default"
-
-
-def _unknown(path: str, key: str, known: Mapping[str, Any]) -> str:
-    close = difflib.get_close_matches(key, list(known), n=2)
-    hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    return f"{path}: unknown setting{hint} (allowed: {', '.join(known)})"
-
-
-def _show(value: Any) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _admits_none(hint: Any) -> bool:
-    return hint is Any or type(None) in typing.get_args(hint)
-
-
-def _convert(value: Any, hint: Any, meta: Mapping[str, Any], path: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        errors = []
-        for option in options:
-            try:
-                return _convert(value, option, meta, path)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {_show(value)} matches none of {options}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{path}: {_show(value)} is not one of {', '.join(map(str, args))}")
-        return value
-    if origin in (list, Sequence, tuple):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{path}: expected a list, got {_show(value)}")
-        item = args[0] if args else Any
-        return [_convert(v, item, meta, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin in (dict, Mapping):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: expected a mapping, got {_show(value)}")
-        if "schema" in meta:
-            return clean(meta["schema"], value, path)
-        item = args[1] if len(args) == 2 else Any
-        return {str(k): _convert(v, item, {}, f"{path}.{k}") for k, v in value.items()}
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: {_show(value)} is not true or false")
-        return value
-    if hint is int:
-        value = _number(value)
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{path}: {_show(value)} is not an integer")
-        return _bounded(value, meta, path)
-    if hint is float:
-        value = _number(value)
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise ConfigError(f"{path}: {_show(value)} is not a number")
-        return _bounded(float(value), meta, path)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: {_show(value)} is not a string")
-        if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
-            raise ConfigError(f"{path}: {_show(value)} does not match {meta['pattern']}")
-        return value
-    raise TypeError(f"{path}: settings of type {hint} are not supported")
-
-
-def _number(value: Any) -> Any:
-    if isinstance(value, str) and _SCIENTIFIC.match(value.strip()):
-        return float(value)
-    return value
-
-
-def _bounded(value: float, meta: Mapping[str, Any], path: str) -> Any:
-    if "minimum" in meta and value < meta["minimum"]:
-        raise ConfigError(f"{path}: {value} is below the minimum {meta['minimum']}")
-    if "exclusiveMinimum" in meta and value <= meta["exclusiveMinimum"]:
-        raise ConfigError(f"{path}: {value} must be greater than {meta['exclusiveMinimum']}")
-    if "maximum" in meta and value > meta["maximum"]:
-        raise ConfigError(f"{path}: {value} is above the maximum {meta['maximum']}")
-    return value
-
-
-# ------------------------------------------------------------------------------------------ schema
-
-
-def json_schema(cls: type) -> dict[str, Any]:
-    """The JSON schema of a settings class, generated from its fields (for documentation and editors)."""
-    props = {}
-    for f in dataclasses.fields(cls):
-        prop = _type_schema(_hints(cls)[f.name])
-        if "schema" in f.metadata:
-            prop = json_schema(f.metadata["schema"])
-        prop.update({k: v for k, v in f.metadata.items() if k in _SCHEMA_KEYWORDS})
-        if f.metadata.get("help"):
-            prop["description"] = f.metadata["help"]
-        if f.default is not dataclasses.MISSING:
-            prop["default"] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            prop["default"] = f.default_factory()
-        props[f.name] = prop
-    required = _required(cls)
-    schema = {"type": "object", "description": (cls.__doc__ or "").strip(), "additionalProperties": False}
-    return {**schema, "properties": props, **({"required": required} if required else {})}
-
-
-_SCHEMA_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "pattern")
-
-
-def _type_schema(hint: Any) -> dict[str, Any]:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    simple = {int: "integer", float: "number", bool: "boolean", str: "string"}
-    if hint in simple:
-        return {"type": simple[hint]}
-    if origin in (typing.Union, types.UnionType):
-        return {"anyOf": [_type_schema(a) if a is not type(None) else {"type": "null"} for a in args]}
-    if origin is Literal:
-        return {"enum": list(args)}
-    if origin in (list, Sequence, tuple):
-        return {"type": "array", "items": _type_schema(args[0]) if args else {}}
-    if origin in (dict, Mapping):
-        return {"type": "object", "additionalProperties": _type_schema(args[1]) if len(args) == 2 else {}}
-    return {}
 
 
 # ------------------------------------------------------------------------------------------ workflow config
@@ -862,8 +640,12 @@ def check_config(config: dict[str, Any], schema_path: str | Path, *, root: str |
     errors = _schema_errors(config, schema)
     swaps = []
     if not errors:
-        swaps = apply_rehearsal(config, _verl_sections)
-        errors = _typed_errors(config) + _reference_errors(config, Path(root))
+        try:
+            table = read_table(Path(root) / RESOURCES_FILE, config.get("models") or {})
+        except ConfigError as err:
+            raise ConfigError(f"invalid configuration:\n  {err}") from None
+        swaps = apply_rehearsal(config, _verl_sections, lambda experiment: _trains_on_gpus(experiment, table))
+        errors = _place_training(config, table) + _typed_errors(config) + _reference_errors(config, Path(root))
     if errors:
         shown = errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])
         raise ConfigError(
@@ -871,6 +653,58 @@ def check_config(config: dict[str, Any], schema_path: str | Path, *, root: str |
             f"{len(errors)} problem(s):\n  " + "\n  ".join(shown)
         )
     return swaps
+
+
+#: What each heavy job asks for, per rule and model (memupdate.cluster), relative to the workflow's root: a
+#: training job's device follows its row.
+RESOURCES_FILE = Path("profiles") / "slurm" / "resources.yaml"
+
+
+def _training_jobs(experiment: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """``(section, rule, model)`` of each verl section of an experiment: the training rule that runs it and the
+    model it trains (the policy, or the QA model for a QA stage); none for a malformed experiment (its errors are
+    :func:`_typed_errors`')."""
+    if experiment.get("kind", "memupdate") == "memagent":
+        return [("train", "train_memagent", experiment.get("policy"))]
+    try:
+        stages = experiment_stages(experiment)
+    except ConfigError:
+        return []
+    return [
+        (stage.name, "train_stage", experiment.get("policy" if stage.role == "memory" else "qa_model"))
+        for stage in stages
+    ]
+
+
+def _trains_on_gpus(experiment: Mapping[str, Any], table: Table) -> bool:
+    """Whether any of the experiment's training jobs asks for GPUs (its rows in :data:`RESOURCES_FILE`)."""
+    return any(table.job(rule, model).gpus > 0 for _, rule, model in _training_jobs(experiment))
+
+
+def _place_training(config: dict[str, Any], table: Table) -> list[str]:
+    """Set each verl section's ``trainer.device`` from the resources its job has: ``cuda`` when its row in
+    :data:`RESOURCES_FILE` asks for GPUs, else ``cpu`` (verl's cpu platform, src/memupdate/training/verl_config/
+    cpu.yaml). An experiment does not choose it: another value set by hand is an error (the same one is what
+    this wrote, in a config checked before)."""
+    errors = []
+    for name, experiment in (config.get("experiments") or {}).items():
+        if not isinstance(experiment, dict):
+            continue
+        for section, rule, model in _training_jobs(experiment):
+            settings = experiment.get(section)
+            if not isinstance(settings, dict):
+                continue
+            gpus = table.job(rule, model).gpus
+            device = "cuda" if gpus > 0 else "cpu"
+            if settings.get("trainer.device", device) != device:
+                errors.append(
+                    f"experiments.{name}.{section}.trainer.device: the device follows the job's resources "
+                    f"({RESOURCES_FILE}, rule {rule}, model {model}: {gpus} GPUs, so {device}), not "
+                    f"{settings['trainer.device']!r}; remove it, or change the model's row"
+                )
+                continue
+            settings["trainer.device"] = device
+    return errors
 
 
 def _verl_sections(experiment: Mapping[str, Any]) -> list[str]:
@@ -915,8 +749,8 @@ def _prune_and_coerce(node: Any, schema: Mapping[str, Any]) -> None:
         if value is None and not _schema_admits_null(sub):
             del node[key]
             continue
-        if isinstance(value, str) and _SCIENTIFIC.match(value.strip()) and {"number", "integer"} & _types(sub):
-            node[key] = _number(value)
+        if isinstance(value, str) and SCIENTIFIC.match(value.strip()) and {"number", "integer"} & _types(sub):
+            node[key] = as_number(value)
         # `--config rehearse=true` gives Snakemake's string "true".
         if isinstance(value, str) and value.lower() in ("true", "false") and _types(sub) == {"boolean"}:
             node[key] = value.lower() == "true"
@@ -964,14 +798,14 @@ def _describe(err: Any) -> str:
     if kind == "additionalProperties" and isinstance(value, dict):
         allowed = list(err.schema.get("properties", {}))
         extra = [k for k in value if k not in allowed]
-        return "\n  ".join(_unknown(f"{path}.{k}", k, dict.fromkeys(allowed)) for k in extra)
+        return "\n  ".join(unknown_key(f"{path}.{k}", k, dict.fromkeys(allowed)) for k in extra)
     if kind == "required":
         return f"{path}: {err.message.replace('is a required property', 'is required')}"
     if kind == "enum":
-        return f"{path}: {_show(value)} is not one of {', '.join(map(str, spec))}"
+        return f"{path}: {show_value(value)} is not one of {', '.join(map(str, spec))}"
     if kind == "type":
-        return f"{path}: {_show(value)} is not of type {spec if isinstance(spec, str) else ' or '.join(spec)}"
-    return f"{path}: {_show(value)}: {err.message}"
+        return f"{path}: {show_value(value)} is not of type {spec if isinstance(spec, str) else ' or '.join(spec)}"
+    return f"{path}: {show_value(value)}: {err.message}"
 
 
 def _typed_errors(config: dict[str, Any]) -> list[str]:
@@ -1065,7 +899,7 @@ def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
         default = spec["default_experiment"]
         if default not in spec["experiments"]:
             errors.append(
-                f"scales.{scale}.default_experiment: {_show(default)} is not one of the scale's experiments "
+                f"scales.{scale}.default_experiment: {show_value(default)} is not one of the scale's experiments "
                 f"({', '.join(spec['experiments'])}); the short paths (results/stage1/ckpt, ...) build it"
             )
     for name in experiments:
@@ -1103,7 +937,7 @@ RESERVED_RESULTS = frozenset({"data", "embeddings", "envs", "models", "eval", "m
 def _dangling(path: str, name: Any, section: str, have: Mapping[str, Any]) -> str:
     close = difflib.get_close_matches(str(name), list(have), n=1)
     hint = f"; did you mean {close[0]}?" if close else ""
-    return f"{path}: {_show(name)} is not defined in {section}{hint} (defined: {', '.join(have)})"
+    return f"{path}: {show_value(name)} is not defined in {section}{hint} (defined: {', '.join(have)})"
 
 
 def _split_errors(split: Mapping[str, list[str]], known: set[str] | None, where: str) -> list[str]:
@@ -1307,7 +1141,7 @@ def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
     """Problems with verl-backend settings (dotted verl config keys): a key verl does not define (add one on
     purpose with a ``+`` prefix), or a value whose type differs from verl's default."""
     if not isinstance(settings, Mapping):
-        return [f"{path}: expected a mapping of verl config keys, got {_show(settings)}"]
+        return [f"{path}: expected a mapping of verl config keys, got {show_value(settings)}"]
     defaults = verl_defaults()
     if not defaults:
         return []
@@ -1326,12 +1160,12 @@ def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
             continue
         default = defaults[key]
         if isinstance(default, float) and not isinstance(default, bool):
-            value = settings[key] = _number(value)
+            value = settings[key] = as_number(value)
             ok = isinstance(value, int | float) and not isinstance(value, bool)
         elif isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, int):
-            value = _number(value)
+            value = as_number(value)
             ok = (
                 isinstance(value, int)
                 and not isinstance(value, bool)
@@ -1349,5 +1183,5 @@ def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
             kind_name = {float: "a number", bool: "true or false", int: "an int"}.get(
                 type(default), type(default).__name__
             )
-            errors.append(f"{path}.{key}: {_show(value)} is not {kind_name} (verl's default: {default!r})")
+            errors.append(f"{path}.{key}: {show_value(value)} is not {kind_name} (verl's default: {default!r})")
     return errors

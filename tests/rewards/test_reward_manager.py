@@ -402,11 +402,15 @@ def test_judge_judges_the_qa_phase_answer_and_clients_close(served_marker, targe
 
 
 @pytest.mark.vllm
-def test_the_reader_must_be_the_fixed_qa_model_it_stands_in_for(served_marker):
-    from memupdate.serving.readiness import load_marker
-
-    reward = {"scorer": "reader", "reader_marker": str(served_marker)}
-    fixed = {"base_url": load_marker(served_marker)["endpoint"], "model": SERVED_NAME}
-    assert stages.stage_reward(reward, "memory", fixed, settings={})["reader_marker"] == str(served_marker)
-    with pytest.raises(ValueError, match="is not the fixed QA model"):
-        stages.stage_reward(reward, "memory", {**fixed, "model": "another-qa-model"}, settings={})
+def test_the_reader_is_the_fixed_qa_model_it_stands_in_for(served_marker, tiny_model_dir):
+    """One carrier for the QA endpoint: a memory stage's reader is read from its fixed QA model's marker."""
+    fixed = stages.fixed_model_endpoint(served_marker, tiny_model_dir)
+    for scorer in ("reader", "judge"):
+        reward = {"scorer": scorer, **({"judge_marker": str(served_marker)} if scorer == "judge" else {})}
+        assert stages.stage_reward(reward, "memory", fixed, settings={})["reader_marker"] == str(served_marker)
+    with pytest.raises(ValueError, match="not a reader_marker of its own"):
+        stages.stage_reward({"scorer": "reader", "reader_marker": str(served_marker)}, "memory", fixed, settings={})
+    with pytest.raises(ValueError, match="needs a served fixed QA model"):
+        stages.stage_reward({"scorer": "reader"}, "memory", None, settings={})
+    # A QA stage is rewarded by its own answer: no reader.
+    assert "reader_marker" not in stages.stage_reward({"scorer": "reader"}, "qa", fixed, settings={})

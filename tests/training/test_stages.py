@@ -139,7 +139,7 @@ def test_the_episode_reaches_verls_keys_and_the_loop(run):
 
 
 def test_a_gpu_run_refuses_a_machine_without_gpus(run):
-    with pytest.raises(RuntimeError, match="needs GPUs"):
+    with pytest.raises(RuntimeError, match="trainer.device cuda but this job has no GPUs"):
         stages.verl_commands(training_stage="memory", settings={}, fixed=None, env={}, **verl_run(run))
 
 

@@ -92,10 +92,11 @@ def stage_reward(
     reward: Mapping[str, Any], training_stage: str, fixed: Mapping[str, Any] | None, settings: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The reward manager's settings for one stage (``reward.custom_reward_function.reward_kwargs``): the
-    workflow's reward settings with the trained role and the QA answer cap. Checked now, before the model
-    loads: an unknown setting or scorer, a served scorer without its marker, or a dead server fails here,
-    as does a reader that is not the fixed QA model whose QA-phase answers it scores in stage 1."""
-    from memupdate.rewards.manager import DEFAULT_QA_MAX_TOKENS, check_setting_names, served_endpoints
+    workflow's reward settings with the trained role and the QA answer cap. In a memory stage a served scorer's
+    reader is the fixed QA model whose QA-phase answers it scores: its marker is the fixed model's (``fixed``,
+    :func:`fixed_model_endpoint`), the one place the QA endpoint comes from. Checked now, before the model
+    loads: an unknown setting or scorer, a served scorer without its model, or a dead server fails here."""
+    from memupdate.rewards.manager import DEFAULT_QA_MAX_TOKENS, SERVED_ROLES, check_setting_names, served_endpoints
 
     check_setting_names(reward)
     if "qa_max_tokens" in settings:
@@ -105,17 +106,19 @@ def stage_reward(
         )
     out = {**reward, "training_stage": training_stage}
     out.setdefault("qa_max_tokens", DEFAULT_QA_MAX_TOKENS)
-    reader = served_endpoints(out).get("reader")
-    if (
-        reader
-        and fixed
-        and training_stage == "memory"
-        and (reader.base_url, reader.model) != (fixed["base_url"], fixed["model"])
-    ):
-        raise ValueError(
-            f"the reward's reader ({reader.model} at {reader.base_url}, from {out['reader_marker']}) is not the "
-            f"fixed QA model ({fixed['model']} at {fixed['base_url']}) whose QA-phase answers it scores"
-        )
+    if training_stage == "memory" and out.get("scorer") in SERVED_ROLES:
+        if "reader_marker" in out:
+            raise ValueError(
+                "a memory stage's reader is its fixed QA model (the stage's fixed_marker), not a reader_marker of "
+                "its own: remove reader_marker from the reward settings"
+            )
+        if fixed is None:
+            raise ValueError(
+                f"reward scorer {out['scorer']!r} reads the QA phase's answers, so the memory stage needs a served "
+                "fixed QA model (fixed_marker); none was given"
+            )
+        out["reader_marker"] = str(fixed["marker"])
+    served_endpoints(out)
     return out
 
 
@@ -306,8 +309,9 @@ def verl_layout(settings: Mapping[str, Any], env: Mapping[str, str] = os.environ
         return nnodes, int(settings.get("trainer.n_gpus_per_node") or 1)
     if gpus < 1:
         raise RuntimeError(
-            "verl's trainer needs GPUs here: run the training rule through profiles/slurm (it asks for "
-            "gres=gpu:G on every node), or set trainer.device: cpu in the stage settings (verl on CPU)"
+            "verl's trainer was given trainer.device cuda but this job has no GPUs: run the training rule through "
+            "profiles/slurm (its row in profiles/slurm/resources.yaml asks for gres=gpu:G on every node), or remove "
+            "the model's GPU row there to train it on CPU"
         )
     return nnodes, gpus
 
