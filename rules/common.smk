@@ -9,7 +9,7 @@ from snakemake.iocontainers import Wildcards
 from snakemake_interface_executor_plugins.settings import ExecMode
 
 from memupdate import plan as planning
-from memupdate.cluster import read_table
+from memupdate.cluster import RESOURCES_FILE, read_table
 from memupdate.models.hub import is_hub_id
 from memupdate.settings import (
     IngestionSettings,
@@ -130,9 +130,7 @@ def get_hotpotqa_tokenizer_inputs(wildcards):
 
 # What the heavy jobs ask Slurm for, per rule and model, and how long they are expected to take; checked
 # here, when the Snakefile loads. A partition's longest time limit (minutes) may come from the environment.
-CLUSTER = read_table(
-    Path(workflow.basedir) / "profiles/slurm/resources.yaml", config["models"]
-)
+CLUSTER = read_table(Path(workflow.basedir) / RESOURCES_FILE, config["models"])
 LIMITS = planning.with_cap(CLUSTER.limits, os.environ.get(planning.MAX_RUNTIME_ENV))
 # The model a sized rule's job handles, by rule (job_resources records each; serve_model's is added below).
 PLAN_MODEL_OF = {}

@@ -25,6 +25,10 @@ from typing import Any
 
 from memupdate.typed_config import ConfigError, build, setting
 
+#: The table's file, relative to the workflow's root. The config check reads it too: a training job's device
+#: follows its row (memupdate.settings).
+RESOURCES_FILE = Path("profiles") / "slurm" / "resources.yaml"
+
 #: The environment variables that place every Slurm job, by the Slurm plugin's resource they set
 #: (profiles/slurm/config.yaml's default resources read them through :func:`placement`; README "Running on a
 #: cluster"). Unset: the cluster's default.

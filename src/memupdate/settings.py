@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from memupdate.cluster import Table, read_table
+from memupdate.cluster import RESOURCES_FILE, Table, read_table
 from memupdate.data.rows import MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SEARCH_TOOL
 from memupdate.rehearsal import apply_rehearsal
 from memupdate.rewards.efficiency import EfficiencyConfig
@@ -653,11 +653,6 @@ def check_config(config: dict[str, Any], schema_path: str | Path, *, root: str |
             f"{len(errors)} problem(s):\n  " + "\n  ".join(shown)
         )
     return swaps
-
-
-#: What each heavy job asks for, per rule and model (memupdate.cluster), relative to the workflow's root: a
-#: training job's device follows its row.
-RESOURCES_FILE = Path("profiles") / "slurm" / "resources.yaml"
 
 
 def _training_jobs(experiment: Mapping[str, Any]) -> list[tuple[str, str, str]]:
