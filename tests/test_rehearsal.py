@@ -137,7 +137,7 @@ def test_without_rehearse_nothing_is_swapped_and_cpu_experiments_never_are(confi
     assert swaps == [] and plain["experiments"]["two_stage_3b"]["policy"] == "qwen2.5-3b"
     rehearsal, _ = checked(config, repo_root, scale="full", rehearse=True)
     # smoke runs on CPUs already: its settings stay its own.
-    assert rehearsal["experiments"]["smoke"]["stage1"]["trainer.total_training_steps"] == 2
+    assert rehearsal["experiments"]["smoke"]["stage1"]["trainer.total_training_steps"] == 1
     assert rehearsal["experiments"]["smoke"]["episode"]["max_assistant_turns"] == 3
     assert rehearsal["experiments"]["memagent_7b"]["loop"]["chunk_size"] == 256
 

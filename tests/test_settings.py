@@ -49,7 +49,7 @@ def problems(config: dict) -> str:
 def test_the_shipped_configs_pass_and_keep_their_values():
     config = merged()
     check_config(config, SCHEMA, root=REPO)
-    assert config["experiments"]["smoke"]["stage1"]["trainer.total_training_steps"] == 2
+    assert config["experiments"]["smoke"]["stage1"]["trainer.total_training_steps"] == 1
     assert config["experiments"]["smoke"]["episode"]["max_new_tokens"] == 64
     assert config["experiments"]["smoke"]["kind"] == "memupdate"  # the schema's default, filled in
     tiny = merged(yaml.safe_load((REPO / "config" / "experiments" / "tiny.yaml").read_text()))

