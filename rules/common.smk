@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 from snakemake.io import apply_wildcards
@@ -34,12 +35,17 @@ EMBEDDINGS = f"results/embeddings/{EMBEDDING_TAG}"
 VERL_CPU_MEM_MB = 14000
 
 
+def one_of(names):
+    """A wildcard pattern matching exactly these names (a name's '.' is a character, not "any")."""
+    return "|".join(re.escape(name) for name in names)
+
+
 wildcard_constraints:
-    name="|".join(DATA_FILES),
-    split="|".join(config["data"]["hotpotqa"]["splits"]),
+    name=one_of(DATA_FILES),
+    split=one_of(config["data"]["hotpotqa"]["splits"]),
     ndocs=r"\d+",
-    model="|".join(config["models"]),
-    exp="|".join(config["experiments"]),
+    model=one_of(config["models"]),
+    exp=one_of(config["experiments"]),
     served=r"qa-base|base|sft|stage[1-9]\d*|memagent",
     purpose="train|eval",
     n=r"[1-9]\d*",
@@ -67,6 +73,10 @@ def get_locomo_input(wildcards):
 
 def get_hotpotqa_input(wildcards):
     return data_file_path(config["data"]["hotpotqa"]["splits"][wildcards.split])
+
+
+def get_hotpotqa_sha256(wildcards):
+    return DATA_FILES[config["data"]["hotpotqa"]["splits"][wildcards.split]]["sha256"]
 
 
 def get_locomo_outputs():
@@ -786,8 +796,8 @@ def is_memagent(name):
 
 
 # The exp wildcard of rules that differ by kind (results/{exp}/sft/ckpt: train_sft or train_memagent_sft).
-MEMUPDATE_EXPERIMENTS = "|".join(n for n in config["experiments"] if not is_memagent(n))
-MEMAGENT_EXPERIMENTS = "|".join(n for n in config["experiments"] if is_memagent(n))
+MEMUPDATE_EXPERIMENTS = one_of(n for n in config["experiments"] if not is_memagent(n))
+MEMAGENT_EXPERIMENTS = one_of(n for n in config["experiments"] if is_memagent(n))
 
 
 def get_memagent_experiment(wildcards):

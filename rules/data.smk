@@ -40,6 +40,7 @@ rule preprocess_locomo:
         split=config["data"]["locomo"]["splits"][config["data"]["locomo"]["split"]],
         memory_sources=config["data"]["locomo"]["memory_sources"],
         drop_categories=config["data"]["locomo"]["drop_categories"],
+        sha256=DATA_FILES[config["data"]["locomo"]["file"]]["sha256"],
     script:
         "../workflow/scripts/preprocess_locomo.py"
 
@@ -86,6 +87,7 @@ rule preprocess_hotpotqa:
         limit=SCALE["hotpotqa_limit"],
         # Each part of split_hotpotqa draws its haystacks from its own paragraph pool.
         test_percent=config["data"]["hotpotqa"]["test_percent"],
+        sha256=get_hotpotqa_sha256,
     script:
         "../workflow/scripts/preprocess_hotpotqa.py"
 

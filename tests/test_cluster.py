@@ -61,6 +61,22 @@ def test_every_problem_is_reported_at_once_naming_the_file_and_key():
     assert "train_stage.qwen.nodes" in message and "train_stage.qwen.gpus" in message
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("train_stage:\n\tqwen: {gpus: 8}\n", r"r.yaml, line 2, column 1: not valid YAML: found character '\\t'"),
+        (
+            "train_stage:\n  qwen: {gpus: 8}\n  qwen: {gpus: 4}\n",
+            "r.yaml, line 3: key 'qwen' appears twice in one mapping",
+        ),
+    ],
+)
+def test_a_table_that_is_not_clean_yaml_is_refused_naming_file_and_line(tmp_path, text, message):
+    (tmp_path / "r.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        read_table(tmp_path / "r.yaml", MODELS)
+
+
 def test_the_repositorys_table_names_only_models_of_the_config():
     models = yaml.safe_load((REPO / "config/config.yaml").read_text())["models"]
     table = read_table(REPO / "profiles/slurm/resources.yaml", models)

@@ -169,6 +169,16 @@ def test_the_shipped_configs_pass_and_keep_their_values():
             {"data": {"locomo": {"splits": {"ours": {"test": ["conv-26"]}}}}},
             "'conv-26' is already in data.locomo.splits.ours.train",
         ),
+        # A download (or a mirror's copy) is trusted only by its sha256 (issue 37).
+        ({"data": {"files": {"locomo10": {"sha256": None}}}}, "data.files.locomo10.sha256: null, but https://"),
+        # YAML's .nan and .inf compare false with every bound (issue 37).
+        ({"experiments": {"smoke": {"episode": {"top_p": float("nan")}}}}, "episode.top_p: nan is not a finite number"),
+        ({"experiments": {"smoke": {"episode": {"temperature": float("inf")}}}}, "temperature: inf is not a finite"),
+        # true == 1 and 2.0 == 2 in Python; a category is an integer.
+        (
+            {"experiments": {"smoke": {"stage1": {"train_on": {"categories": [True, 2.0]}}}}},
+            "experiments.smoke.stage1.train_on.categories[0]: true is not one of 1, 2, 3, 4, 5",
+        ),
     ],
 )
 def test_a_bad_setting_fails_with_its_path_value_and_what_is_allowed(override, expected):
@@ -305,6 +315,56 @@ def test_snakemake_dry_run_fails_on_a_bad_setting_and_honours_null(tmp_path):
     result = subprocess.run([*run, str(no_stage2)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "results/smoke/stage1/ckpt" in result.stdout and "results/smoke/stage2/ckpt" not in result.stdout
+
+
+# ----------------------------------------------------------------------------- names (issue 37)
+
+SCALE = {"experiments": ["smoke"], "default_experiment": "smoke", "hotpotqa_num_docs": [10], "hotpotqa_limit": 2}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"experiments": {"../../etc": {"policy": "smollm2-135m", "stage1": {}}}}, "experiments: the key '../../etc'"),
+        ({"experiments": {"a|.*": {"policy": "smollm2-135m", "stage1": {}}}}, "experiments: the key 'a|.*'"),
+        ({"models": {"../../../somewhere": {"kind": "tiny_random"}}}, "models: the key '../../../somewhere'"),
+        ({"memory": {"embedding_model": "org/.."}}, "memory.embedding_model: 'org/..' ends in '..'"),
+        ({"scales": {"../x": SCALE}}, "scales: the key '../x'"),
+        ({"data": {"files": {"../f": {"source": "f.json", "sha256": None}}}}, "data.files: the key '../f'"),
+        ({"data": {"hotpotqa": {"splits": {"a/b": "hotpotqa_dev100"}}}}, "data.hotpotqa.splits: the key 'a/b'"),
+    ],
+)
+def test_a_name_that_would_leave_results_or_match_every_wildcard_is_refused(override, message):
+    assert message in problems(merged(override))
+
+
+def test_a_configfile_that_names_a_key_twice_is_refused_before_any_job(tmp_path):
+    """Snakemake's YAML parser keeps the last of two keys: the first would be lost in silence."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("experiments:\n  smoke:\n    policy: smollm2-135m\n    policy: smollm2-135m\n")
+    run = [sys.executable, "-m", "snakemake", "-n", "--configfile", str(twice)]
+    result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "twice.yaml, line 4: key 'policy' appears twice in one mapping" in result.stdout + result.stderr
+
+
+def test_names_with_dots_match_only_themselves_in_the_dag():
+    """A model key like qwen2.5-3b (config/config.yaml) is a name; in the wildcard pattern its '.' is a dot, so
+    qwen2x5-3b is no target (an unescaped pattern matched it and failed later, in an input function)."""
+    run = [sys.executable, "-m", "snakemake", "-n", "results/models/qwen2x5-3b"]
+    result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "MissingRuleException" in result.stderr + result.stdout, result.stderr[-2000:]
+
+
+def test_snakemake_refuses_an_experiment_named_to_escape_results_before_any_job(tmp_path):
+    config = tmp_path / "escape.yaml"
+    config.write_text("experiments:\n  ../../escaped:\n    policy: smollm2-135m\n    stage1: {}\n")
+    run = [sys.executable, "-m", "snakemake", "-n", "all", "--configfile", str(config)]
+    result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "experiments: the key '../../escaped' is not a name" in result.stdout + result.stderr
+    assert not (REPO.parent / "escaped").exists()
 
 
 # ----------------------------------------------------------------------------- scales (issue 16)

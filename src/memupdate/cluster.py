@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from memupdate.typed_config import ConfigError, build, setting
+from memupdate.utils.io import yaml_load_strict
 
 #: The table's file, relative to the workflow's root. The config check reads it too: a training job's device
 #: follows its row (memupdate.settings).
@@ -220,10 +221,13 @@ def _figure_errors(job: Job, rule: str, where: str) -> list[str]:
 
 
 def read_table(path: str | Path, models: Iterable[str]) -> Table:
-    """:func:`load_table` of the YAML file at ``path``; no file, no rows (every rule asks for its own)."""
-    import yaml
-
+    """:func:`load_table` of the YAML file at ``path``; no file, no rows (every rule asks for its own). YAML that
+    does not parse or names a key twice is a :class:`ConfigError` naming the file and line."""
     path = Path(path)
     if not path.is_file():
         return Table({})
-    return load_table(yaml.safe_load(path.read_text(encoding="utf-8")), path, models)
+    try:
+        data = yaml_load_strict(path)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return load_table(data, path, models)

@@ -34,7 +34,7 @@ import difflib
 import functools
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -53,6 +53,7 @@ from memupdate.typed_config import (
     show_value,
     unknown_key,
 )
+from memupdate.utils.io import yaml_load_strict
 
 # ------------------------------------------------------------------------------------------ sections
 
@@ -625,20 +626,33 @@ SECTIONS = {
 VERL_SECTIONS = {"memupdate": (), "memagent": ("train",)}
 
 
-def check_config(config: dict[str, Any], schema_path: str | Path, *, root: str | Path = ".") -> list[str]:
+def check_config(
+    config: dict[str, Any], schema_path: str | Path, *, root: str | Path = ".", files: Sequence[str | Path] = ()
+) -> list[str]:
     """Check the workflow config at Snakefile load and normalise it in place: the scale's settings merged over
     it, then the rehearsal's swaps if ``rehearse`` (:func:`memupdate.rehearsal.apply_rehearsal`; returned, one
     line each, for the run to print), keys set to null where null is not valid removed, scientific-notation
     strings made numbers, the schema's defaults filled in, typed sections rebuilt with their typed values.
     Raises :class:`ConfigError` listing every problem, each with the key's full path, the bad value and what
-    is allowed."""
+    is allowed. ``files`` are the YAML files ``config`` was read from (config/config.yaml, every --configfile):
+    their parser kept the last of a key named twice, so they are read again to refuse that."""
     import yaml
 
+    unreadable = []
+    for path in files:
+        try:
+            yaml_load_strict(path)
+        except ValueError as err:
+            unreadable.append(str(err))
+    if unreadable:
+        raise ConfigError("invalid configuration file(s):\n  " + "\n  ".join(unreadable))
     schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
     _apply_scale_settings(config)
     _prune_and_coerce(config, schema)
     errors = _schema_errors(config, schema)
     swaps = []
+    if not errors:
+        errors = _name_errors(config)
     if not errors:
         try:
             table = read_table(Path(root) / RESOURCES_FILE, config.get("models") or {})
@@ -910,6 +924,16 @@ def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
         judge = experiment.get("eval", {}).get("judge")
         if experiment.get("kind", "memupdate") == "memupdate" and judge == "stage2" and "stage2" not in experiment:
             errors.append(f"experiments.{name}.eval.judge: 'stage2' is not trained by this experiment (no stage2)")
+    for key, spec in files.items():
+        if (
+            spec["sha256"] is None
+            and re.match(r"[a-z][a-z0-9+.-]*://", spec["source"])
+            and not spec["source"].startswith("file://")
+        ):
+            errors.append(
+                f"data.files.{key}.sha256: null, but {spec['source']} is downloaded: a download (or a mirror's "
+                "copy) is verified only by its sha256; give it, or point source at a local file"
+            )
     locomo = config["data"]["locomo"]
     if locomo["file"] not in files:
         errors.append(_dangling("data.locomo.file", locomo["file"], "data.files", files))
@@ -921,6 +945,46 @@ def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
     known = _conversation_ids(config, root)
     for name, split in locomo["splits"].items():
         errors += _split_errors(split, known, f"data.locomo.splits.{name}")
+    return errors
+
+
+#: What a name that becomes a folder and a Snakemake wildcard pattern may be (experiments, models, scales, data
+#: files and splits, the embedding model's last path component): letters, digits, ``_``, ``.`` and ``-``, starting
+#: and ending with a letter or digit. No ``/``, no ``..`` alone, nothing a regex reads as an operator but ``.``
+#: (escaped where the Snakefile joins names into patterns).
+NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]*[A-Za-z0-9])?")
+NAME_RULE = "letters, digits, '_', '.' and '-', starting and ending with a letter or digit"
+#: The config's maps whose keys are names (key path -> getter).
+_NAMED_MAPS = {
+    "scales": lambda c: c["scales"],
+    "data.files": lambda c: c["data"]["files"],
+    "data.hotpotqa.splits": lambda c: c["data"]["hotpotqa"]["splits"],
+    "models": lambda c: c["models"],
+    "experiments": lambda c: c["experiments"],
+}
+
+
+def _name_errors(config: dict[str, Any]) -> list[str]:
+    """Every name that becomes a path under results/ (or resources/) and a wildcard pattern is a :data:`NAME`: a
+    name like ``../../etc`` would put outputs outside results/ (and Snakemake empties a directory output before
+    its job), one like ``a|.*`` would match every wildcard.
+
+    >>> _name_errors({"scales": {}, "data": {"files": {}, "hotpotqa": {"splits": {}}}, "models": {"../m": {}},
+    ...               "experiments": {}, "memory": {"embedding_model": "org/minilm"}})
+    ["models: the key '../m' is not a name (letters, digits, '_', '.' and '-', starting and ending with a letter or digit); it names folders and patterns"]
+    """
+    errors = [
+        f"{path}: the key {show_value(key)} is not a name ({NAME_RULE}); it names folders and patterns"
+        for path, get in _NAMED_MAPS.items()
+        for key in get(config)
+        if not (isinstance(key, str) and NAME.fullmatch(key))
+    ]
+    model = (config.get("memory") or {}).get("embedding_model", DEFAULT_EMBEDDING_MODEL)
+    if isinstance(model, str) and not NAME.fullmatch(Path(model).name):
+        errors.append(
+            f"memory.embedding_model: {show_value(model)} ends in {show_value(Path(model).name)}, which names "
+            f"results/embeddings/<it>/ and is not a name ({NAME_RULE})"
+        )
     return errors
 
 

@@ -24,6 +24,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import re
 import types
 import typing
@@ -143,7 +144,8 @@ def _convert(value: Any, hint: Any, meta: Mapping[str, Any], path: str) -> Any:
                 errors.append(str(err))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {show_value(value)} matches none of {options}")
     if origin is Literal:
-        if value not in args:
+        # By type too: true == 1 and 2.0 == 2 in Python, not in a config.
+        if not any(type(value) is type(arg) and value == arg for arg in args):
             raise ConfigError(f"{path}: {show_value(value)} is not one of {', '.join(map(str, args))}")
         return value
     if origin in (list, Sequence, tuple):
@@ -173,6 +175,9 @@ def _convert(value: Any, hint: Any, meta: Mapping[str, Any], path: str) -> Any:
         value = as_number(value)
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ConfigError(f"{path}: {show_value(value)} is not a number")
+        # YAML's .nan and .inf: every comparison with a bound would let them through.
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: {value} is not a finite number")
         return _bounded(float(value), meta, path)
     if hint is str:
         if not isinstance(value, str):

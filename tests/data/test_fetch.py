@@ -5,7 +5,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from memupdate.data.fetch import ChecksumMismatch, fetch_file
+from memupdate.data.fetch import ChecksumMismatch, fetch_file, verify_copy
 from memupdate.utils.io import sha256_file
 
 
@@ -34,6 +34,24 @@ def test_mirror_with_wrong_content_is_skipped_then_local_source_used(published, 
     dest = tmp_path / "copy.json"
     info = fetch_file(str(path), dest, sha256=digest, mirrors=[bad_mirror])
     assert info["origin"] == str(path) and dest.read_bytes() == path.read_bytes()
+
+
+def test_without_a_sha256_a_mirrors_copy_is_never_taken(published, tmp_path):
+    """A truncated copy in a mirror folder cannot be told from a whole one without the hash: the source is used."""
+    path, _ = published
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "data.json").write_text('{"answ')
+    info = fetch_file(str(path), tmp_path / "copy.json", sha256=None, mirrors=[truncated])
+    assert info["origin"] == str(path) and (tmp_path / "copy.json").read_bytes() == path.read_bytes()
+
+
+def test_a_copy_changed_after_the_fetch_is_refused_where_it_is_read(published):
+    path, digest = published
+    verify_copy(path, digest)
+    path.write_text('{"answer": 43}')
+    with pytest.raises(ChecksumMismatch, match=r"data.json: sha256 is [0-9a-f]{64}, not the .* the copy changed"):
+        verify_copy(path, digest)
 
 
 def test_checksum_mismatch_names_both_hashes_and_leaves_nothing(published, tmp_path):

@@ -285,6 +285,13 @@ def test_broken_hf_record_and_repeated_id_are_reported(tmp_path):
         load_hotpotqa(write_json(tmp_path / "repeated.json", repeated))
 
 
+def test_a_key_named_twice_is_refused(tmp_path):
+    path = write_json(tmp_path / "dev.json", official_records())
+    path.write_text(path.read_text().replace('"answer": ', '"answer": "x", "answer": ', 1))
+    with pytest.raises(HotpotQAFormatError, match="dev.json: key 'answer' appears twice in one object"):
+        load_hotpotqa(path)
+
+
 def test_pool_too_small_says_how_many_are_available(tmp_path):
     examples = load_hotpotqa(write_json(tmp_path / "official.json", official_records()))
     # The first question has 3 paragraphs of its own; 3 of the 6 pool paragraphs are neither its own nor gold.

@@ -6,6 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from memupdate.data.fetch import ChecksumMismatch
 from memupdate.data.locomo import (
     CATEGORY_NAMES,
     LocomoFormatError,
@@ -16,6 +17,7 @@ from memupdate.data.locomo import (
     preprocess_locomo,
     select_rows,
 )
+from memupdate.utils.io import sha256_file
 
 SPLIT = {
     "train": ["conv-26", "conv-30", "conv-41", "conv-42", "conv-43", "conv-44"],
@@ -203,6 +205,15 @@ def test_invalid_json_names_the_file(tmp_path):
         load_locomo(path)
 
 
+def test_a_key_named_twice_is_refused_not_silently_the_last(locomo_path, tmp_path):
+    """json.loads keeps the last of two "question" keys: a hand-edited copy would lose the first in silence."""
+    text = locomo_path.read_text(encoding="utf-8")
+    path = tmp_path / "locomo10.json"
+    path.write_text(text.replace('"question": ', '"question": "a", "question": ', 1), encoding="utf-8")
+    with pytest.raises(LocomoFormatError, match="locomo10.json: key 'question' appears twice in one object"):
+        load_locomo(path)
+
+
 SMALL_SPLIT = {"train": ["conv-26"], "val": [], "test": ["conv-30"]}
 
 
@@ -294,6 +305,15 @@ def test_conversation_without_memories_fails_naming_sample_and_source(locomo_pat
         path, outputs_in(tmp_path / "out"), split=SMALL_SPLIT, memory_sources=["session_summary"]
     )
     assert summary["memories"]["conv-30"] == 19
+
+
+def test_a_copy_replaced_by_hand_after_the_fetch_is_not_preprocessed(locomo_path, tmp_path):
+    """The rule passes the sha256 of config/config.yaml: a copy edited since fetch_data verified it is refused."""
+    edited = _broken_copy(locomo_path, tmp_path, lambda d: d[0]["qa"][0].update(answer="edited"))
+    out = tmp_path / "out"
+    with pytest.raises(ChecksumMismatch, match="the copy changed after it was fetched"):
+        preprocess_locomo(edited, outputs_in(out), split=SMALL_SPLIT, sha256=sha256_file(locomo_path))
+    assert not out.exists() or list(out.iterdir()) == []
 
 
 def test_a_failed_rerun_leaves_none_of_the_previous_outputs(locomo_path, tmp_path):

@@ -15,4 +15,5 @@ preprocess_hotpotqa(
     else snakemake.params.tokenizer,
     summary_path=snakemake.output.summary,
     test_percent=snakemake.params.test_percent,
+    sha256=snakemake.params.sha256,
 )

@@ -11,4 +11,5 @@ preprocess_locomo(
     memory_sources=snakemake.params.memory_sources,
     drop_categories=snakemake.params.drop_categories,
     summary_path=out.summary,
+    sha256=snakemake.params.sha256,
 )

@@ -38,6 +38,20 @@ def _verify(path: Path, sha256: str | None, origin: str) -> str:
     return actual
 
 
+def verify_copy(path: str | Path, sha256: str | None) -> None:
+    """Check a fetched copy again where it is read: fetch_data verified it once, but a copy replaced by hand since
+    would otherwise be preprocessed as if it were the published file. ``sha256`` None (a local file given by path,
+    the only copy allowed one) checks nothing."""
+    if sha256 is None:
+        return
+    actual = sha256_file(path)
+    if actual != sha256.lower():
+        raise ChecksumMismatch(
+            f"{path}: sha256 is {actual}, not the {sha256} config/config.yaml (data.files) gives it: the copy changed "
+            "after it was fetched. Delete it and rerun to fetch it again, or fix the expected sha256"
+        )
+
+
 def _download(url: str, dest: Path, timeout_s: float) -> None:
     request = urllib.request.Request(url, headers={"User-Agent": "memupdate"})
     with urllib.request.urlopen(request, timeout=timeout_s) as response, open(dest, "wb") as out:
@@ -78,7 +92,8 @@ def fetch_file(
     name = filename or Path(urllib.parse.urlparse(source).path).name
     tried: list[str] = []
     mirror_mismatch = False
-    for mirror in mirrors:
+    # A copy found by name can be trusted only by its sha256: without one, only the source itself is used.
+    for mirror in mirrors if sha256 is not None else ():
         folder = Path(mirror)
         if not folder.is_dir():
             logger.warning("data mirror folder %s does not exist; skipped (data.mirrors in config/config.yaml)", folder)

@@ -48,9 +48,12 @@ from typing import Any
 import pyarrow as pa
 from tqdm.auto import tqdm
 
+from memupdate.data.fetch import verify_copy
 from memupdate.data.rows import MEMAGENT_AGENT
 from memupdate.utils.io import (
+    DuplicateKeyError,
     atomic_outputs,
+    json_loads_strict,
     read_text_utf8,
     sha256_file,
     write_json_atomic,
@@ -352,9 +355,11 @@ def load_hotpotqa(path: str | Path) -> list[HotpotExample]:
     """
     path = Path(path)
     try:
-        data = json.loads(read_text_utf8(path, HotpotQAFormatError))
+        data = json_loads_strict(read_text_utf8(path, HotpotQAFormatError), path.name)
     except json.JSONDecodeError as exc:
         raise HotpotQAFormatError(f"{path.name}: not valid JSON: {exc}") from exc
+    except DuplicateKeyError as exc:
+        raise HotpotQAFormatError(str(exc)) from None
     if not isinstance(data, list):
         raise HotpotQAFormatError(f"{path.name}: expected a JSON list of records, got {_kind(data)}")
     if not data:
@@ -682,6 +687,7 @@ def preprocess_hotpotqa(
     tokenizer: str | None = None,
     summary_path: str | Path | None = None,
     test_percent: int | None = None,
+    sha256: str | None = None,
 ) -> dict:
     """Load a HotpotQA file, build MemAgent rows and write them as parquet with a JSON summary.
 
@@ -691,9 +697,11 @@ def preprocess_hotpotqa(
     document spreads, pool sizes, rows over ``max_tokens``, input sha256, arguments) goes to ``summary_path``,
     by default the output path with its suffix replaced by ``.summary.json``. Returns the summary. Raises
     :class:`BudgetTooSmallError` when every row is over ``max_tokens`` and
-    :class:`TokenizerUnavailableError` for a tokenizer that is not available locally.
+    :class:`TokenizerUnavailableError` for a tokenizer that is not available locally. ``sha256`` (the file's in
+    config) is checked before anything is read (:func:`memupdate.data.fetch.verify_copy`).
     """
     _check_arguments(num_docs, max_tokens, limit)
+    verify_copy(input_path, sha256)
     if summary_path is None:
         summary_path = Path(output_path).with_suffix(".summary.json")
     # Rows and summary appear together or not at all, and a failed rerun removes the previous run's files.

@@ -31,9 +31,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from memupdate.data.fetch import verify_copy
 from memupdate.data.rows import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.utils.io import (
+    DuplicateKeyError,
     atomic_outputs,
+    json_loads_strict,
     read_text_utf8,
     sha256_file,
     write_json_atomic,
@@ -302,9 +305,11 @@ def load_locomo(path: str | Path) -> list[LocomoConversation]:
     """Load and validate ``locomo10.json``. Errors name the file, sample, QA index and field."""
     path = Path(path)
     try:
-        raw = json.loads(read_text_utf8(path, LocomoFormatError))
+        raw = json_loads_strict(read_text_utf8(path, LocomoFormatError), path.name)
     except json.JSONDecodeError as exc:
         raise LocomoFormatError(f"{path.name}: not valid JSON: {exc}") from exc
+    except DuplicateKeyError as exc:
+        raise LocomoFormatError(str(exc)) from None
     if not isinstance(raw, list):
         raise LocomoFormatError(f"{path.name}: expected a list of samples, got {type(raw).__name__}")
     conversations = []
@@ -597,14 +602,17 @@ def preprocess_locomo(
     memory_sources: Sequence[str] = ("observation",),
     drop_categories: dict[str, Sequence[int]] | None = None,
     summary_path: str | Path | None = None,
+    sha256: str | None = None,
 ) -> dict:
     """Write ``{split}.parquet`` rows and ``memories.parquet`` for the configured conversation split.
 
     ``outputs`` maps each split name and ``"memories"`` to a path. ``drop_categories`` maps a split to
     the categories left out of it (default: category 5 out of ``train`` and ``val``, kept in ``test``
     for the official evaluation). ``split_name`` names the split in the summary (``ours``, ``memory_r1``), so a
-    result says which questions it was measured on. Returns (and optionally writes) a summary with per-split counts.
+    result says which questions it was measured on. ``sha256`` (the file's in config) is checked before anything is
+    read (:func:`memupdate.data.fetch.verify_copy`). Returns (and optionally writes) a summary with per-split counts.
     """
+    verify_copy(input_path, sha256)
     if drop_categories is None:
         drop_categories = {"train": [5], "val": [5]}
     missing = [name for name in [*split, "memories"] if name not in outputs]

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from memupdate.memory.embedder import Embedder, canonical_model_name
-from memupdate.utils.io import sha256_text, write_json_atomic
+from memupdate.utils.io import sha256_text, share_like_open, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +295,7 @@ class EmbeddingCache:
                     "updated_at": _now(),
                 },
             )
+            share_like_open(tmp)
             _replace_dir(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -38,7 +38,7 @@ import torch
 from memupdate.models.chat_templates import load_chat_template
 from memupdate.models.hub import is_hub_id
 from memupdate.settings import model_spec
-from memupdate.utils.io import sha256_file, write_json_atomic
+from memupdate.utils.io import sha256_file, share_like_open, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
-        _apply_umask(tmp)
+        share_like_open(tmp)
         if path.exists():
             old = tmp.with_suffix(".old")
             os.rename(path, old)
@@ -206,19 +206,6 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
             os.rename(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _apply_umask(folder: Path) -> None:
-    """Give ``folder`` and its files the modes a plain mkdir / open would have.
-
-    mkdtemp and mkstemp (used by atomic writers, here and in transformers) create private 0700 / 0600
-    entries, but a checkpoint is shared like any other output.
-    """
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for entry in folder.rglob("*"):
-        entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
 
 
 # ------------------------------------------------------------------------------------------ builders

@@ -20,6 +20,31 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 
+def current_umask() -> int:
+    """The process's umask (reading it means setting it, so it is set back at once)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def share_like_open(path: Path) -> None:
+    """Give ``path`` (and, for a folder, everything in it) the mode a plain ``open`` / ``mkdir`` would have.
+
+    mkstemp and mkdtemp create private 0600 / 0700 entries; an artifact renamed from one would stay unreadable to
+    the rest of a shared group, whatever the user's umask says.
+
+    >>> import tempfile, pathlib
+    >>> old = os.umask(0o022); d = pathlib.Path(tempfile.mkdtemp()); share_like_open(d); os.umask(old) and None
+    >>> oct(d.stat().st_mode & 0o777)
+    '0o755'
+    """
+    umask = current_umask()
+    path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+    if path.is_dir():
+        for entry in path.rglob("*"):
+            entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds.
@@ -38,6 +63,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        # The block may have replaced the file (a writer that renames its own temporary file onto it).
+        share_like_open(tmp_path)
         os.replace(tmp_path, path)
     finally:
         tmp_path.unlink(missing_ok=True)
@@ -75,6 +102,7 @@ def atomic_outputs(paths: Mapping[str, str | os.PathLike]) -> Iterator[dict[str,
             temps[key] = Path(tmp)
         yield temps
         for key, final in finals.items():
+            share_like_open(temps[key])
             os.replace(temps[key], final)
     finally:
         for tmp in temps.values():
@@ -105,6 +133,71 @@ def read_text_utf8(path: str | os.PathLike, error: type[ValueError] = NotUTF8Err
             f"{path}: not UTF-8 at byte {exc.start} ({data[exc.start : exc.end]!r}: {exc.reason}); "
             "re-save the file as UTF-8"
         ) from None
+
+
+class DuplicateKeyError(ValueError):
+    """A YAML or JSON mapping names a key twice (both parsers would silently keep the last)."""
+
+
+def json_loads_strict(text: str, where: str) -> Any:
+    """``json.loads``, refusing an object that names a key twice; ``where`` (the file) starts the message.
+
+    >>> json_loads_strict('{"a": 1, "b": {"c": 2, "c": 3}}', "data.json")
+    Traceback (most recent call last):
+    ...
+    memupdate.utils.io.DuplicateKeyError: data.json: key 'c' appears twice in one object (JSON keeps only the last); remove one
+    """
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in items:
+            if key in out:
+                raise DuplicateKeyError(
+                    f"{where}: key {key!r} appears twice in one object (JSON keeps only the last); remove one"
+                )
+            out[key] = value
+        return out
+
+    return json.loads(text, object_pairs_hook=pairs)
+
+
+def yaml_load_strict(path: str | os.PathLike) -> Any:
+    """A YAML file's data (safe types only), refusing a mapping that names a key twice; any YAML error is a
+    ``ValueError`` naming the file, line and column (a tab where YAML wants spaces, say).
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "r.yaml"
+    >>> _ = p.write_text("train_stage:\\n  qwen: {gpus: 8}\\n  qwen: {gpus: 4}\\n")
+    >>> yaml_load_strict(p)
+    Traceback (most recent call last):
+    ...
+    memupdate.utils.io.DuplicateKeyError: ...r.yaml, line 3: key 'qwen' appears twice in one mapping (YAML keeps only the last); remove one
+    """
+    import yaml
+
+    class Strict(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            # The mapping's own keys: a key that overrides one merged in by `<<: *anchor` is what `<<` is for.
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise DuplicateKeyError(
+                        f"{path}, line {key_node.start_mark.line + 1}: key {key!r} appears twice in one mapping "
+                        "(YAML keeps only the last); remove one"
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    try:
+        return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=Strict)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ValueError(f"{path}{at}: not valid YAML: {problem}") from None
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -1,0 +1,38 @@
+"""Atomic writes: an artifact appears whole or not at all, with the mode the user's umask gives (issue 37)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from memupdate.memory.cache import EmbeddingCache
+from memupdate.utils.io import atomic_outputs, write_json_atomic, write_text_atomic
+
+
+@pytest.fixture
+def group_umask():
+    """A shared group's umask (0o002: group-writable), set back afterwards."""
+    old = os.umask(0o002)
+    yield 0o002
+    os.umask(old)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_atomically_written_files_and_folders_get_the_users_umask_not_a_temporary_files_0600(tmp_path, group_umask):
+    write_json_atomic(tmp_path / "report.json", {"f1": 0.5})
+    write_text_atomic(tmp_path / "report.md", "# report\n")
+    with atomic_outputs({"rows": tmp_path / "rows.txt", "summary": tmp_path / "summary.json"}) as tmp:
+        tmp["rows"].write_text("a\n")
+        tmp["summary"].write_text("{}\n")
+    files = ["report.json", "report.md", "rows.txt", "summary.json"]
+    assert {name: mode(tmp_path / name) for name in files} == dict.fromkeys(files, 0o664)
+
+    cache = EmbeddingCache(tmp_path / "cache", model_name="m", dim=4).save()
+    assert mode(cache) == 0o775
+    assert {p.name: mode(p) for p in cache.iterdir()} == {p.name: 0o664 for p in cache.iterdir()}
+    assert not list(tmp_path.glob(".*.tmp")), "a temporary file was left"
