@@ -262,6 +262,9 @@ def test_official_layout_loads_and_builds_like_the_hf_layout(tmp_path):
         ("supporting_facts", lambda r: r.update(supporting_facts=[["Nobody", 0]])),
         ("supporting_facts", lambda r: r.update(supporting_facts=[["Shirley Temple", 2]])),
         ("supporting_facts", lambda r: r.update(supporting_facts=[["Shirley Temple", -1]])),
+        # An empty title, a gold paragraph's too (issue 37): nothing heads the document or names it.
+        ("context", lambda r: r["context"][-1].__setitem__(0, " ")),
+        ("context", lambda r: (r["context"][0].__setitem__(0, ""), r.update(supporting_facts=[["", 0]]))),
     ],
 )
 def test_broken_record_names_file_record_and_field(tmp_path, field, change):
@@ -283,6 +286,13 @@ def test_broken_hf_record_and_repeated_id_are_reported(tmp_path):
     repeated = [official_records()[0], official_records()[0]]
     with pytest.raises(HotpotQAFormatError, match=r"record 1 .*same id as record 0"):
         load_hotpotqa(write_json(tmp_path / "repeated.json", repeated))
+
+
+def test_a_lone_surrogate_is_refused_naming_where(tmp_path):
+    path = write_json(tmp_path / "dev.json", official_records())
+    path.write_text(path.read_text().replace("American director.", "American director \\ud83d.", 1))
+    with pytest.raises(HotpotQAFormatError, match=r"dev.json, \[0\].context\[0\]\[1\]\[0\]: a lone UTF-16 surrogate"):
+        load_hotpotqa(path)
 
 
 def test_a_key_named_twice_is_refused(tmp_path):

@@ -205,6 +205,13 @@ def test_invalid_json_names_the_file(tmp_path):
         load_locomo(path)
 
 
+def test_a_lone_surrogate_is_refused_naming_where(locomo_path, tmp_path):
+    """JSON lets "\\ud83d" stand alone; Python reads it, and writing it as UTF-8 (parquet) crashed nameless."""
+    path = _write_broken(locomo_path, tmp_path, lambda d: None, raw=lambda b: b.replace(b"LGBTQ", b"LGBTQ\\ud83d", 1))
+    with pytest.raises(LocomoFormatError, match=r"broken.json, \[0\]\..*: a lone UTF-16 surrogate"):
+        load_locomo(path)
+
+
 def test_a_key_named_twice_is_refused_not_silently_the_last(locomo_path, tmp_path):
     """json.loads keeps the last of two "question" keys: a hand-edited copy would lose the first in silence."""
     text = locomo_path.read_text(encoding="utf-8")
@@ -247,6 +254,32 @@ def _write_broken(locomo_path, tmp_path, edit, *, raw=None):
         (
             lambda d: d[0]["conversation"]["session_1"][2].update(dia_id="turn 3"),
             r"conversation.session_1\[2\]: field 'dia_id' must look like D<session>:<turn>, got 'turn 3'",
+        ),
+        # What passed in silence or crashed without a name before (issue 37).
+        (
+            lambda d: d[0]["conversation"]["session_1"][3].update(dia_id="D1:2"),
+            r"conversation.session_1\[3\]: field 'dia_id' 'D1:2' is already the id of conversation.session_1\[1\]",
+        ),
+        (
+            lambda d: d[0]["conversation"]["session_2"][0].update(dia_id="D3:1"),
+            r"conversation.session_2\[0\]: field 'dia_id' 'D3:1' names session 3, not 2",
+        ),
+        (
+            lambda d: d[0]["observation"]["session_1_observation"]["Caroline"][0].__setitem__(0, "  "),
+            r"observation.session_1_observation.Caroline\[0\]: the fact's text is empty",
+        ),
+        (
+            lambda d: d[0]["observation"]["session_1_observation"].update(Caroline=None),
+            r"field 'observation.session_1_observation.Caroline' must be a list of facts, got NoneType",
+        ),
+        (lambda d: d[0]["qa"][0].update(answer=True), r"qa\[0\]: field 'answer' must be a string or number, got True"),
+        (
+            lambda d: d[0]["session_summary"].update(session_1_summary=["a", "b"]),
+            r"field 'session_summary.session_1_summary' must be a string, got list",
+        ),
+        (
+            lambda d: d[0]["conversation"].update(session_1_date_time=20230508),
+            r"field 'conversation.session_1_date_time' must be a string .*got 20230508",
         ),
     ],
 )

@@ -54,6 +54,7 @@ from memupdate.utils.io import (
     DuplicateKeyError,
     atomic_outputs,
     json_loads_strict,
+    lone_surrogate,
     read_text_utf8,
     sha256_file,
     write_json_atomic,
@@ -306,6 +307,10 @@ def _parse_context(rec: _Record) -> tuple[Paragraph, ...]:
         )
     if not paragraphs:
         raise rec.error(field, "is empty")
+    for i, paragraph in enumerate(paragraphs):
+        # A title heads its document and names it for the supporting facts: an empty one names nothing.
+        if not paragraph.title.strip():
+            raise rec.error(field, f"item {i}: the paragraph's title is empty")
     return tuple(paragraphs)
 
 
@@ -362,6 +367,8 @@ def load_hotpotqa(path: str | Path) -> list[HotpotExample]:
         raise HotpotQAFormatError(str(exc)) from None
     if not isinstance(data, list):
         raise HotpotQAFormatError(f"{path.name}: expected a JSON list of records, got {_kind(data)}")
+    if (at := lone_surrogate(data)) is not None:
+        raise HotpotQAFormatError(f"{path.name}, {at}: a lone UTF-16 surrogate (\\ud800-\\udfff escape), not text")
     if not data:
         raise HotpotQAFormatError(f"{path.name}: holds no records")
     examples = []

@@ -37,6 +37,7 @@ from memupdate.utils.io import (
     DuplicateKeyError,
     atomic_outputs,
     json_loads_strict,
+    lone_surrogate,
     read_text_utf8,
     sha256_file,
     write_json_atomic,
@@ -220,7 +221,8 @@ def _parse_qa(raw: Any, path: Path, sample_id: str, index: int) -> LocomoQA:
     elif answer is None:
         raise LocomoFormatError(f"{where}: field 'answer' is missing (category {category})")
     for name, value in (("answer", answer), ("adversarial_answer", adversarial)):
-        if value is not None and not isinstance(value, (str, int, float)):
+        # bool is an int to Python; true as a gold answer is a broken record, not the answer "True".
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
             raise LocomoFormatError(f"{where}: field {name!r} must be a string or number, got {value!r}")
     # The answer a category is scored against must say something: an empty gold answer would score every
     # prediction as wrong (or, for category 5, leave nothing to refuse), like a missing one.
@@ -256,6 +258,7 @@ def _parse_sessions(sample: dict, path: Path, sample_id: str) -> tuple[Session, 
     if not indices:
         raise LocomoFormatError(f"{where}: field 'conversation' has no session_N entries")
     sessions = []
+    seen_turns: dict[str, str] = {}
     for n in indices:
         turns_raw = _require(conv, f"session_{n}", list, f"{where}, conversation")
         if not turns_raw:
@@ -267,10 +270,20 @@ def _parse_sessions(sample: dict, path: Path, sample_id: str) -> tuple[Session, 
             # Evidence is resolved against these ids, so they must have the one shape evidence can name.
             if _DIA_ID.fullmatch(dia_id) is None:
                 raise LocomoFormatError(f"{t_where}: field 'dia_id' must look like D<session>:<turn>, got {dia_id!r}")
+            canonical = _canonical_dia_id(dia_id)
+            if int(_DIA_ID.fullmatch(dia_id).group(1)) != n:
+                raise LocomoFormatError(
+                    f"{t_where}: field 'dia_id' {dia_id!r} names session {canonical[1:].split(':')[0]}, not {n}"
+                )
+            if canonical in seen_turns:
+                raise LocomoFormatError(
+                    f"{t_where}: field 'dia_id' {dia_id!r} is already the id of {seen_turns[canonical]}"
+                )
+            seen_turns[canonical] = f"conversation.session_{n}[{t_index}]"
             turns.append(
                 Turn(
                     speaker=_require(turn, "speaker", str, t_where),
-                    dia_id=_canonical_dia_id(dia_id),
+                    dia_id=canonical,
                     text=_require(turn, "text", str, t_where),
                     image_caption=turn.get("blip_caption"),
                 )
@@ -280,21 +293,39 @@ def _parse_sessions(sample: dict, path: Path, sample_id: str) -> tuple[Session, 
             raise LocomoFormatError(f"{where}: field 'observation.session_{n}_observation' must be an object")
         obs = []
         for speaker, facts in obs_raw.items():
+            if not isinstance(facts, list):
+                raise LocomoFormatError(
+                    f"{where}: field 'observation.session_{n}_observation.{speaker}' must be a list of facts, "
+                    f"got {type(facts).__name__}"
+                )
             parsed = []
             for f_index, fact in enumerate(facts):
                 f_where = f"{where}, observation.session_{n}_observation.{speaker}[{f_index}]"
                 if not (isinstance(fact, list) and len(fact) == 2 and isinstance(fact[0], str)):
                     raise LocomoFormatError(f"{f_where}: expected [fact_text, evidence], got {fact!r}")
+                # A fact becomes a memory: an empty one would be a memory that says nothing.
+                if not fact[0].strip():
+                    raise LocomoFormatError(f"{f_where}: the fact's text is empty")
                 ev = fact[1] if isinstance(fact[1], list) else [fact[1]]
                 parsed.append((fact[0].strip(), parse_evidence(ev).ids))
             obs.append((speaker, tuple(parsed)))
         summary = summaries.get(f"session_{n}_summary")
+        if summary is not None and not isinstance(summary, str):
+            raise LocomoFormatError(
+                f"{where}: field 'session_summary.session_{n}_summary' must be a string, got {type(summary).__name__}"
+            )
+        date_time = conv.get(f"session_{n}_date_time")
+        if date_time is not None and not isinstance(date_time, str):
+            raise LocomoFormatError(
+                f"{where}: field 'conversation.session_{n}_date_time' must be a string (e.g. '1:56 pm on 8 May, "
+                f"2023'), got {date_time!r}"
+            )
         sessions.append(
             Session(
                 index=n,
-                date_time=conv.get(f"session_{n}_date_time"),
+                date_time=date_time,
                 turns=tuple(turns),
-                summary=summary if isinstance(summary, str) else None,
+                summary=summary,
                 observations=tuple(obs),
             )
         )
@@ -312,6 +343,8 @@ def load_locomo(path: str | Path) -> list[LocomoConversation]:
         raise LocomoFormatError(str(exc)) from None
     if not isinstance(raw, list):
         raise LocomoFormatError(f"{path.name}: expected a list of samples, got {type(raw).__name__}")
+    if (at := lone_surrogate(raw)) is not None:
+        raise LocomoFormatError(f"{path.name}, {at}: a lone UTF-16 surrogate (\\ud800-\\udfff escape), not text")
     conversations = []
     seen: set[str] = set()
     for s_index, sample in enumerate(raw):

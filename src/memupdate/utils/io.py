@@ -161,6 +161,28 @@ def json_loads_strict(text: str, where: str) -> Any:
     return json.loads(text, object_pairs_hook=pairs)
 
 
+def lone_surrogate(value: Any, at: str = "") -> str | None:
+    """Where in parsed JSON a string holds a lone surrogate (``"\\ud83d"`` without its pair): JSON allows the escape,
+    but the string cannot be written as UTF-8 (parquet, logs) later. None if nowhere.
+
+    >>> lone_surrogate([{"qa": [{"answer": "ok"}, {"answer": "\\ud83d"}]}])
+    '[0].qa[1].answer'
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return at.lstrip(".") or "(top level)"
+        return None
+    if isinstance(value, dict):
+        items = ((f"{at}.{k}", v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{at}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    return next((found for where, v in items if (found := lone_surrogate(v, where)) is not None), None)
+
+
 def yaml_load_strict(path: str | os.PathLike) -> Any:
     """A YAML file's data (safe types only), refusing a mapping that names a key twice; any YAML error is a
     ``ValueError`` naming the file, line and column (a tab where YAML wants spaces, say).
