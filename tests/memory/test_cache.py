@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -147,6 +148,30 @@ def test_cache_with_another_dim_is_refused(tmp_path, embedder):
 def test_missing_cache_is_a_clear_error(tmp_path):
     with pytest.raises(EmbeddingCacheError, match="embed_memories"):
         EmbeddingCache.open(tmp_path / "nowhere")
+
+
+def _zero_first_row(folder):
+    vectors = np.load(folder / "vectors.npy")
+    vectors[0] = 0
+    np.save(folder / "vectors.npy", vectors)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / "vectors.npy").write_bytes((d / "vectors.npy").read_bytes()[:1000]), "is damaged"),
+        (lambda d: (d / "manifest.json").write_text('{"model_name": "sentence-tr'), "manifest.json: not a manifest"),
+        (_zero_first_row, r"vectors are not unit length \(row 0: squared norm 0\)"),
+    ],
+)
+def test_a_damaged_cache_is_refused_with_what_to_do(cache_dir, embedder, tmp_path, damage, message):
+    """A truncated vectors file or a torn manifest crashed with numpy's or json's error; zeroed vectors passed
+    (issue 37)."""
+    copy = tmp_path / "cache"
+    shutil.copytree(cache_dir, copy)
+    damage(copy)
+    with pytest.raises(EmbeddingCacheError, match=message):
+        EmbeddingCache.open(copy, embedder)
 
 
 def test_failed_save_leaves_the_previous_cache_and_no_partial_directory(tmp_path, counting_embedder, monkeypatch):

@@ -385,6 +385,9 @@ def test_evidence_comes_only_from_the_memories_a_memory_derives_from(tools):
         ("split_memory", {"memory_id": "٣", "parts": ["a", "b"]}),
         ("search_memory", {"query": "x", "top_k": "٣"}),
         ("sample_memory", {"k": "²"}),
+        # More than int() reads from text (4,300 digits): was a ValueError out of the tool (issue 37).
+        ("delete_memory", {"memory_id": "3" * 5000}),
+        ("merge_memory", {"memory_ids": ["4", "3" * 5000], "content": "x"}),
     ],
 )
 def test_ids_written_with_other_than_ascii_digits_are_instructions(tools, name, params):

@@ -69,7 +69,7 @@ from memupdate.settings import (
     stage_sections,
 )
 from memupdate.tools.config import TOOL_CONFIG
-from memupdate.utils.io import sha256_file, write_json_atomic
+from memupdate.utils.io import sha256_file, sha256_text, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -589,9 +589,7 @@ class LocomoEvaluator:
         for role, marker in (("qa", system.qa), ("memory", system.memory)):
             if marker:
                 folder = Path(load_marker(marker)["model_path"])
-                manifests = [folder / n for n in ("manifest.json", "memupdate_model.json", "config.json")]
-                found = next((m for m in manifests if m.is_file()), None)
-                models[role] = {"path": str(folder), "manifest": sha256_file(found) if found else None}
+                models[role] = {"path": str(folder), "manifest": model_fingerprint(folder)}
         # The judge scores predictions after the fact; changing it re-judges, it does not re-predict.
         settings = {k: v for k, v in asdict(self.settings).items() if k != "judge"}
         return {"kind": system.kind, "models": models, "settings": settings, "test_file": sha256_file(self.test_file)}
@@ -617,6 +615,25 @@ class LocomoEvaluator:
             with tqdm(total=len(todo), desc=system.name, unit="question", disable=None) as bar:
                 await runner(system, todo, path, bar)
         return paths
+
+
+def model_fingerprint(folder: Path) -> str | None:
+    """What identifies a served model's weights: its manifest (a trained checkpoint's ``manifest.json``, a prepared
+    model's ``memupdate_model.json``), else the sha256 of every file in the folder (a checkpoint put there by hand:
+    its config alone would not change when it is retrained); None for a folder that is not there.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text("{}")
+    >>> _ = (d / "model.safetensors").write_bytes(b"1"); before = model_fingerprint(d)
+    >>> _ = (d / "model.safetensors").write_bytes(b"2"); model_fingerprint(d) == before
+    False
+    """
+    for name in ("manifest.json", "memupdate_model.json"):
+        if (folder / name).is_file():
+            return sha256_file(folder / name)
+    if not folder.is_dir():
+        return None
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return sha256_text("".join(f"{p.relative_to(folder)}\t{sha256_file(p)}\n" for p in files))
 
 
 def _invalidate_if_changed(path: Path, fingerprint: dict[str, Any]) -> None:

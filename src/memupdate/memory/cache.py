@@ -132,7 +132,12 @@ class EmbeddingCache:
             logger.info("starting an empty embedding cache at %s for %s", path, embedder.model_name)
             return cls(path, model_name=embedder.model_name, dim=embedder.dim, embedder=embedder)
 
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise EmbeddingCacheError(f"{manifest_path}: not a manifest ({err}); delete {path} to rebuild it") from None
+        if not isinstance(manifest, dict):
+            raise EmbeddingCacheError(f"{manifest_path}: not a manifest (a JSON object); delete {path} to rebuild it")
         built_with, built_dim = manifest.get("model_name"), manifest.get("dim")
         wanted_dim = embedder.dim if embedder is not None else built_dim
         if model_name is not None and (canonical_model_name(model_name) != built_with or wanted_dim != built_dim):
@@ -146,12 +151,23 @@ class EmbeddingCache:
                 f"embedding cache {path} has format_version {manifest.get('format_version')!r}, "
                 f"this code reads {FORMAT_VERSION}: rebuild it"
             )
-        vectors = np.load(path / VECTORS_FILE, mmap_mode="r")
-        keys = (path / KEYS_FILE).read_text(encoding="ascii").split()
-        if vectors.dtype != np.float32 or len(keys) != manifest["count"]:
+        try:
+            vectors = np.load(path / VECTORS_FILE, mmap_mode="r")
+            keys = (path / KEYS_FILE).read_text(encoding="ascii").split()
+        except (OSError, ValueError, EOFError) as err:
+            # A truncated .npy fails to map ("mmap length is greater than file size").
+            raise EmbeddingCacheError(f"embedding cache {path} is damaged ({err}); delete it to rebuild it") from None
+        if vectors.dtype != np.float32 or len(keys) != manifest.get("count") or vectors.shape != (len(keys), built_dim):
             raise EmbeddingCacheError(
-                f"embedding cache {path} is inconsistent: manifest count {manifest['count']}, "
-                f"{len(keys)} keys, vectors {vectors.dtype}{list(vectors.shape)}; rebuild it"
+                f"embedding cache {path} is inconsistent: manifest count {manifest.get('count')}, dim {built_dim}, "
+                f"{len(keys)} keys, vectors {vectors.dtype}{list(vectors.shape)}; delete it to rebuild it"
+            )
+        # Vectors are stored normalised: a row that is not (zeroed, say) would score every query 0 in silence.
+        norms = np.einsum("ij,ij->i", vectors, vectors) if len(keys) else np.ones(0, np.float32)
+        if (bad := np.flatnonzero(np.abs(norms - 1) > 1e-3)).size:
+            raise EmbeddingCacheError(
+                f"embedding cache {path}: {bad.size} vectors are not unit length (row {int(bad[0])}: squared norm "
+                f"{float(norms[bad[0]]):.3g}); delete it to rebuild it"
             )
         logger.info("loaded embedding cache %s: %d vectors of dim %d (%s)", path, len(keys), built_dim, built_with)
         return cls(

@@ -53,7 +53,7 @@ SOURCES = ("observation", "session_summary", "dialogue", "agent")
 METADATA_KEYS = ("speaker", "session", "date", "evidence", "source", "type")
 FILTER_KEYS = ("speaker", "session", "source", "type")
 # int() also reads "٣" (Arabic 3) and "3_0" (30); a number the model writes as text must be plain digits.
-_INT_TEXT = re.compile(r"\s*[+-]?[0-9]+\s*")
+_INT_TEXT = re.compile(r"\s*[+-]?[0-9]{1,18}\s*")
 DELTA_FORMAT_VERSION = 1
 OPERATIONS = ("create", "update", "delete", "merge", "split")
 
@@ -99,7 +99,8 @@ def _optional_int(key: str, value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or (isinstance(value, str) and not _INT_TEXT.fullmatch(value)):
-        raise InvalidMemoryOperation(f"{key} must be an integer or null, got {value!r}")
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise InvalidMemoryOperation(f"{key} must be an integer or null, got {shown}")
     try:
         # Tool arguments come from model-written JSON, where "3" and 3.0 both mean session 3.
         as_int = int(value)

@@ -54,7 +54,8 @@ class ToolArgumentError(ValueError):
 
 # The model often writes "7" or "[7]" for id 7. ASCII digits only: str.isdigit() and int() also take
 # "²" (which int() then refuses) and "٣" (Arabic 3), which must not quietly name memory 3.
-_INT_TEXT = re.compile(r"\s*\[?\s*([0-9]+)\s*\]?\s*")
+# At most 18 digits: int() refuses text of more than 4,300 digits with a ValueError, which is not an instruction.
+_INT_TEXT = re.compile(r"\s*\[?\s*([0-9]{1,18})\s*\]?\s*")
 # A lone UTF-16 surrogate (JSON "\ud800" without its pair) cannot be encoded as UTF-8: the tokenizer
 # refuses it and a stored one breaks the delta's encoding later, far from the call that wrote it.
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -67,7 +68,8 @@ def _int_arg(params: dict, name: str, *, default: int | None = None, low: int = 
     if isinstance(value, str) and (digits := _INT_TEXT.fullmatch(value)):
         value = int(digits.group(1))
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ToolArgumentError(f"Argument '{name}' must be an integer, got {value!r}.")
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ToolArgumentError(f"Argument '{name}' must be an integer, got {shown}.")
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise ToolArgumentError(f"Argument '{name}' must be {bound}, got {value}.")
