@@ -525,3 +525,18 @@ def test_edits_that_drop_a_sources_text_lose_its_evidence(base):
     # A rewrite to other text loses the evidence; writing the seed text back restores it.
     assert trial.update(7, "When did Melanie run a race?", vector=vector).evidence == ()
     assert trial.update(7, base.get(7).content, vector=vector).evidence == base.get(7).evidence
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"content": "\u200b\u200b \ufeff"}, "content must be a non-empty string with visible text"),
+        ({"content": "Ana\x00 keeps bees"}, "content must not contain NUL"),
+        ({"content": "Ana keeps bees", "session": -2}, "session must be 0 or more, got -2"),
+        ({"content": "Ana keeps bees", "id": -1}, "id must be an integer of 0 or more"),
+    ],
+)
+def test_a_memory_that_says_nothing_or_points_before_the_first_session_is_refused(fields, message):
+    """Zero-width-only or NUL text and negative sessions were stored (issue 37)."""
+    with pytest.raises(InvalidMemoryOperation, match=message):
+        MemoryRecord(**{"id": 1, **fields})

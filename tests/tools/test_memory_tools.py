@@ -144,6 +144,15 @@ def test_create_update_delete_change_the_store_and_the_delta(tools):
         ({"operation": "remove", "content": "x"}, "'operation' must be 'create' or 'update'"),
         ({"operation": "create", "content": "x", "metadata": {"mood": "sad"}}, "Unknown metadata keys ['mood']"),
         ({"operation": "create", "content": "x", "metadata": "Caroline"}, "'metadata' must be an object"),
+        # A detail is rendered beside the content: uncapped, it was a second, unbounded content (issue 37).
+        (
+            {"operation": "create", "content": "x", "metadata": {"date": "8 May " * 20_000}},
+            "metadata 'date' must be text of at most 64 characters",
+        ),
+        (
+            {"operation": "create", "content": "x", "metadata": {"session": -3}},
+            "session must be 0 or more, got -3",
+        ),
         ({"operation": "update", "memory_id": True, "content": "x"}, "'memory_id' must be an integer, got True"),
     ],
 )

@@ -47,6 +47,10 @@ from memupdate.serving.decoding import GREEDY
 from memupdate.settings import QA_PHASE_KEYS, RewardSettings
 
 logger = logging.getLogger(__name__)
+# verl builds a turn-boundary builder for every episode and logs its choice in five lines, one a warning that a
+# llama model type falls back to the default builder, which _use_chatml_builder replaces: 1,040 lines in one
+# cpu_demo policy evaluation, and nothing a reader can act on.
+logging.getLogger("verl.utils.tokenizer.continuous_token_wiring").setLevel(logging.ERROR)
 
 TERMINATION_REASONS = ("done", "no_tool_call", "response_budget", "max_assistant_turns", "max_user_turns")
 STAGES = ("memory", "qa", "joint")

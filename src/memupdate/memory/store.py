@@ -55,6 +55,8 @@ FILTER_KEYS = ("speaker", "session", "source", "type")
 # int() also reads "٣" (Arabic 3) and "3_0" (30); a number the model writes as text must be plain digits.
 _INT_TEXT = re.compile(r"\s*[+-]?[0-9]{1,18}\s*")
 DELTA_FORMAT_VERSION = 1
+# Characters that render as nothing: a content of only these is empty to a reader.
+_INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
 OPERATIONS = ("create", "update", "delete", "merge", "split")
 
 
@@ -131,13 +133,18 @@ class MemoryRecord:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once, at construction
         set_(self, "id", _optional_int("id", self.id))
-        if self.id is None:
-            raise InvalidMemoryOperation("id must be an integer")
-        if not isinstance(self.content, str) or not self.content.strip():
-            raise InvalidMemoryOperation("content must be a non-empty string")
+        if self.id is None or self.id < 0:
+            raise InvalidMemoryOperation(f"id must be an integer of 0 or more, got {self.id!r}")
+        # Zero-width characters alone render as nothing; a NUL ends the text in C readers (and the tokenizer's).
+        if not isinstance(self.content, str) or not self.content.translate(_INVISIBLE).strip():
+            raise InvalidMemoryOperation("content must be a non-empty string with visible text")
+        if "\x00" in self.content:
+            raise InvalidMemoryOperation("content must not contain NUL characters")
         set_(self, "content", self.content.strip())
         set_(self, "speaker", _optional_str("speaker", self.speaker))
         set_(self, "session", _optional_int("session", self.session))
+        if self.session is not None and self.session < 0:
+            raise InvalidMemoryOperation(f"session must be 0 or more, got {self.session}")
         set_(self, "date", _optional_str("date", self.date))
         set_(self, "type", _optional_str("type", self.type))
         evidence = self.evidence

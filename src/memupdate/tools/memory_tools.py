@@ -132,6 +132,11 @@ def _text_list(params: dict, name: str, low: int, high: int) -> list[str]:
     return [v.strip() for v in values]
 
 
+#: The longest text each metadata key takes (what the tool's schema states): a memory's details are rendered beside
+#: its content (its date in front of it), and a detail without a cap would be a second, unbounded content.
+METADATA_TEXT_CAPS = {"speaker": 64, "date": 64, "type": 32}
+
+
 def _metadata_arg(params: dict) -> dict[str, Any]:
     metadata = params.get("metadata") or {}
     if not isinstance(metadata, dict):
@@ -141,10 +146,15 @@ def _metadata_arg(params: dict) -> dict[str, Any]:
             "metadata 'evidence' cannot be set: a memory keeps the evidence of the memories it comes from "
             "(update keeps it, merge and split carry it over, a new memory has none). Remove it and try again."
         )
-    allowed = {"speaker", "session", "date", "type"}
-    unknown = sorted(set(metadata) - allowed)
+    unknown = sorted(set(metadata) - {*METADATA_TEXT_CAPS, "session"})
     if unknown:
-        raise ToolArgumentError(f"Unknown metadata keys {unknown}; allowed: {sorted(allowed)}.")
+        raise ToolArgumentError(
+            f"Unknown metadata keys {unknown}; allowed: {sorted({*METADATA_TEXT_CAPS, 'session'})}."
+        )
+    for key, cap in METADATA_TEXT_CAPS.items():
+        value = metadata.get(key)
+        if value is not None and not (isinstance(value, str) and len(value) <= cap):
+            raise ToolArgumentError(f"metadata '{key}' must be text of at most {cap} characters.")
     return metadata
 
 
@@ -367,10 +377,12 @@ class ManageMemoryTool(MemoryTool):
                 "memory_id": {"type": "integer", "description": "Id of the memory to update (update only)."},
                 "metadata": {
                     "type": "object",
+                    # The caps in words, not as a schema per key: the schemas are most of a small model's prompt.
                     "description": (
-                        "Optional details: speaker, session, date, type. Evidence is kept from the memories a "
-                        "memory comes from and cannot be set."
-                    ),
+                        "Optional details: speaker (at most {speaker} characters), session (a number), date (at "
+                        "most {date}), type (at most {type}). Evidence is kept from the memories a memory comes from "
+                        "and cannot be set."
+                    ).format(**METADATA_TEXT_CAPS),
                 },
             },
             "required": ["operation"],
