@@ -65,6 +65,36 @@ def test_marker_of_a_dead_server_names_marker_url_and_fix(tmp_path):
     assert "pid 4242" in message and "rerun the serve rule" in message
 
 
+def test_a_server_serving_the_name_from_another_folder_is_not_the_markers(tmp_path):
+    """Another run's server on the marker's port, under the same name, answered for a model it does not serve
+    (issue 37): vLLM's model card names the folder it serves (root), and the marker records the one it should."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "qa", "root": "/elsewhere/other-model"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        path = write_marker(tmp_path / "qa.ready.json", endpoint=url, served_model_name="qa", model_path=tmp_path)
+        with pytest.raises(ServerGone, match=r"serves 'qa' from /elsewhere/other-model, not .*another run's server"):
+            read_marker(tmp_path / "qa.ready.json", timeout_s=2)
+        assert path["model_path"] == str(tmp_path.resolve())
+    finally:
+        server.shutdown()
+
+
 def test_marker_errors_are_actionable(tmp_path):
     with pytest.raises(FileNotFoundError, match="no readiness marker at .*: run the serve rule"):
         read_marker(tmp_path / "missing.ready.json")

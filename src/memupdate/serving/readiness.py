@@ -81,12 +81,22 @@ def list_models(base_url: str, timeout_s: float = 5.0) -> list[str]:
     return [card["id"] for card in get_models(base_url, timeout_s)]
 
 
-def probe_models(base_url: str, served_model_name: str, timeout_s: float = 5.0) -> None:
-    """Raise :class:`ServerNotReady` unless ``served_model_name`` is listed by ``/v1/models``."""
-    models = list_models(base_url, timeout_s)
-    if served_model_name not in models:
+def probe_models(
+    base_url: str, served_model_name: str, timeout_s: float = 5.0, *, model_path: str | None = None
+) -> None:
+    """Raise :class:`ServerNotReady` unless ``served_model_name`` is listed by ``/v1/models`` and, given
+    ``model_path``, served from that folder (vLLM's card names it as ``root``): a server another run started on the
+    same port under the same name would otherwise answer for a model it does not serve."""
+    cards = {card["id"]: card for card in get_models(base_url, timeout_s)}
+    if served_model_name not in cards:
         raise ServerNotReady(
-            f"{base_url} answers but serves {models}, not {served_model_name!r} (another server on that port?)"
+            f"{base_url} answers but serves {list(cards)}, not {served_model_name!r} (another server on that port?)"
+        )
+    root = cards[served_model_name].get("root")
+    if model_path is not None and root is not None and root != model_path:
+        raise ServerNotReady(
+            f"{base_url} serves {served_model_name!r} from {root}, not {model_path} (another run's server under "
+            "the same name on that port?)"
         )
 
 
@@ -176,7 +186,7 @@ def read_marker(path: str | os.PathLike, *, timeout_s: float = 10.0, **endpoint_
     marker = load_marker(path)
     base_url, name = marker["endpoint"], marker["served_model_name"]
     try:
-        probe_models(base_url, name, timeout_s=timeout_s)
+        probe_models(base_url, name, timeout_s=timeout_s, model_path=marker.get("model_path"))
     except ServerNotReady as exc:
         where = f"pid {marker['pid']}" if marker.get("pid") else f"Slurm job {marker.get('slurm_job_id')}"
         raise ServerGone(
