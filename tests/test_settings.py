@@ -471,6 +471,11 @@ def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows()
             {"scale": "full", "scales": {"full": {"settings": {"serving": {"engine": "sglang"}}}}},
             "serving.engine: 'sglang' is not one of",
         ),
+        # Another scale's overlay is checked too, as if it were chosen (issue 37).
+        (
+            {"scales": {"full": {"settings": {"serving": {"engin": "vllm"}}}}},
+            "with scale full (scales.full.settings over this file): serving.engin: unknown setting; did you mean engine",
+        ),
     ],
 )
 def test_scale_problems_are_named(override, message):

@@ -627,7 +627,12 @@ VERL_SECTIONS = {"memupdate": (), "memagent": ("train",)}
 
 
 def check_config(
-    config: dict[str, Any], schema_path: str | Path, *, root: str | Path = ".", files: Sequence[str | Path] = ()
+    config: dict[str, Any],
+    schema_path: str | Path,
+    *,
+    root: str | Path = ".",
+    files: Sequence[str | Path] = (),
+    other_scales: bool = True,
 ) -> list[str]:
     """Check the workflow config at Snakefile load and normalise it in place: the scale's settings merged over
     it, then the rehearsal's swaps if ``rehearse`` (:func:`memupdate.rehearsal.apply_rehearsal`; returned, one
@@ -635,7 +640,9 @@ def check_config(
     strings made numbers, the schema's defaults filled in, typed sections rebuilt with their typed values.
     Raises :class:`ConfigError` listing every problem, each with the key's full path, the bad value and what
     is allowed. ``files`` are the YAML files ``config`` was read from (config/config.yaml, every --configfile):
-    their parser kept the last of a key named twice, so they are read again to refuse that."""
+    their parser kept the last of a key named twice, so they are read again to refuse that. Every other scale's
+    ``settings`` are checked too (``other_scales``), as if that scale were chosen: a typo there would otherwise
+    pass until the day it is."""
     import yaml
 
     unreadable = []
@@ -647,6 +654,7 @@ def check_config(
     if unreadable:
         raise ConfigError("invalid configuration file(s):\n  " + "\n  ".join(unreadable))
     schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
+    others = _other_scales_errors(config, schema_path, root) if other_scales else []
     _apply_scale_settings(config)
     _prune_and_coerce(config, schema)
     errors = _schema_errors(config, schema)
@@ -660,6 +668,7 @@ def check_config(
             raise ConfigError(f"invalid configuration:\n  {err}") from None
         swaps = apply_rehearsal(config, _verl_sections, lambda experiment: _trains_on_gpus(experiment, table))
         errors = _place_training(config, table) + _typed_errors(config) + _reference_errors(config, Path(root))
+    errors = errors + others
     if errors:
         shown = errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])
         raise ConfigError(
@@ -667,6 +676,26 @@ def check_config(
             f"{len(errors)} problem(s):\n  " + "\n  ".join(shown)
         )
     return swaps
+
+
+def _other_scales_errors(config: dict[str, Any], schema_path: str | Path, root: str | Path) -> list[str]:
+    """The problems of each scale besides the chosen one that has ``settings``, checked on a copy as if chosen."""
+    import copy
+
+    scales = config.get("scales")
+    if not isinstance(scales, dict):
+        return []
+    errors = []
+    for name, spec in scales.items():
+        if name == config.get("scale") or not (isinstance(spec, dict) and spec.get("settings")):
+            continue
+        trial = {**copy.deepcopy(config), "scale": name, "rehearse": False}
+        try:
+            check_config(trial, schema_path, root=root, other_scales=False)
+        except ConfigError as err:
+            problems = str(err).splitlines()[1:]
+            errors += [f"with scale {name} (scales.{name}.settings over this file): {p.strip()}" for p in problems]
+    return errors
 
 
 def _training_jobs(experiment: Mapping[str, Any]) -> list[tuple[str, str, str]]:
