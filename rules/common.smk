@@ -16,6 +16,7 @@ from memupdate.settings import (
     IngestionSettings,
     PolicyEvalSettings,
     build,
+    check_lengths,
     experiment_stages,
 )
 
@@ -109,7 +110,14 @@ def get_experiment(wildcards):
         raise ValueError(
             f"no experiment {name!r} in config/config.yaml (have {sorted(config['experiments'])})"
         )
+    if name not in _LENGTHS_CHECKED:
+        check_lengths(name, config["experiments"][name], config["serving"])
+        _LENGTHS_CHECKED.add(name)
     return config["experiments"][name]
+
+
+# Experiments of this DAG whose episode lengths fit the servers (memupdate.settings.check_lengths).
+_LENGTHS_CHECKED = set()
 
 
 def get_model_spec(wildcards):

@@ -348,6 +348,19 @@ def test_a_configfile_that_names_a_key_twice_is_refused_before_any_job(tmp_path)
     assert "twice.yaml, line 4: key 'policy' appears twice in one mapping" in result.stdout + result.stderr
 
 
+def test_an_episode_longer_than_the_servers_context_fails_the_dry_run(tmp_path):
+    """prompt + response over serving.max_model_len failed every request of the job, hours later (issue 37)."""
+    long = tmp_path / "long.yaml"
+    long.write_text("experiments:\n  smoke:\n    episode:\n      prompt_length: 4000\n")
+    run = [sys.executable, "-m", "snakemake", "-n", "results/smoke/stage1/ckpt", "--configfile", str(long)]
+    result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert (
+        "experiments.smoke.episode: a prompt of 4000 and a response of 768 tokens (4768) do not fit "
+        "serving.max_model_len (4096)" in result.stdout + result.stderr
+    )
+
+
 def test_names_with_dots_match_only_themselves_in_the_dag():
     """A model key like qwen2.5-3b (config/config.yaml) is a name; in the wildcard pattern its '.' is a dot, so
     qwen2x5-3b is no target (an unescaped pattern matched it and failed later, in an input function)."""

@@ -890,6 +890,35 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
     return errors
 
 
+def check_lengths(name: str, experiment: Mapping[str, Any], serving: Mapping[str, Any]) -> None:
+    """Lengths checked against each other, for an experiment the DAG runs (rules/common.smk asks, so an experiment
+    of another scale that never runs here is not held to this scale's servers): its episode (a MemoryUpdate prompt
+    and response, a MemAgent turn) must fit the context of the servers that play it (``serving.max_model_len``:
+    the evaluation's, a later stage's fixed role), or every request fails hours later, in the job. Raises
+    :class:`ConfigError`.
+
+    >>> check_lengths("x", {"episode": {"prompt_length": 4096, "response_length": 512}}, {"max_model_len": 4096})
+    Traceback (most recent call last):
+    ...
+    memupdate.typed_config.ConfigError: experiments.x.episode: a prompt of 4096 and a response of 512 tokens (4608) do not fit serving.max_model_len (4096), the context of the servers that play it; shorten them or raise serving.max_model_len
+    """
+    context = serving.get("max_model_len", ServeSettings.max_model_len)
+    if experiment.get("kind", "memupdate") == "memagent":
+        where = f"experiments.{name}.loop"
+        lengths = build(MemAgentLoopSettings, experiment.get("loop"), where).lengths()
+    else:
+        where = f"experiments.{name}.episode"
+        episode = build(EpisodeSettings, experiment.get("episode"), where)
+        lengths = {"prompt_length": episode.prompt_length, "response_length": episode.response_length}
+    total = lengths["prompt_length"] + lengths["response_length"]
+    if total > context:
+        raise ConfigError(
+            f"{where}: a prompt of {lengths['prompt_length']} and a response of {lengths['response_length']} "
+            f"tokens ({total}) do not fit serving.max_model_len ({context}), the context of the servers that "
+            "play it; shorten them or raise serving.max_model_len"
+        )
+
+
 def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
     """Check a MemoryUpdate experiment's stages (order, roles, plan keys, training settings) and type each
     section's values in place."""
