@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -36,3 +39,24 @@ def test_atomically_written_files_and_folders_get_the_users_umask_not_a_temporar
     assert mode(cache) == 0o775
     assert {p.name: mode(p) for p in cache.iterdir()} == {p.name: 0o664 for p in cache.iterdir()}
     assert not list(tmp_path.glob(".*.tmp")), "a temporary file was left"
+
+
+def test_a_sigterm_during_an_atomic_write_leaves_no_temporary_file(tmp_path):
+    """Snakemake stops its jobs, and Slurm cancels them, with SIGTERM: the job exits through its cleanups (issue 37)."""
+    script = (
+        "import sys, time\n"
+        "from memupdate.utils.io import atomic_path\n"
+        "from memupdate.utils.logging import setup_logging\n"
+        "setup_logging()\n"
+        "with atomic_path(sys.argv[1]) as tmp:\n"
+        "    tmp.write_text('half')\n"
+        "    print('writing', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    job = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "out.json")], stdout=subprocess.PIPE, text=True
+    )
+    assert job.stdout.readline() == "writing\n"
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=30) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []

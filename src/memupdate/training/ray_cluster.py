@@ -622,17 +622,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _terminate(signum: int, frame: object) -> None:
-    # Slurm cancels and time limits send SIGTERM; exiting through SystemExit runs the `finally` blocks
-    # that stop this rank's Ray node and, on rank 0, tell the other ranks to stop.
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    # Slurm cancels and time limits send SIGTERM; setup_logging makes it exit through SystemExit, which runs the
+    # `finally` blocks that stop this rank's Ray node and, on rank 0, tell the other ranks to stop.
     setup_logging()
     args = _parser().parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    signal.signal(signal.SIGTERM, _terminate)
     try:
         rank, nnodes = slurm_rank()
         return run_ray_cluster(
