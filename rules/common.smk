@@ -5,6 +5,7 @@ import os
 import re
 from pathlib import Path
 
+from snakemake.exceptions import WorkflowError
 from snakemake.io import apply_wildcards
 from snakemake.iocontainers import Wildcards
 from snakemake_interface_executor_plugins.settings import ExecMode
@@ -363,8 +364,22 @@ def start_run():
     if os.path.isdir(SERVER_REGISTRY) and os.listdir(SERVER_REGISTRY):
         from memupdate.serving.launch import stop_servers
 
-        for name in stop_servers(SERVER_REGISTRY, orphans_only=True):
+        stopped = stop_servers(SERVER_REGISTRY, orphans_only=True)
+        for name in stopped:
             logger.info(f"stopped the {name} server a killed run left")
+        # The DAG was built while their markers still existed, so it planned no serve job for a consumer that
+        # now finds none (Snakemake's "Missing files"): stop here, and the next run plans them.
+        planned = {
+            os.path.abspath(f) for job in workflow.dag.needrun_jobs() for f in job.input
+        }
+        lost = sorted(
+            m for m in stopped.values() if m and os.path.abspath(m) in planned
+        )
+        if lost:
+            raise WorkflowError(
+                "a killed run left servers this run planned to use; they are stopped and their readiness "
+                f"markers removed ({', '.join(lost)}): run the same command again, and it starts them anew"
+            )
 
 
 def stop_run_servers():

@@ -78,6 +78,31 @@ def test_leftover_servers_are_cleared_by_a_real_run_not_by_reading_the_workflow(
     assert "stopped the old-eval-qa-base server a killed run left" in run.stdout + run.stderr
 
 
+def test_a_run_that_planned_on_a_killed_runs_server_stops_with_what_to_do(workdir):
+    """The DAG is built while a killed run's marker still exists, so it plans no serve job; the marker is removed
+    with its server when the run starts. The consumer then died on Snakemake's "Missing files after 5 seconds"
+    (issue 37): the run stops before any job, saying to run again."""
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    registry = workdir / "logs/serve_model/running"
+    registry.mkdir(parents=True)
+    marker = workdir / "results/smoke/serve/eval/qa-base.ready.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("{}")
+    entry = {"name": "smoke-eval-qa-base", "run_pid": dead_pid.pid, "marker": str(marker)}
+    (registry / "smoke-eval-qa-base.json").write_text(json.dumps(entry))
+    run = snakemake(workdir, "--cores", "1", "results/smoke/eval/report.json")
+    assert run.returncode != 0
+    output = run.stdout + run.stderr
+    assert "a killed run left servers this run planned to use" in output and "run the same command again" in output
+    assert not marker.exists() and "rule fetch_data" not in output
+    # The next run plans the server again.
+    assert (
+        "results/smoke/serve/eval/qa-base.ready.json"
+        in snakemake(workdir, "-n", "results/smoke/eval/report.json").stdout
+    )
+
+
 def test_invalid_config_is_rejected_before_anything_runs(workdir):
     result = snakemake(workdir, "-n", "all", "--cores", "1", "--config", "scale=huge")
     assert result.returncode != 0

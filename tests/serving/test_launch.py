@@ -46,12 +46,12 @@ def test_sbatch_command(tmp_path):
 
 
 def test_stopping_an_empty_or_stale_registry(tmp_path):
-    assert launch.stop_servers(tmp_path / "none") == []
+    assert launch.stop_servers(tmp_path / "none") == {}
     # A recorded pid that is no longer our supervisor (here: a finished process) is not signalled.
     done = subprocess.Popen(["true"])
     done.wait()
     (tmp_path / "old.json").write_text(json.dumps({"name": "old", "pid": done.pid}))
-    assert launch.stop_servers(tmp_path) == ["old"]
+    assert list(launch.stop_servers(tmp_path)) == ["old"]
     assert not list(tmp_path.glob("*.json"))
 
 
@@ -94,7 +94,7 @@ def test_served_model_stops_with_the_run_that_started_it(vllm_python, tiny_model
     assert _gone(content["pid"]) and _gone(vllm_pid)
     with pytest.raises(ServerGone):
         read_marker(marker)
-    assert launch.stop_servers(registry) == ["exp-qa"]
+    assert list(launch.stop_servers(registry)) == ["exp-qa"]
     # Stopping forgets the server and deletes its marker, so no later run trusts the dead endpoint.
     assert not marker.exists() and not list(registry.glob("*.json"))
 

@@ -102,16 +102,18 @@ def stop_supervisor(pid: int, timeout_s: float = 60.0) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-def stop_servers(registry_dir: str | os.PathLike, timeout_s: float = 60.0, *, orphans_only: bool = False) -> list[str]:
+def stop_servers(
+    registry_dir: str | os.PathLike, timeout_s: float = 60.0, *, orphans_only: bool = False
+) -> dict[str, str | None]:
     """Stop every server recorded in ``registry_dir`` (by process group or Slurm job id) and delete its
-    readiness marker, so no later run trusts it; returns their names.
+    readiness marker, so no later run trusts it; returns their names, each with the marker deleted (or None).
 
     Called by the Snakefile's ``onsuccess`` and ``onerror`` hooks, and with ``orphans_only`` when a run
     starts: servers of runs that were killed (their Snakemake process is gone) are stopped then, while
     those of a run still going in the same folder are left alone. Safe when nothing is recorded.
     """
     registry_dir = Path(registry_dir)
-    stopped = []
+    stopped: dict[str, str | None] = {}
     for path in sorted(registry_dir.glob("*.json")):
         try:
             entry = json.loads(path.read_text(encoding="utf-8"))
@@ -131,10 +133,11 @@ def stop_servers(registry_dir: str | os.PathLike, timeout_s: float = 60.0, *, or
         elif entry.get("pid"):
             stop_supervisor(int(entry["pid"]), timeout_s)
             logger.info("stopped local server %s (pid %s)", entry["name"], entry["pid"])
-        if entry.get("marker"):
-            Path(entry["marker"]).unlink(missing_ok=True)
+        marker = entry.get("marker")
+        if marker:
+            Path(marker).unlink(missing_ok=True)
         path.unlink(missing_ok=True)
-        stopped.append(entry["name"])
+        stopped[entry["name"]] = marker
     return stopped
 
 
