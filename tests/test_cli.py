@@ -110,6 +110,15 @@ def test_a_failure_prints_one_line_and_the_traceback_only_with_verbose(tmp_path,
         assert len(lines) == 1 and "FileNotFoundError" in lines[0] and "-v shows the traceback" in lines[0], lines
 
 
+def test_a_failure_after_importing_faiss_and_verl_still_prints_one_line(tmp_path):
+    """faiss's loader and verl's platform check log at import; around a failure they buried its one line (issue 37)."""
+    cmd = [*memupdate_exe(), "eval", "locomo", "--experiment", "exp", "--out-dir", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs the base QA model served" in lines[0], lines
+
+
 def test_preprocess_hotpotqa_with_a_pool_per_part_from_the_command_line(hotpotqa_path, tmp_path):
     out = tmp_path / "dev-10.parquet"
     cmd = [

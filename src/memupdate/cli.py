@@ -435,9 +435,18 @@ def _add_verbose(parser: argparse.ArgumentParser, top: bool = False) -> None:
             _add_verbose(child)
 
 
+#: Libraries that log at import what a command's reader cannot act on: faiss which CPU build it loaded, verl that
+#: the machine has no GPU (these commands never ask for one). -v shows them.
+_IMPORT_CHATTER = {"faiss.loader": logging.WARNING, "verl.plugin.platform.platform_manager": logging.ERROR}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(level="DEBUG" if args.verbose else None)
+    if not args.verbose:
+        # A filter on the handlers, not the loggers' levels: verl sets its loggers' levels when it is imported.
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(lambda record: record.levelno >= _IMPORT_CHATTER.get(record.name, 0))
     try:
         args.func(args)
     except Exception as err:
