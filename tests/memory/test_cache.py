@@ -200,3 +200,17 @@ def test_failed_save_leaves_the_previous_cache_and_no_partial_directory(tmp_path
     cache.save()
     assert len(EmbeddingCache.open(target, counting_embedder)) == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (pa.table({"text": ["a"]}), r"is not a memories table: no column 'content' \(columns: text: string\)"),
+        (pa.table({"content": [1]}), "column 'content' is int64, not string"),
+    ],
+)
+def test_a_parquet_of_another_schema_is_named_not_a_memories_table(tmp_path, embedder, table, message):
+    """An AttributeError or a list of Arrow's internal columns before (issue 37)."""
+    pq.write_table(table, tmp_path / "m.parquet")
+    with pytest.raises(ValueError, match=message):
+        build_embedding_cache(tmp_path / "m.parquet", tmp_path / "cache", embedder.model_name, embedder=embedder)

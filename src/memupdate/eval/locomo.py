@@ -69,7 +69,7 @@ from memupdate.settings import (
     stage_sections,
 )
 from memupdate.tools.config import TOOL_CONFIG
-from memupdate.utils.io import sha256_file, sha256_text, write_json_atomic
+from memupdate.utils.io import read_parquet_columns, sha256_file, sha256_text, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class System:
 def select_rows(test_file: str | Path, per_conversation: int | None, seed: int) -> list[dict[str, Any]]:
     """The test rows to evaluate: every row, or ``per_conversation`` per conversation drawn with ``seed``
     (always the same questions for the same seed, whatever else changes)."""
-    rows = pq.read_table(test_file).to_pylist()
+    rows = read_parquet_columns(test_file, {"prompt": None, "extra_info": None}, "a table of LoCoMo rows").to_pylist()
     if per_conversation is None:
         return rows
     by_conversation: dict[str, list[dict[str, Any]]] = {}

@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from memupdate.memory.embedder import Embedder, canonical_model_name
-from memupdate.utils.io import sha256_text, share_like_open, write_json_atomic
+from memupdate.utils.io import read_parquet_columns, sha256_text, share_like_open, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +368,9 @@ def build_embedding_cache(
     Without a pool the output cache itself is saved along the way.
     """
     start = time.perf_counter()
-    contents = pq.read_table(memories_parquet, columns=["content"]).column("content").to_pylist()
+    contents = (
+        read_parquet_columns(memories_parquet, {"content": "string"}, "a memories table").column("content").to_pylist()
+    )
     if any(c is None for c in contents):
         raise ValueError(f"{memories_parquet}: column 'content' has nulls")
     embedder = embedder or Embedder(model_name, batch_size=batch_size)

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from memupdate.memory.cache import EmbeddingCache
 from memupdate.memory.embedder import Embedder
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.store import BaseStore, TrialStore
+from memupdate.utils.io import read_parquet_columns
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,11 @@ class MemoryStoreManager:
     def _load_table(self) -> pa.Table:
         if self._table is None:
             source = self._memories_source
-            self._table = source if isinstance(source, pa.Table) else pq.read_table(source, columns=MEMORY_COLUMNS)
+            self._table = (
+                source
+                if isinstance(source, pa.Table)
+                else read_parquet_columns(source, dict.fromkeys(MEMORY_COLUMNS), "a memories table")
+            )
             logger.info("memories table: %d rows", self._table.num_rows)
         return self._table
 

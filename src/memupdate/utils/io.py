@@ -240,6 +240,35 @@ def write_parquet_atomic(path: str | os.PathLike, table: pa.Table) -> None:
         pq.write_table(table, tmp, compression="zstd")
 
 
+def read_parquet_columns(path: str | os.PathLike, columns: Mapping[str, str | None], what: str) -> pa.Table:
+    """``columns`` of the parquet file at ``path``, each checked against the Arrow type named (``"string"``,
+    ``"int64"``; None: any) before anything is read; a file without them, or of other types, is a ``ValueError``
+    naming the file, ``what`` it should be, and the columns it has.
+
+    >>> import tempfile, pathlib, pyarrow as pa, pyarrow.parquet as pq
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "m.parquet"; pq.write_table(pa.table({"content": [1]}), p)
+    >>> read_parquet_columns(p, {"content": "string"}, "a memories table")
+    Traceback (most recent call last):
+    ...
+    ValueError: ...m.parquet is not a memories table: column 'content' is int64, not string (columns: content: int64)
+    """
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, pyarrow.ArrowInvalid) as err:
+        raise ValueError(f"{path} is not a parquet file ({err})") from None
+    have = {field.name: str(field.type) for field in schema}
+    shown = ", ".join(f"{name}: {kind}" for name, kind in have.items())
+    for name, kind in columns.items():
+        if name not in have:
+            raise ValueError(f"{path} is not {what}: no column {name!r} (columns: {shown})")
+        if kind is not None and have[name] != kind:
+            raise ValueError(f"{path} is not {what}: column {name!r} is {have[name]}, not {kind} (columns: {shown})")
+    return pq.read_table(path, columns=list(columns))
+
+
 def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
