@@ -190,7 +190,7 @@ def test_the_qa_phase_the_reader_and_the_evaluation_ask_the_qa_model_alike(setup
 
     info = dataset[0]["extra_info"]
     evaluator = LocomoEvaluator(
-        test_file=str(config.data.train_files[0]),
+        test_file=str(dataset.data_files[0]),
         memory=MemoryEnvironment.read(reward.memory_environment),
         tool_config=TOOL_CONFIG,
         conversations=None,

@@ -289,7 +289,12 @@ def test_stage1_takes_the_reader_and_judge_markers_as_inputs(workdir):
 
 
 def test_a_served_scorer_without_a_qa_model_fails_before_anything_runs(workdir):
-    single = {"policy": "tiny-random", "stage1": {"trainer.total_training_steps": 1}}
+    single = {
+        "policy": "tiny-random",
+        # Within the smoke servers' context (settings.check_lengths), unlike the GPU runs' default episode.
+        "episode": {"prompt_length": 2048, "response_length": 512},
+        "stage1": {"trainer.total_training_steps": 1},
+    }
     result = dry_run(
         workdir, "results/single/stage1/ckpt", {"reward": {"scorer": "reader"}, "experiments": {"single": single}}
     )
