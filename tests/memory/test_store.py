@@ -540,3 +540,22 @@ def test_a_memory_that_says_nothing_or_points_before_the_first_session_is_refuse
     """Zero-width-only or NUL text and negative sessions were stored (issue 37)."""
     with pytest.raises(InvalidMemoryOperation, match=message):
         MemoryRecord(**{"id": 1, **fields})
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (lambda d: d["deleted"].__setitem__(0, "٧"), "deleted id must be an integer or null, got '٧'"),
+        (lambda d: d.update(ops={**d["ops"], "create": -4}), r"ops.create must be an integer of 0 or more, got -4"),
+        (lambda d: d.update(next_id="1" * 5000), "next_id must be an integer or null"),
+    ],
+)
+def test_a_tampered_delta_is_refused(base, counting_embedder, tamper, message):
+    """int() read "٧" (Arabic 7) as memory 7, and negative counts passed (issue 37)."""
+    trial = TrialStore(base, counting_embedder, namespace="conv-26-qa3-0a1b2c3d-deadbeef")
+    trial.delete(7)
+    trial.delete(8)
+    delta = json.loads(json.dumps(trial.export_delta()))
+    tamper(delta)
+    with pytest.raises(InvalidMemoryOperation, match=message):
+        TrialStore.from_delta(base, delta, counting_embedder)

@@ -113,6 +113,20 @@ def _optional_int(key: str, value: Any) -> int | None:
     return as_int
 
 
+def _count(key: str, value: Any) -> int:
+    """An id or a count read from a delta: an integer of 0 or more, written as one (not "٣", not -2).
+
+    >>> _count("ops.create", "٣")
+    Traceback (most recent call last):
+    ...
+    memupdate.memory.store.InvalidMemoryOperation: ops.create must be an integer or null, got '٣'
+    """
+    number = _optional_int(key, value)
+    if number is None or number < 0:
+        raise InvalidMemoryOperation(f"{key} must be an integer of 0 or more, got {value!r}")
+    return number
+
+
 @dataclass(frozen=True)
 class MemoryRecord:
     """One memory. Fields are validated and normalised (evidence becomes a tuple).
@@ -863,10 +877,10 @@ class TrialStore:
         records = cls._delta_records(base, delta)
         n_texts = sum(not cls._keeps_base_text(base, r) for r in records)
         matrix = _as_vectors(vectors, n_texts, base.dim) if n_texts else np.empty((0, base.dim), np.float32)
-        next_id = int(delta["next_id"])
-        created = {int(d["id"]) for d in delta["created"]}
-        updated = {int(d["id"]) for d in delta["updated"]}
-        deleted = {int(i) for i in delta["deleted"]}
+        next_id = _count("next_id", delta["next_id"])
+        created = {_count("created id", d["id"]) for d in delta["created"]}
+        updated = {_count("updated id", d["id"]) for d in delta["updated"]}
+        deleted = {_count("deleted id", i) for i in delta["deleted"]}
         new_range = range(base.max_id + 1, next_id)
         if (
             next_id <= base.max_id
@@ -892,7 +906,7 @@ class TrialStore:
             trial._put(record, base.vector(record.id) if cls._keeps_base_text(base, record) else next(rows))
         trial._deleted = deleted
         trial._next_id = next_id
-        trial._ops = {op: int(delta.get("ops", {}).get(op, 0)) for op in OPERATIONS}
+        trial._ops = {op: _count(f"ops.{op}", delta.get("ops", {}).get(op, 0)) for op in OPERATIONS}
         return trial
 
     @classmethod
