@@ -338,45 +338,41 @@ def test_a_name_that_would_leave_results_or_match_every_wildcard_is_refused(over
     assert message in problems(merged(override))
 
 
+def failed_dry_run(*args: str, configfile: Path | None = None) -> str:
+    """Output of ``snakemake -n args`` in the repository (with ``configfile``), which must fail."""
+    run = [sys.executable, "-m", "snakemake", "-n", *args, *(["--configfile", str(configfile)] if configfile else [])]
+    result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0, result.stdout[-2000:]
+    return result.stdout + result.stderr
+
+
 def test_a_configfile_that_names_a_key_twice_is_refused_before_any_job(tmp_path):
     """Snakemake's YAML parser keeps the last of two keys: the first would be lost in silence."""
     twice = tmp_path / "twice.yaml"
     twice.write_text("experiments:\n  smoke:\n    policy: smollm2-135m\n    policy: smollm2-135m\n")
-    run = [sys.executable, "-m", "snakemake", "-n", "--configfile", str(twice)]
-    result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert "twice.yaml, line 4: key 'policy' appears twice in one mapping" in result.stdout + result.stderr
+    assert "twice.yaml, line 4: key 'policy' appears twice in one mapping" in failed_dry_run(configfile=twice)
 
 
 def test_an_episode_longer_than_the_servers_context_fails_the_dry_run(tmp_path):
     """prompt + response over serving.max_model_len failed every request of the job, hours later (issue 37)."""
     long = tmp_path / "long.yaml"
     long.write_text("experiments:\n  smoke:\n    episode:\n      prompt_length: 4000\n")
-    run = [sys.executable, "-m", "snakemake", "-n", "results/smoke/stage1/ckpt", "--configfile", str(long)]
-    result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
     assert (
         "experiments.smoke.episode: a prompt of 4000 and a response of 768 tokens (4768) do not fit "
-        "serving.max_model_len (4096)" in result.stdout + result.stderr
+        "serving.max_model_len (4096)" in failed_dry_run("results/smoke/stage1/ckpt", configfile=long)
     )
 
 
 def test_names_with_dots_match_only_themselves_in_the_dag():
     """A model key like qwen2.5-3b (config/config.yaml) is a name; in the wildcard pattern its '.' is a dot, so
     qwen2x5-3b is no target (an unescaped pattern matched it and failed later, in an input function)."""
-    run = [sys.executable, "-m", "snakemake", "-n", "results/models/qwen2x5-3b"]
-    result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert "MissingRuleException" in result.stderr + result.stdout, result.stderr[-2000:]
+    assert "MissingRuleException" in failed_dry_run("results/models/qwen2x5-3b")
 
 
 def test_snakemake_refuses_an_experiment_named_to_escape_results_before_any_job(tmp_path):
     config = tmp_path / "escape.yaml"
     config.write_text("experiments:\n  ../../escaped:\n    policy: smollm2-135m\n    stage1: {}\n")
-    run = [sys.executable, "-m", "snakemake", "-n", "all", "--configfile", str(config)]
-    result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert "experiments: the key '../../escaped' is not a name" in result.stdout + result.stderr
+    assert "experiments: the key '../../escaped' is not a name" in failed_dry_run("all", configfile=config)
     assert not (REPO.parent / "escaped").exists()
 
 

@@ -56,20 +56,27 @@ def test_lint_and_format_are_clean(repo_root):
         assert result.returncode == 0, f"{' '.join(command[1:])}:\n{result.stdout}{result.stderr}"
 
 
+def leave_a_killed_runs_server(workdir: Path, exp: str) -> tuple[Path, Path]:
+    """The registry record and readiness marker of ``exp``'s evaluation qa-base server, as a run killed while it
+    served leaves them (its run process is gone)."""
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    registry = workdir / "logs/serve_model/running"
+    registry.mkdir(parents=True)
+    marker = workdir / f"results/{exp}/serve/eval/qa-base.ready.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("{}")
+    record = registry / f"{exp}-eval-qa-base.json"
+    record.write_text(json.dumps({"name": f"{exp}-eval-qa-base", "run_pid": dead_pid.pid, "marker": str(marker)}))
+    return record, marker
+
+
 def test_leftover_servers_are_cleared_by_a_real_run_not_by_reading_the_workflow(workdir, shared_data_dir):
     """A killed run's server record (its run process gone) is cleared when the next real run starts, never
     when the Snakefile is only read (-n, --lint)."""
     if not shared_data_dir.is_dir():
         pytest.skip("needs ../shared/data as the data mirror")
-    dead_pid = subprocess.Popen(["true"])
-    dead_pid.wait()
-    registry = workdir / "logs/serve_model/running"
-    registry.mkdir(parents=True)
-    marker = workdir / "results/old/serve/eval/qa-base.ready.json"
-    marker.parent.mkdir(parents=True)
-    marker.write_text("{}")
-    record = registry / "old-eval-qa-base.json"
-    record.write_text(json.dumps({"name": "old-eval-qa-base", "run_pid": dead_pid.pid, "marker": str(marker)}))
+    record, marker = leave_a_killed_runs_server(workdir, "old")
     assert snakemake(workdir, "-n", "all").returncode == 0
     assert record.is_file() and marker.is_file()
     run = snakemake(workdir, "--cores", "1", "resources/data/locomo10.json")
@@ -82,15 +89,7 @@ def test_a_run_that_planned_on_a_killed_runs_server_stops_with_what_to_do(workdi
     """The DAG is built while a killed run's marker still exists, so it plans no serve job; the marker is removed
     with its server when the run starts. The consumer then died on Snakemake's "Missing files after 5 seconds"
     (issue 37): the run stops before any job, saying to run again."""
-    dead_pid = subprocess.Popen(["true"])
-    dead_pid.wait()
-    registry = workdir / "logs/serve_model/running"
-    registry.mkdir(parents=True)
-    marker = workdir / "results/smoke/serve/eval/qa-base.ready.json"
-    marker.parent.mkdir(parents=True)
-    marker.write_text("{}")
-    entry = {"name": "smoke-eval-qa-base", "run_pid": dead_pid.pid, "marker": str(marker)}
-    (registry / "smoke-eval-qa-base.json").write_text(json.dumps(entry))
+    _, marker = leave_a_killed_runs_server(workdir, "smoke")
     run = snakemake(workdir, "--cores", "1", "results/smoke/eval/report.json")
     assert run.returncode != 0
     output = run.stdout + run.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pyarrow.parquet as pq
 import pytest
 
 from memupdate import metrics
@@ -19,6 +20,8 @@ def test_rows_are_drawn_per_conversation_with_a_seed(locomo_rows):
     assert {r["extra_info"]["namespace"] for r in a} != {r["extra_info"]["namespace"] for r in c}
     assert len(a) == 3 and {r["extra_info"]["sample_id"] for r in a} == {"conv-30"}
     assert len(locomo.select_rows(locomo_rows["test"], None, seed=0)) > 3
+    # Whole rows: the memory systems' agent loop is named by the row (agent_name), not only prompt and extra_info.
+    assert set(a[0]) == set(pq.read_schema(locomo_rows["test"]).names)
 
 
 def test_category_5_is_asked_as_a_two_way_choice_in_the_prompt_too(locomo_rows):

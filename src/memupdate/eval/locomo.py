@@ -95,7 +95,9 @@ class System:
 def select_rows(test_file: str | Path, per_conversation: int | None, seed: int) -> list[dict[str, Any]]:
     """The test rows to evaluate: every row, or ``per_conversation`` per conversation drawn with ``seed``
     (always the same questions for the same seed, whatever else changes)."""
-    rows = read_parquet_columns(test_file, {"prompt": None, "extra_info": None}, "a table of LoCoMo rows").to_pylist()
+    rows = read_parquet_columns(
+        test_file, {"prompt": None, "extra_info": None}, "a table of LoCoMo rows", only=False
+    ).to_pylist()
     if per_conversation is None:
         return rows
     by_conversation: dict[str, list[dict[str, Any]]] = {}

@@ -240,10 +240,12 @@ def write_parquet_atomic(path: str | os.PathLike, table: pa.Table) -> None:
         pq.write_table(table, tmp, compression="zstd")
 
 
-def read_parquet_columns(path: str | os.PathLike, columns: Mapping[str, str | None], what: str) -> pa.Table:
-    """``columns`` of the parquet file at ``path``, each checked against the Arrow type named (``"string"``,
-    ``"int64"``; None: any) before anything is read; a file without them, or of other types, is a ``ValueError``
-    naming the file, ``what`` it should be, and the columns it has.
+def read_parquet_columns(
+    path: str | os.PathLike, columns: Mapping[str, str | None], what: str, *, only: bool = True
+) -> pa.Table:
+    """``columns`` of the parquet file at ``path`` (every column with ``only`` False), each checked against the Arrow
+    type named (``"string"``, ``"int64"``; None: any) before anything is read; a file without them, or of other
+    types, is a ``ValueError`` naming the file, ``what`` it should be, and the columns it has.
 
     >>> import tempfile, pathlib, pyarrow as pa, pyarrow.parquet as pq
     >>> p = pathlib.Path(tempfile.mkdtemp()) / "m.parquet"; pq.write_table(pa.table({"content": [1]}), p)
@@ -266,7 +268,7 @@ def read_parquet_columns(path: str | os.PathLike, columns: Mapping[str, str | No
             raise ValueError(f"{path} is not {what}: no column {name!r} (columns: {shown})")
         if kind is not None and have[name] != kind:
             raise ValueError(f"{path} is not {what}: column {name!r} is {have[name]}, not {kind} (columns: {shown})")
-    return pq.read_table(path, columns=list(columns))
+    return pq.read_table(path, columns=list(columns) if only else None)
 
 
 def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
