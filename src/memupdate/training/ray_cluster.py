@@ -337,15 +337,22 @@ def _start_node(argv: list[str], log_path: Path) -> subprocess.Popen:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def _stop_node(proc: subprocess.Popen) -> None:
+def _node_processes(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The processes of the node ``proc`` (a ``ray start --block``) started, while it runs."""
+    try:
+        return psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _stop_node(proc: subprocess.Popen, known: Sequence[psutil.Process] = ()) -> None:
     """SIGTERM to our own ``ray start --block``: it stops its node's processes and exits. Whatever of its
     process tree outlives it (Ray's agents hang when the GCS is already gone) is killed by PID, and so are the
     process groups its workers started in sessions of their own (a rollout server's vLLM and its engine:
-    Ray kills a worker's children, which orphans their own children)."""
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-    except psutil.NoSuchProcess:
-        tree = []
+    Ray kills a worker's children, which orphans their own children). ``known``: its processes as last seen,
+    for a ``ray start`` that has exited already and left them orphaned."""
+    tree = _node_processes(proc)
+    tree += [p for p in known if p not in tree]
     groups = {_pgid(p) for p in tree} - {None, os.getpgid(0)}
     if proc.poll() is None:
         proc.terminate()
@@ -457,6 +464,7 @@ def _run_head(
     proc: subprocess.Popen | None = None
     exit_code = 1
     joined: set[int] = set()
+    seen: list[psutil.Process] = []  # the head's processes, kept up to date while the command runs
     try:
         proc = _start_node(ray_start_argv(port=port, client_port=free_port(node_ip), **node_argv), files.log(0))
         _wait_for_gcs(proc, node_ip, port, files.log(0), deadline)
@@ -472,7 +480,7 @@ def _run_head(
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, on_sigterm)
         logger.info("running on the Ray cluster at %s: %s", address, " ".join(command))
-        exit_code = subprocess.run(list(command), env={**os.environ, "RAY_ADDRESS": address}).returncode
+        exit_code = _run_command(command, address, proc, files.log(0), seen)
         logger.info("command exited with %d", exit_code)
         return exit_code
     finally:
@@ -480,7 +488,41 @@ def _run_head(
         write_json_atomic(files.stop, {"exit_code": exit_code})
         _wait_for_workers(files, sorted(joined - {0}))
         if proc is not None:
-            _stop_node(proc)
+            _stop_node(proc, seen)
+
+
+def _run_command(
+    command: Sequence[str], address: str, head: subprocess.Popen, head_log: Path, seen: list[psutil.Process]
+) -> int:
+    """Run ``command`` on the cluster at ``address`` and return its exit code; end it and raise if the head's
+    ``ray start --block`` exits meanwhile (one of the head's processes died). The command's driver would otherwise
+    wait for the GCS for Ray's reconnection timeout: a run once sat 14 minutes on a dead head. ``seen`` is kept
+    up to date with the head's processes, which a ``ray start`` that exits this way leaves behind."""
+    child = subprocess.Popen(list(command), env={**os.environ, "RAY_ADDRESS": address})
+    next_look = 0.0
+    try:
+        while (code := child.poll()) is None:
+            if time.monotonic() >= next_look:
+                seen[:] = [*seen, *(p for p in _node_processes(head) if p not in seen)]
+                next_look = time.monotonic() + 5.0
+            if head.poll() is not None:
+                logger.error("the Ray head stopped under the command: stopping the command (pid %d)", child.pid)
+                child.terminate()
+                try:
+                    child.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+                raise RayClusterError(
+                    f"the Ray head's node stopped while the command ran (ray start exited with {head.returncode}); "
+                    f"{head_log}:\n{tail(head_log, 20) or '(no log)'}"
+                )
+            time.sleep(POLL_S)
+        return code
+    finally:
+        if child.poll() is None:  # this process is being stopped (SIGTERM, Ctrl-C): the command goes with it
+            child.kill()
+            child.wait()
 
 
 def _wait_for_head(files: ClusterFiles, rank: int, deadline: float) -> str:
