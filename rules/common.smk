@@ -1,6 +1,7 @@
 # Shared helpers: scale selection, wildcard constraints and input functions (no logic in rules).
 
 import dataclasses
+import functools
 import os
 import re
 from pathlib import Path
@@ -111,14 +112,14 @@ def get_experiment(wildcards):
         raise ValueError(
             f"no experiment {name!r} in config/config.yaml (have {sorted(config['experiments'])})"
         )
-    if name not in _LENGTHS_CHECKED:
-        check_lengths(name, config["experiments"][name], config["serving"])
-        _LENGTHS_CHECKED.add(name)
+    _check_lengths(name)
     return config["experiments"][name]
 
 
-# Experiments of this DAG whose episode lengths fit the servers (memupdate.settings.check_lengths).
-_LENGTHS_CHECKED = set()
+@functools.cache
+def _check_lengths(name):
+    """Once per experiment of this DAG: its episodes fit the servers (memupdate.settings.check_lengths)."""
+    check_lengths(name, config["experiments"][name], config["serving"])
 
 
 def get_model_spec(wildcards):

@@ -338,6 +338,21 @@ def test_a_name_that_would_leave_results_or_match_every_wildcard_is_refused(over
     assert message in problems(merged(override))
 
 
+@pytest.mark.parametrize(
+    ("serving", "message"),
+    [
+        ({"env": {"VLLM_API_KEY": "k"}}, "serving: env sets ['VLLM_API_KEY']: every server gets a key of its own"),
+        ({"env": {"VLLM_SERVER_DEV_MODE": "1"}}, "development endpoints (they run code on the server for any client)"),
+        ({"extra_args": ["--api-key", "k"]}, "serving: extra_args gives --api-key: a key on a command line is shown"),
+        ({"extra_args": ["--api-key=k"]}, "extra_args gives --api-key"),
+    ],
+)
+def test_a_server_is_never_opened_by_config(serving, message):
+    """Issue 37: each server has its own key, passed through its environment; vLLM's development endpoints are opened
+    only on loopback (memupdate.serving.vllm_server.check_dev_mode)."""
+    assert message in problems(merged({"serving": serving}))
+
+
 def failed_dry_run(*args: str, configfile: Path | None = None) -> str:
     """Output of ``snakemake -n args`` in the repository (with ``configfile``), which must fail."""
     run = [sys.executable, "-m", "snakemake", "-n", *args, *(["--configfile", str(configfile)] if configfile else [])]

@@ -109,6 +109,20 @@ class ServeSettings:
     )
     slurm: dict[str, Any] = setting(help="sbatch options of the server's job", factory=dict, schema=SlurmOptions)
 
+    def __post_init__(self) -> None:
+        # vLLM's variables for its API key and its development endpoints: memupdate sets both itself.
+        owned = sorted(set(self.env) & {"VLLM_API_KEY", "VLLM_SERVER_DEV_MODE"})
+        if owned:
+            raise ValueError(
+                f"env sets {owned}: every server gets a key of its own, which its clients send, and vLLM's "
+                "development endpoints (they run code on the server for any client) are opened only on loopback"
+            )
+        if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in self.extra_args):
+            raise ValueError(
+                "extra_args gives --api-key: a key on a command line is shown to every user of the machine (ps, "
+                "squeue); every server gets a key of its own through its environment"
+            )
+
 
 @dataclass
 class EpisodeSettings:

@@ -158,7 +158,12 @@ def test_served_and_in_process_evaluation_agree(tiny_model_dir, hotpot_rows, vll
     ) as server:
         server.wait_until_ready(timeout_s=300)
         write_marker(
-            marker, endpoint=server.base_url, served_model_name="tiny-eval", pid=server.pid, model_path=tiny_model_dir
+            marker,
+            endpoint=server.base_url,
+            served_model_name="tiny-eval",
+            pid=server.pid,
+            model_path=tiny_model_dir,
+            api_key=server.api_key,
         )
         assert model_source(marker)[0] == tiny_model_dir.resolve()
         report = memagent_length_curve(

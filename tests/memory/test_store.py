@@ -563,3 +563,16 @@ def test_a_tampered_delta_is_refused(base, counting_embedder, tamper, message):
     tamper(delta)
     with pytest.raises(InvalidMemoryOperation, match=message):
         TrialStore.from_delta(base, delta, counting_embedder)
+
+
+def test_a_delta_text_longer_than_its_writer_may_write_is_refused(base, counting_embedder):
+    """The memory tools write at most memory.max_content_chars characters; a delta with 100,000 was scored (issue 37).
+    The reward passes the cap; a text the trial kept from the base is the base's, whatever its length."""
+    trial = TrialStore(base, counting_embedder)
+    trial.create("Ana keeps bees.", vector=counting_embedder.encode(["Ana keeps bees."])[0])
+    trial.update(3, base.get(3).content, {"speaker": "Ana"})
+    delta = json.loads(json.dumps(trial.export_delta()))
+    assert TrialStore.delta_texts(base, delta, max_chars=len("Ana keeps bees.")) == ["Ana keeps bees."]
+    delta["created"][0]["content"] = "b" * 100_000
+    with pytest.raises(ValueError, match=r"memory 184 has 100,000 characters, more than the 300 its writer may write"):
+        TrialStore.delta_texts(base, delta, max_chars=300)

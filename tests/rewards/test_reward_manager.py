@@ -327,7 +327,12 @@ def served_marker(vllm_python, tiny_model_dir, tmp_path_factory):
         server.wait_until_ready(timeout_s=300)
         marker = root / "qa-base.ready.json"
         write_marker(
-            marker, endpoint=server.base_url, served_model_name=SERVED_NAME, pid=server.pid, model_path=tiny_model_dir
+            marker,
+            endpoint=server.base_url,
+            served_model_name=SERVED_NAME,
+            pid=server.pid,
+            model_path=tiny_model_dir,
+            api_key=server.api_key,
         )
         yield marker
 

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import stat
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 
 from memupdate.serving import rollout_server as rs
 from memupdate.serving.launch import is_our_supervisor
+from memupdate.serving.readiness import ServerNotReady, probe
 from memupdate.serving.vllm_server import wait_until_ready
 
 
@@ -76,7 +78,11 @@ def test_a_server_started_before_verl_is_adopted_if_it_serves_the_same_and_stops
             assert adopted.poll() is None, spec.log_path.read_text()
             time.sleep(0.5)
         address = json.loads(spec.address_file.read_text())
-        wait_until_ready(address["base_url"], rs.SERVED_NAME, 600, process=adopted)
+        # The supervisor made the server's key and left it where verl's actor reads it, for its owner's eyes only.
+        assert stat.S_IMODE(spec.address_file.stat().st_mode) == 0o600
+        wait_until_ready(address["base_url"], rs.SERVED_NAME, 600, process=adopted, api_key=address["api_key"])
+        with pytest.raises(ServerNotReady, match="returned 401"):
+            probe(address["base_url"], rs.SERVED_NAME, completion=False)
         # A replica that would serve something else (another context length) stops it and starts its own.
         assert rs.adopt_server(dataclasses.replace(spec, max_model_len=spec.max_model_len - 1)) is None
         assert not is_our_supervisor(adopted.pid)

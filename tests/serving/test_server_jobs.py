@@ -13,6 +13,8 @@ import asyncio
 import itertools
 import json
 import logging
+import os
+import stat
 import subprocess
 import sys
 import time
@@ -25,8 +27,8 @@ from memupdate.cluster import PLACEMENT_ENV, placement
 from memupdate.serving import launch
 from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
 from memupdate.serving.decoding import GREEDY
-from memupdate.serving.readiness import load_marker, read_marker, write_marker
-from memupdate.serving.vllm_server import server_command
+from memupdate.serving.readiness import ServerNotReady, list_models, load_marker, read_marker, write_marker
+from memupdate.serving.vllm_server import API_KEY_ENV, new_api_key, server_command
 from memupdate.settings import ServeSettings, build
 from memupdate.utils.system import free_port
 
@@ -171,8 +173,9 @@ def test_the_new_settings_are_typed_with_their_defaults():
 
 FAKE_VLLM = """#!{python}
 # Stands in for `python -m vllm.entrypoints.openai.api_server ...`: lists the served model and answers
-# completions and chat with the port it serves on.
+# completions and chat with the port it serves on; as vLLM, it refuses /v1 requests without VLLM_API_KEY's key.
 import json
+import os
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -181,19 +184,28 @@ port, name = int(args[args.index("--port") + 1]), args[args.index("--served-mode
 
 
 class Handler(BaseHTTPRequestHandler):
-    def send(self, body):
+    def send(self, body, status=200):
         data = json.dumps(body).encode()
-        self.send_response(200)
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 
+    def refused(self):
+        if self.headers.get("Authorization") != "Bearer " + os.environ["VLLM_API_KEY"]:
+            self.send({{"error": "Unauthorized"}}, 401)
+            return True
+        return False
+
     def do_GET(self):
-        self.send({{"data": [{{"id": name, "max_model_len": 2048}}]}})
+        if not self.refused():
+            self.send({{"data": [{{"id": name, "max_model_len": 2048}}]}})
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
+        if self.refused():
+            return
         text = f"port {{port}}"
         self.send({{"choices": [{{"text": text, "message": {{"role": "assistant", "content": text}}}}]}})
 
@@ -216,12 +228,13 @@ def fake_vllm(tmp_path):
     return path, model
 
 
-def start_supervisor(python: Path, model: Path, marker: Path, tmp_path: Path) -> subprocess.Popen:
-    """What the server's Slurm job runs, here on loopback; started again, it is the requeued job."""
+def start_supervisor(python: Path, model: Path, marker: Path, tmp_path: Path, api_key: str) -> subprocess.Popen:
+    """What the server's Slurm job runs, here on loopback; started again, it is the requeued job, whose environment
+    (the server's key with it) Slurm keeps."""
     argv = [sys.executable, "-m", launch.MODULE, "run", "--model", str(model), "--served-model-name", "qa"]
     argv += ["--address-file", str(tmp_path / "qa.address.json"), "--python", str(python), "--marker", str(marker)]
     with (tmp_path / "qa.supervisor.log").open("a") as log:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, API_KEY_ENV: api_key})
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -237,15 +250,19 @@ def test_a_client_finds_a_requeued_server_through_its_rewritten_marker(fake_vllm
     python, model = fake_vllm
     marker = tmp_path / "serve" / "qa.ready.json"
     gone = f"http://127.0.0.1:{free_port()}/v1"
-    written = write_marker(marker, endpoint=gone, served_model_name="qa", model_path=model, reconnect_timeout_s=120)
+    key = new_api_key()
+    written = write_marker(
+        marker, endpoint=gone, served_model_name="qa", model_path=model, reconnect_timeout_s=120, api_key=key
+    )
     messages = [{"role": "user", "content": "who serves?"}]
 
     async def main():
+        # The client was given the address only: it takes the key from the marker it re-reads.
         async with OpenAIClient(Endpoint(gone, "qa", max_retries=1, marker=str(marker))) as client:
             waiting = asyncio.create_task(client.chat(messages, **GREEDY.request(8)))
             await asyncio.sleep(1.0)
             assert not waiting.done()
-            supervisor = start_supervisor(python, model, marker, tmp_path)
+            supervisor = start_supervisor(python, model, marker, tmp_path, key)
             try:
                 first = await asyncio.wait_for(waiting, 60)
                 second = await client.chat([{"role": "user", "content": "again"}], **GREEDY.request(8))
@@ -262,10 +279,18 @@ def test_a_client_finds_a_requeued_server_through_its_rewritten_marker(fake_vllm
         assert first == second == f"port {port}" and endpoint.base_url == address["base_url"] != gone
         rewritten = load_marker(marker)
         assert rewritten["endpoint"] == address["base_url"] and rewritten["pid"] == supervisor.pid
-        # What the serve rule recorded is kept.
+        # What the serve rule recorded is kept; the marker holds the key (the supervisor was given it, so its address
+        # file does not) and is its owner's alone.
         assert (rewritten["model_path"], rewritten["reconnect_timeout_s"]) == (written["model_path"], 120)
-        # A consumer starting now reads the new address, and keeps the marker for the next restart.
-        assert read_marker(marker) == Endpoint(address["base_url"], "qa", marker=str(marker.resolve()))
+        assert rewritten["api_key"] == key and "api_key" not in address
+        assert stat.S_IMODE(marker.stat().st_mode) == 0o600
+        # A consumer starting now reads the new address and the key, and keeps the marker for the next restart.
+        endpoint = read_marker(marker)
+        assert endpoint == Endpoint(address["base_url"], "qa", marker=str(marker.resolve()), api_key=key)
+        assert key not in repr(endpoint) and key not in (tmp_path / "qa.supervisor.log").read_text()
+        # Without the key the server answers nothing.
+        with pytest.raises(ServerNotReady, match="401"):
+            list_models(address["base_url"])
         assert time.monotonic() - start < 45
         # Its consumers done, Snakemake deletes the marker (temp()): the supervisor stops the server.
         marker.unlink()
@@ -300,7 +325,15 @@ def test_a_client_gives_up_after_the_markers_reconnect_time_naming_marker_and_ad
     assert "failed after 1 attempts" in message
 
 
-def test_an_endpoint_mapping_carries_its_marker():
-    """The fixed model reaches verl's agent loops as a mapping (training.stages.fixed_model_endpoint)."""
-    spec = {"base_url": "http://n1:8000/v1", "model": "m", "marker": "/r/serve/m.ready.json"}
-    assert Endpoint.from_dict(spec).marker == "/r/serve/m.ready.json"
+def test_an_endpoint_mapping_carries_its_marker_and_the_key_stays_in_it(tmp_path):
+    """The fixed model reaches verl's agent loops as a mapping (training.stages.fixed_model_endpoint), which is
+    written into the run's agent-loop config: the server's key is read from the marker, never carried by it."""
+    marker = tmp_path / "m.ready.json"
+    write_marker(marker, endpoint="http://n1:8000/v1", served_model_name="m", api_key="k3y")
+    spec = {"base_url": "http://n1:8000/v1", "model": "m", "marker": str(marker)}
+    endpoint = Endpoint.from_dict(spec)
+    assert endpoint.marker == str(marker) and endpoint.headers() == {"Authorization": "Bearer k3y"}
+    with pytest.raises(ValueError, match="api_key_env"):
+        Endpoint.from_dict({**spec, "api_key": "k3y"})
+    with pytest.raises(FileNotFoundError, match="no readiness marker"):
+        Endpoint.from_dict({**spec, "marker": str(tmp_path / "gone.json")})

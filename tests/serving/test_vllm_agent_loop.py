@@ -11,7 +11,6 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from memupdate.agents.memory_loop import TERMINATION_REASONS
 from memupdate.bench.rollout import LOOP_MAX_MODEL_LEN, vllm_loop_config
 from memupdate.rollout.workers import in_process_workers
-from memupdate.serving.client import Endpoint
 from memupdate.serving.token_client import VLLMTokenClient
 from memupdate.serving.vllm_server import start_vllm_server
 
@@ -53,7 +52,7 @@ def test_agent_loop_worker_with_our_loop_against_vllm(
         max_assistant_turns=2,
         response_length=512,
     )
-    client = VLLMTokenClient(Endpoint(long_context_server.base_url, "tiny"), max_tokens=32)
+    client = VLLMTokenClient(long_context_server.endpoint, max_tokens=32)
 
     async def main():
         worker = in_process_workers(config, client)

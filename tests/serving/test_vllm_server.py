@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -248,10 +249,17 @@ def hf_model(tiny_model_dir):
 @pytest.mark.slow
 def test_server_is_ready(vllm_server):
     assert vllm_server.alive() and vllm_server.ready_after_s is not None
-    assert list_models(vllm_server.base_url) == ["tiny"]
-    probe(vllm_server.base_url, "tiny")  # listed and a 1-token completion works
+    key = vllm_server.api_key
+    assert list_models(vllm_server.base_url, api_key=key) == ["tiny"]
+    probe(vllm_server.base_url, "tiny", api_key=key)  # listed and a 1-token completion works
     with pytest.raises(ServerNotReady, match="not 'other'"):
-        probe(vllm_server.base_url, "other")
+        probe(vllm_server.base_url, "other", api_key=key)
+    # The server is closed: vLLM refuses a request without its key, or with another; the key is on no command line.
+    for wrong in (None, key[::-1]):
+        with pytest.raises(ServerNotReady, match="returned 401"):
+            probe(vllm_server.base_url, "tiny", api_key=wrong)
+    assert key not in " ".join(psutil.Process(vllm_server.pid).cmdline()) and key not in repr(vllm_server)
+    assert key not in vllm_server.log_path.read_text(errors="replace")
     logger.info("vLLM start-up to ready: %.1f s", vllm_server.ready_after_s)
 
 
@@ -265,10 +273,14 @@ def test_marker_round_trip(vllm_server, tiny_model_dir, tmp_path):
         served_model_name="tiny",
         pid=vllm_server.pid,
         model_path=tiny_model_dir,
+        api_key=vllm_server.api_key,
     )
     endpoint = read_marker(path, max_retries=1)
-    # The endpoint keeps its marker: a client that loses the server re-reads it for a new address.
-    assert endpoint == Endpoint(vllm_server.base_url, "tiny", max_retries=1, marker=str(path.resolve()))
+    # The endpoint keeps its marker (a client that loses the server re-reads it for a new address) and the key.
+    assert endpoint == Endpoint(
+        vllm_server.base_url, "tiny", max_retries=1, marker=str(path.resolve()), api_key=vllm_server.api_key
+    )
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert load_marker(path)["pid"] == vllm_server.pid
 
 
@@ -351,7 +363,9 @@ def test_token_client_concurrent_requests_and_one_session_per_loop(vllm_server, 
 def test_stopped_server_makes_its_marker_fail_clearly(vllm_server, tmp_path):
     """Runs last: stops the module's server (the fixture's own stop() is then a no-op)."""
     path = tmp_path / "results" / "exp" / "serve" / "qa.ready.json"
-    write_marker(path, endpoint=vllm_server.base_url, served_model_name="tiny", pid=vllm_server.pid)
+    write_marker(
+        path, endpoint=vllm_server.base_url, served_model_name="tiny", pid=vllm_server.pid, api_key=vllm_server.api_key
+    )
     read_marker(path)
     children = psutil.Process(vllm_server.pid).children(recursive=True)
     vllm_server.stop()

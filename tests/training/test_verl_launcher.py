@@ -452,10 +452,14 @@ def test_a_cpu_run_selects_the_cpu_platform_and_the_external_rollout(run):
     assert rollout.free_cache_engine is False
     assert config.actor_rollout_ref.model.use_remove_padding is False
     custom = OmegaConf.to_container(rollout.custom)["memupdate_vllm"]
-    assert custom["serving"] == SERVER and custom["weights_dir"] == str(run["experiment_dir"] / "rollout")
+    assert custom["weights_dir"] == str(run["experiment_dir"] / "rollout")
+    # The server's serving.env reaches it through the run's environment, which the Ray workers inherit: its values
+    # (a token, say) are on no command line.
+    assert custom["serving"] == {key: value for key, value in SERVER.items() if key != "env"}
+    argv, env = vl.build_main_ppo_command("memory", extra=extra, rollout_server=SERVER, **run)
+    assert env["A_B"] == "1" and not any("A_B" in arg for arg in argv)
     # The platform is chosen in the driver (the run's env) and in every Ray worker (verl's runtime env).
     assert config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM == "cpu"
-    _, env = vl.build_main_ppo_command("memory", extra=extra, rollout_server=SERVER, **run)
     assert env["VERL_PLATFORM"] == "cpu"
     # The stage's own settings win over the CPU defaults.
     extra = {**extra, "actor_rollout_ref.rollout.agent.num_workers": 2}

@@ -39,7 +39,6 @@ from memupdate.memory.environment import MemoryEnvironment
 from memupdate.models.prepare import prepare_model
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.workers import in_process_workers
-from memupdate.serving.client import Endpoint
 from memupdate.serving.token_client import VLLMTokenClient
 from memupdate.serving.vllm_env import ensure_vllm_env
 from memupdate.serving.vllm_server import start_vllm_server
@@ -247,7 +246,7 @@ def run_rollout_bench(
         log_path=work / "server.log",
     ) as server:
         startup = server.wait_until_ready(timeout_s=600)
-        client = VLLMTokenClient(Endpoint(server.base_url, "bench"), max_tokens=max_tokens)
+        client = VLLMTokenClient(server.endpoint, max_tokens=max_tokens)
         rounds = asyncio.run(_measure(config, RecordingClient(client), client, train_file, prompts, n, repeats))
     # Medians of each round's rates: a round's rate pairs its own tokens with its own seconds.
     loop_rate = statistics.median(r["generated_tokens"] / r["loop_seconds"] for r in rounds)

@@ -686,7 +686,7 @@ def _plain(value: Any) -> Any:
 def _max_model_len(endpoint: Endpoint) -> int:
     from memupdate.serving.readiness import get_models
 
-    cards = get_models(endpoint.base_url)
+    cards = get_models(endpoint.base_url, api_key=endpoint.api_key)
     lengths = [c.get("max_model_len") for c in cards if c["id"] == endpoint.model]
     if not lengths or not lengths[0]:
         raise ValueError(f"{endpoint.base_url} does not report max_model_len for {endpoint.model!r}")

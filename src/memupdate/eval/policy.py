@@ -182,7 +182,6 @@ def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] |
         return
     if server != "vllm":
         raise ValueError(f"server must be vllm or hf, got {server!r}")
-    from memupdate.serving.client import Endpoint
     from memupdate.serving.launch import vllm_python
     from memupdate.serving.token_client import VLLMTokenClient
     from memupdate.serving.vllm_server import start_vllm_server
@@ -200,7 +199,7 @@ def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] |
         cpu=settings.engine == "vllm-cpu",
     ) as process:
         process.wait_until_ready(timeout_s=settings.startup_timeout_s)
-        yield VLLMTokenClient(Endpoint(process.base_url, "policy"), max_tokens=cfg.turn_tokens), tokenizer
+        yield VLLMTokenClient(process.endpoint, max_tokens=cfg.turn_tokens), tokenizer
 
 
 def compare_policies(summaries: Mapping[str, Mapping[str, Any]], pairs: Sequence[tuple[str, str]]) -> list[dict]:

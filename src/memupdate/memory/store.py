@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memupdate.memory.index import VectorIndex, normalize_rows
+from memupdate.utils.io import short_repr
 
 if TYPE_CHECKING:
     from memupdate.memory.cache import EmbeddingCache
@@ -101,7 +102,7 @@ def _optional_int(key: str, value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or (isinstance(value, str) and not _INT_TEXT.fullmatch(value)):
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        shown = short_repr(value)
         raise InvalidMemoryOperation(f"{key} must be an integer or null, got {shown}")
     try:
         # Tool arguments come from model-written JSON, where "3" and 3.0 both mean session 3.
@@ -857,10 +858,18 @@ class TrialStore:
                 )
 
     @classmethod
-    def delta_texts(cls, base: BaseStore, delta: Mapping[str, Any]) -> list[str]:
+    def delta_texts(cls, base: BaseStore, delta: Mapping[str, Any], max_chars: int | None = None) -> list[str]:
         """The texts of ``delta`` that need embedding to rebuild it, in the order
-        :meth:`from_delta_vectors` expects their vectors (so a caller can embed many deltas in one batch)."""
-        return [r.content for r in cls._delta_records(base, delta) if not cls._keeps_base_text(base, r)]
+        :meth:`from_delta_vectors` expects their vectors (so a caller can embed many deltas in one batch).
+        ``max_chars``: the longest text the delta's writer can write; a longer one is refused."""
+        texts = [(r.id, r.content) for r in cls._delta_records(base, delta) if not cls._keeps_base_text(base, r)]
+        for id_, text in texts:
+            if max_chars is not None and len(text) > max_chars:
+                raise ValueError(
+                    f"delta for base {base.sample_id!r}: memory {id_} has {len(text):,} characters, more than the "
+                    f"{max_chars} its writer may write (a delta not made by the memory tools?)"
+                )
+        return [text for _, text in texts]
 
     @classmethod
     def from_delta_vectors(

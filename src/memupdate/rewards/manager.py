@@ -260,7 +260,13 @@ class MemoryRewardManager(RewardManagerBase):
     async def computer(self) -> MemoryRewardComputer:
         if self._computer is None:
             manager = manager_for(self.environment)
-            self._computer = MemoryRewardComputer(manager.base, manager.embedder, self.scorer, self.reward_config)
+            self._computer = MemoryRewardComputer(
+                manager.base,
+                manager.embedder,
+                self.scorer,
+                self.reward_config,
+                max_content_chars=self.environment.max_content_chars,
+            )
         return self._computer
 
     async def run_single(self, data: DataProto) -> dict:

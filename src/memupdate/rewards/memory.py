@@ -230,8 +230,11 @@ class MemoryRewardComputer:
         scorer: Scorer,
         config: MemoryRewardConfig = MemoryRewardConfig(),
         query_cache_size: int = 65_536,
+        max_content_chars: int | None = None,
     ):
         self.base_for = base_for
+        # The memory tools' cap (memory.max_content_chars): a delta's text beyond it was not written by them.
+        self.max_content_chars = max_content_chars
         self.embedder = embedder
         self.scorer = scorer
         self.config = config
@@ -257,7 +260,10 @@ class MemoryRewardComputer:
 
     async def compute(self, requests: Sequence[RewardRequest]) -> list[dict[str, float]]:
         bases = [self.base_for(r.sample_id) for r in requests]
-        new_texts = [TrialStore.delta_texts(base, r.delta) for base, r in zip(bases, requests, strict=True)]
+        new_texts = [
+            TrialStore.delta_texts(base, r.delta, self.max_content_chars)
+            for base, r in zip(bases, requests, strict=True)
+        ]
         questions = [item.question for r in requests for item in r.items]
         vectors = await self._embed([*questions, *(t for texts in new_texts for t in texts)])
         self._remember_queries(vectors, questions)

@@ -44,10 +44,14 @@ class Endpoint:
     >>> Endpoint("http://127.0.0.1:8000/v1", "qa-model").chat_url
     'http://127.0.0.1:8000/v1/chat/completions'
 
-    ``api_key_env`` names an environment variable holding the key (never the key itself), so
-    configs can be committed. ``marker`` is the readiness marker the address was read from
-    (:func:`memupdate.serving.readiness.read_marker` sets it): a client that loses the server re-reads it
-    for the server's new address.
+    ``api_key`` is the key of a server this project started (each has its own, recorded in its readiness
+    marker; never shown in a repr or a log). ``api_key_env`` names an environment variable holding a hosted
+    API's key (never the key itself), so configs can be committed. ``marker`` is the readiness marker the
+    address was read from (:func:`memupdate.serving.readiness.read_marker` sets it): a client that loses the
+    server re-reads it for the server's new address.
+
+    >>> Endpoint("http://127.0.0.1:8000/v1", "qa-model", api_key="s3cret")
+    Endpoint(base_url='http://127.0.0.1:8000/v1', model='qa-model', timeout_s=60.0, max_retries=3, api_key_env=None, marker=None)
     """
 
     base_url: str
@@ -56,6 +60,7 @@ class Endpoint:
     max_retries: int = 3
     api_key_env: str | None = None
     marker: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         parsed = urlparse(self.base_url or "")
@@ -71,6 +76,8 @@ class Endpoint:
             )
         if self.timeout_s <= 0 or self.max_retries < 0:
             raise ValueError(f"endpoint {self.base_url}: timeout_s must be > 0 and max_retries >= 0")
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError(f"endpoint {self.base_url}: give api_key or api_key_env, not both")
 
     @property
     def chat_url(self) -> str:
@@ -81,6 +88,8 @@ class Endpoint:
         return self.base_url.rstrip("/") + "/completions"
 
     def headers(self) -> dict[str, str]:
+        if self.api_key is not None:
+            return {"Authorization": f"Bearer {self.api_key}"}
         if self.api_key_env is None:
             return {}
         key = os.environ.get(self.api_key_env)
@@ -90,9 +99,16 @@ class Endpoint:
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> Endpoint:
+        if "api_key" in spec:
+            raise ValueError(
+                "an endpoint's key is not written in a config: name its environment variable (api_key_env)"
+            )
         unknown = set(spec) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown endpoint keys {sorted(unknown)}")
+        if spec.get("marker") and not spec.get("api_key_env"):
+            # A served model's key is read where its address is, so no config file that names it holds the key.
+            spec = {**spec, "api_key": load_marker(spec["marker"]).get("api_key")}
         return cls(**spec)
 
 
@@ -157,7 +173,8 @@ class OpenAIClient:
 
     async def __aenter__(self) -> OpenAIClient:
         timeout = aiohttp.ClientTimeout(total=self.endpoint.timeout_s)
-        self._session = aiohttp.ClientSession(timeout=timeout, headers=self.endpoint.headers())
+        self.endpoint.headers()  # a hosted API's key variable that is not set fails here, before any request
+        self._session = aiohttp.ClientSession(timeout=timeout)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -182,7 +199,9 @@ class OpenAIClient:
         """One POST; raises :class:`_Retry` for a failure worth retrying, :class:`EndpointError` otherwise."""
         assert self._session is not None
         try:
-            async with self._semaphore, self._session.post(url, json=payload) as response:
+            # Per request, not per session: a restarted server's marker may carry a new key.
+            headers = self.endpoint.headers()
+            async with self._semaphore, self._session.post(url, json=payload, headers=headers) as response:
                 if response.status == 200:
                     return await response.json()
                 body = (await response.text())[:500]
@@ -247,6 +266,8 @@ class OpenAIClient:
                     logger.info("readiness marker %s: %s moved from %s to %s", marker, self.endpoint.model, tried, base)
                     self._bases.append(self.endpoint.base_url.rstrip("/"))
                     self.endpoint = dataclasses.replace(self.endpoint, base_url=base)
+                if content.get("api_key") and self.endpoint.api_key_env is None:
+                    self.endpoint = dataclasses.replace(self.endpoint, api_key=content["api_key"])
                 tried = self.endpoint.base_url
                 try:
                     result = await self._attempt(self._url(path), payload)

@@ -48,7 +48,14 @@ import psutil
 
 from memupdate.serving.readiness import ServerNotReady, probe, rewrite_marker, write_marker
 from memupdate.serving.vllm_env import ensure_vllm_env, env_path, env_python
-from memupdate.serving.vllm_server import error_lines, start_vllm_server, wait_until_ready
+from memupdate.serving.vllm_server import (
+    API_KEY_ENV,
+    check_dev_mode,
+    error_lines,
+    new_api_key,
+    start_vllm_server,
+    wait_until_ready,
+)
 from memupdate.settings import ServeSettings, SlurmOptions, build
 from memupdate.utils.io import write_json_atomic
 from memupdate.utils.system import free_port, tail
@@ -362,6 +369,10 @@ def serve_model(
     Returns the marker's content. The server keeps running after this returns; :func:`stop_servers` on
     ``registry_dir`` stops it. If it does not become ready, it is stopped and :class:`ServeError` says
     why, with the server log's errors.
+
+    The server answers only requests that carry its own key, made here and recorded in the marker (mode 0600),
+    where its clients read it. The key and ``serving.env`` reach the server through its environment (a Slurm job
+    keeps it when requeued), never its command line, which ``ps``, ``squeue`` and ``sacct`` show to every user.
     """
     if not isinstance(settings, ServeSettings):
         settings = build(ServeSettings, settings, "serving")
@@ -376,6 +387,8 @@ def serve_model(
     server_log.parent.mkdir(parents=True, exist_ok=True)
     process: subprocess.Popen | SlurmJob
     job_id = None
+    api_key = new_api_key()
+    env = {**os.environ, **settings.env, API_KEY_ENV: api_key}
     record = {"log": str(server_log), "marker": str(marker.resolve()), "run_pid": os.environ.get(RUN_PID_ENV)}
     if launcher == "local":
         watch = os.environ.get(RUN_PID_ENV)
@@ -395,12 +408,13 @@ def serve_model(
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **settings.env},
+                env=env,
                 start_new_session=True,
             )
         _register(registry_dir, served_model_name, {"pid": process.pid, **record})
         logger.info("started server supervisor pid %d for %s (log %s)", process.pid, model_dir, server_log)
     else:
+        check_dev_mode("0.0.0.0", env)  # here, not in the job an hour later
         argv = supervisor_argv(
             model_dir,
             served_model_name,
@@ -411,10 +425,9 @@ def serve_model(
             watch_pid=None,
             marker=marker,
         )
-        env_prefix = [f"{k}={v}" for k, v in settings.env.items()]
-        command = ["env", *env_prefix, *argv] if env_prefix else argv
-        submit = sbatch_argv(f"memupdate-serve-{served_model_name}", server_log, settings.slurm, command)
-        result = subprocess.run(submit, capture_output=True, text=True, check=False)
+        # sbatch --export=ALL gives the job this environment (and gives it again when the job is requeued).
+        submit = sbatch_argv(f"memupdate-serve-{served_model_name}", server_log, settings.slurm, argv)
+        result = subprocess.run(submit, capture_output=True, text=True, check=False, env=env)
         if result.returncode != 0:
             raise ServeError(f"sbatch for the {served_model_name} server failed: {result.stderr.strip()}")
         job_id = result.stdout.strip().split(";")[0]
@@ -432,7 +445,12 @@ def serve_model(
         address = _wait_for_address(address_file, server_log, settings.startup_timeout_s, process=process)
         start = time.monotonic()
         wait_until_ready(
-            address["base_url"], served_model_name, settings.startup_timeout_s, process=process, log_path=server_log
+            address["base_url"],
+            served_model_name,
+            settings.startup_timeout_s,
+            process=process,
+            log_path=server_log,
+            api_key=api_key,
         )
         logger.info("%s ready at %s after %.0f s", served_model_name, address["base_url"], time.monotonic() - start)
     except (ServeError, ServerNotReady):
@@ -446,6 +464,7 @@ def serve_model(
         slurm_job_id=job_id,
         model_path=model_dir,
         reconnect_timeout_s=settings.reconnect_timeout_s,
+        api_key=api_key,
     )
 
 
@@ -472,7 +491,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def run_supervisor(args: argparse.Namespace) -> int:
-    """Run one vLLM server until told to stop; the entry point behind ``python -m memupdate.serving.launch run``."""
+    """Run one vLLM server until told to stop; the entry point behind ``python -m memupdate.serving.launch run``.
+
+    The server's key comes from the environment (``VLLM_API_KEY``, where :func:`serve_model` puts the key it records
+    in the readiness marker); without one the supervisor makes a key and records it in the address file, which only
+    its owner can read (a rollout server's, read by verl's actor)."""
+    given = os.environ.get(API_KEY_ENV)
+    api_key = given or new_api_key()
     port = free_port("127.0.0.1" if args.bind_host == "127.0.0.1" else "0.0.0.0")
     # Consumers may run on other nodes: a server bound to all interfaces is published by host name.
     advertised = "127.0.0.1" if args.bind_host == "127.0.0.1" else socket.gethostname()
@@ -489,6 +514,7 @@ def run_supervisor(args: argparse.Namespace) -> int:
         log_path=log_path,
         extra_args=args.extra_arg,
         cpu=args.cpu_engine,
+        api_key=api_key,
     )
     server.base_url = f"http://{advertised}:{port}/v1"
     child = server.process
@@ -507,7 +533,9 @@ def run_supervisor(args: argparse.Namespace) -> int:
             "server_pid": child.pid,
             "host": socket.gethostname(),
             "vllm_log": str(log_path),
+            **({} if given else {"api_key": api_key}),
         },
+        private=not given,
     )
     logger.info("vLLM pid %d serving %s at %s (log %s)", child.pid, args.served_model_name, server.base_url, log_path)
     marker = Path(args.marker) if args.marker else None
@@ -523,7 +551,7 @@ def run_supervisor(args: argparse.Namespace) -> int:
             stop["why"] = f"run process {args.watch_pid} ended"
             break
         if stale and time.monotonic() >= next_probe:
-            stale, next_probe = _refresh_marker(marker, server.base_url, port, args), time.monotonic() + 2.0
+            stale, next_probe = _refresh_marker(marker, server.base_url, port, args, api_key), time.monotonic() + 2.0
         # The marker is a temp() output: once written, its deletion means every consumer is done.
         if marker is not None:
             if marker.exists():
@@ -537,15 +565,17 @@ def run_supervisor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refresh_marker(marker: Path, base_url: str, port: int, args: argparse.Namespace) -> bool:
+def _refresh_marker(marker: Path, base_url: str, port: int, args: argparse.Namespace, api_key: str) -> bool:
     """Rewrite a restarted server's marker with its address once it answers; returns whether it is still stale."""
     try:
         # Probed on loopback: the advertised host name may resolve to another interface.
-        probe(f"http://127.0.0.1:{port}/v1", args.served_model_name, timeout_s=10.0)
+        probe(f"http://127.0.0.1:{port}/v1", args.served_model_name, timeout_s=10.0, api_key=api_key)
     except ServerNotReady:
         return True
     try:
-        rewrite_marker(marker, endpoint=base_url, pid=os.getpid() if args.bind_host == "127.0.0.1" else None)
+        rewrite_marker(
+            marker, endpoint=base_url, pid=os.getpid() if args.bind_host == "127.0.0.1" else None, api_key=api_key
+        )
     except FileNotFoundError:
         return False  # deleted meanwhile: its consumers are done, and the loop stops the server
     except ValueError as exc:

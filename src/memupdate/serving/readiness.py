@@ -46,11 +46,12 @@ class ServerGone(EndpointError):
     """The server a readiness marker points to does not answer any more."""
 
 
-def _request_json(url: str, payload: dict[str, Any] | None, timeout_s: float) -> Any:
+def _request_json(url: str, payload: dict[str, Any] | None, timeout_s: float, api_key: str | None = None) -> Any:
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"} if data is not None else {}
-    )
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=data, headers=headers)
     # A proxy set in the environment must not intercept loopback or cluster-internal probes.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
@@ -64,9 +65,9 @@ def _request_json(url: str, payload: dict[str, Any] | None, timeout_s: float) ->
         raise ServerNotReady(f"{'POST' if data else 'GET'} {url} failed: {reason}") from exc
 
 
-def get_models(base_url: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+def get_models(base_url: str, timeout_s: float = 5.0, *, api_key: str | None = None) -> list[dict[str, Any]]:
     """The model cards ``GET {base_url}/models`` returns (vLLM's include ``max_model_len``)."""
-    data = _request_json(base_url.rstrip("/") + "/models", None, timeout_s)
+    data = _request_json(base_url.rstrip("/") + "/models", None, timeout_s, api_key)
     try:
         cards = list(data["data"])
         if not all(isinstance(card, dict) and "id" in card for card in cards):
@@ -76,18 +77,23 @@ def get_models(base_url: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         raise ServerNotReady(f"GET {base_url}/models: unexpected response {str(data)[:300]}") from exc
 
 
-def list_models(base_url: str, timeout_s: float = 5.0) -> list[str]:
+def list_models(base_url: str, timeout_s: float = 5.0, *, api_key: str | None = None) -> list[str]:
     """The model ids ``GET {base_url}/models`` lists; raises :class:`ServerNotReady`."""
-    return [card["id"] for card in get_models(base_url, timeout_s)]
+    return [card["id"] for card in get_models(base_url, timeout_s, api_key=api_key)]
 
 
 def probe_models(
-    base_url: str, served_model_name: str, timeout_s: float = 5.0, *, model_path: str | None = None
+    base_url: str,
+    served_model_name: str,
+    timeout_s: float = 5.0,
+    *,
+    model_path: str | None = None,
+    api_key: str | None = None,
 ) -> None:
     """Raise :class:`ServerNotReady` unless ``served_model_name`` is listed by ``/v1/models`` and, given
     ``model_path``, served from that folder (vLLM's card names it as ``root``): a server another run started on the
     same port under the same name would otherwise answer for a model it does not serve."""
-    cards = {card["id"]: card for card in get_models(base_url, timeout_s)}
+    cards = {card["id"]: card for card in get_models(base_url, timeout_s, api_key=api_key)}
     if served_model_name not in cards:
         raise ServerNotReady(
             f"{base_url} answers but serves {list(cards)}, not {served_model_name!r} (another server on that port?)"
@@ -100,19 +106,28 @@ def probe_models(
         )
 
 
-def probe_completion(base_url: str, served_model_name: str, timeout_s: float = 30.0) -> None:
+def probe_completion(
+    base_url: str, served_model_name: str, timeout_s: float = 30.0, *, api_key: str | None = None
+) -> None:
     """Send one 1-token completion; listing a model does not prove the engine can generate yet."""
     payload = {"model": served_model_name, "prompt": "Hello", **GREEDY.request(1)}
-    data = _request_json(base_url.rstrip("/") + "/completions", payload, timeout_s)
+    data = _request_json(base_url.rstrip("/") + "/completions", payload, timeout_s, api_key)
     if not isinstance(data, dict) or not data.get("choices"):
         raise ServerNotReady(f"POST {base_url}/completions: no choices in {str(data)[:300]}")
 
 
-def probe(base_url: str, served_model_name: str, *, completion: bool = True, timeout_s: float = 30.0) -> None:
+def probe(
+    base_url: str,
+    served_model_name: str,
+    *,
+    completion: bool = True,
+    timeout_s: float = 30.0,
+    api_key: str | None = None,
+) -> None:
     """The full readiness check a marker stands for: the model is listed and (by default) generates."""
-    probe_models(base_url, served_model_name, timeout_s=min(timeout_s, 10.0))
+    probe_models(base_url, served_model_name, timeout_s=min(timeout_s, 10.0), api_key=api_key)
     if completion:
-        probe_completion(base_url, served_model_name, timeout_s=timeout_s)
+        probe_completion(base_url, served_model_name, timeout_s=timeout_s, api_key=api_key)
 
 
 def write_marker(
@@ -124,6 +139,7 @@ def write_marker(
     slurm_job_id: str | None = None,
     model_path: str | os.PathLike | None = None,
     reconnect_timeout_s: float | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Write the readiness marker for a served model at ``path`` (atomically) and return its content.
 
@@ -134,6 +150,8 @@ def write_marker(
     ``slurm_job_id`` defaults to ``$SLURM_JOB_ID`` when the writer runs inside a Slurm job, which is
     how a server's job is found and cancelled later. ``reconnect_timeout_s`` (``serving.reconnect_timeout_s``)
     is how long a client that loses this server waits for it to come back (None: it does not wait).
+    ``api_key``: the server's key, which its clients send; a marker with a key is readable by its owner only
+    (mode 0600), whatever the umask.
     """
     base_url = endpoint.base_url if isinstance(endpoint, Endpoint) else str(endpoint)
     Endpoint(base_url, served_model_name)  # validates URL and name before anything is written
@@ -149,19 +167,22 @@ def write_marker(
         "slurm_job_id": slurm_job_id,
         "health_checked_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "reconnect_timeout_s": reconnect_timeout_s,
+        "api_key": api_key,
     }
-    write_json_atomic(path, marker)
+    write_json_atomic(path, marker, private=api_key is not None)
     logger.info("readiness marker %s: %s serves %r", path, base_url, served_model_name)
     return marker
 
 
-def rewrite_marker(path: str | os.PathLike, *, endpoint: str, pid: int | None = None) -> dict[str, Any]:
+def rewrite_marker(
+    path: str | os.PathLike, *, endpoint: str, pid: int | None = None, api_key: str | None = None
+) -> dict[str, Any]:
     """Point the marker at ``path`` at a restarted server's ``endpoint`` (call it after that server passed
     :func:`probe`); returns the new content.
 
-    Keeps what the serve rule recorded (served name, model, reconnect time) and records the new address,
-    host, process and check time. The write replaces the file atomically, so a client re-reading it sees the
-    old address or the new one, never a partial file. Raises :class:`FileNotFoundError` when the marker is
+    Keeps what the serve rule recorded (served name, model, reconnect time, and the key unless ``api_key`` is
+    given) and records the new address, host, process and check time. The write replaces the file atomically,
+    so a client re-reading it sees the old address or the new one, never a partial file. Raises :class:`FileNotFoundError` when the marker is
     gone: its consumers are done, and nothing should point at the server any more.
     """
     old = load_marker(path)
@@ -172,6 +193,7 @@ def rewrite_marker(path: str | os.PathLike, *, endpoint: str, pid: int | None = 
         pid=pid,
         model_path=old.get("model_path"),
         reconnect_timeout_s=old.get("reconnect_timeout_s"),
+        api_key=api_key or old.get("api_key"),
     )
 
 
@@ -180,13 +202,13 @@ def read_marker(path: str | os.PathLike, *, timeout_s: float = 10.0, **endpoint_
 
     Probes ``GET /v1/models`` (cheap; no generation) and raises :class:`ServerGone` naming the marker,
     the URL and the fix when it fails. ``endpoint_options`` (``timeout_s``, ``max_retries``,
-    ``api_key_env``) go to the returned :class:`Endpoint`, which keeps the marker's path: a client that
-    loses the server re-reads the marker for its new address.
+    ``api_key_env``) go to the returned :class:`Endpoint`, which keeps the marker's path (a client that
+    loses the server re-reads the marker for its new address) and the server's key.
     """
     marker = load_marker(path)
-    base_url, name = marker["endpoint"], marker["served_model_name"]
+    base_url, name, key = marker["endpoint"], marker["served_model_name"], marker.get("api_key")
     try:
-        probe_models(base_url, name, timeout_s=timeout_s, model_path=marker.get("model_path"))
+        probe_models(base_url, name, timeout_s=timeout_s, model_path=marker.get("model_path"), api_key=key)
     except ServerNotReady as exc:
         where = f"pid {marker['pid']}" if marker.get("pid") else f"Slurm job {marker.get('slurm_job_id')}"
         raise ServerGone(
@@ -195,4 +217,4 @@ def read_marker(path: str | os.PathLike, *, timeout_s: float = 10.0, **endpoint_
             f"rerun the serve rule (e.g. snakemake --forcerun {path})"
         ) from exc
     endpoint_options.setdefault("marker", str(Path(path).resolve()))
-    return Endpoint(base_url, name, **endpoint_options)
+    return Endpoint(base_url, name, api_key=key, **endpoint_options)

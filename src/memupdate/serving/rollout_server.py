@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 
 from memupdate.serving.launch import is_our_supervisor, stop_supervisor, supervisor_argv
-from memupdate.serving.vllm_server import DEV_MODE_ENV
+from memupdate.serving.vllm_server import API_KEY_ENV, DEV_MODE_ENV
 from memupdate.settings import EXTERNAL_ROLLOUT, ServeSettings, build
 from memupdate.utils.io import write_json_atomic
 
@@ -221,9 +221,10 @@ class Detached:
         return None if running else -1
 
 
-def start_server(spec: ServerSpec, *, watch_pid: int) -> Detached:
+def start_server(spec: ServerSpec, *, watch_pid: int, env: Mapping[str, str] | None = None) -> Detached:
     """Start ``spec``'s server under the project's supervisor, which stops vLLM when ``watch_pid`` ends; returns
-    the supervisor. The address appears in ``spec.address_file`` once vLLM is started (not yet ready)."""
+    the supervisor. The address appears in ``spec.address_file`` once vLLM is started (not yet ready). The server
+    has this process's environment with ``env`` over it (the run's, where the launcher starts it before verl)."""
     if not spec.serving.python:
         raise ValueError(
             f"rollout.custom.{SETTINGS_KEY}.serving.python is not set: the launcher resolves the vLLM interpreter"
@@ -245,7 +246,13 @@ def start_server(spec: ServerSpec, *, watch_pid: int) -> Detached:
     )
     started = subprocess.run(
         [sys.executable, "-c", _DETACH, str(spec.log_path), *argv],
-        env={**os.environ, **settings.env, **DEV_MODE_ENV},
+        # No key given: the supervisor makes the server's own and records it in the address file for the actor.
+        env={
+            **{k: v for k, v in os.environ.items() if k != API_KEY_ENV},
+            **(env or {}),
+            **settings.env,
+            **DEV_MODE_ENV,
+        },
         capture_output=True,
         text=True,
         check=True,
@@ -297,17 +304,20 @@ def prelaunch_specs(resolved_config: Mapping[str, Any]) -> list[ServerSpec]:
 
 
 @contextlib.contextmanager
-def prelaunched_servers(resolved_config: Mapping[str, Any]) -> Iterator[list[ServerSpec]]:
+def prelaunched_servers(
+    resolved_config: Mapping[str, Any], env: Mapping[str, str] | None = None
+) -> Iterator[list[ServerSpec]]:
     """Start the servers of :func:`prelaunch_specs` for the duration of the block (verl's run), each recorded in
     its replica's :data:`PRELAUNCH_FILE` for verl's actor to adopt (:func:`adopt_server` notes it there); stopped
-    when the block ends, saying whether verl used them (and by their supervisor should this process die). A
+    when the block ends, saying whether verl used them (and by their supervisor should this process die). They get
+    ``env``, the environment verl's run gets (:func:`start_server`). A
     server that fails to start here is left to verl's actor, which starts its own and reports what went wrong."""
     started: list[tuple[ServerSpec, int]] = []
     try:
         for spec in prelaunch_specs(resolved_config):
             (spec.weights_dir / PRELAUNCH_FILE).unlink(missing_ok=True)
             try:
-                supervisor = start_server(spec, watch_pid=os.getpid())
+                supervisor = start_server(spec, watch_pid=os.getpid(), env=env)
             except (OSError, ValueError, subprocess.CalledProcessError) as err:
                 logger.warning(
                     "could not start replica %d's server before verl (%s): verl's actor starts it",

@@ -113,7 +113,9 @@ class VLLMTokenClient:
 
     async def _context_length(self) -> int | None:
         if self.max_model_len is None:
-            cards = await asyncio.to_thread(get_models, self.endpoint.base_url, self.endpoint.timeout_s)
+            cards = await asyncio.to_thread(
+                get_models, self.endpoint.base_url, self.endpoint.timeout_s, api_key=self.endpoint.api_key
+            )
             lengths = [c.get("max_model_len") for c in cards if c["id"] == self.endpoint.model]
             # 0 = unknown (not a vLLM server, or the model is not listed): no clamping, vLLM decides.
             self.max_model_len = int(lengths[0]) if lengths and lengths[0] else 0

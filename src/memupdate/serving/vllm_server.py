@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import subprocess
 import tempfile
@@ -81,10 +82,38 @@ def error_lines(path: str | os.PathLike, limit: int = 5) -> str:
 
 _ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): .*")
 
+#: vLLM's API key variable: a server started with it answers ``/v1`` requests only with ``Authorization: Bearer
+#: <key>``. Given in the environment, not as ``--api-key``, so no process listing or log line shows it.
+API_KEY_ENV = "VLLM_API_KEY"
+
+
+def new_api_key() -> str:
+    """A fresh key for one server (256 random bits)."""
+    return secrets.token_urlsafe(32)
+
+
 #: Environment that makes vLLM expose its development endpoints (``/collective_rpc``,
 #: ``/reset_prefix_cache``), which :meth:`ServerProcess.reload_weights` needs. They let any client
 #: run worker methods: only for servers bound to loopback, as verl's rollout on CPU starts its own.
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def check_dev_mode(host: str, env: Mapping[str, str]) -> None:
+    """Refuse vLLM's development endpoints on a server other machines reach: vLLM's API key guards ``/v1``
+    only, and ``/collective_rpc`` runs code on the server for any client.
+
+    >>> check_dev_mode("127.0.0.1", DEV_MODE_ENV)
+    >>> check_dev_mode("0.0.0.0", DEV_MODE_ENV)
+    Traceback (most recent call last):
+    ...
+    ValueError: VLLM_SERVER_DEV_MODE is set for a server bound to 0.0.0.0: ...
+    """
+    if host not in LOOPBACK_HOSTS and env.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"):
+        raise ValueError(
+            f"VLLM_SERVER_DEV_MODE is set for a server bound to {host}: vLLM's development endpoints run code "
+            "on the server for any client, so they are opened only on loopback (unset it in this environment)"
+        )
 
 
 def _post(url: str, payload: dict[str, Any], timeout_s: float) -> bytes:
@@ -106,6 +135,7 @@ class ServerProcess:
     served_model_name: str
     log_path: Path
     command: list[str] = field(default_factory=list)
+    api_key: str | None = field(default=None, repr=False)
     started_at: float = field(default_factory=time.monotonic)
     #: Seconds from launch to ready, set by :meth:`wait_until_ready`.
     ready_after_s: float | None = None
@@ -116,14 +146,14 @@ class ServerProcess:
 
     @property
     def endpoint(self) -> Endpoint:
-        return Endpoint(self.base_url, self.served_model_name)
+        return Endpoint(self.base_url, self.served_model_name, api_key=self.api_key)
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def wait_until_ready(self, timeout_s: float = 300.0) -> float:
         """See :func:`wait_until_ready`; returns the seconds since the process started."""
-        wait_until_ready(self.base_url, self.served_model_name, timeout_s, process=self)
+        wait_until_ready(self.base_url, self.served_model_name, timeout_s, process=self, api_key=self.api_key)
         self.ready_after_s = time.monotonic() - self.started_at
         return self.ready_after_s
 
@@ -310,12 +340,15 @@ def start_vllm_server(
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     cpu: bool = True,
+    api_key: str | None = None,
 ) -> ServerProcess:
     """Launch a vLLM OpenAI-compatible server for ``model_dir`` and return at once (not yet ready).
 
     Call :meth:`ServerProcess.wait_until_ready` next. ``port=None`` picks a free port. Output goes
     to ``log_path`` (default: a new file in the temp folder). ``base_url`` uses ``host`` as given;
     to serve other machines bind ``host="0.0.0.0"`` and publish the node's hostname in the marker.
+    The server answers only requests with ``api_key`` (default: a new one), which its
+    :attr:`ServerProcess.endpoint` sends.
     """
     python = Path(python)
     if not os.access(python, os.X_OK):
@@ -347,7 +380,9 @@ def start_vllm_server(
         extra_args=extra_args,
         cpu=cpu,
     )
-    child_env = server_env(env)
+    api_key = api_key or new_api_key()
+    child_env = {**server_env(env), API_KEY_ENV: api_key}
+    check_dev_mode(host, child_env)
     with log_path.open("w", encoding="utf-8") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
@@ -368,6 +403,7 @@ def start_vllm_server(
         served_model_name=served_model_name,
         log_path=log_path,
         command=cmd,
+        api_key=api_key,
     )
     logger.info("started vLLM server pid %d for %s at %s (log %s)", process.pid, model_dir, server.base_url, log_path)
     return server
@@ -381,6 +417,7 @@ def wait_until_ready(
     process: ServerProcess | subprocess.Popen | Any = None,
     log_path: str | os.PathLike | None = None,
     poll_s: float = 1.0,
+    api_key: str | None = None,
 ) -> None:
     """Return once ``GET /v1/models`` lists ``served_model_name`` and a 1-token completion succeeded.
 
@@ -409,9 +446,11 @@ def wait_until_ready(
         if popen is not None and popen.poll() is not None:
             raise fail(f"exited with code {popen.returncode} before it was ready (last probe: {last_error})")
         try:
-            probe_models(base_url, served_model_name, timeout_s=5.0)
+            probe_models(base_url, served_model_name, timeout_s=5.0, api_key=api_key)
             # Listed is not enough: the first generation can still fail (KV cache, kernels).
-            probe_completion(base_url, served_model_name, timeout_s=max(5.0, deadline - time.monotonic()))
+            probe_completion(
+                base_url, served_model_name, timeout_s=max(5.0, deadline - time.monotonic()), api_key=api_key
+            )
             return
         except ServerNotReady as exc:
             last_error = str(exc)

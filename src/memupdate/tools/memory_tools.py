@@ -38,6 +38,7 @@ from memupdate.memory.manager import MemoryStoreManager, manager_for
 from memupdate.memory.store import SOURCES, InvalidMemoryOperation, TrialStore, UnknownMemoryId
 from memupdate.prompts import format_record
 from memupdate.tools.config import ENVIRONMENT_KEY
+from memupdate.utils.io import short_repr
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def _int_arg(params: dict, name: str, *, default: int | None = None, low: int = 
     if isinstance(value, str) and (digits := _INT_TEXT.fullmatch(value)):
         value = int(digits.group(1))
     if isinstance(value, bool) or not isinstance(value, int):
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        shown = short_repr(value)
         raise ToolArgumentError(f"Argument '{name}' must be an integer, got {shown}.")
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"

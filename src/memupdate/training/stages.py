@@ -417,7 +417,7 @@ def run_verl(
     guard_verl_checkpoints(Path(run_dir))
     log = Path(run_dir) / log_name
     logger.info("running %s\nits output: %s", " ".join(command), log)
-    with log.open("w", encoding="utf-8") as out, prelaunched_servers(_resolved_config(Path(run_dir))):
+    with log.open("w", encoding="utf-8") as out, prelaunched_servers(_resolved_config(Path(run_dir)), run_env):
         code = subprocess.run(command, env={**os.environ, **run_env}, stdout=out, stderr=subprocess.STDOUT).returncode
     if code:
         raise RuntimeError(f"verl's trainer exited with code {code}; the end of {log}:\n{tail(log, 60)}")

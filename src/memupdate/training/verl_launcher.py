@@ -92,7 +92,7 @@ CPU_ENV = {"VERL_PLATFORM": "cpu"}
 #: Its settings in the rollout config (memupdate.verl_ext.external_vllm reads them there).
 EXTERNAL_ROLLOUT_SETTINGS = "actor_rollout_ref.rollout.custom"
 #: The serving settings the external rollout's server takes (the rest are about serving rules' jobs).
-_ROLLOUT_SERVER_KEYS = ("engine", "python", "dtype", "startup_timeout_s", "extra_args", "env")
+_ROLLOUT_SERVER_KEYS = ("engine", "python", "dtype", "startup_timeout_s", "extra_args")
 TRAINING_STAGES = ("memory", "qa", "joint")
 
 # Files and folders of one run, under experiment_dir.
@@ -227,9 +227,16 @@ def run_device(extra: Mapping[str, Any] | Sequence[str]) -> str:
     return str(_setting(extra, "trainer.device") or "cuda")
 
 
-def run_env(experiment_dir: PathLike, extra: Mapping[str, Any] | Sequence[str] = ()) -> dict[str, str]:
-    """The environment ``main_ppo`` runs with: the trackers' folders, and verl's platform on CPU."""
-    return {**tracking_env(experiment_dir), **(CPU_ENV if run_device(extra) == "cpu" else {})}
+def run_env(
+    experiment_dir: PathLike,
+    extra: Mapping[str, Any] | Sequence[str] = (),
+    rollout_server: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """The environment ``main_ppo`` runs with: the trackers' folders, verl's platform on CPU, and the rollout
+    server's ``serving.env`` with the :data:`EXTERNAL_ROLLOUT` rollout (its values, a token say, reach the server
+    through the environment the Ray workers inherit, never through the command line)."""
+    server_env = (rollout_server or {}).get("env") or {} if uses_external_rollout(extra) else {}
+    return {**server_env, **tracking_env(experiment_dir), **(CPU_ENV if run_device(extra) == "cpu" else {})}
 
 
 def uses_external_rollout(extra: Mapping[str, Any] | Sequence[str]) -> bool:
@@ -395,7 +402,7 @@ def build_main_ppo_command(
     ``{**os.environ, **env}``.
     """
     argv = main_ppo_argv(compose_overrides(stage, **run), python=python, config_dir=config_dir)
-    return argv, run_env(run["experiment_dir"], run.get("extra", ()))
+    return argv, run_env(run["experiment_dir"], run.get("extra", ()), run.get("rollout_server"))
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -589,7 +596,10 @@ def prepare_main_ppo(
     write_tool_config(run["tool_config"], run["memory"].write(run_dir), run_dir)
     write_run_files(run_dir, config, run["model_path"])
     logger.info("verl run prepared in %s (stage %s, %d overrides)", run_dir, stage, len(overrides))
-    return main_ppo_argv(overrides, python=python, config_dir=config_dir), run_env(run_dir, run.get("extra", ()))
+    return (
+        main_ppo_argv(overrides, python=python, config_dir=config_dir),
+        run_env(run_dir, run.get("extra", ()), run.get("rollout_server")),
+    )
 
 
 MEMAGENT_CONFIG_NAME = VERL_BASE_CONFIG["memagent"]
@@ -658,4 +668,4 @@ def prepare_memagent_ppo(
     write_text_atomic(run_dir / AGENT_LOOPS_FILE, header + OmegaConf.to_yaml([entry]))
     write_run_files(run_dir, config, run["model_path"])
     argv = main_ppo_argv(overrides, python=python, config_dir=config_dir, config_name=MEMAGENT_CONFIG_NAME)
-    return argv, run_env(run_dir, run.get("extra", ()))
+    return argv, run_env(run_dir, run.get("extra", ()), run.get("rollout_server"))

@@ -46,8 +46,11 @@ def share_like_open(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, *, private: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds.
+
+    The file gets the mode a plain ``open`` would give it (the user's umask); ``private``: mode 0600, for a
+    file that holds a secret (a served model's API key).
 
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp())
@@ -64,7 +67,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp_path
         # The block may have replaced the file (a writer that renames its own temporary file onto it).
-        share_like_open(tmp_path)
+        if private:
+            tmp_path.chmod(0o600)
+        else:
+            share_like_open(tmp_path)
         os.replace(tmp_path, path)
     finally:
         tmp_path.unlink(missing_ok=True)
@@ -161,6 +167,19 @@ def json_loads_strict(text: str, where: str) -> Any:
     return json.loads(text, object_pairs_hook=pairs)
 
 
+def short_repr(value: Any, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters: how an error message quotes a value that may be huge (a
+    5,000-digit number a model wrote, a tampered file's field).
+
+    >>> short_repr("9" * 100, limit=12)
+    "'99999999..."
+    >>> short_repr(3.5)
+    '3.5'
+    """
+    shown = repr(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
 def lone_surrogate(value: Any, at: str = "") -> str | None:
     """Where in parsed JSON a string holds a lone surrogate (``"\\ud83d"`` without its pair): JSON allows the escape,
     but the string cannot be written as UTF-8 (parquet, logs) later. None if nowhere.
@@ -222,13 +241,13 @@ def yaml_load_strict(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path}{at}: not valid YAML: {problem}") from None
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    with atomic_path(path) as tmp:
+def write_text_atomic(path: str | os.PathLike, text: str, *, private: bool = False) -> None:
+    with atomic_path(path, private=private) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+def write_json_atomic(path: str | os.PathLike, obj: Any, *, private: bool = False) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", private=private)
 
 
 def write_parquet_atomic(path: str | os.PathLike, table: pa.Table) -> None:

@@ -104,6 +104,8 @@ class ExternalVLLMServer:
             await asyncio.sleep(0.5)
         address = json.loads(spec.address_file.read_text(encoding="utf-8"))
         self.base_url = address["base_url"]
+        # The supervisor's own key for its server, in the address file only its owner can read.
+        api_key = address["api_key"]
         vllm_log = Path(address["vllm_log"])
         try:
             await asyncio.to_thread(
@@ -113,6 +115,7 @@ class ExternalVLLMServer:
                 max(10.0, deadline - time.monotonic()),
                 process=self.supervisor,
                 log_path=vllm_log,
+                api_key=api_key,
             )
         except Exception as exc:
             raise RuntimeError(
@@ -120,7 +123,7 @@ class ExternalVLLMServer:
                 f"{error_lines(vllm_log)}"
             ) from exc
         self.client = VLLMTokenClient(
-            Endpoint(self.base_url, SERVED_NAME),
+            Endpoint(self.base_url, SERVED_NAME, api_key=api_key),
             max_tokens=self.config.response_length,
             max_model_len=spec.max_model_len,
         )
