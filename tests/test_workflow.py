@@ -530,6 +530,16 @@ def test_the_whole_dag_on_the_local_profile(tiny_pipeline):
     assert json.loads((run / "ckpt" / "manifest.json").read_text())["step"] == 1
     (step,) = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     assert step["step"] == 1 and step["verl"]["timing_s/update_actor"] > 0 and served_the_trained_weights(run)
+    # Its step was flat (the random model boxes no exact answer), and its trainer (trainer.v1.trainer_mode:
+    # memupdate_sync) skipped the update: the weights are the base model's. The tiny stages ran verl's own.
+    assert step["reward_max"] == 0.0 and step["verl"]["actor/update_skipped"] == 1.0
+    trained, base = (
+        load_file(run / "ckpt/model.safetensors"),
+        load_file(workdir / "results/models/tiny-random/model.safetensors"),
+    )
+    assert all(torch.equal(base[name].to(tensor.dtype), tensor) for name, tensor in trained.items())
+    stage1 = [json.loads(line) for line in (workdir / "results/tiny/stage1/metrics.jsonl").open()]
+    assert "actor/update_skipped" not in stage1[0]["verl"] and "actor/pg_loss" in stage1[0]["verl"]
     curve = json.loads((workdir / "results/tiny_memagent/memagent_eval/report.json").read_text())
     assert set(curve["results"]) == {"base", "trained"} and curve["results"]["trained"]["10"]["n"] == 2
     assert (workdir / "results/tiny_memagent/memagent_eval/length_curve.png").is_file()

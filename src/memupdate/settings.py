@@ -1201,6 +1201,10 @@ VERL_BASE_CONFIG = {"memupdate": "grpo_memupdate", "memagent": "grpo_memagent"}
 VERL_CPU_CONFIG = "cpu"
 #: The rollout served by a vLLM server process of its own (memupdate.verl_ext.external_vllm.NAME): for CPUs.
 EXTERNAL_ROLLOUT = "memupdate_vllm"
+#: verl's synchronous trainer that skips the actor's update in a step whose advantages are all zero
+#: (memupdate.verl_ext.trainer), chosen with trainer.v1.trainer_mode; verl's own modes beside it.
+FLAT_SKIPPING_TRAINER = "memupdate_sync"
+TRAINER_MODES = ("sync", "colocate_async", "separate_async", FLAT_SKIPPING_TRAINER)
 
 
 def verl_refusals(value: Callable[[str], Any]) -> list[str]:
@@ -1224,6 +1228,13 @@ def verl_refusals(value: Callable[[str], Any]) -> list[str]:
         problems.append(
             f"actor_rollout_ref.rollout.name: {EXTERNAL_ROLLOUT} starts its vLLM servers without asking Ray for a "
             "GPU, so every replica lands on device 0; it is for trainer.device: cpu, use vllm (verl's own) on GPUs"
+        )
+    mode = value("trainer.v1.trainer_mode")
+    if mode is not None and mode not in TRAINER_MODES:
+        close = difflib.get_close_matches(str(mode), TRAINER_MODES, n=1)
+        problems.append(
+            f"trainer.v1.trainer_mode: {mode!r} is none of {list(TRAINER_MODES)}"
+            + (f"; did you mean {close[0]}?" if close else "")
         )
     mini, batch = value("actor_rollout_ref.actor.ppo_mini_batch_size"), value("data.train_batch_size")
     if isinstance(mini, int) and isinstance(batch, int) and mini > batch:

@@ -18,7 +18,7 @@ from memupdate.verl_ext.patches import apply_patches
 logger = logging.getLogger(__name__)
 
 # Modules whose import registers something with verl (agent loops, reward managers, the cpu platform, the
-# memupdate_vllm rollout).
+# memupdate_vllm rollout, the memupdate_sync trainer).
 REGISTRATION_MODULES: tuple[str, ...] = (
     "memupdate.verl_ext.cpu_platform",
     "memupdate.verl_ext.external_vllm",
@@ -26,6 +26,7 @@ REGISTRATION_MODULES: tuple[str, ...] = (
     "memupdate.agents.memagent",
     "memupdate.rewards.manager",
     "memupdate.rewards.memagent",
+    "memupdate.verl_ext.trainer",
 )
 
 for _module in REGISTRATION_MODULES:

@@ -5,7 +5,9 @@ served copy gives the same greedy replies, scores, and a report that recomputes 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -114,9 +116,12 @@ def test_memagent_style_scores_use_the_first_gold_answer_and_hotpotqa_f1():
 
 
 @pytest.mark.slow
-def test_memagent_style_is_reported_beside_ours(tiny_models, hotpot_rows, tmp_path):
+def test_memagent_style_is_reported_beside_ours(tiny_models, hotpot_rows, tmp_path, caplog):
     out = tmp_path / "eval"
+    caplog.set_level(logging.INFO, logger="memupdate.eval.memagent")
     report = memagent_length_curve({"tiny": tiny_models / "policy"}, {"3": hotpot_rows}, out, SETTINGS)
+    # A rule's log, where the progress bar is off, says when each pass is done and how it scored.
+    assert re.search(r"tiny @ 3 \(memagent\): 3 questions in \d+ s; exact_match [\d.]+, sub_em", caplog.text)
     style = report["memagent_style"]
     assert "temperature 0.7 / top-p 0.95" in style["protocol"] and "the answer is" in style["protocol"]
     # MemAgent's style: its final prompt, the memory turns' token limit, and its sampling.

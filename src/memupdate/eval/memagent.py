@@ -186,10 +186,15 @@ class MemAgentEvaluator:
         their summary."""
         if style not in self.configs:
             raise ValueError(f"style {style!r} is not among this evaluator's styles {sorted(self.configs)}")
+        began = time.perf_counter()
         records = asyncio.run(self._predict(self.dataset(rows_file), style, label))
         if predictions:
             write_text_atomic(predictions, "".join(json.dumps(r) + "\n" for r in records))
-        return summarize(records, style)
+        summary = summarize(records, style)
+        # The progress bar is off where the output is not a terminal (a rule's log): one line per pass there.
+        shown = ", ".join(f"{key} {summary[key]:.3f}" for key in STYLE_METRICS[style])
+        logger.info("%s: %d questions in %.0f s; %s", label, summary["n"], time.perf_counter() - began, shown)
+        return summary
 
 
 def model_source(model: str | Path) -> tuple[Path, Any]:
