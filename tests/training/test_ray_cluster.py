@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -288,11 +289,10 @@ def test_a_rank_that_never_joins_fails_the_start_up_naming_it(tmp_path):
         shutil.rmtree(temp_root, ignore_errors=True)
 
 
-@pytest.mark.slow
-def test_sigterm_outside_slurm_stops_the_command_and_the_ray_node(tmp_path):
-    """A cancelled job (Snakemake stopping, scancel) must not leave its Ray node or its trainer running;
-    ray.init replaces the launcher's SIGTERM handler, which the launcher puts back. Outside Slurm the
-    machine is the one node."""
+@contextlib.contextmanager
+def a_launcher_running_its_command(tmp_path):
+    """The launcher outside Slurm (the machine is the one node), its command started (it sleeps); yields the launcher
+    and its processes by PID and start time, which are killed afterwards if they outlived the test."""
     temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
     started = tmp_path / "started"
     command = rc.cluster_command(
@@ -313,17 +313,25 @@ def test_sigterm_outside_slurm_stops_the_command_and_the_ray_node(tmp_path):
         assert started.exists(), launcher.communicate(timeout=30)[0].decode(errors="replace")
         for child in psutil.Process(launcher.pid).children(recursive=True):
             seen.setdefault((child.pid, child.create_time()), child)
-        launcher.terminate()
-        output = launcher.communicate(timeout=120)[0].decode(errors="replace")
-        assert launcher.returncode == 128 + 15, output
-        psutil.wait_procs(list(seen.values()), timeout=10)
-        assert _alive(seen) == [], f"outlived the cancelled launcher: {_alive(seen)}\n{output}"
+        yield launcher, seen
     finally:
         if launcher.poll() is None:
             launcher.kill()
         for proc in _alive(seen):
             proc.kill()
         shutil.rmtree(temp_root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_sigterm_outside_slurm_stops_the_command_and_the_ray_node(tmp_path):
+    """A cancelled job (Snakemake stopping, scancel) must not leave its Ray node or its trainer running;
+    ray.init replaces the launcher's SIGTERM handler, which the launcher puts back."""
+    with a_launcher_running_its_command(tmp_path) as (launcher, seen):
+        launcher.terminate()
+        output = launcher.communicate(timeout=120)[0].decode(errors="replace")
+        assert launcher.returncode == 128 + 15, output
+        psutil.wait_procs(list(seen.values()), timeout=10)
+        assert _alive(seen) == [], f"outlived the cancelled launcher: {_alive(seen)}\n{output}"
 
 
 @pytest.mark.slow
@@ -331,29 +339,9 @@ def test_a_head_that_dies_under_the_command_fails_the_run_in_seconds(tmp_path):
     """One of the head's processes died while the trainer ran (a port another process took, once): `ray start
     --block` exits, and the launcher stops the command and fails, where the driver had waited 14 minutes on the
     GCS."""
-    temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
-    started = tmp_path / "started"
-    command = rc.cluster_command(
-        [sys.executable, "-c", f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(600)"],
-        shared_dir=tmp_path / "shared",
-        node_ip="127.0.0.1",
-        num_cpus=1,
-        object_store_memory=100 * 1024 * 1024,
-        temp_root=temp_root,
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    seen: dict[tuple[int, float], psutil.Process] = {}
-    try:
-        deadline = time.monotonic() + 120
-        while not started.exists() and launcher.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert started.exists(), launcher.communicate(timeout=30)[0].decode(errors="replace")
-        for child in psutil.Process(launcher.pid).children(recursive=True):
-            seen.setdefault((child.pid, child.create_time()), child)
-        trainer = next(p for p in seen.values() if str(started) in " ".join(p.cmdline()))
-        gcs = next(p for p in seen.values() if p.name().startswith("gcs_server"))
-        gcs.kill()
+    with a_launcher_running_its_command(tmp_path) as (launcher, seen):
+        trainer = next(p for p in seen.values() if "time.sleep(600)" in " ".join(p.cmdline()))
+        next(p for p in seen.values() if p.name().startswith("gcs_server")).kill()
         start = time.monotonic()
         output = launcher.communicate(timeout=120)[0].decode(errors="replace")
         assert launcher.returncode == 1 and time.monotonic() - start < 60, output
@@ -361,9 +349,3 @@ def test_a_head_that_dies_under_the_command_fails_the_run_in_seconds(tmp_path):
         assert not trainer.is_running() or trainer.status() == psutil.STATUS_ZOMBIE
         psutil.wait_procs(list(seen.values()), timeout=10)
         assert _alive(seen) == [], f"outlived the failed launcher: {_alive(seen)}\n{output}"
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for proc in _alive(seen):
-            proc.kill()
-        shutil.rmtree(temp_root, ignore_errors=True)
