@@ -862,14 +862,14 @@ class TrialStore:
         """The texts of ``delta`` that need embedding to rebuild it, in the order
         :meth:`from_delta_vectors` expects their vectors (so a caller can embed many deltas in one batch).
         ``max_chars``: the longest text the delta's writer can write; a longer one is refused."""
-        texts = [(r.id, r.content) for r in cls._delta_records(base, delta) if not cls._keeps_base_text(base, r)]
-        for id_, text in texts:
-            if max_chars is not None and len(text) > max_chars:
+        records = [r for r in cls._delta_records(base, delta) if not cls._keeps_base_text(base, r)]
+        for record in records:
+            if max_chars is not None and len(record.content) > max_chars:
                 raise ValueError(
-                    f"delta for base {base.sample_id!r}: memory {id_} has {len(text):,} characters, more than the "
-                    f"{max_chars} its writer may write (a delta not made by the memory tools?)"
+                    f"delta for base {base.sample_id!r}: memory {record.id} has {len(record.content):,} characters, "
+                    f"more than the {max_chars} its writer may write (a delta not made by the memory tools?)"
                 )
-        return [text for _, text in texts]
+        return [r.content for r in records]
 
     @classmethod
     def from_delta_vectors(

@@ -182,8 +182,9 @@ def rewrite_marker(
 
     Keeps what the serve rule recorded (served name, model, reconnect time, and the key unless ``api_key`` is
     given) and records the new address, host, process and check time. The write replaces the file atomically,
-    so a client re-reading it sees the old address or the new one, never a partial file. Raises :class:`FileNotFoundError` when the marker is
-    gone: its consumers are done, and nothing should point at the server any more.
+    so a client re-reading it sees the old address or the new one, never a partial file. Raises
+    :class:`FileNotFoundError` when the marker is gone: its consumers are done, and nothing should point at the
+    server any more.
     """
     old = load_marker(path)
     return write_marker(

@@ -95,7 +95,8 @@ def new_api_key() -> str:
 #: Environment that makes vLLM expose its development endpoints (``/collective_rpc``,
 #: ``/reset_prefix_cache``), which :meth:`ServerProcess.reload_weights` needs. They let any client
 #: run worker methods: only for servers bound to loopback, as verl's rollout on CPU starts its own.
-DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+DEV_MODE_VAR = "VLLM_SERVER_DEV_MODE"
+DEV_MODE_ENV = {DEV_MODE_VAR: "1"}
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -109,9 +110,9 @@ def check_dev_mode(host: str, env: Mapping[str, str]) -> None:
     ...
     ValueError: VLLM_SERVER_DEV_MODE is set for a server bound to 0.0.0.0: ...
     """
-    if host not in LOOPBACK_HOSTS and env.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"):
+    if host not in LOOPBACK_HOSTS and env.get(DEV_MODE_VAR, "0") not in ("", "0"):
         raise ValueError(
-            f"VLLM_SERVER_DEV_MODE is set for a server bound to {host}: vLLM's development endpoints run code "
+            f"{DEV_MODE_VAR} is set for a server bound to {host}: vLLM's development endpoints run code "
             "on the server for any client, so they are opened only on loopback (unset it in this environment)"
         )
 

@@ -235,7 +235,9 @@ def run_env(
     """The environment ``main_ppo`` runs with: the trackers' folders, verl's platform on CPU, and the rollout
     server's ``serving.env`` with the :data:`EXTERNAL_ROLLOUT` rollout (its values, a token say, reach the server
     through the environment the Ray workers inherit, never through the command line)."""
-    server_env = (rollout_server or {}).get("env") or {} if uses_external_rollout(extra) else {}
+    server_env = {}
+    if uses_external_rollout(extra) and rollout_server:
+        server_env = dict(rollout_server.get("env") or {})
     return {**server_env, **tracking_env(experiment_dir), **(CPU_ENV if run_device(extra) == "cpu" else {})}
 
 
