@@ -113,7 +113,8 @@ def test_verl_command_spans_the_allocation(run):
     assert trainer[1:3] == ["-m", "verl.trainer.main_ppo"]
     assert "trainer.nnodes=2" in trainer and "trainer.n_gpus_per_node=4" in trainer
     assert "trainer.total_training_steps=3" in trainer
-    assert set(env) == {"TENSORBOARD_DIR", "VERL_FILE_LOGGER_PATH"}  # the memory paths travel in a file
+    # The memory paths travel in a file; the key closes verl's own rollout servers (verl_launcher.run_env).
+    assert set(env) == {"TENSORBOARD_DIR", "VERL_FILE_LOGGER_PATH", "VLLM_API_KEY"}
     assert MemoryEnvironment.read(f"{run['run_dir']}/memory_environment.json").memories == run["memories"]
     # prepare_main_ppo validated the config and wrote the run's agent loop with the served memory model.
     loops = yaml.safe_load(open(f"{run['run_dir']}/agent_loops.yaml"))

@@ -114,6 +114,10 @@ def test_stage1_command(run):
     assert got["++reward.custom_reward_function.reward_kwargs.memory_environment"] == (
         f"{run_dir}/memory_environment.json"
     )
+    # verl's own vLLM servers (a GPU run's) answer HTTP on their node's address: a key nobody is given closes
+    # their /v1. It reaches them in the environment the Ray nodes start with, never on a command line.
+    key = env.pop("VLLM_API_KEY")
+    assert len(key) >= 43 and not any(key in arg for arg in argv)
     assert env == {
         # verl's tensorboard and file trackers write into the run, not the Ray worker's working directory.
         "TENSORBOARD_DIR": f"{run_dir}/tensorboard",
@@ -122,6 +126,8 @@ def test_stage1_command(run):
     # The same variables go to every Ray worker, as strings (Ray rejects other env values), and no others.
     ray_env = {k.rsplit(".", 1)[1]: v for k, v in got.items() if k.startswith("++ray_kwargs.ray_init.runtime_env.")}
     assert ray_env == env
+    # A fresh key for every run.
+    assert vl.build_main_ppo_command("memory", **run)[1]["VLLM_API_KEY"] != key
 
 
 def test_stage2_command_needs_the_served_memory_model(run):
@@ -203,10 +209,12 @@ def test_every_override_composes_against_verl(run, stage, endpoint):
 
 
 def test_env_reaches_ray_workers_through_verls_runtime_env(run):
-    """main_ppo merges ray_kwargs.ray_init.runtime_env over get_ppo_ray_runtime_env() for ray.init."""
+    """main_ppo merges ray_kwargs.ray_init.runtime_env over get_ppo_ray_runtime_env() for ray.init. The rollout
+    servers' key is the exception: the Ray nodes start with it (their workers inherit it), off the command line."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     _, env = vl.build_main_ppo_command("memory", **run)
+    env.pop("VLLM_API_KEY")
     config = validate(vl.compose_overrides("memory", **run))
     merged = OmegaConf.merge(get_ppo_ray_runtime_env(config), config.ray_kwargs.ray_init.runtime_env)
     env_vars = OmegaConf.to_container(merged)["env_vars"]
@@ -263,7 +271,9 @@ def test_prepare_writes_the_run_files(run):
     assert "${" not in (run_dir / "resolved_config.yaml").read_text()
     assert resolved.actor_rollout_ref.rollout.response_length == resolved.data.max_response_length
     assert resolved.actor_rollout_ref.rollout.agent.agent_loop_config_path == str(run_dir / "agent_loops.yaml")
+    key = env.pop("VLLM_API_KEY")
     assert OmegaConf.to_container(resolved.ray_kwargs.ray_init.runtime_env.env_vars) == env
+    assert not any(key in path.read_text() for path in run_dir.rglob("*") if path.is_file())
     # The memory environment and the tools that read it, both in the run, as verl's registry builds them.
     environment = MemoryEnvironment.read(run_dir / "memory_environment.json")
     assert environment == MemoryEnvironment(
@@ -458,6 +468,8 @@ def test_a_cpu_run_selects_the_cpu_platform_and_the_external_rollout(run):
     assert custom["serving"] == {key: value for key, value in SERVER.items() if key != "env"}
     argv, env = vl.build_main_ppo_command("memory", extra=extra, rollout_server=SERVER, **run)
     assert env["A_B"] == "1" and not any("A_B" in arg for arg in argv)
+    # The rollout server's supervisor makes its server's key and gives it to verl's actor (external_vllm).
+    assert "VLLM_API_KEY" not in env
     # The platform is chosen in the driver (the run's env) and in every Ray worker (verl's runtime env).
     assert config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM == "cpu"
     assert env["VERL_PLATFORM"] == "cpu"

@@ -54,6 +54,7 @@ from memupdate.agents.fields import AGENT_LOOPS
 from memupdate.data.rows import MEMAGENT_AGENT, MEMORY_AGENT
 from memupdate.memory.environment import FILE_NAME as MEMORY_ENVIRONMENT_FILE
 from memupdate.memory.environment import MemoryEnvironment
+from memupdate.serving.vllm_server import API_KEY_ENV, new_api_key
 from memupdate.settings import (
     EXTERNAL_ROLLOUT,
     QA_PHASE_KEYS,
@@ -234,10 +235,17 @@ def run_env(
 ) -> dict[str, str]:
     """The environment ``main_ppo`` runs with: the trackers' folders, verl's platform on CPU, and the rollout
     server's ``serving.env`` with the :data:`EXTERNAL_ROLLOUT` rollout (its values, a token say, reach the server
-    through the environment the Ray workers inherit, never through the command line)."""
+    through the environment the Ray workers inherit, never through the command line).
+
+    With verl's own rollout (GPU runs), a fresh ``VLLM_API_KEY`` that no client is given: verl's vLLM servers
+    answer HTTP on their node's address (``vllm_async_server.py``, ``build_app``), and vLLM's ``build_app`` takes
+    the key from the environment the Ray workers inherit, so their ``/v1`` refuses every client on the cluster's
+    network. verl itself reaches them through Ray, not HTTP."""
     server_env = {}
-    if uses_external_rollout(extra) and rollout_server:
-        server_env = dict(rollout_server.get("env") or {})
+    if uses_external_rollout(extra):
+        server_env = dict((rollout_server or {}).get("env") or {})
+    else:
+        server_env = {API_KEY_ENV: new_api_key()}
     return {**server_env, **tracking_env(experiment_dir), **(CPU_ENV if run_device(extra) == "cpu" else {})}
 
 
