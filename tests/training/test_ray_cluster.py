@@ -266,6 +266,53 @@ def test_two_ranks_form_one_cluster_and_stop_it(tmp_path):
         shutil.rmtree(temp_root, ignore_errors=True)
 
 
+def test_a_port_another_process_answers_on_does_not_pass_for_the_heads_gcs(tmp_path):
+    """A port picked for the head and taken before Ray binds it: the other process answers there, and only one of
+    the head's own processes listening on it counts."""
+    head = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", 0))
+            other.listen()
+            with pytest.raises(rc.RayClusterError, match="did not listen on port"):
+                rc._wait_for_gcs(head, other.getsockname()[1], tmp_path / "head.log", time.monotonic() + 1)
+    finally:
+        head.kill()
+        head.wait()
+
+
+@pytest.mark.slow
+def test_a_head_that_exits_while_starting_starts_again_on_ports_picked_anew(tmp_path, monkeypatch, caplog):
+    """The head's ports are picked free and bound seconds later; a head whose GCS port was taken meanwhile exits
+    (after about 40 s of Ray's own retries, which this test spares: its first ray start exits at once). The head
+    starts again on ports picked anew."""
+    temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
+    ray_start_argv, ports = rc.ray_start_argv, []
+
+    def first_exits(**argv):
+        ports.append(argv["port"])
+        return ray_start_argv(**argv) if len(ports) > 1 else [sys.executable, "-c", "raise SystemExit(1)"]
+
+    monkeypatch.setattr(rc, "ray_start_argv", first_exits)
+    node_argv = {
+        "node_ip": "127.0.0.1",
+        "temp_dir": rc.ray_temp_dir(temp_root, "t4", 0),
+        "node_name": "h-rank0",
+        "num_cpus": 1,
+        "num_gpus": 0,
+        "object_store_memory": 100 * 1024 * 1024,
+    }
+    proc = None
+    try:
+        proc, port = rc._start_head(node_argv, None, tmp_path / "head.log", time.monotonic() + 120)
+        assert len(ports) == 2 and port == ports[1] and proc.poll() is None
+        assert "starting the head again on other ports (attempt 2)" in caplog.text
+    finally:
+        if proc is not None:
+            rc._stop_node(proc)
+        shutil.rmtree(temp_root, ignore_errors=True)
+
+
 @pytest.mark.slow
 def test_a_rank_that_never_joins_fails_the_start_up_naming_it(tmp_path):
     temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))

@@ -87,6 +87,8 @@ MAX_TEMP_DIR_LEN = AF_UNIX_PATH_MAX - 64
 #: Where a node's temp dir goes when the one under $TMPDIR (or --temp-root) is too long.
 SHORT_TEMP_ROOT = Path("/tmp")
 POLL_S = 0.5
+#: Starts of the head before its start-up fails (see _start_head).
+HEAD_START_ATTEMPTS = 3
 # How long a `ray start --block` gets to stop its node after SIGTERM before it is killed.
 STOP_TIMEOUT_S = 60.0
 
@@ -398,19 +400,54 @@ def _stop_group(pgid: int, timeout_s: float = 30.0) -> None:
         psutil.wait_procs(alive, timeout=10)
 
 
-def _wait_for_gcs(proc: subprocess.Popen, node_ip: str, port: int, log_path: Path, deadline: float) -> None:
+class HeadStartError(RayClusterError):
+    """The head's ``ray start`` exited before its GCS listened."""
+
+
+def _wait_for_gcs(proc: subprocess.Popen, port: int, log_path: Path, deadline: float) -> None:
+    """Until one of the head's own processes listens on ``port``: a connection alone could reach a process that
+    took the port after it was picked (the head's ray start then exits, after about 40 s of Ray's retries)."""
     while True:
         if proc.poll() is not None:
-            raise RayClusterError(
+            raise HeadStartError(
                 f"the Ray head exited with {proc.returncode} while starting; {log_path}:\n{tail(log_path, 20) or '(no log)'}"
             )
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.settimeout(POLL_S)
-            if sock.connect_ex((node_ip, port)) == 0:
-                return
+        if any(_listens(p, port) for p in _node_processes(proc)):
+            return
         if time.monotonic() > deadline:
-            raise RayClusterError(f"the Ray head did not open {node_ip}:{port} in time; see {log_path}")
+            raise RayClusterError(f"the Ray head did not listen on port {port} in time; see {log_path}")
         time.sleep(POLL_S)
+
+
+def _listens(process: psutil.Process, port: int) -> bool:
+    try:
+        connections = process.net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections)
+
+
+def _start_head(node_argv: dict, port: int | None, log_path: Path, deadline: float) -> tuple[subprocess.Popen, int]:
+    """The head's ``ray start`` with its GCS listening, and the GCS port. Ports it picks itself (``port`` None)
+    are free when picked and bound seconds later; another process can take one meanwhile (a vLLM server starting
+    beside it once did), and the head then exits: it is started again on other ports, up to
+    :data:`HEAD_START_ATTEMPTS` times."""
+    node_ip = node_argv["node_ip"]
+    for attempt in range(1, HEAD_START_ATTEMPTS + 1):
+        gcs_port = port or free_port(node_ip)
+        proc = _start_node(ray_start_argv(port=gcs_port, client_port=free_port(node_ip), **node_argv), log_path)
+        try:
+            _wait_for_gcs(proc, gcs_port, log_path, deadline)
+            return proc, gcs_port
+        except HeadStartError as err:
+            _stop_node(proc)
+            if port is not None or attempt == HEAD_START_ATTEMPTS or time.monotonic() > deadline:
+                raise
+            logger.warning("%s\nstarting the head again on other ports (attempt %d)", err, attempt + 1)
+        except BaseException:
+            _stop_node(proc)
+            raise
+    raise AssertionError("unreachable")
 
 
 def _wait_for_nodes(files: ClusterFiles, nnodes: int, deadline: float, timeout: float, joined: set[int]) -> None:
@@ -458,16 +495,13 @@ def _run_head(
             logger.warning("removing %s left by an earlier run with cluster id %s", stale, files.cluster_id)
             stale.unlink()
     _write_token(files.token)
-    node_ip = node_argv["node_ip"]
-    port = port or free_port(node_ip)
-    address = f"{node_ip}:{port}"
     proc: subprocess.Popen | None = None
     exit_code = 1
     joined: set[int] = set()
     seen: list[psutil.Process] = []  # the head's processes, kept up to date while the command runs
     try:
-        proc = _start_node(ray_start_argv(port=port, client_port=free_port(node_ip), **node_argv), files.log(0))
-        _wait_for_gcs(proc, node_ip, port, files.log(0), deadline)
+        proc, port = _start_head(node_argv, port, files.log(0), deadline)
+        address = f"{node_argv['node_ip']}:{port}"
         on_sigterm = signal.getsignal(signal.SIGTERM)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         try:
