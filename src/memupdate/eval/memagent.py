@@ -184,12 +184,19 @@ class MemAgentEvaluator:
     ) -> dict[str, Any]:
         """Predictions for every row of ``rows_file`` in ``style`` (written as JSONL to ``predictions``) and
         their summary."""
+        return asyncio.run(self.run_pass(self.dataset(rows_file), style, label, predictions))
+
+    async def run_pass(
+        self, dataset: Any, style: str, label: str, predictions: str | Path | None = None
+    ) -> dict[str, Any]:
+        """:meth:`evaluate` on a :meth:`dataset` in a running event loop, so that passes can run side by side."""
         if style not in self.configs:
             raise ValueError(f"style {style!r} is not among this evaluator's styles {sorted(self.configs)}")
         began = time.perf_counter()
-        records = asyncio.run(self._predict(self.dataset(rows_file), style, label))
+        records = await self._predict(dataset, style, label)
         if predictions:
-            write_text_atomic(predictions, "".join(json.dumps(r) + "\n" for r in records))
+            text = "".join(json.dumps(r) + "\n" for r in records)
+            await asyncio.to_thread(write_text_atomic, predictions, text)
         summary = summarize(records, style)
         # The progress bar is off where the output is not a terminal (a rule's log): one line per pass there.
         shown = ", ".join(f"{key} {summary[key]:.3f}" for key in STYLE_METRICS[style])
@@ -322,26 +329,43 @@ def memagent_length_curve(
     context length, named by it, e.g. ``{"10": ...}`` documents), in every style of ``settings``; writes
     ``predictions/<model>-<length>.jsonl`` (ours) and ``predictions/<model>-<length>.memagent_style.jsonl``,
     ``report.json``, ``report.md`` and ``length_curve.png`` into ``out_dir`` (``report.json`` last, so its
-    presence means everything is there)."""
+    presence means everything is there).
+
+    Every (model, style, length) pass runs at once: a served model then batches the questions of all its passes,
+    where one pass at a time (a few questions, a few turns each) left the server decoding one or two sequences.
+    A prediction's ``seconds`` is its batch's time with the other passes running beside it."""
     settings = settings if isinstance(settings, MemAgentEvalSettings) else build(MemAgentEvalSettings, settings, "eval")
     out = Path(out_dir)
     (out / "predictions").mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, dict[str, Any]]] = {style: {} for style in settings.styles}
-    described: dict[str, dict[str, Any]] = {}
-    for name, model in models.items():
-        evaluator = MemAgentEvaluator(model, settings, out / "work" / name)
-        described[name] = {
-            "path": str(evaluator.model_path),
-            "served_as": evaluator.server.endpoint.model if evaluator.served else None,
-        }
-        for style in settings.styles:
-            suffix = "" if style == "ours" else ".memagent_style"
-            results[style][name] = {
-                length: evaluator.evaluate(
-                    rows, out / "predictions" / f"{name}-{length}{suffix}.jsonl", f"{name} @ {length} ({style})", style
+    evaluators = {name: MemAgentEvaluator(model, settings, out / "work" / name) for name, model in models.items()}
+    described = {
+        name: {"path": str(e.model_path), "served_as": e.server.endpoint.model if e.served else None}
+        for name, e in evaluators.items()
+    }
+    # Tokenized before the event loop starts (verl's dataset tokenizes synchronously).
+    datasets = {
+        (name, length): e.dataset(rows) for name, e in evaluators.items() for length, rows in rows_files.items()
+    }
+    passes = [(name, style, length) for name in evaluators for style in settings.styles for length in rows_files]
+
+    async def run_passes() -> list[dict[str, Any]]:
+        return await asyncio.gather(
+            *(
+                evaluators[name].run_pass(
+                    datasets[name, length],
+                    style,
+                    f"{name} @ {length} ({style})",
+                    out / "predictions" / f"{name}-{length}{'' if style == 'ours' else '.memagent_style'}.jsonl",
                 )
-                for length, rows in rows_files.items()
-            }
+                for name, style, length in passes
+            )
+        )
+
+    results: dict[str, dict[str, dict[str, Any]]] = {
+        style: {name: {} for name in evaluators} for style in settings.styles
+    }
+    for (name, style, length), summary in zip(passes, asyncio.run(run_passes()), strict=True):
+        results[style][name][length] = summary
     report = {"experiment": experiment, "settings": asdict(settings), "models": described, "results": results["ours"]}
     if "memagent" in results:
         report["memagent_style"] = {
