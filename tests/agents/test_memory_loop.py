@@ -225,11 +225,9 @@ def test_the_qa_phase_the_reader_and_the_evaluation_ask_the_qa_model_alike(setup
     assert sampling == [GREEDY.request(reward.qa_max_tokens)] * 3
 
 
-def test_joint_stage_returns_the_memory_transcript_and_the_qa_row(setup):
-    outputs, policy, _ = run_episode(setup, training_stage="joint", fixed_model=None)
-    memory, answer = outputs
-    assert 1 in memory.response_mask and answer.response_mask == [1] * len(answer.response_ids)
-    assert memory.extra_fields[ANSWER_KEY] == answer.extra_fields[ANSWER_KEY]
+def test_a_role_no_config_can_select_is_refused(setup):
+    with pytest.raises(ValueError, match="training_stage must be one of \\('memory', 'qa'\\)"):
+        run_episode(setup, training_stage="joint", fixed_model=None)
 
 
 def test_memory_stage_without_qa_phase_needs_no_fixed_model_and_qa_stage_does(setup):

@@ -44,7 +44,7 @@ from memupdate.data.rows import MEMORY_AGENT
 from memupdate.prompts import DEFAULT_PROTOCOL, qa_messages, within_budget
 from memupdate.rewards.memory import MemoryRewardConfig
 from memupdate.serving.decoding import GREEDY
-from memupdate.settings import QA_PHASE_KEYS, RewardSettings
+from memupdate.settings import QA_PHASE_KEYS, ROLES, RewardSettings
 
 logger = logging.getLogger(__name__)
 # verl builds a turn-boundary builder for every episode and logs its choice in five lines, one a warning that a
@@ -53,7 +53,6 @@ logger = logging.getLogger(__name__)
 logging.getLogger("verl.utils.tokenizer.continuous_token_wiring").setLevel(logging.ERROR)
 
 TERMINATION_REASONS = ("done", "no_tool_call", "response_budget", "max_assistant_turns", "max_user_turns")
-STAGES = ("memory", "qa", "joint")
 
 
 def qa_settings(reward: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -108,7 +107,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
     ):
         """``training_stage`` says which role the policy plays and which tokens enter the loss: ``memory``
         (edits memory; a QA phase, if any, is answered by ``fixed_model``), ``qa`` (answers from memory
-        that ``fixed_model`` edited) or ``joint`` (both, one policy). ``fixed_model`` is any object with
+        that ``fixed_model`` edited). ``fixed_model`` is any object with
         verl's ``generate`` (a served model's :class:`~memupdate.serving.token_client.VLLMTokenClient`, or a local
         generator); it decodes as :data:`~memupdate.serving.decoding.GREEDY` at ``fixed_temperature`` (0 by
         default, so a GRPO group varies only in what is trained; None = the rollout's sampling).
@@ -122,11 +121,11 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         turn (the episode's, :class:`~memupdate.settings.EpisodeSettings`; None: what is left of the response
         budget)."""
         super().__init__(*args, **kwargs)
-        if training_stage not in STAGES:
-            raise ValueError(f"training_stage must be one of {STAGES}, got {training_stage!r}")
+        if training_stage not in ROLES:
+            raise ValueError(f"training_stage must be one of {ROLES}, got {training_stage!r}")
         self.training_stage = training_stage
-        self.qa_phase = qa_phase or training_stage in ("qa", "joint")
-        fixed_role = {"memory": "qa" if self.qa_phase else None, "qa": "memory", "joint": None}[training_stage]
+        self.qa_phase = qa_phase or training_stage == "qa"
+        fixed_role = "memory" if training_stage == "qa" else ("qa" if self.qa_phase else None)
         if fixed_role is not None and fixed_model is None:
             raise ValueError(
                 f"training_stage={training_stage!r} needs fixed_model to play the {fixed_role} role "
@@ -184,7 +183,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         # which would put them all in one trial store; the context's counter keeps them apart.
         return self.loop_context.next_request_id()
 
-    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput | list[AgentLoopOutput]:
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         info = kwargs.get("extra_info") or {}
         qa = None
         try:
@@ -218,7 +217,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
             extra_fields={**output.extra_fields, **qa.versions},
         )
         # Stage qa: the memory transcript is all fixed-role tokens (nothing to train), so only the QA row.
-        return answer if self.training_stage == "qa" else [output, answer]
+        return answer
 
     async def ct_build_initial_tokens(
         self, messages, tools=None, images=None, videos=None, audios=None, mm_inputs_out=None

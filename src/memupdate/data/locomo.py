@@ -509,20 +509,6 @@ ROW_SCHEMA = row_schema(
 )
 
 
-def conversation_text(conv: LocomoConversation) -> str:
-    """The whole conversation as one text, session by session with dates (the full-context baseline).
-
-    Image turns keep their caption, as the LoCoMo paper's full-context runs do.
-    """
-    lines = []
-    for session in conv.sessions:
-        lines.append(f"Session {session.index} ({session.date_time or 'unknown date'}):")
-        for turn in session.turns:
-            caption = f" [shares a photo: {turn.image_caption}]" if turn.image_caption else ""
-            lines.append(f"{turn.speaker}: {turn.text}{caption}")
-    return "\n".join(lines)
-
-
 def build_prompt(conv: LocomoConversation, question: str, n_memories: int) -> list[dict[str, str]]:
     """The chat messages of one training or evaluation episode (the same for both)."""
     dates = [s.date_time for s in conv.sessions if s.date_time]

@@ -147,11 +147,6 @@ class MemoryStoreManager:
                 logger.info("loaded base memories of %s: %d records", sample_id, len(self._bases[sample_id]))
             return self._bases[sample_id]
 
-    def preload(self, sample_ids: list[str]) -> None:
-        """Load these conversations' base stores now (at worker start) rather than on first open."""
-        for sample_id in sample_ids:
-            self.base(sample_id)
-
     # ------------------------------------------------------------------ trials
 
     def start_from(self, base_namespace: str, store: TrialStore | None) -> None:

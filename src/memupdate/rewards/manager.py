@@ -11,7 +11,7 @@ agent loop); all components become ``reward_extra_info`` (logged per sample by v
 Settings come from ``reward.custom_reward_function.reward_kwargs`` (verl's own key)::
 
     memory_environment                      # the run's memory_environment.json, which the tools read too
-    training_stage: memory | qa | joint     # the trained role (default memory)
+    training_stage: memory | qa             # the trained role (default memory)
     scorer: answer_recall | evidence_recall | reader | judge
     reader_marker, judge_marker             # readiness markers of the served reader and judge
     qa_prompt: locomo | mem0, qa_max_tokens, reader_metric: locomo_f1 | mem0_f1
@@ -68,7 +68,7 @@ from memupdate.rewards.scorers import (
 )
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.readiness import read_marker
-from memupdate.settings import RewardSettings
+from memupdate.settings import ROLES, RewardSettings
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,6 @@ SETTINGS = {
 SCORERS = ("answer_recall", "evidence_recall", "reader", "judge")
 #: Scorers that ask served models, and the models each asks.
 SERVED_ROLES = {"reader": ("reader",), "judge": ("reader", "judge")}
-TRAINING_STAGES = ("memory", "qa", "joint")
 #: The QA phase's answer cap (``qa_max_tokens``), which the reader shares: it gives the same answers.
 DEFAULT_QA_MAX_TOKENS = RewardSettings.qa_max_tokens
 #: Each QA protocol's own F1, the reader's metric unless ``reader_metric`` says otherwise.
@@ -136,8 +135,8 @@ def served_endpoints(settings: Mapping[str, Any]) -> dict[str, Endpoint]:
     if scorer not in SCORERS:
         raise ValueError(f"unknown reward scorer {scorer!r}; known: {', '.join(SCORERS)}")
     stage = settings.get("training_stage") or "memory"
-    if stage not in TRAINING_STAGES:
-        raise ValueError(f"reward setting training_stage must be one of {TRAINING_STAGES}, got {stage!r}")
+    if stage not in ROLES:
+        raise ValueError(f"reward setting training_stage must be one of {ROLES}, got {stage!r}")
     if scorer not in SERVED_ROLES or stage == "qa":
         return {}
     endpoints = {}
@@ -289,7 +288,7 @@ class MemoryRewardManager(RewardManagerBase):
                 )
             return {"reward_score": answer, "reward_extra_info": {"answer_score": answer, "score": answer}}
         (result,) = await self.score([self.request(extra_info, fields)])
-        score = {"memory": result["score"], "qa": answer, "joint": result["score"] + answer}[stage]
+        score = result["score"] if stage == "memory" else answer
         return {
             "reward_score": score,
             "reward_extra_info": {**result, "memory_reward": result["score"], "answer_score": answer, "score": score},
@@ -340,7 +339,7 @@ class MemoryRewardManager(RewardManagerBase):
             pool = self.pool.get(extra_info["sample_id"], [])
             items = select_questions(target, pool, self.reward_config.other_questions, extra_info["namespace"])
         # The fixed QA model answered the target from the final store in the QA phase, with the reader's
-        # prompt: that is S(final)'s answer, not one to ask again. (In stage joint the policy answered.)
+        # prompt: that is S(final)'s answer, not one to ask again.
         answers = None
         if stage == "memory" and self.scorer.name in SERVED_ROLES and fields.get(ANSWER_KEY) is not None:
             answers = [fields[ANSWER_KEY]] + [None] * (len(items) - 1)

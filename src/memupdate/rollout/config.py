@@ -21,12 +21,11 @@ from omegaconf import DictConfig, OmegaConf
 from memupdate.agents.fields import AGENT_LOOPS, MEMORY_REWARD
 from memupdate.data.rows import MEMORY_AGENT
 from memupdate.memory.environment import MemoryEnvironment
-from memupdate.settings import QA_PHASE_KEYS, EpisodeSettings, RewardSettings
+from memupdate.settings import QA_PHASE_KEYS, ROLES, EpisodeSettings, RewardSettings
 from memupdate.tools.config import write_tool_config
 from memupdate.utils.io import write_text_atomic
 
 #: The roles an episode of the memory loop trains (memupdate.agents.memory_loop).
-STAGES = ("memory", "qa", "joint")
 
 
 @dataclass(kw_only=True)
@@ -48,9 +47,9 @@ class RolloutConfig:
     #: Reward manager registered with verl's reward loop, and its settings.
     reward_manager: str = MEMORY_REWARD
     reward: dict[str, Any] = field(default_factory=dict)
-    #: Which role is trained (memory | qa | joint); see memupdate.agents.memory_loop.
+    #: Which role is trained (memory | qa); see memupdate.agents.memory_loop.
     training_stage: str = "memory"
-    #: Add the QA phase to memory-stage episodes (implied by the qa and joint stages).
+    #: Add the QA phase to memory-stage episodes (implied by the qa stage).
     qa_phase: bool = False
     #: The served model playing the other role, ``{base_url, model}`` (from its readiness marker).
     fixed_model: dict[str, Any] | None = None
@@ -74,8 +73,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.agent_name not in AGENT_LOOPS:
             raise ValueError(f"unknown agent_name {self.agent_name!r}; known: {sorted(AGENT_LOOPS)}")
-        if self.training_stage not in STAGES:
-            raise ValueError(f"training_stage must be one of {STAGES}, got {self.training_stage!r}")
+        if self.training_stage not in ROLES:
+            raise ValueError(f"training_stage must be one of {ROLES}, got {self.training_stage!r}")
         if self.rollout_n < 1:
             raise ValueError(f"rollout_n must be at least 1, got {self.rollout_n}")
         if (self.memory is None) != (self.tool_config is None):

@@ -22,7 +22,7 @@ Per run, under ``experiment_dir``:
 
 A stage is an override set, not a config file: ``memory`` trains the memory role (two-stage stage 1, or
 single-stage MemoryUpdate), ``qa`` trains the QA role while the stage-1 model is served as the fixed
-memory model (stage 2), ``joint`` trains both. Only the agent loop's arguments differ between them.
+memory model (stage 2). Only the agent loop's arguments differ between them.
 
 The memory tools and the reward manager read the run's ``memory_environment.json``
 (:class:`~memupdate.memory.environment.MemoryEnvironment`: memories, embedding cache and model, content
@@ -58,6 +58,7 @@ from memupdate.serving.vllm_server import API_KEY_ENV, new_api_key
 from memupdate.settings import (
     EXTERNAL_ROLLOUT,
     QA_PHASE_KEYS,
+    ROLES,
     VERL_BASE_CONFIG,
     VERL_CONFIG_DIR,
     VERL_CPU_CONFIG,
@@ -94,7 +95,6 @@ CPU_ENV = {"VERL_PLATFORM": "cpu"}
 EXTERNAL_ROLLOUT_SETTINGS = "actor_rollout_ref.rollout.custom"
 #: The serving settings the external rollout's server takes (the rest are about serving rules' jobs).
 _ROLLOUT_SERVER_KEYS = ("engine", "python", "dtype", "startup_timeout_s", "extra_args")
-TRAINING_STAGES = ("memory", "qa", "joint")
 
 # Files and folders of one run, under experiment_dir.
 RESOLVED_CONFIG = "resolved_config.yaml"
@@ -188,15 +188,13 @@ def _files(files: PathLike | Sequence[PathLike]) -> list[str]:
 
 
 def _fixed_model(stage: str, endpoint: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if stage not in TRAINING_STAGES:
-        raise ValueError(f"unknown training stage {stage!r}; expected one of {', '.join(TRAINING_STAGES)}")
+    if stage not in ROLES:
+        raise ValueError(f"unknown training stage {stage!r}; expected one of {', '.join(ROLES)}")
     if stage == "qa" and endpoint is None:
         raise ValueError(
             "stage 'qa' trains the QA role against a served memory model: pass fixed_model_endpoint "
             "{base_url, model} (the stage-1 model's readiness marker)"
         )
-    if stage == "joint" and endpoint is not None:
-        raise ValueError("stage 'joint' trains both roles, so it takes no fixed_model_endpoint")
     if endpoint is None:
         return None
     missing = [k for k in ("base_url", "model") if not endpoint.get(k)]
@@ -354,7 +352,7 @@ def compose_overrides(
 ) -> list[str]:
     """Hydra overrides for ``main_ppo --config-name grpo_memupdate`` for one run.
 
-    ``stage`` is a training stage (``memory``, ``qa`` or ``joint``); it and ``fixed_model_endpoint``
+    ``stage`` is a training stage (``memory`` or ``qa``); it and ``fixed_model_endpoint``
     go into the run's ``agent_loops.yaml``, ``memory`` into its ``memory_environment.json`` and ``tool_config``'s
     tools into its ``tools.yaml`` (all written by :func:`prepare_main_ppo`). ``reward`` holds our
     reward manager's settings (:func:`memupdate.training.stages.stage_reward`: scorer, the served scorers'
