@@ -17,6 +17,7 @@ from memupdate.cli import main
 from memupdate.preflight import (
     PACKAGED_EMBEDDING,
     Need,
+    all_reduce,
     check_cuda,
     check_disk,
     check_flash_attn,
@@ -51,6 +52,18 @@ def test_cuda_and_nccl_fail_on_a_cpu_machine_with_their_fixes():
     assert not cuda.ok and torch.__version__ in cuda.detail
     assert "pip install -e '.[gpu]'" in cuda.fix or "GPU node" in cuda.fix
     assert not nccl.ok and "NCCL" in nccl.detail and nccl.fix
+
+
+def test_the_nccl_checks_all_reduce_runs_one_process_per_rank():
+    """The NCCL check's collective, here over gloo on CPU (on a GPU node it runs over NCCL, a rank per GPU)."""
+    error, seconds = all_reduce(2, "gloo")
+    assert error is None and seconds > 0
+
+
+@cpu_only
+def test_an_all_reduce_whose_ranks_fail_names_each_and_why():
+    error, _ = all_reduce(2, "nccl")
+    assert error.startswith("rank 0 exited with 1: ") and "; rank 1 exited with 1: " in error, error
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")

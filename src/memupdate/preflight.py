@@ -154,7 +154,75 @@ def check_nccl() -> Check:
             f"torch {torch.__version__} has no NCCL backend",
             f"a CUDA build of torch has it: {GPU_INSTALL}",
         )
-    return Check("nccl", True, "NCCL " + ".".join(str(part) for part in torch.cuda.nccl.version()))
+    version = "NCCL " + ".".join(str(part) for part in torch.cuda.nccl.version())
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return Check("nccl", True, f"{version}; no GPU to run a collective on (see cuda)")
+    # Built in is not working: a node's NCCL can still fail its first collective (peer-to-peer or shared-memory
+    # transport refused, a driver mismatch), which verl would meet at its first weight all-gather.
+    error, seconds = all_reduce(gpus, "nccl")
+    if error:
+        return Check(
+            "nccl",
+            False,
+            f"{version}: an all-reduce over this node's {gpus} GPU(s) failed: {error}",
+            "rerun with NCCL_DEBUG=INFO to see which transport fails; NCCL_P2P_DISABLE=1 or NCCL_SHM_DISABLE=1 "
+            "(in the environment Snakemake runs in) works around a node whose peer-to-peer or shared memory is off",
+        )
+    return Check("nccl", True, f"{version}; an all-reduce over this node's {gpus} GPU(s) took {seconds:.1f} s")
+
+
+#: One rank of :func:`all_reduce`: its environment says which; every rank adds its rank + 1.
+_ALL_REDUCE_RANK = """
+import os, torch, torch.distributed as dist
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+backend = os.environ["PREFLIGHT_BACKEND"]
+device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+if backend == "nccl":
+    torch.cuda.set_device(device)
+dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+value = torch.full((1024,), float(rank + 1), device=device)
+dist.all_reduce(value)
+expected = world * (world + 1) / 2
+assert torch.all(value == expected), f"rank {rank} got {value[0].item()}, expected {expected}"
+dist.destroy_process_group()
+"""
+
+
+def all_reduce(ranks: int, backend: str, timeout_s: float = 180.0) -> tuple[str | None, float]:
+    """An all-reduce over ``ranks`` processes of this node (rank r on GPU r with ``nccl``), as verl's ranks
+    run one: ``(None, seconds)``, or ``(what failed, seconds)``."""
+    import subprocess
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks)}
+    began = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ALL_REDUCE_RANK],
+            env={**os.environ, **common, "RANK": str(rank), "PREFLIGHT_BACKEND": backend},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(ranks)
+    ]
+    failures = []
+    for rank, proc in enumerate(procs):
+        try:
+            output, _ = proc.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - began)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+            failures.append(f"rank {rank} did not finish in {timeout_s:.0f} s")
+            continue
+        if proc.returncode:
+            last = [line for line in output.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+            failures.append(f"rank {rank} exited with {proc.returncode}: {last[0]}")
+    return ("; ".join(failures) or None), time.perf_counter() - began
 
 
 def check_flash_attn() -> Check:

@@ -58,6 +58,10 @@ def test_a_text_is_embedded_once_however_often_it_is_asked_for(embedder, monkeyp
     monkeypatch.setattr(module, "RECENT_TEXTS", 2)
     embedder.encode(["third text"])
     assert list(embedder._loaded.recent) == [question, "third text"]
+    # Forgotten, a text is embedded again.
+    embedder.forget_recent()
+    embedder.encode([question])
+    assert embedded == [question, "a memory written once", "third text", question]
 
 
 def test_model_is_loaded_once_per_process_and_aliases_agree(embedder):

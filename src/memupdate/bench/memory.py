@@ -6,8 +6,9 @@ fit it) and the reward's fixed retrieval budget (``context_chars``).
    excluding the embedding of new text (vectors are computed with the real model beforehand), and for
    reference including it. Target: p99 < 5 ms without embedding.
 2. Reward throughput with the ``answer_recall`` scorer for many trial stores of about 5 changes each,
-   against the embedding-bound limit measured in the same run (embedding the same new texts and
-   questions in one batch with the same model). Target: ratio >= 0.8.
+   against the floor of the work it cannot avoid, measured in the same run: embedding each distinct new
+   text and question once, in one batch, with the same model. Both are timed with the model's recent
+   vectors forgotten (a lookup of vectors the run already computed is not the floor). Target: ratio >= 0.9.
 3. Resident memory added per 1,000 trial stores. Target: < 50 MB.
 4. Event-loop lag p99 while 64 episodes run tool calls concurrently. Target: < 10 ms.
 """
@@ -43,7 +44,7 @@ from memupdate.tools.memory_tools import TOOL_CLASSES, MemoryTool, agent_data_fo
 
 logger = logging.getLogger(__name__)
 
-TARGETS = {"tool_p99_ms": 5.0, "reward_ratio": 0.8, "mb_per_1000_trials": 50.0, "loop_lag_p99_ms": 10.0}
+TARGETS = {"tool_p99_ms": 5.0, "reward_ratio": 0.9, "mb_per_1000_trials": 50.0, "loop_lag_p99_ms": 10.0}
 
 
 class PrecomputedEmbedder:
@@ -170,12 +171,15 @@ async def reward_throughput(
 
     embedder.encode(["warm-up"] * 64)
     # Embedding time on this kind of VM varies by +-20% run to run: alternate the two measurements and
-    # keep the best of each (as timeit does), so the ratio compares like with like.
+    # keep the best of each (as timeit does), so the ratio compares like with like. Each starts with the
+    # model's recent vectors forgotten: the reward pays for embedding its texts once, and so does the floor.
     embed_times, reward_times = [], []
     for _ in range(repeats):
+        embedder.forget_recent()
         start = time.perf_counter()
         embedder.encode(list(dict.fromkeys([*questions, *new_texts])))
         embed_times.append(time.perf_counter() - start)
+        embedder.forget_recent()
         computer = MemoryRewardComputer(lambda _: base, embedder, AnswerRecallScorer(), MemoryRewardConfig())
         start = time.perf_counter()
         rewards = await computer.compute(requests)
@@ -332,7 +336,7 @@ def format_memory_bench(result: dict[str, Any]) -> str:
             "reward throughput",
             f"{rt['trials_per_second']} trials/s",
             f"limit {rt['embedding_bound_trials_per_second']}/s, ratio {rt['ratio']}",
-            "ratio >= 0.8",
+            f"ratio >= {TARGETS['reward_ratio']}",
         ]
     )
     rows.append(

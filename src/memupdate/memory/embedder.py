@@ -163,6 +163,12 @@ class Embedder:
                 recent.popitem(last=False)
         return np.ascontiguousarray(np.stack(rows), dtype=np.float32)
 
+    def forget_recent(self) -> None:
+        """Drop the recent texts' vectors (of this model, in this process), so the next encode runs the model:
+        what a benchmark times is then the embedding, not a lookup."""
+        with self._loaded.lock:
+            self._loaded.recent.clear()
+
     @property
     def truncated(self) -> int:
         """How many distinct texts this process embedded only in part, being longer than the model's input."""
