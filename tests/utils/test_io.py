@@ -1,4 +1,4 @@
-"""Atomic writes: an artifact appears whole or not at all, with the mode the user's umask gives (issue 37)."""
+"""Atomic writes: an artifact appears whole or not at all, with the mode the user's umask gives (issue 37); the paths it records."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from memupdate.memory.cache import EmbeddingCache
-from memupdate.utils.io import atomic_outputs, write_json_atomic, write_text_atomic
+from memupdate.utils.io import atomic_outputs, portable_path, write_json_atomic, write_text_atomic
 
 
 @pytest.fixture
@@ -60,3 +60,13 @@ def test_a_sigterm_during_an_atomic_write_leaves_no_temporary_file(tmp_path):
     job.send_signal(signal.SIGTERM)
     assert job.wait(timeout=30) == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []
+
+
+def test_artifacts_record_paths_inside_the_repository_relative_and_others_as_given(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "results" / "models").mkdir(parents=True)
+    monkeypatch.chdir(repo)
+    assert portable_path(repo / "results" / "models" / "m") == "results/models/m"
+    # A sibling whose name starts like the repository's is outside it.
+    assert portable_path(tmp_path / "repo-old" / "m") == str(tmp_path / "repo-old" / "m")
+    assert portable_path("/scratch/hf/hub/m") == "/scratch/hf/hub/m"

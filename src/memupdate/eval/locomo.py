@@ -69,7 +69,7 @@ from memupdate.settings import (
     stage_sections,
 )
 from memupdate.tools.config import TOOL_CONFIG
-from memupdate.utils.io import read_parquet_columns, sha256_file, sha256_text, write_json_atomic
+from memupdate.utils.io import portable_path, read_parquet_columns, sha256_file, sha256_text, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -591,7 +591,7 @@ class LocomoEvaluator:
         for role, marker in (("qa", system.qa), ("memory", system.memory)):
             if marker:
                 folder = Path(load_marker(marker)["model_path"])
-                models[role] = {"path": str(folder), "manifest": model_fingerprint(folder)}
+                models[role] = {"path": portable_path(folder), "manifest": model_fingerprint(folder)}
         # The judge scores predictions after the fact; changing it re-judges, it does not re-predict.
         settings = {k: v for k, v in asdict(self.settings).items() if k != "judge"}
         return {"kind": system.kind, "models": models, "settings": settings, "test_file": sha256_file(self.test_file)}
@@ -789,7 +789,7 @@ def evaluate_locomo(
             if eval_settings.judge not in markers:
                 raise ValueError(f"eval.judge is {eval_settings.judge!r}, which is not served for this run")
             endpoint = read_marker(markers[eval_settings.judge], timeout_s=30.0)
-            judge_name = f"{endpoint.model} ({load_marker(markers[eval_settings.judge])['model_path']})"
+            judge_name = f"{endpoint.model} ({portable_path(load_marker(markers[eval_settings.judge])['model_path'])})"
             async with OpenAIClient(endpoint) as judge:
                 for path in paths.values():
                     await judge_predictions(path, judge, judge_name)

@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 from memupdate.agents.fields import MEMAGENT_REWARD
 from memupdate.data.rows import MEMAGENT_AGENT
 from memupdate.settings import MemAgentEvalSettings, build
-from memupdate.utils.io import write_json_atomic, write_text_atomic
+from memupdate.utils.io import portable_path, write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ def memagent_length_curve(
     (out / "predictions").mkdir(parents=True, exist_ok=True)
     evaluators = {name: MemAgentEvaluator(model, settings, out / "work" / name) for name, model in models.items()}
     described = {
-        name: {"path": str(e.model_path), "served_as": e.server.endpoint.model if e.served else None}
+        name: {"path": portable_path(e.model_path), "served_as": e.server.endpoint.model if e.served else None}
         for name, e in evaluators.items()
     }
     # Tokenized before the event loop starts (verl's dataset tokenizes synchronously).

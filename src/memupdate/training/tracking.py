@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from memupdate.utils.io import sha256_file, write_json_atomic, write_text_atomic
+from memupdate.utils.io import portable_path, sha256_file, write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def run_record(data: Mapping[str, str | os.PathLike | Iterable[str | os.PathLike
             if not os.path.exists(path):
                 logger.warning("%s %s does not exist here: its sha256 is not recorded", role, path)
             digest = data_sha256(path) if os.path.exists(path) else None
-            hashes[role].append({"path": os.fspath(path), "sha256": digest})
+            hashes[role].append({"path": portable_path(path), "sha256": digest})
     return {"git": git_state(), "data_sha256": hashes}
 
 

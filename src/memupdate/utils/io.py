@@ -167,6 +167,22 @@ def json_loads_strict(text: str, where: str) -> Any:
     return json.loads(text, object_pairs_hook=pairs)
 
 
+def portable_path(path: str | os.PathLike) -> str:
+    """``path`` as a report or manifest records it: relative to the working directory (the repository, where
+    Snakemake runs every job) when it lies inside it, so a shared artifact holds no machine's folders; as given
+    otherwise (a hub cache, a scratch folder the user named).
+
+    >>> portable_path(os.path.join(os.getcwd(), "results", "models", "m"))
+    'results/models/m'
+    >>> portable_path("results/models/m")
+    'results/models/m'
+    """
+    absolute, here = os.path.abspath(path), os.getcwd()
+    if os.path.commonpath([absolute, here]) != here:
+        return os.fspath(path)
+    return os.path.relpath(absolute, here)
+
+
 def short_repr(value: Any, limit: int = 40) -> str:
     """``repr(value)``, cut to ``limit`` characters: how an error message quotes a value that may be huge (a
     5,000-digit number a model wrote, a tampered file's field).
