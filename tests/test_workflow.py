@@ -543,17 +543,13 @@ def test_the_whole_dag_on_the_local_profile(tiny_pipeline):
     curve = json.loads((workdir / "results/tiny_memagent/memagent_eval/report.json").read_text())
     assert set(curve["results"]) == {"base", "trained"} and curve["results"]["trained"]["10"]["n"] == 2
     assert (workdir / "results/tiny_memagent/memagent_eval/length_curve.png").is_file()
-    # Both MemAgent models were served for the evaluation: the base policy and the trained checkpoint.
+    # Both MemAgent models were served for the evaluation: the base policy and the trained checkpoint, recorded
+    # by their paths in the repository (a report holds no machine's folders).
     assert curve["models"] == {
-        "base": {
-            "path": str((workdir / "results/models/tiny-random").resolve()),
-            "served_as": "tiny_memagent-eval-base",
-        },
-        "trained": {
-            "path": str((workdir / "results/tiny_memagent/memagent/ckpt").resolve()),
-            "served_as": "tiny_memagent-eval-memagent",
-        },
+        "base": {"path": "results/models/tiny-random", "served_as": "tiny_memagent-eval-base"},
+        "trained": {"path": "results/tiny_memagent/memagent/ckpt", "served_as": "tiny_memagent-eval-memagent"},
     }
+    assert str(workdir) not in (workdir / "results/tiny/eval/report.json").read_text()
     check_question_agnostic_ingestion(workdir)
     # Servers were stopped when the run ended; their markers (temp) are gone with them.
     for served in ("qa-base", "stage1", "eval-qa-base", "eval-stage1", "eval-stage2"):
