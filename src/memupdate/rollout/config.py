@@ -25,8 +25,6 @@ from memupdate.settings import QA_PHASE_KEYS, ROLES, EpisodeSettings, RewardSett
 from memupdate.tools.config import write_tool_config
 from memupdate.utils.io import write_text_atomic
 
-#: The roles an episode of the memory loop trains (memupdate.agents.memory_loop).
-
 
 @dataclass(kw_only=True)
 class RolloutConfig:

@@ -239,7 +239,6 @@ def run_env(
     answer HTTP on their node's address (``vllm_async_server.py``, ``build_app``), and vLLM's ``build_app`` takes
     the key from the environment the Ray workers inherit, so their ``/v1`` refuses every client on the cluster's
     network. verl itself reaches them through Ray, not HTTP."""
-    server_env = {}
     if uses_external_rollout(extra):
         server_env = dict((rollout_server or {}).get("env") or {})
     else:
