@@ -207,6 +207,12 @@ class SFTSettings:
     max_rows: int | None = setting(
         None, help="train rows (questions, or sessions) played by the expert (null = all)", minimum=1
     )
+    min_rows: int = setting(
+        64,
+        help="demonstrations kept at least: episodes that stop without an edit are kept as many as the kept edits, "
+        "and more up to this many rows (the tool format needs them; balance_edits)",
+        minimum=1,
+    )
     search_top_k: int = setting(
         10,
         help="top_k of the expert's search: evidence often ranks below the top 5, but each result shown "

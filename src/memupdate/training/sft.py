@@ -218,7 +218,7 @@ async def make_demonstrations(cfg: SFTConfig, tokenizer: Any) -> tuple[DataProto
             records.extend(await _records(batch, prompts, tokenizer, expert, scorer, others))
             bar.update(len(indices))
     if not memagent:
-        balance_edits(records)
+        balance_edits(records, cfg.min_rows)
     return DataProto.concat(parts), records, np.concatenate(episodes)
 
 
