@@ -2,7 +2,7 @@
 # One entry point that sets up everything on a fresh Debian machine with Python 3.11, then runs:
 #   ./run.sh pipeline [snakemake args]  the whole workflow on profiles/local at smoke scale
 #   ./run.sh tests [pytest args]        the test suite
-#   ./run.sh demo [snakemake args]      the cpu_demo run: cold start, GRPO and both evaluations (README)
+#   ./run.sh demo [snakemake args]      the cpu_demo run: cold start, GRPO and both evaluations (docs/cpu-demo.md)
 # The environment lives in .venv and is rebuilt only when pyproject.toml or constraints change.
 set -euo pipefail
 cd "$(dirname "$0")"

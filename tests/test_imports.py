@@ -112,7 +112,7 @@ def test_the_cycle_finder_finds_one():
         ("memupdate.rollout", ("memupdate.training", "memupdate.eval", "memupdate.bench")),
         # What agent loops, tools and rewards share is verl-free and imports none of them.
         ("memupdate.agents.fields", ("memupdate.agents.memory_loop", "memupdate.tools", "memupdate.rewards")),
-        ("memupdate.data.rows", ("memupdate",)),
+        ("memupdate.names", ("memupdate",)),
     ],
 )
 def test_layers_run_one_way(layer, forbidden):
@@ -125,3 +125,76 @@ def test_layers_run_one_way(layer, forbidden):
         if any(d == f or d.startswith(f + ".") for f in forbidden)
     }
     assert not wrong, sorted(wrong)
+
+
+#: The package's layers, lowest first: a module may import its own layer and those below, never one above.
+#: The bottom is what every layer shares and what imports nothing of the package's logic (names, prompts,
+#: chat templates, typed config, the Slurm resource table); the settings read it; the memory core reads the
+#: settings; data, models and serving stand on the memory core; the agent loops on those; tools and rewards
+#: on the loops' fields; rollouts and verl's extensions put tools, rewards and loops together; training,
+#: evaluation and the benchmarks use rollouts; the command line and the workflow's helpers use everything.
+LAYERS: list[tuple[str, ...]] = [
+    (
+        "memupdate.names",
+        "memupdate.utils",
+        "memupdate.typed_config",
+        "memupdate.metrics",
+        "memupdate.prompts",
+        "memupdate.chat_templates",
+        "memupdate.workflow_dag",
+        "memupdate.rehearsal",
+        "memupdate.cluster",
+    ),
+    ("memupdate.settings",),
+    ("memupdate.memory",),
+    ("memupdate.data", "memupdate.models", "memupdate.serving"),
+    ("memupdate.agents",),
+    ("memupdate.tools", "memupdate.rewards"),
+    ("memupdate.rollout", "memupdate.verl_ext"),
+    ("memupdate.training", "memupdate.eval", "memupdate.bench"),
+    (
+        "memupdate",
+        "memupdate.cli",
+        "memupdate.plan",
+        "memupdate.dvc_stages",
+        "memupdate.preflight",
+        "memupdate.verl_plugin",
+    ),
+]
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``module``: that of the longest prefix :data:`LAYERS` names."""
+    best = None
+    for number, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[1])):
+                best = (number, prefix)
+    if best is None:
+        raise KeyError(f"{module} is in no layer of LAYERS: give it one")
+    return best[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every import of a module from a higher layer than its own."""
+    return sorted((module, dep) for module, deps in graph.items() for dep in deps if layer_of(dep) > layer_of(module))
+
+
+def test_every_module_has_a_layer():
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    assert upward_imports(import_graph()) == []
+
+
+def test_a_module_is_in_the_layer_of_its_longest_prefix():
+    assert (layer_of("memupdate.memory.store"), layer_of("memupdate.settings"), layer_of("memupdate")) == (2, 1, 8)
+    with pytest.raises(KeyError, match="memupdate_other is in no layer"):
+        layer_of("memupdate_other")
+
+
+def test_an_upward_import_is_found():
+    graph = {"memupdate.memory.store": {"memupdate.rewards.memory"}, "memupdate.rewards.memory": {"memupdate.memory"}}
+    assert upward_imports(graph) == [("memupdate.memory.store", "memupdate.rewards.memory")]

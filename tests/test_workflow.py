@@ -456,7 +456,7 @@ def test_the_whole_dag_on_the_local_profile(tiny_pipeline):
         ckpt = workdir / "results/tiny" / stage / "ckpt"
         manifest = json.loads((ckpt / "manifest.json").read_text())
         assert manifest["step"] == 1 and manifest["base_model"] == base
-        # One step of verl's trainer (README "verl on CPU"), its rollouts served by the policy's own vLLM server.
+        # One step of verl's trainer (docs/verl-on-cpu.md), its rollouts served by the policy's own vLLM server.
         (step,) = [json.loads(line) for line in (workdir / "results/tiny" / stage / "metrics.jsonl").open()]
         assert step["step"] == 1 and step["verl"]["timing_s/gen"] > 0 and step["verl"]["timing_s/update_actor"] > 0
         assert manifest["backend"] == "verl" and served_the_trained_weights(workdir / "results/tiny" / stage)

@@ -31,8 +31,8 @@ from memupdate.utils.io import yaml_load_strict
 RESOURCES_FILE = Path("profiles") / "slurm" / "resources.yaml"
 
 #: The environment variables that place every Slurm job, by the Slurm plugin's resource they set
-#: (profiles/slurm/config.yaml's default resources read them through :func:`placement`; README "Running on a
-#: cluster"). Unset: the cluster's default.
+#: (profiles/slurm/config.yaml's default resources read them through :func:`placement`; docs/cluster.md).
+#: Unset: the cluster's default.
 PLACEMENT_ENV = {
     "slurm_partition": "MEMUPDATE_SLURM_PARTITION",
     "slurm_account": "MEMUPDATE_SLURM_ACCOUNT",

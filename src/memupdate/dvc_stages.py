@@ -467,8 +467,8 @@ HEADER = """\
 # One DVC stage per expensive artifact; each asks Snakemake for exactly that target with
 # --allowed-rules, so Snakemake never re-runs an upstream rule DVC already judged fresh (dvc pull gives
 # every file a new mtime, which Snakemake alone would read as "outdated"). DVC decides what is stale
-# by content hash; Snakemake executes, locally or on Slurm: `profile` in params.yaml (README, "Versioning
-# with DVC"). A stage's deps are every input of its jobs, the workflow files and scripts of its rules, the
+# by content hash; Snakemake executes, locally or on Slurm: `profile` in params.yaml (docs/dvc.md).
+# A stage's deps are every input of its jobs, the workflow files and scripts of its rules, the
 # package modules they import and the config they read. Served-model readiness markers are temp() and
 # never DVC outputs. Run: dvc repro; dvc push; dvc pull.
 #

@@ -9,7 +9,7 @@ Checks, each a small function returning a :class:`Check` (ok, or the problem and
   ``attn_implementation: flash_attention_2``; a wheel built for another torch fails on an undefined symbol);
 - ``verl``, ``vllm``: the versions this project is validated against (vLLM's from verl's own metadata);
 - every model, tokenizer and embedding model the target loads, resolvable offline (compute nodes often
-  have no internet; README "Running on a cluster");
+  have no internet; docs/cluster.md);
 - ``disk``: free space where the checkpoints go against what a verl save needs.
 
 ``memupdate preflight`` and the Snakemake rule ``preflight`` (rules/preflight.smk) call :func:`run_preflight`.
@@ -61,7 +61,7 @@ KEPT_SAVES = 2
 MIN_NEED_BYTES = 1_000_000_000
 #: flash-attn 2 runs on Ampere (8.0) and newer.
 MIN_CAPABILITY = (8, 0)
-#: The fix for a GPU node's missing or CPU-only software: the install of README "Running on a cluster".
+#: The fix for a GPU node's missing or CPU-only software: the install in docs/cluster.md.
 GPU_INSTALL = "pip install -e '.[gpu]' in a fresh venv (verl[vllm]==0.9.1: torch 2.11.0 with CUDA, vllm 0.24.0)"
 
 

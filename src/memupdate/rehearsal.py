@@ -3,7 +3,7 @@ cannot run swapped (config ``rehearsal``; ``--config scale=full rehearse=true`` 
 
 Everything the swaps do not name stays the GPU run's: the validation files and their sampling, the refill cap,
 checkpoint retention, the resume guard, the Slurm placement of every job and server, the reward. The CI Slurm
-cluster plays a rehearsal of the full scale (tests/slurm); the README lists what a GPU run changes beyond it.
+cluster plays a rehearsal of the full scale (tests/slurm); docs/cluster.md lists what a GPU run changes beyond it.
 The swaps are applied where the scale's own settings are (:func:`memupdate.settings.check_config`), so the
 validation, the plan and every job see the rehearsed config, and the Snakefile prints them on every run.
 """

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from memupdate.chat_templates import available_chat_templates
 from memupdate.cluster import RESOURCES_FILE, Table, read_table
-from memupdate.data.rows import MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SEARCH_TOOL
+from memupdate.names import MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SEARCH_TOOL
 from memupdate.rehearsal import apply_rehearsal
-from memupdate.rewards.efficiency import EfficiencyConfig
 from memupdate.typed_config import (
     SCIENTIFIC,
     ConfigError,
@@ -480,6 +480,45 @@ class MemAgentExperimentEval(MemAgentEvalSettings):
 QA_PHASE_KEYS = ("top_k", "context_chars", "qa_prompt")
 
 
+#: ``reward.efficiency.apply_to``: what E scales (memupdate.rewards.efficiency).
+APPLY_TO = ("positive", "always")
+
+
+@dataclass(frozen=True)
+class EfficiencyConfig:
+    """A reward's ``efficiency``: the constants of the efficiency factor E (:mod:`memupdate.rewards.efficiency`,
+    which explains each and upstream's values)."""
+
+    #: ``positive``: ``E`` scales a gain and a loss is the loss itself; ``always``: upstream's ``ΔS * E``.
+    apply_to: Literal["positive", "always"] = "positive"
+    #: Store size above which the size factor falls; ``None`` = the initial store's size.
+    max_total_memories: int | None = 100
+    #: Lowest size factor (upstream 0.1).
+    size_floor: float = 0.1
+    #: Highest density factor, at most 1 (upstream 1.2 rewarded longer memories; see the module docstring).
+    density_cap: float = 1.0
+    #: Slope of the change factor per relative change in count (upstream 0.5).
+    change_slope: float = 0.5
+    #: Lowest change factor (upstream 0.8).
+    change_floor: float = 0.8
+    #: Final clamp of E, within (0, 1] (upstream [0.1, 1.5]).
+    min_factor: float = 0.1
+    max_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.apply_to not in APPLY_TO:
+            raise ValueError(f"efficiency apply_to must be one of {list(APPLY_TO)}, got {self.apply_to!r}")
+        if self.max_total_memories is not None and self.max_total_memories < 1:
+            raise ValueError(f"max_total_memories must be >= 1 or null, got {self.max_total_memories}")
+        if not 0 < self.min_factor <= self.max_factor <= 1:
+            raise ValueError(
+                f"need 0 < min_factor <= max_factor <= 1, got {self.min_factor}, {self.max_factor}: E discounts "
+                "a gain, never amplifies it (S reads a fixed text budget, so length earns the reader nothing)"
+            )
+        if not 0 < self.density_cap <= 1:
+            raise ValueError(f"density_cap must be in (0, 1], got {self.density_cap}: E never amplifies a gain")
+
+
 @dataclass
 class RewardSettings:
     """The ``reward`` section: the memory role's reward r = (S(final) - S(initial)) * E (stage 1), and the QA
@@ -548,8 +587,6 @@ DEFAULT_CHAT_TEMPLATE = "chatml_tools"
 
 
 def _check_chat_template(name: str | None) -> None:
-    from memupdate.models.chat_templates import available_chat_templates
-
     if name is not None and name not in available_chat_templates():
         raise ValueError(f"chat_template {name!r} is not one of {', '.join(available_chat_templates())}")
 
@@ -563,7 +600,7 @@ class HFModel:
     revision: str | None = None
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     chat_template: str | None = setting(
-        None, help="a template of memupdate/models/chat_template_files (null: the model's own)"
+        None, help="a template of memupdate/chat_template_files (null: the model's own)"
     )
 
     def __post_init__(self) -> None:

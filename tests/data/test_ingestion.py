@@ -13,7 +13,7 @@ from memupdate.data.ingestion import (
     session_namespace,
 )
 from memupdate.data.locomo import evidence_session, load_locomo, preprocess_locomo
-from memupdate.data.rows import MEMORY_TOOLS
+from memupdate.names import MEMORY_TOOLS
 
 SPLIT = {"train": ["conv-26", "conv-30"], "val": ["conv-47"], "test": ["conv-48"]}
 

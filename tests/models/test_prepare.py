@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from memupdate.chat_templates import load_chat_template
 from memupdate.models import prepare
-from memupdate.models.chat_templates import load_chat_template
 from memupdate.models.prepare import MANIFEST_NAME, prepare_model
 
 SCHEMA = {

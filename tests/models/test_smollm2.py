@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl.experimental.agent_loop.tool_parser import ToolParser
 
-from memupdate.models.chat_templates import load_chat_template
+from memupdate.chat_templates import load_chat_template
 from memupdate.models.prepare import MANIFEST_NAME, SMOLLM2_GGUF_SHA256
 
 pytestmark = pytest.mark.slow

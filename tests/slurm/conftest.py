@@ -31,7 +31,7 @@ def slurm_cluster():
 
 @pytest.fixture(autouse=True)
 def placement(monkeypatch) -> dict[str, str]:
-    """The user's environment on such a cluster (README "Running on a cluster"): the profile puts every job, and
+    """The user's environment on such a cluster (docs/cluster.md): the profile puts every job, and
     serve_model every server's job, in this partition and account. Returns the names, for jobs a test submits
     itself."""
     monkeypatch.setenv("MEMUPDATE_SLURM_PARTITION", PARTITION)

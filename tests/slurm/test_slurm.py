@@ -322,7 +322,7 @@ def test_the_full_scale_rehearsal_trains_on_two_nodes_through_a_requeued_server(
 
 
 def test_the_cluster_refuses_a_job_without_its_partition_and_account(slurm_cluster, placement):
-    """The CI cluster is as strict as the clusters the README's cluster section is for: what passes here names
+    """The CI cluster is as strict as the clusters docs/cluster.md is for: what passes here names
     both."""
     submit = ["sbatch", "--parsable", "-t", "1", "--mem=100", "--output=/dev/null", "--wrap=true"]
     bare = subprocess.run(submit, capture_output=True, text=True)

@@ -5,9 +5,9 @@ import json
 import pytest
 from verl.tools.tool_registry import initialize_tools_from_config
 
-from memupdate.data.rows import MEMORY_TOOLS
 from memupdate.memory.environment import MemoryEnvironment, MemoryEnvironmentError
 from memupdate.memory.manager import manager_for
+from memupdate.names import MEMORY_TOOLS
 from memupdate.settings import DEFAULT_MAX_CONTENT_CHARS
 from memupdate.tools.config import TOOL_CONFIG, write_tool_config
 from memupdate.tools.memory_tools import (

@@ -1,4 +1,4 @@
-"""The cpu_demo experiment shortened for CI (README "A run that learns, on a CPU"): SmolLM2's cold start on a
+"""The cpu_demo experiment shortened for CI (docs/cpu-demo.md): SmolLM2's cold start on a
 few train demonstrations (verl's SFT trainer on CPU) makes held-out episodes call the tools the untrained model
 never calls, and verl's GRPO trains from the cold start."""
 
@@ -11,8 +11,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 from memupdate.eval.policy import EPISODES, evaluate_policy
+from memupdate.names import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 from memupdate.training.sft import cold_start
 from memupdate.training.stages import train_stage
 

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from memupdate.data.ingestion import build_ingestion_rows
-from memupdate.data.rows import MERGE_TOOL, SEARCH_TOOL
+from memupdate.names import MERGE_TOOL, SEARCH_TOOL
 from memupdate.training.demonstrations import DONE, read_memories
 from memupdate.training.ingestion_expert import IngestionExpert, merge_targets
 

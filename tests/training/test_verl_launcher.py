@@ -442,7 +442,7 @@ SERVER = {"engine": "vllm-cpu", "python": "/envs/vllm/bin/python", "dtype": "flo
 
 
 def test_the_cpu_keys_are_verl_keys():
-    """cpu.yaml is what a CPU run changes (the README lists it); a key verl dropped or renamed fails here."""
+    """cpu.yaml is what a CPU run changes (docs/verl-on-cpu.md lists it); a key verl dropped or renamed fails here."""
     changes = OmegaConf.load(vl.CONFIG_DIR / vl.CPU_CONFIG)
     config = validate([f"{key}={vl.hydra_value(value)}" for key, value in changes.items() if "rollout.name" not in key])
     for key, value in changes.items():

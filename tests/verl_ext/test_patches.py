@@ -13,7 +13,7 @@ from memupdate.verl_ext.patches import PATCHES
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.target)
 def test_each_patch_wraps_the_verl_source_it_was_written_for(patch):
     assert patch.where.startswith("verl/") and patch.why
-    # A changed function fails here: read it again, and drop or rewrite the patch (and its README line).
+    # A changed function fails here: read it again, and drop or rewrite the patch (and its line in docs/verl-on-cpu.md).
     assert patch.source_digest() == patch.source_sha256, (
         f"verl {verl.__version__} changed {patch.target} ({patch.where}) since memupdate patched it"
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memupdate.data.rows import MEMAGENT_AGENT, MEMORY_AGENT
+from memupdate.names import MEMAGENT_AGENT, MEMORY_AGENT
 
 #: Where each agent loop's class lives (verl's agent-loop config ``_target_``), by the name rows carry.
 AGENT_LOOPS = {

@@ -37,7 +37,7 @@ from memupdate.agents.fields import (
     weight_versions,
 )
 from memupdate.agents.fields import MEMAGENT_ANSWER_KEY as ANSWER_KEY
-from memupdate.data.rows import MEMAGENT_AGENT
+from memupdate.names import MEMAGENT_AGENT
 from memupdate.settings import MemAgentLoopSettings
 
 logger = logging.getLogger(__name__)

@@ -40,9 +40,8 @@ from memupdate.agents.fields import (
     weight_versions,
 )
 from memupdate.data.ingestion import is_ingestion_row
-from memupdate.data.rows import MEMORY_AGENT
+from memupdate.names import MEMORY_AGENT
 from memupdate.prompts import DEFAULT_PROTOCOL, qa_messages, within_budget
-from memupdate.rewards.memory import MemoryRewardConfig
 from memupdate.serving.decoding import GREEDY
 from memupdate.settings import QA_PHASE_KEYS, ROLES, RewardSettings
 
@@ -64,13 +63,10 @@ def qa_settings(reward: Mapping[str, Any] | None) -> dict[str, Any]:
     """
     if isinstance(reward, DictConfig):
         reward = OmegaConf.to_container(reward, resolve=True)
-    kwargs = {k: v for k, v in (reward or {}).items() if k in QA_PHASE_KEYS}
-    retrieval = MemoryRewardConfig.from_dict(
-        {k: kwargs[k] for k in ("top_k", "context_chars") if kwargs.get(k) is not None}
-    )
+    kwargs = {k: v for k, v in (reward or {}).items() if k in QA_PHASE_KEYS and v is not None}
     return {
-        "top_k": retrieval.top_k,
-        "context_chars": retrieval.context_chars,
+        "top_k": kwargs.get("top_k", RewardSettings.top_k),
+        "context_chars": kwargs.get("context_chars", RewardSettings.context_chars),
         "qa_prompt": kwargs.get("qa_prompt") or DEFAULT_PROTOCOL,
     }
 

@@ -49,7 +49,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from memupdate.data.fetch import verify_copy
-from memupdate.data.rows import MEMAGENT_AGENT
+from memupdate.names import MEMAGENT_AGENT
 from memupdate.utils.io import (
     DuplicateKeyError,
     atomic_outputs,

@@ -36,8 +36,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from memupdate.data.locomo import DATA_SOURCE_PREFIX, evidence_session, row_schema
-from memupdate.data.rows import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.memory.store import MemoryRecord
+from memupdate.names import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.prompts import format_record
 from memupdate.utils.io import write_parquet_atomic
 

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from memupdate.data.fetch import verify_copy
-from memupdate.data.rows import MEMORY_AGENT, MEMORY_TOOLS
+from memupdate.names import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.utils.io import (
     DuplicateKeyError,
     atomic_outputs,

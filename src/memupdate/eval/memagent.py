@@ -49,7 +49,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from memupdate.agents.fields import MEMAGENT_REWARD
-from memupdate.data.rows import MEMAGENT_AGENT
+from memupdate.names import MEMAGENT_AGENT
 from memupdate.settings import MemAgentEvalSettings, build
 from memupdate.utils.io import portable_path, write_json_atomic, write_text_atomic
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memupdate.data.rows import MEMORY_TOOLS
+from memupdate.names import MEMORY_TOOLS
 from memupdate.settings import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS
 from memupdate.utils.io import write_json_atomic
 
@@ -49,7 +49,7 @@ class MemoryEnvironment:
     embeddings: str
     embedding_model: str = DEFAULT_EMBEDDING_MODEL
     max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS
-    #: The memory tools the policy sees (names of memupdate.data.rows.MEMORY_TOOLS; the run's tools.yaml lists
+    #: The memory tools the policy sees (names of memupdate.names.MEMORY_TOOLS; the run's tools.yaml lists
     #: only these) and whether their schemas are the compact ones (memupdate.tools.memory_tools).
     tools: tuple[str, ...] = MEMORY_TOOLS
     compact_schemas: bool = False

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from memupdate.models.chat_templates import load_chat_template
+from memupdate.chat_templates import load_chat_template
 from memupdate.models.hub import is_hub_id
 from memupdate.settings import model_spec
 from memupdate.utils.io import sha256_file, share_like_open, write_json_atomic

@@ -1,7 +1,7 @@
 """The memory-efficiency factor ``E`` of the MemoryUpdate reward, ``r = ΔS * E`` with ``ΔS = S(final) - S(initial)``.
 
 Upstream (Astera-org/memupdate ``memory_reward.py``) hard-coded the constants below. Every one is a field of
-:class:`EfficiencyConfig`, with upstream's value as its default except two.
+:class:`memupdate.settings.EfficiencyConfig` (the reward's ``efficiency`` settings), with upstream's value as its default except two.
 
 ``E`` never amplifies: it is at most 1 (``max_factor`` and ``density_cap`` may not exceed 1; upstream's
 1.5 and 1.2). Upstream's density factor paid up to 1.2x a gain for memories longer than before, but S reads
@@ -21,42 +21,10 @@ agent does anything. ``max_total_memories=None`` measures size growth against th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from memupdate.settings import EfficiencyConfig
 
-APPLY_TO = ("positive", "always")
-
-
-@dataclass(frozen=True)
-class EfficiencyConfig:
-    #: ``positive``: ``E`` scales a gain and a loss is the loss itself; ``always``: upstream's ``ΔS * E``.
-    apply_to: Literal["positive", "always"] = "positive"
-    #: Store size above which the size factor falls; ``None`` = the initial store's size.
-    max_total_memories: int | None = 100
-    #: Lowest size factor (upstream 0.1).
-    size_floor: float = 0.1
-    #: Highest density factor, at most 1 (upstream 1.2 rewarded longer memories; see the module docstring).
-    density_cap: float = 1.0
-    #: Slope of the change factor per relative change in count (upstream 0.5).
-    change_slope: float = 0.5
-    #: Lowest change factor (upstream 0.8).
-    change_floor: float = 0.8
-    #: Final clamp of E, within (0, 1] (upstream [0.1, 1.5]).
-    min_factor: float = 0.1
-    max_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.apply_to not in APPLY_TO:
-            raise ValueError(f"efficiency apply_to must be one of {list(APPLY_TO)}, got {self.apply_to!r}")
-        if self.max_total_memories is not None and self.max_total_memories < 1:
-            raise ValueError(f"max_total_memories must be >= 1 or null, got {self.max_total_memories}")
-        if not 0 < self.min_factor <= self.max_factor <= 1:
-            raise ValueError(
-                f"need 0 < min_factor <= max_factor <= 1, got {self.min_factor}, {self.max_factor}: E discounts "
-                "a gain, never amplifies it (S reads a fixed text budget, so length earns the reader nothing)"
-            )
-        if not 0 < self.density_cap <= 1:
-            raise ValueError(f"density_cap must be in (0, 1], got {self.density_cap}: E never amplifies a gain")
+#: The reward's default efficiency settings.
+DEFAULT_EFFICIENCY = EfficiencyConfig()
 
 
 def efficiency_factor(
@@ -64,7 +32,7 @@ def efficiency_factor(
     chars_initial: int,
     n_final: int,
     chars_final: int,
-    config: EfficiencyConfig = EfficiencyConfig(),
+    config: EfficiencyConfig = DEFAULT_EFFICIENCY,
 ) -> dict[str, float]:
     """``E`` and its three factors, from the memory counts and total characters before and after.
 
@@ -96,7 +64,7 @@ def efficiency_factor(
     return {"efficiency": efficiency, "size_factor": size, "density_factor": density, "change_factor": change}
 
 
-def apply_efficiency(delta: float, efficiency: float, config: EfficiencyConfig = EfficiencyConfig()) -> float:
+def apply_efficiency(delta: float, efficiency: float, config: EfficiencyConfig = DEFAULT_EFFICIENCY) -> float:
     """The reward from ``ΔS`` and ``E``: ``ΔS * E`` for a gain; a loss stays whole unless ``apply_to: always``.
 
     >>> apply_efficiency(0.5, 0.2), apply_efficiency(-0.5, 0.2)

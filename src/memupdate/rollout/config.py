@@ -19,8 +19,8 @@ import verl
 from omegaconf import DictConfig, OmegaConf
 
 from memupdate.agents.fields import AGENT_LOOPS, MEMORY_REWARD
-from memupdate.data.rows import MEMORY_AGENT
 from memupdate.memory.environment import MemoryEnvironment
+from memupdate.names import MEMORY_AGENT
 from memupdate.settings import QA_PHASE_KEYS, ROLES, EpisodeSettings, RewardSettings
 from memupdate.tools.config import write_tool_config
 from memupdate.utils.io import write_text_atomic

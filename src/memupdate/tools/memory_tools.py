@@ -32,10 +32,10 @@ from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from memupdate.agents.fields import DELTA_KEY
-from memupdate.data.rows import DELETE_TOOL, MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SAMPLE_TOOL, SEARCH_TOOL, SPLIT_TOOL
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.manager import MemoryStoreManager, manager_for
 from memupdate.memory.store import SOURCES, InvalidMemoryOperation, TrialStore, UnknownMemoryId
+from memupdate.names import DELETE_TOOL, MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SAMPLE_TOOL, SEARCH_TOOL, SPLIT_TOOL
 from memupdate.prompts import format_record
 from memupdate.tools.config import ENVIRONMENT_KEY
 from memupdate.utils.io import short_repr

@@ -45,7 +45,7 @@ from typing import Any
 import pyarrow.parquet as pq
 from verl.workers.rollout.replica import TokenOutput
 
-from memupdate.data.rows import MERGE_TOOL, SEARCH_TOOL
+from memupdate.names import MERGE_TOOL, SEARCH_TOOL
 from memupdate.rollout.episodes import COMPONENTS
 
 logger = logging.getLogger(__name__)
@@ -288,10 +288,11 @@ def balance_edits(records: list[dict[str, Any]], min_rows: int) -> list[dict[str
     one, the edit and ``min_rows - 1`` stops; with ``min_rows / 2`` or more, as many stops as edits. The others
     are marked ``kept: False``, ``balanced_out: True``, in place; returns ``records``.
 
-    >>> rs = [{"kept": True, "ops_merged": 0}, {"kept": True, "ops_merged": 1}, {"kept": True, "ops_merged": 0}]
-    >>> [r["kept"] for r in balance_edits(rs, min_rows=2)]
+    >>> def rs():
+    ...     return [{"kept": True, "ops_merged": 0}, {"kept": True, "ops_merged": 1}, {"kept": True, "ops_merged": 0}]
+    >>> [r["kept"] for r in balance_edits(rs(), min_rows=2)]
     [True, True, False]
-    >>> [r["kept"] for r in balance_edits(rs, min_rows=3)]
+    >>> [r["kept"] for r in balance_edits(rs(), min_rows=3)]
     [True, True, True]
     >>> [r["kept"] for r in balance_edits([{"kept": True, "ops_merged": 0}, {"kept": False, "ops_merged": 1}], 1)]
     [True, False]

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memupdate.data.locomo import evidence_session
-from memupdate.data.rows import MERGE_TOOL, SEARCH_TOOL
+from memupdate.names import MERGE_TOOL, SEARCH_TOOL
 from memupdate.training.demonstrations import DONE, Memory, ScriptedExpert, edit_plan, tool_call
 
 _SESSION = re.compile(r"Conversation between (.+?) and (.+?)\. Session (\d+) \(")

@@ -45,8 +45,8 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from memupdate.agents.context import LoopContext
 from memupdate.agents.fields import MEMAGENT_REWARD
 from memupdate.data.ingestion import is_ingestion_row
-from memupdate.data.rows import MEMAGENT_AGENT
 from memupdate.memory.environment import MemoryEnvironment
+from memupdate.names import MEMAGENT_AGENT
 from memupdate.rewards.manager import MemoryRewardManager, reward_settings
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import episode_records

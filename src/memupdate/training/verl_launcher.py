@@ -51,9 +51,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from memupdate.agents.fields import AGENT_LOOPS
-from memupdate.data.rows import MEMAGENT_AGENT, MEMORY_AGENT
 from memupdate.memory.environment import FILE_NAME as MEMORY_ENVIRONMENT_FILE
 from memupdate.memory.environment import MemoryEnvironment
+from memupdate.names import MEMAGENT_AGENT, MEMORY_AGENT
 from memupdate.serving.vllm_server import API_KEY_ENV, new_api_key
 from memupdate.settings import (
     EXTERNAL_ROLLOUT,
@@ -87,7 +87,7 @@ logger = logging.getLogger(__name__)
 CONFIG_DIR = VERL_CONFIG_DIR
 CONFIG_NAME = VERL_BASE_CONFIG["memupdate"]
 AGENT_LOOP_TEMPLATE = "agent_loops.yaml"
-#: What a run on CPU nodes changes (``trainer.device: cpu``): flat verl keys, the README's "verl on CPU".
+#: What a run on CPU nodes changes (``trainer.device: cpu``): flat verl keys, listed in docs/verl-on-cpu.md.
 CPU_CONFIG = f"{VERL_CPU_CONFIG}.yaml"
 #: verl's platform selector, in the driver's and every Ray worker's environment for ``trainer.device: cpu``.
 CPU_ENV = {"VERL_PLATFORM": "cpu"}

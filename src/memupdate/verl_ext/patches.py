@@ -4,7 +4,7 @@ only in a process that runs on the ``cpu`` platform (anywhere else verl is exact
 Each :class:`Patch` names verl's function, its file and line in verl 0.9.1, why it is patched, and the
 sha256 of the function's source as verl 0.9.1 ships it. ``tests/verl_ext/test_patches.py`` checks that
 hash, so when verl changes a patched function the test fails and the patch is looked at again (it may
-no longer be needed). The README lists them (section "verl on CPU").
+no longer be needed). docs/verl-on-cpu.md lists them.
 """
 
 from __future__ import annotations

@@ -9,7 +9,19 @@ import pytest
 from verl.experimental.agent_loop.tool_parser import ToolParser
 from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
-from memupdate.models.chat_templates import TEMPLATE_DIR, available_chat_templates, load_chat_template
+from memupdate.chat_templates import TEMPLATE_DIR, available_chat_templates, load_chat_template
+from memupdate.models.prepare import prepare_model
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    """The default tiny model's tokenizer, which prepare_model gives the repository's chatml_tools template."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    prepare_model({"kind": "tiny_random", "seed": 0}, out)
+    return AutoTokenizer.from_pretrained(out)
+
 
 SCHEMA = {
     "type": "function",
