@@ -638,7 +638,7 @@ def get_stage_settings(wildcards):
 
 
 def get_stage_role(wildcards):
-    """The role a stage trains: memory or qa (memupdate.agents.memory_loop's training_stage)."""
+    """The role a stage trains: memory or qa (memupdate.agents.memory_loop's trained_role)."""
     return get_stage(wildcards).role
 
 

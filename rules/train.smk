@@ -81,8 +81,8 @@ for n in stage_numbers():
                 "train_stage", stage_model_of, runtime=120, mem_mb=VERL_CPU_MEM_MB
             ),
         params:
-            # The role trained: memory or qa (memupdate.agents.memory_loop's training_stage).
-            training_stage=get_stage_role,
+            # The role trained: memory or qa (memupdate.agents.memory_loop's trained_role).
+            trained_role=get_stage_role,
             settings=get_stage_settings,
             episode=get_episode,
             run_dir=get_stage_run_dir,

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from memupdate import prompts
-from memupdate.eval.report import judge_predictions, load_jsonl
+from memupdate.eval.locomo import judge_predictions
+from memupdate.eval.report import load_jsonl
 from memupdate.prompts import (
     PromptFileError,
     load_prompts,

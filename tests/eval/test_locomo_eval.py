@@ -3,6 +3,7 @@ and a report whose every number is recomputed here from the saved predictions.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pyarrow.parquet as pq
@@ -213,6 +214,7 @@ def test_only_full_context_may_skip_and_it_is_reported_apart(tmp_path):
     assert memory["locomo"]["f1"] == round(full["locomo"]["f1"] * 3 / 4, 4)
     md = (tmp_path / "report.md").read_text()
     assert "full_context: scored on 3 of 4 questions, not comparable" in md and "no_update: scored on" not in md
+    assert full["skip_reasons"] == ["30000 prompt tokens > 4064 (1 question)"]
 
 
 def test_policies_are_compared_question_by_question_with_an_interval(tmp_path):
@@ -398,3 +400,58 @@ def test_training_curves_leave_out_the_validation_verl_logs_before_training(tmp_
     metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
     (curve,) = report.training_curves({"stage1": metrics}).values()
     assert [(point["step"], point["reward_mean"]) for point in curve] == [(1, 0.25)]
+
+
+def test_a_policy_with_the_weights_of_one_evaluated_before_takes_its_predictions(tmp_path, locomo_rows, held_out_cache):
+    """A stage whose every update was skipped saves the weights it started from: its memory system is the
+    earlier one and is not run again (no server is reachable here); another policy's weights are not."""
+    from memupdate.memory.environment import MemoryEnvironment
+    from memupdate.serving.markers import MARKER_FORMAT
+    from memupdate.settings import LocomoEvalSettings
+
+    markers = {}
+    for name, weights, step in (("qa-base", b"qa", 0), ("sft", b"cold", 0), ("stage1", b"cold", 10), ("x", b"new", 1)):
+        folder = tmp_path / "models" / name
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(weights)
+        (folder / "manifest.json").write_text(json.dumps({"step": step}))
+        markers[name] = tmp_path / f"{name}.ready.json"
+        marker = {"format": MARKER_FORMAT, "endpoint": "http://127.0.0.1:9", "served_model_name": name}
+        markers[name].write_text(json.dumps({**marker, "model_path": str(folder)}))
+    evaluator = locomo.LocomoEvaluator(
+        test_file=str(locomo_rows["test"]),
+        memory=MemoryEnvironment(memories=str(locomo_rows["memories"]), embeddings=str(held_out_cache)),
+        tool_config="unused.yaml",
+        conversations=None,
+        out_dir=str(tmp_path / "eval"),
+        settings=LocomoEvalSettings(questions_per_conversation=3),
+    )
+    sft, stage1, other = (
+        locomo.System(f"{name}+qa_base", str(markers["qa-base"]), memory=str(markers[name]))
+        for name in ("sft", "stage1", "x")
+    )
+    assert evaluator.policy_key(sft) == evaluator.policy_key(stage1) != evaluator.policy_key(other)
+    made = tmp_path / "eval" / "predictions" / "sft+qa_base.jsonl"
+    made.parent.mkdir(parents=True)
+    rows = [{"namespace": r["extra_info"]["namespace"], "system": sft.name, "answer": "x"} for r in evaluator.rows]
+    made.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    paths = asyncio.run(evaluator.run([sft, stage1]))
+
+    copied = locomo.read_predictions(paths["stage1+qa_base"])
+    assert len(copied) == 3 and sorted(copied) == sorted(r["namespace"] for r in rows)
+    assert {(r["system"], r["same_weights_as"], r["answer"]) for r in copied.values()} == {
+        ("stage1+qa_base", "sft+qa_base", "x")
+    }
+    assert "same_weights_as" not in next(iter(locomo.read_predictions(made).values()))
+
+
+def test_the_report_says_which_policy_had_the_same_weights(tmp_path):
+    paths = {}
+    for name, extra in (("sft+qa_base", {}), ("stage1+qa_base", {"same_weights_as": "sft+qa_base"})):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps({**r, **extra}) + "\n" for r in PREDICTIONS))
+    out = report.build_report(tmp_path, paths, experiment="exp", settings={"top_k": 5})
+    assert out["systems"]["stage1+qa_base"]["same_weights_as"] == "sft+qa_base"
+    assert "same_weights_as" not in out["systems"]["sft+qa_base"]
+    assert "(the weights of sft+qa_base: its predictions)" in (tmp_path / "report.md").read_text()

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 from verl import DataProto
 
-from memupdate.agents.fields import DELTA_KEY, STAGE_KEY
+from memupdate.agents.fields import DELTA_KEY, ROLE_KEY
 from memupdate.data.ingestion import build_ingestion_rows, reward_questions
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.store import TrialStore
@@ -155,7 +155,7 @@ def trajectory(info, delta):
         batch=None,
         non_tensor_batch={
             "extra_info": np.array([info], dtype=object),
-            "tool_extra_fields": np.array([{DELTA_KEY: delta, STAGE_KEY: "memory"}], dtype=object),
+            "tool_extra_fields": np.array([{DELTA_KEY: delta, ROLE_KEY: "memory"}], dtype=object),
         },
     )
 

@@ -20,7 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 from verl import DataProto
 
-from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, STAGE_KEY
+from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, ROLE_KEY
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.store import TrialStore
 from memupdate.rewards.manager import MemoryRewardManager
@@ -41,7 +41,7 @@ def manager(settings, **paths):
 
 def trajectory(info, delta, answer, stage="memory"):
     """One finished trajectory as verl's agent-loop worker hands it to a reward worker."""
-    fields = {DELTA_KEY: delta, ANSWER_KEY: answer, STAGE_KEY: stage}
+    fields = {DELTA_KEY: delta, ANSWER_KEY: answer, ROLE_KEY: stage}
     return DataProto(
         batch=None,
         non_tensor_batch={
@@ -101,7 +101,7 @@ def answering_delta(base, embedder):
             FileNotFoundError,
             "no readiness marker at /nowhere/qa-base.ready.json: run the serve rule",
         ),
-        ({"scorer": "reader", "training_stage": "both"}, ValueError, "training_stage must be one of"),
+        ({"scorer": "reader", "trained_role": "both"}, ValueError, "trained_role must be one of"),
     ],
     ids=["unknown-scorer", "reader-without-marker", "missing-marker", "unknown-stage"],
 )
@@ -130,7 +130,7 @@ def test_a_dead_reader_fails_when_the_manager_starts(tmp_path):
 
 def test_stage2_is_rewarded_by_its_answer_without_a_served_scorer(target, store_paths):
     # Stage 2 serves no QA model to read with: no marker needed, the QA role earns its answer's F1.
-    qa = manager({"scorer": "reader", "training_stage": "qa"}, **store_paths)
+    qa = manager({"scorer": "reader", "trained_role": "qa"}, **store_paths)
     assert qa.scorer is None
     out = asyncio.run(qa.run_single(trajectory(target, {}, GOLD, stage="qa")))
     assert out == {"reward_score": 1.0, "reward_extra_info": {"answer_score": 1.0, "score": 1.0}}
@@ -149,7 +149,7 @@ def test_a_batch_is_scored_as_its_trajectories_are_one_by_one(
         batch=None,
         non_tensor_batch={
             DELTA_KEY: np.array(deltas, dtype=object),
-            STAGE_KEY: np.array(["memory", "memory"], dtype=object),
+            ROLE_KEY: np.array(["memory", "memory"], dtype=object),
         },
     )
 
@@ -170,7 +170,7 @@ def test_a_batch_is_scored_as_its_trajectories_are_one_by_one(
 def test_stage_settings_carry_the_role_and_the_answer_cap_and_are_checked_before_training():
     reward = {"scorer": "answer_recall", "qa_prompt": "mem0"}
     out = stages.stage_reward(reward, "memory", None, settings={"trainer.total_training_steps": 1})
-    assert out == {**reward, "training_stage": "memory", "qa_max_tokens": 32}
+    assert out == {**reward, "trained_role": "memory", "qa_max_tokens": 32}
     with pytest.raises(ValueError, match=r"qa_max_tokens is the reward's \(reward.qa_max_tokens"):
         stages.stage_reward(reward, "memory", None, settings={"qa_max_tokens": 8})
     # The workflow resolves auto and drops the judge's serve name; a raw section fails here, not in a worker.
@@ -217,7 +217,7 @@ def test_reward_settings_reach_the_verl_reward_workers(tmp_path, repo_root, monk
         "reader_marker": "serve/qa-base.ready.json",
         "qa_prompt": "locomo",
         "qa_max_tokens": 16,
-        "training_stage": "memory",
+        "trained_role": "memory",
         "reader_metric": None,
     }
     model = tmp_path / "models" / "tiny"
@@ -353,9 +353,7 @@ def served_requests(marker) -> float:
 def test_reader_scores_the_qa_phase_answer_against_a_cached_initial_answer(
     served_marker, target, store_paths, unchanged_delta, answering_delta
 ):
-    reader = manager(
-        {"scorer": "reader", "reader_marker": str(served_marker), "training_stage": "memory"}, **store_paths
-    )
+    reader = manager({"scorer": "reader", "reader_marker": str(served_marker), "trained_role": "memory"}, **store_paths)
     assert reader.scorer.name == "reader" and reader.scorer.metric == "locomo_f1"
 
     async def rollouts():

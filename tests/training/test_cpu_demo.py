@@ -84,7 +84,7 @@ def test_a_short_cold_start_makes_smollm2_call_tools_on_held_out_questions_and_g
     serving = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())["serving"]
     run_dir = tmp_path / "stage1"
     ckpt = train_stage(
-        training_stage="memory",
+        trained_role="memory",
         settings={
             **ON_CPU,
             "trainer.total_training_steps": 1,

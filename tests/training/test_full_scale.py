@@ -59,7 +59,7 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
         model = experiment["policy" if stage.role == "memory" else "qa_model"]
         run_dir = tmp_path / name / stage.name
         command, env = verl_commands(
-            training_stage=stage.role,
+            trained_role=stage.role,
             settings=stage.settings,
             model=full["models"][model]["name_or_path"],
             train_files=[str(tmp_path / "train.parquet")],
@@ -68,7 +68,7 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
             ),
             tool_config=str(TOOL_CONFIG),
             run_dir=str(run_dir),
-            reward={**reward, "training_stage": stage.role},
+            reward={**reward, "trained_role": stage.role},
             episode=experiment.get("episode"),
             fixed=ENDPOINT,
             verl={"val_files": [str(tmp_path / "val.parquet")]},

@@ -95,7 +95,7 @@ def test_verl_command_spans_the_allocation(run):
     fixed = {"base_url": "http://n1:8000/v1", "model": "exp-stage1"}
     slurm = {**SLURM_ENV, "SLURM_CPUS_PER_TASK": "16"}
     command, env = stages.verl_commands(
-        training_stage="qa", settings={"trainer.total_training_steps": 3}, fixed=fixed, env=slurm, **verl_run(run)
+        trained_role="qa", settings={"trainer.total_training_steps": 3}, fixed=fixed, env=slurm, **verl_run(run)
     )
     # One task per node, with the allocation's CPUs and GPUs; each starts its Ray node, rank 0 runs main_ppo
     # once both joined.
@@ -118,7 +118,7 @@ def test_verl_command_spans_the_allocation(run):
     assert MemoryEnvironment.read(f"{run['run_dir']}/memory_environment.json").memories == run["memories"]
     # prepare_main_ppo validated the config and wrote the run's agent loop with the served memory model.
     loops = yaml.safe_load(open(f"{run['run_dir']}/agent_loops.yaml"))
-    assert loops[0]["training_stage"] == "qa" and loops[0]["fixed_model"] == fixed
+    assert loops[0]["trained_role"] == "qa" and loops[0]["fixed_model"] == fixed
     # The episode's defaults (memupdate.settings.EpisodeSettings) on verl's keys, its per-turn cap on the loop.
     assert "data.max_prompt_length=2048" in trainer and "data.max_response_length=8192" in trainer
     assert loops[0]["max_new_tokens"] is None
@@ -127,7 +127,7 @@ def test_verl_command_spans_the_allocation(run):
 def test_the_episode_reaches_verls_keys_and_the_loop(run):
     episode = {"max_new_tokens": 48, "prompt_length": 1024, "max_assistant_turns": 3, "temperature": 0.7}
     command, _ = stages.verl_commands(
-        training_stage="memory", settings={}, fixed=None, env=SLURM_ENV, episode=episode, **verl_run(run)
+        trained_role="memory", settings={}, fixed=None, env=SLURM_ENV, episode=episode, **verl_run(run)
     )
     trainer = command[command.index("--") + 1 :]
     for override in (
@@ -141,13 +141,13 @@ def test_the_episode_reaches_verls_keys_and_the_loop(run):
 
 def test_a_gpu_run_refuses_a_machine_without_gpus(run):
     with pytest.raises(RuntimeError, match="trainer.device cuda but this job has no GPUs"):
-        stages.verl_commands(training_stage="memory", settings={}, fixed=None, env={}, **verl_run(run))
+        stages.verl_commands(trained_role="memory", settings={}, fixed=None, env={}, **verl_run(run))
 
 
 def test_a_typo_in_verl_settings_fails_before_anything_runs(run):
     with pytest.raises(ValueError, match="total_training_step"):
         stages.verl_commands(
-            training_stage="memory",
+            trained_role="memory",
             settings={"trainer.total_training_step": 3},
             fixed=None,
             env=SLURM_ENV,
@@ -161,7 +161,7 @@ def test_a_cpu_run_asks_ray_for_cpu_slots_not_gpus(run, tmp_path):
     assert stages.verl_layout({"trainer.device": "cpu"}, SLURM_ENV) == (2, 1)
     verl = {**run["verl"], "serving": {"python": sys.executable}}
     command, env = stages.verl_commands(
-        training_stage="memory", settings=settings, fixed=None, env={}, **{**verl_run(run), "verl": verl}
+        trained_role="memory", settings=settings, fixed=None, env={}, **{**verl_run(run), "verl": verl}
     )
     assert json.loads(command[command.index("--resources") + 1]) == {"cpu_slot": 2}
     assert int(command[command.index("--num-cpus") + 1]) > os.cpu_count() and "--num-gpus" not in command

@@ -58,7 +58,7 @@ def test_verls_trainer_on_cpu_raises_a_reward_the_tiny_model_can_earn(
         **token_share_reward,
     }
     ckpt = train_stage(
-        training_stage="memory",
+        trained_role="memory",
         settings=settings,
         episode={"prompt_length": 4096, "response_length": 16, "max_assistant_turns": 1},
         model=str(tiny_model_dir),
@@ -66,7 +66,7 @@ def test_verls_trainer_on_cpu_raises_a_reward_the_tiny_model_can_earn(
         memories=str(locomo_rows["memories"]),
         embeddings=str(cache_dir),
         run_dir=str(run_dir),
-        reward={"scorer": "answer_recall", "training_stage": "memory", "efficiency": {"max_total_memories": None}},
+        reward={"scorer": "answer_recall", "trained_role": "memory", "efficiency": {"max_total_memories": None}},
         verl={
             "val_files": [str(locomo_rows["test"])],
             "serving": {**workflow["serving"], "python": str(vllm_python), "dtype": "float32", "max_model_len": 8192},

@@ -138,16 +138,16 @@ def test_stage2_command_needs_the_served_memory_model(run):
 
 
 @pytest.mark.parametrize(
-    ("stage", "endpoint", "message"),
+    ("role", "endpoint", "message"),
     [
-        ("joint", None, "unknown training stage"),
-        ("stage3", None, "unknown training stage"),
+        ("joint", None, "unknown training role"),
+        ("stage3", None, "unknown training role"),
         ("qa", {"base_url": "http://n1:8000/v1"}, "lacks \\['model'\\]"),
     ],
 )
-def test_bad_stage_arguments(run, stage, endpoint, message):
+def test_bad_role_arguments(run, role, endpoint, message):
     with pytest.raises(ValueError, match=message):
-        vl.compose_overrides(stage, fixed_model_endpoint=endpoint, **run)
+        vl.compose_overrides(role, fixed_model_endpoint=endpoint, **run)
 
 
 def test_paths_become_absolute(run, tmp_path, monkeypatch):
@@ -184,9 +184,9 @@ def test_hub_model_id_stays_a_hub_id(run):
     assert got["actor_rollout_ref.model.path"] == "Qwen/Qwen2.5-3B-Instruct"
 
 
-@pytest.mark.parametrize(("stage", "endpoint"), [("memory", None), ("memory", ENDPOINT), ("qa", ENDPOINT)])
-def test_every_override_composes_against_verl(run, stage, endpoint):
-    overrides = vl.compose_overrides(stage, fixed_model_endpoint=endpoint, **run)
+@pytest.mark.parametrize(("role", "endpoint"), [("memory", None), ("memory", ENDPOINT), ("qa", ENDPOINT)])
+def test_every_override_composes_against_verl(run, role, endpoint):
+    overrides = vl.compose_overrides(role, fixed_model_endpoint=endpoint, **run)
     config = validate(overrides)
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
     assert config.algorithm.adv_estimator == "grpo"
@@ -290,7 +290,7 @@ def test_prepare_writes_the_run_files(run):
     kwargs = hydra.utils.instantiate({**OmegaConf.to_container(entry), "_target_": "builtins.dict"})
     assert kwargs == {
         "name": "memupdate_agent",
-        "training_stage": "qa",
+        "trained_role": "qa",
         "fixed_model": ENDPOINT,
         "fixed_temperature": 0.0,
         # The QA phase retrieves and prompts as the reward does (reward.top_k, context_chars, qa_prompt).
@@ -362,7 +362,7 @@ def test_prepare_writes_nothing_when_validation_fails(run):
 
 def test_agent_loop_template_defaults_to_single_stage_memory():
     (entry,) = OmegaConf.load(vl.CONFIG_DIR / "agent_loops.yaml")
-    assert (entry.name, entry.training_stage, entry.fixed_model) == ("memupdate_agent", "memory", None)
+    assert (entry.name, entry.trained_role, entry.fixed_model) == ("memupdate_agent", "memory", None)
 
 
 LOOP = {"chunk_size": 5000, "max_chunks": 8, "max_memory_tokens": 1024, "max_final_tokens": 256}

@@ -4,7 +4,7 @@ from memupdate.utils.logging import setup_logging
 setup_logging(snakemake.log[0])
 inputs, params = snakemake.input, snakemake.params
 train_stage(
-    training_stage=params.training_stage,
+    trained_role=params.trained_role,
     settings=params.settings,
     episode=params.episode,
     model=inputs.model,

@@ -30,7 +30,7 @@ DELTA_KEY = "memory_delta"
 TERMINATION_KEY = "termination_reason"
 STATS_KEY = "memory_stats"
 ANSWER_KEY = "qa_answer"
-STAGE_KEY = "training_stage"
+ROLE_KEY = "trained_role"
 QA_CONTEXT_KEY = "qa_context_tokens"
 
 #: The policy versions (training steps) whose weights sampled a row: verl's server client puts them in each reply's

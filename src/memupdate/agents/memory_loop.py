@@ -34,7 +34,7 @@ from memupdate.agents.fields import (
     ANSWER_KEY,
     DELTA_KEY,
     QA_CONTEXT_KEY,
-    STAGE_KEY,
+    ROLE_KEY,
     STATS_KEY,
     TERMINATION_KEY,
     weight_versions,
@@ -91,7 +91,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         *args,
         done_marker: str = "DONE",
         deterministic_ids: bool = False,
-        training_stage: str = "memory",
+        trained_role: str = "memory",
         qa_phase: bool = False,
         fixed_model: Any = None,
         fixed_temperature: float | None = 0.0,
@@ -101,7 +101,7 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         loop_context: LoopContext | None = None,
         **kwargs,
     ):
-        """``training_stage`` says which role the policy plays and which tokens enter the loss: ``memory``
+        """``trained_role`` says which role the policy plays and which tokens enter the loss: ``memory``
         (edits memory; a QA phase, if any, is answered by ``fixed_model``), ``qa`` (answers from memory
         that ``fixed_model`` edited). ``fixed_model`` is any object with
         verl's ``generate`` (a served model's :class:`~memupdate.serving.token_client.VLLMTokenClient`, or a local
@@ -117,14 +117,14 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         turn (the episode's, :class:`~memupdate.settings.EpisodeSettings`; None: what is left of the response
         budget)."""
         super().__init__(*args, **kwargs)
-        if training_stage not in ROLES:
-            raise ValueError(f"training_stage must be one of {ROLES}, got {training_stage!r}")
-        self.training_stage = training_stage
-        self.qa_phase = qa_phase or training_stage == "qa"
-        fixed_role = "memory" if training_stage == "qa" else ("qa" if self.qa_phase else None)
+        if trained_role not in ROLES:
+            raise ValueError(f"trained_role must be one of {ROLES}, got {trained_role!r}")
+        self.trained_role = trained_role
+        self.qa_phase = qa_phase or trained_role == "qa"
+        fixed_role = "memory" if trained_role == "qa" else ("qa" if self.qa_phase else None)
         if fixed_role is not None and fixed_model is None:
             raise ValueError(
-                f"training_stage={training_stage!r} needs fixed_model to play the {fixed_role} role "
+                f"trained_role={trained_role!r} needs fixed_model to play the {fixed_role} role "
                 "(a served model: run the serve rule, its readiness marker names the endpoint)"
             )
         self.fixed_role = fixed_role
@@ -194,10 +194,10 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         output.extra_fields[DELTA_KEY] = delta
         output.extra_fields[STATS_KEY] = stats
         output.extra_fields.setdefault(TERMINATION_KEY, "response_budget")
-        output.extra_fields[STAGE_KEY] = self.training_stage
+        output.extra_fields[ROLE_KEY] = self.trained_role
         output.extra_fields[ANSWER_KEY] = qa.text if qa else None
         output.extra_fields[QA_CONTEXT_KEY] = len(qa.prompt_ids) if qa else None
-        if qa is None or self.training_stage == "memory":
+        if qa is None or self.trained_role == "memory":
             return output
         # The trained QA row is the QA prompt and its answer, not the tail of the memory transcript.
         metrics = output.metrics.model_copy(

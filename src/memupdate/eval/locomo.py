@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -49,11 +50,20 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from memupdate.agents.fields import DELTA_KEY, STATS_KEY, TERMINATION_KEY
-from memupdate.eval.report import MEM0_CATEGORIES
+from memupdate.eval.report import MEM0_CATEGORIES, load_jsonl
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.manager import manager_for
 from memupdate.memory.store import MemoryRecord, TrialStore
-from memupdate.prompts import load_prompts, memory_line, qa_messages, within_budget
+from memupdate.prompts import (
+    JUDGE_RESPONSE_FORMAT,
+    judge_messages,
+    judge_prompt_sha256,
+    load_prompts,
+    memory_line,
+    parse_judge,
+    qa_messages,
+    within_budget,
+)
 from memupdate.rewards.memory import DEFAULT_CONTEXT_CHARS
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.decoding import GREEDY
@@ -69,7 +79,14 @@ from memupdate.settings import (
     stage_sections,
 )
 from memupdate.tools.config import TOOL_CONFIG
-from memupdate.utils.io import portable_path, read_parquet_columns, sha256_file, sha256_text, write_json_atomic
+from memupdate.utils.io import (
+    portable_path,
+    read_parquet_columns,
+    sha256_file,
+    sha256_text,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -431,7 +448,7 @@ class LocomoEvaluator:
             max_assistant_turns=episode.max_assistant_turns,
             max_parallel_calls=episode.max_parallel_calls,
             max_tool_response_length=episode.max_tool_response_length,
-            training_stage="memory",
+            trained_role="memory",
             qa_phase=False,
             seed=s.seed,
         )
@@ -596,17 +613,42 @@ class LocomoEvaluator:
         settings = {k: v for k, v in asdict(self.settings).items() if k != "judge"}
         return {"kind": system.kind, "models": models, "settings": settings, "test_file": sha256_file(self.test_file)}
 
+    def policy_key(self, system: System) -> tuple[str, str, str] | None:
+        """What makes two memory systems one: their kind, their QA model and their memory model's weights
+        (:func:`weights_digest`); None for a system without a memory model, or one whose weights are not files."""
+        if system.memory is None:
+            return None
+        digest = weights_digest(Path(load_marker(system.memory)["model_path"]))
+        qa = json.dumps(self.fingerprint(replace(system, memory=None))["models"], sort_keys=True)
+        return (system.kind, qa, digest) if digest else None
+
     async def run(self, systems: Sequence[System]) -> dict[str, Path]:
+        """Predict with each system the questions its predictions file lacks. A memory system whose memory
+        model has the weights of one evaluated before it, with the same QA model, is that system (a stage
+        whose every update was skipped saves the weights it started from): its predictions are copied, each
+        marked ``same_weights_as``, instead of being made again."""
         predictions = self.out_dir / "predictions"
         predictions.mkdir(parents=True, exist_ok=True)
-        paths = {}
+        paths, policies = {}, {}
         for system in systems:
             path = paths[system.name] = predictions / f"{system.name}.jsonl"
             _invalidate_if_changed(path, self.fingerprint(system))
             done = read_predictions(path)
             todo = [r for r in self.rows if r["extra_info"]["namespace"] not in done]
             logger.info("%s: %d of %d questions to predict", system.name, len(todo), len(self.rows))
+            key = self.policy_key(system)
+            twin = policies.get(key) if key else None
+            if key and twin is None:
+                policies[key] = system.name
             if not todo:
+                continue
+            if twin is not None:
+                logger.info("%s: the weights of %s; its predictions are copied, not made again", system.name, twin)
+                copy_predictions(paths[twin], path, {r["extra_info"]["namespace"] for r in todo}, system.name, twin)
+                log = self.out_dir / "runs" / twin / "ingestion.json"
+                if log.is_file():
+                    (self.out_dir / "runs" / system.name).mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(log, self.out_dir / "runs" / system.name / "ingestion.json")
                 continue
             runner = {
                 "no_update": self.run_no_update,
@@ -617,6 +659,74 @@ class LocomoEvaluator:
             with tqdm(total=len(todo), desc=system.name, unit="question", disable=None) as bar:
                 await runner(system, todo, path, bar)
         return paths
+
+
+async def judge_predictions(
+    path: str | Path, judge: Any, judge_name: str, max_tokens: int = 256, prompts_dir: str | Path | None = None
+) -> int:
+    """Add Mem0's J to the category 1-4 predictions in ``path`` not yet judged by ``judge_name`` with the
+    current judge prompt, rewrite the file atomically, and return how many replies could not be parsed.
+
+    ``judge`` is an :class:`OpenAIClient`; it gets Mem0's ACCURACY_PROMPT verbatim in JSON mode. Each
+    judged record gets ``judge`` (1.0 CORRECT, 0.0 WRONG, None when the reply has no such label),
+    ``judge_unparsed`` (bool), ``judge_reply`` (the raw reply), ``judge_model`` and ``judge_prompt``
+    (sha256 of the judge template, so a changed prompt re-judges). An unparsed reply is never scored.
+    """
+    records = load_jsonl(path)
+    prompt_sha = judge_prompt_sha256(prompts_dir)
+
+    async def one(record):
+        prediction = (record.get("predictions") or {}).get("mem0")
+        if prediction is None or record["category"] not in MEM0_CATEGORIES:
+            return
+        if record.get("judge_model") == judge_name and record.get("judge_prompt") == prompt_sha:
+            return
+        messages = judge_messages(record["question"], record["answer"], prediction, prompts_dir=prompts_dir)
+        reply = await judge.chat(messages, **GREEDY.request(max_tokens), response_format=JUDGE_RESPONSE_FORMAT)
+        label = parse_judge(reply)
+        record.update(
+            judge=label,
+            judge_unparsed=label is None,
+            judge_reply=reply,
+            judge_model=judge_name,
+            judge_prompt=prompt_sha,
+        )
+
+    await asyncio.gather(*(one(r) for r in records))
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+    unparsed = sum(bool(r.get("judge_unparsed")) for r in records)
+    if unparsed:
+        logger.warning("%s: %d judge replies without a CORRECT/WRONG label (judge: None)", path, unparsed)
+    return unparsed
+
+
+def weights_digest(folder: Path) -> str | None:
+    """The sha256 of a model folder's weight files (``*.safetensors``, ``*.bin``), names and contents: two
+    folders with the same digest hold the same policy whatever else differs (manifests, step counts). None when
+    the folder holds no weight file.
+
+    >>> import tempfile; a, b = Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp())
+    >>> for d, step in ((a, "1"), (b, "2")):
+    ...     _ = (d / "model.safetensors").write_bytes(b"w"); _ = (d / "manifest.json").write_text(step)
+    >>> weights_digest(a) == weights_digest(b), weights_digest(a.parent / "nothing")
+    (True, None)
+    """
+    if not folder.is_dir():
+        return None
+    files = sorted(p for pattern in ("*.safetensors", "*.bin") for p in folder.glob(pattern))
+    if not files:
+        return None
+    return sha256_text("".join(f"{p.name}\t{sha256_file(p)}\n" for p in files))
+
+
+def copy_predictions(source: Path, path: Path, namespaces: set[str], system: str, twin: str) -> None:
+    """Append to ``path`` the predictions of ``source`` (system ``twin``'s) for ``namespaces``, as system
+    ``system``'s, each marked ``same_weights_as: twin``."""
+    records = [r for r in read_predictions(source).values() if r["namespace"] in namespaces]
+    missing = namespaces - {r["namespace"] for r in records}
+    if missing:
+        raise RuntimeError(f"{source}: {twin} lacks predictions for {len(missing)} questions to copy to {system}")
+    _append(path, [{**r, "system": system, "same_weights_as": twin} for r in records])
 
 
 def model_fingerprint(folder: Path) -> str | None:
@@ -743,7 +853,7 @@ def evaluate_locomo(
     conversation's store session by session without the questions (:meth:`LocomoEvaluator.ingest`), then
     answer every question from it; otherwise each question's episode edits its own copy of the store.
     """
-    from memupdate.eval.report import build_report, judge_predictions
+    from memupdate.eval.report import build_report
 
     eval_settings = build(LocomoEvalSettings, settings, "eval")
     episode_settings = build(EpisodeSettings, episode, "episode")

@@ -143,7 +143,7 @@ def evaluate_policy(
         run_dir=out_dir,
         tool_config=str(TOOL_CONFIG),
         memory=memory,
-        reward={**reward, "training_stage": "memory"},
+        reward={**reward, "trained_role": "memory"},
         rollout_n=n,
         seed=seed,
         **asdict(settings),

@@ -12,7 +12,6 @@ served judge when one is given). Categories are reported by numeric id with the 
 
 from __future__ import annotations
 
-import asyncio
 import html
 import json
 import logging
@@ -26,7 +25,6 @@ import yaml
 
 from memupdate import metrics
 from memupdate.eval.stats import paired_by_key
-from memupdate.serving.decoding import GREEDY
 from memupdate.utils.io import read_text_utf8, write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -119,7 +117,7 @@ def summarize(records: Sequence[Mapping[str, Any]], *, may_skip: bool = False) -
         "answered": sum(_answered(r) for r in scored),
         "unanswered": sum(not _answered(r) for r in scored),
         "skipped": len(skipped),
-        "skip_reasons": sorted({str(r.get("skipped")) for r in skipped}),
+        "skip_reasons": skip_reasons([str(r.get("skipped")) for r in skipped]),
         "locomo": {"f1": _mean([r["locomo_f1"] for r in scored]), "n": sum(r["locomo_f1"] is not None for r in scored)},
         "mem0": {
             "f1": _mean([r["mem0_f1"] for r in mem0]),
@@ -143,6 +141,30 @@ def summarize(records: Sequence[Mapping[str, Any]], *, may_skip: bool = False) -
         "termination": _counts(r.get("termination_reason") for r in scored if r.get("termination_reason")),
         "memory": _memory_stats([r["memory_stats"] for r in scored if r.get("memory_stats")]),
     }
+
+
+_PROMPT_TOKENS = re.compile(r"(\d+) prompt tokens")
+
+
+def skip_reasons(reasons: Sequence[str]) -> list[str]:
+    """Why questions were skipped, one line per reason with the questions' prompt sizes as a range (one line
+    per question would repeat the same reason sixty times).
+
+    >>> skip_reasons(["locomo: 20389 prompt tokens > 4064", "locomo: 25627 prompt tokens > 4064", "other"])
+    ['locomo: 20389-25627 prompt tokens > 4064 (2 questions)', 'other (1 question)']
+    """
+    groups: dict[str, list[int]] = {}
+    for reason in reasons:
+        for part in reason.split("; "):
+            sizes = [int(n) for n in _PROMPT_TOKENS.findall(part)]
+            groups.setdefault(_PROMPT_TOKENS.sub("{} prompt tokens", part), []).extend(sizes[:1] or [-1])
+    lines = []
+    for template, sizes in groups.items():
+        known = [n for n in sizes if n >= 0]
+        span = f"{min(known)}-{max(known)}" if known and min(known) != max(known) else str(known[0]) if known else ""
+        count = f"{len(sizes)} question{'s' if len(sizes) > 1 else ''}"
+        lines.append(f"{template.replace('{}', span) if known else template} ({count})")
+    return lines
 
 
 def ingestion_summary(log: Mapping[str, Any]) -> dict[str, Any]:
@@ -205,47 +227,6 @@ def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
             raise JSONLError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
         records.append(record)
     return records
-
-
-async def judge_predictions(
-    path: str | Path, judge: Any, judge_name: str, max_tokens: int = 256, prompts_dir: str | Path | None = None
-) -> int:
-    """Add Mem0's J to the category 1-4 predictions in ``path`` not yet judged by ``judge_name`` with the
-    current judge prompt, rewrite the file atomically, and return how many replies could not be parsed.
-
-    ``judge`` is an :class:`OpenAIClient`; it gets Mem0's ACCURACY_PROMPT verbatim in JSON mode. Each
-    judged record gets ``judge`` (1.0 CORRECT, 0.0 WRONG, None when the reply has no such label),
-    ``judge_unparsed`` (bool), ``judge_reply`` (the raw reply), ``judge_model`` and ``judge_prompt``
-    (sha256 of the judge template, so a changed prompt re-judges). An unparsed reply is never scored.
-    """
-    from memupdate.prompts import JUDGE_RESPONSE_FORMAT, judge_messages, judge_prompt_sha256, parse_judge
-
-    records = load_jsonl(path)
-    prompt_sha = judge_prompt_sha256(prompts_dir)
-
-    async def one(record):
-        prediction = (record.get("predictions") or {}).get("mem0")
-        if prediction is None or record["category"] not in MEM0_CATEGORIES:
-            return
-        if record.get("judge_model") == judge_name and record.get("judge_prompt") == prompt_sha:
-            return
-        messages = judge_messages(record["question"], record["answer"], prediction, prompts_dir=prompts_dir)
-        reply = await judge.chat(messages, **GREEDY.request(max_tokens), response_format=JUDGE_RESPONSE_FORMAT)
-        label = parse_judge(reply)
-        record.update(
-            judge=label,
-            judge_unparsed=label is None,
-            judge_reply=reply,
-            judge_model=judge_name,
-            judge_prompt=prompt_sha,
-        )
-
-    await asyncio.gather(*(one(r) for r in records))
-    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
-    unparsed = sum(bool(r.get("judge_unparsed")) for r in records)
-    if unparsed:
-        logger.warning("%s: %d judge replies without a CORRECT/WRONG label (judge: None)", path, unparsed)
-    return unparsed
 
 
 # --------------------------------------------------------------------------------- training curves
@@ -362,7 +343,8 @@ def _num(value: float | None, digits: int = 2) -> str:
 def _models(row: Mapping[str, Any]) -> str:
     """``memory: <folder> / qa: <folder>`` from the checkpoint folders a system's predictions were made with."""
     models = row.get("models") or {}
-    return " / ".join(f"{role}: {Path(m['path']).name}" for role, m in sorted(models.items())) or "–"
+    text = " / ".join(f"{role}: {Path(m['path']).name}" for role, m in sorted(models.items())) or "–"
+    return f"{text} (the weights of {row['same_weights_as']}: its predictions)" if row.get("same_weights_as") else text
 
 
 def _published_markdown(report: Mapping[str, Any]) -> list[str]:
@@ -648,6 +630,10 @@ def build_report(
         meta = Path(path).with_suffix(".meta.json")
         if meta.is_file():
             systems[name]["models"] = json.loads(meta.read_text(encoding="utf-8")).get("models")
+        # A system whose memory model has another's weights took that one's predictions (LocomoEvaluator.run).
+        twins = {r.get("same_weights_as") for r in records}
+        if len(twins) == 1 and None not in twins:
+            systems[name]["same_weights_as"] = twins.pop()
         # A question-agnostic system's ingestion (memupdate.eval.locomo.LocomoEvaluator.ingest): its time.
         log = out_dir / "runs" / name / "ingestion.json"
         if log.is_file():

@@ -4,14 +4,14 @@ verl 0.9.1 streams each finished trajectory to a reward worker, which calls :met
 one-row ``DataProto``: the dataset row (``extra_info`` has the target question, answer, evidence and
 category) and ``tool_extra_fields`` (the agent loop's ``extra_fields``: the store delta, the QA phase's
 answer). The reward is :func:`memupdate.rewards.memory.memory_reward` on base vs. base + delta for the
-memory role, and the answer's F1 for the QA role of two-stage training (``training_stage`` from the
+memory role, and the answer's F1 for the QA role of two-stage training (``trained_role`` from the
 agent loop); all components become ``reward_extra_info`` (logged per sample by verl).
 :meth:`MemoryRewardManager.score_batch` scores a whole rollout's trajectories at once (one embedding call).
 
 Settings come from ``reward.custom_reward_function.reward_kwargs`` (verl's own key)::
 
     memory_environment                      # the run's memory_environment.json, which the tools read too
-    training_stage: memory | qa             # the trained role (default memory)
+    trained_role: memory | qa             # the trained role (default memory)
     scorer: answer_recall | evidence_recall | reader | judge
     reader_marker, judge_marker             # readiness markers of the served reader and judge
     qa_prompt: locomo | mem0, qa_max_tokens, reader_metric: locomo_f1 | mem0_f1
@@ -46,7 +46,7 @@ from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from memupdate import metrics
-from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, MEMORY_REWARD, STAGE_KEY
+from memupdate.agents.fields import ANSWER_KEY, DELTA_KEY, MEMORY_REWARD, ROLE_KEY
 from memupdate.data.ingestion import is_ingestion_row
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.manager import manager_for
@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 #: judge's serve name, resolved to its marker) and what a run adds: paths, the trained role, the markers.
 SETTINGS = {
     "memory_environment",
-    "training_stage",
+    "trained_role",
     "reader_marker",
     "judge_marker",
     "qa_pool",
@@ -125,8 +125,8 @@ def reward_settings(config: Any) -> dict[str, Any]:
 
 def served_endpoints(settings: Mapping[str, Any]) -> dict[str, Endpoint]:
     """The served models the settings' scorer asks, ``{"reader": Endpoint, "judge": Endpoint}``, from their
-    readiness markers (re-probed); ``{}`` for an offline scorer, and in stage ``qa`` (rewarded by its own
-    answer). Raises on an unknown scorer or stage, a missing marker setting or file, or a dead server.
+    readiness markers (re-probed); ``{}`` for an offline scorer, and for the trained role ``qa`` (rewarded by
+    its own answer). Raises on an unknown scorer or role, a missing marker setting or file, or a dead server.
 
     >>> served_endpoints({"scorer": "answer_recall"})
     {}
@@ -134,10 +134,10 @@ def served_endpoints(settings: Mapping[str, Any]) -> dict[str, Endpoint]:
     scorer = settings.get("scorer") or "answer_recall"
     if scorer not in SCORERS:
         raise ValueError(f"unknown reward scorer {scorer!r}; known: {', '.join(SCORERS)}")
-    stage = settings.get("training_stage") or "memory"
-    if stage not in ROLES:
-        raise ValueError(f"reward setting training_stage must be one of {ROLES}, got {stage!r}")
-    if scorer not in SERVED_ROLES or stage == "qa":
+    trained = settings.get("trained_role") or "memory"
+    if trained not in ROLES:
+        raise ValueError(f"reward setting trained_role must be one of {ROLES}, got {trained!r}")
+    if scorer not in SERVED_ROLES or trained == "qa":
         return {}
     endpoints = {}
     for role in SERVED_ROLES[scorer]:
@@ -218,7 +218,7 @@ class MemoryRewardManager(RewardManagerBase):
         return MemoryEnvironment.read(path)
 
     def _make_scorer(self) -> Scorer | None:
-        """The scorer of S(M), or None when this stage computes no memory reward (stage qa, served scorer)."""
+        """The scorer of S(M), or None when this run computes no memory reward (trained role qa, served scorer)."""
         name = self.settings.get("scorer") or "answer_recall"
         if name == "answer_recall":
             return AnswerRecallScorer()
@@ -278,17 +278,17 @@ class MemoryRewardManager(RewardManagerBase):
             return {"reward_score": score, "reward_extra_info": {**result, "memory_reward": score, "score": score}}
         target = _item(extra_info)
         # Two-stage training: the memory role earns the memory reward, the QA role its answer's score.
-        stage = fields.get(STAGE_KEY) or "memory"
+        trained = fields.get(ROLE_KEY) or "memory"
         answer = answer_score(fields.get(ANSWER_KEY), target, self.settings.get("answer_metric") or "mem0_f1")
         if self.scorer is None:
-            if stage != "qa":
+            if trained != "qa":
                 raise ValueError(
-                    f"trajectory of {extra_info.get('namespace')!r} trains the {stage} role, but the reward "
-                    f"settings say training_stage {self.settings.get('training_stage')!r}, which asks no served scorer"
+                    f"trajectory of {extra_info.get('namespace')!r} trains the {trained} role, but the reward "
+                    f"settings say trained_role {self.settings.get('trained_role')!r}, which asks no served scorer"
                 )
             return {"reward_score": answer, "reward_extra_info": {"answer_score": answer, "score": answer}}
         (result,) = await self.score([self.request(extra_info, fields)])
-        score = result["score"] if stage == "memory" else answer
+        score = result["score"] if trained == "memory" else answer
         return {
             "reward_score": score,
             "reward_extra_info": {**result, "memory_reward": result["score"], "answer_score": answer, "score": score},
@@ -301,7 +301,7 @@ class MemoryRewardManager(RewardManagerBase):
         them one by one, but in one :meth:`score`: a second scorer's view of a scored rollout (the cold
         start's demonstrations, :mod:`memupdate.training.sft`)."""
         extra = batch.non_tensor_batch
-        columns = {key: extra[key] for key in (DELTA_KEY, STAGE_KEY, ANSWER_KEY) if key in extra}
+        columns = {key: extra[key] for key in (DELTA_KEY, ROLE_KEY, ANSWER_KEY) if key in extra}
         if len(extra_infos) != len(batch):
             raise ValueError(f"need one extra_info per row, got {len(extra_infos)} for {len(batch)} rows")
         requests = [
@@ -325,13 +325,13 @@ class MemoryRewardManager(RewardManagerBase):
                 f"trajectory of {extra_info.get('namespace')!r} carries no '{DELTA_KEY}': run it with the "
                 "memupdate_agent loop (or any loop whose tools are memupdate's memory tools)"
             )
-        stage = fields.get(STAGE_KEY) or "memory"
+        trained = fields.get(ROLE_KEY) or "memory"
         if is_ingestion_row(extra_info):
-            return self._ingestion_request(extra_info, stage, delta)
+            return self._ingestion_request(extra_info, trained, delta)
         if self.scorer is None:
             raise ValueError(
                 f"trajectory of {extra_info.get('namespace')!r}: these reward settings compute no memory reward "
-                f"(training_stage {self.settings.get('training_stage')!r} with a served scorer)"
+                f"(trained_role {self.settings.get('trained_role')!r} with a served scorer)"
             )
         target = _item(extra_info)
         items = [target]
@@ -341,16 +341,16 @@ class MemoryRewardManager(RewardManagerBase):
         # The fixed QA model answered the target from the final store in the QA phase, with the reader's
         # prompt: that is S(final)'s answer, not one to ask again.
         answers = None
-        if stage == "memory" and self.scorer.name in SERVED_ROLES and fields.get(ANSWER_KEY) is not None:
+        if trained == "memory" and self.scorer.name in SERVED_ROLES and fields.get(ANSWER_KEY) is not None:
             answers = [fields[ANSWER_KEY]] + [None] * (len(items) - 1)
         return RewardRequest(extra_info["sample_id"], delta, items, answers)
 
-    def _ingestion_request(self, extra_info: Mapping[str, Any], stage: str, delta: Any) -> RewardRequest:
+    def _ingestion_request(self, extra_info: Mapping[str, Any], trained: str, delta: Any) -> RewardRequest:
         """A session's ingestion episode: S on the questions its row carries (their evidence lies in the
         sessions seen), final store against the ``ingestion_baseline`` store."""
         where = f"ingestion row {extra_info.get('namespace')!r}"
-        if stage != "memory" or self.scorer is None:
-            raise ValueError(f"{where}: an ingestion episode trains the memory role only, not {stage!r}")
+        if trained != "memory" or self.scorer is None:
+            raise ValueError(f"{where}: an ingestion episode trains the memory role only, not {trained!r}")
         session = int(extra_info["session"])
         if delta.get("sessions") != session:
             raise ValueError(f"{where} is session {session}, but its store saw sessions up to {delta.get('sessions')}")

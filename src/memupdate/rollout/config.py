@@ -46,7 +46,7 @@ class RolloutConfig:
     reward_manager: str = MEMORY_REWARD
     reward: dict[str, Any] = field(default_factory=dict)
     #: Which role is trained (memory | qa); see memupdate.agents.memory_loop.
-    training_stage: str = "memory"
+    trained_role: str = "memory"
     #: Add the QA phase to memory-stage episodes (implied by the qa stage).
     qa_phase: bool = False
     #: The served model playing the other role, ``{base_url, model}`` (from its readiness marker).
@@ -71,8 +71,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.agent_name not in AGENT_LOOPS:
             raise ValueError(f"unknown agent_name {self.agent_name!r}; known: {sorted(AGENT_LOOPS)}")
-        if self.training_stage not in ROLES:
-            raise ValueError(f"training_stage must be one of {ROLES}, got {self.training_stage!r}")
+        if self.trained_role not in ROLES:
+            raise ValueError(f"trained_role must be one of {ROLES}, got {self.trained_role!r}")
         if self.rollout_n < 1:
             raise ValueError(f"rollout_n must be at least 1, got {self.rollout_n}")
         if (self.memory is None) != (self.tool_config is None):
@@ -130,7 +130,7 @@ def agent_loop_entry(cfg: RolloutConfig) -> dict[str, Any]:
         # The served role's turns get the same per-turn cap as the policy's.
         fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.turn_tokens}
         entry.update(
-            training_stage=cfg.training_stage,
+            trained_role=cfg.trained_role,
             qa_phase=cfg.qa_phase,
             fixed_model=fixed_model,
             fixed_temperature=cfg.fixed_temperature,

@@ -366,7 +366,7 @@ def cold_start(
         run_dir=run_dir,
         tool_config=str(TOOL_CONFIG),
         memory=memory,
-        reward={**reward, "scorer": DEMONSTRATION_SCORER, "training_stage": "memory"},
+        reward={**reward, "scorer": DEMONSTRATION_SCORER, "trained_role": "memory"},
         seed=sft["seed"],
         **lengths,
     )

@@ -1,8 +1,8 @@
 """One training stage of the two-stage experiment, by verl's trainer; what the ``train_stage<N>`` rules call.
 
-- Stage 1 (``training_stage="memory"``) trains the memory model; the QA role, when the experiment has a
+- Stage 1 (``trained_role="memory"``) trains the memory model; the QA role, when the experiment has a
   QA phase, is the served base QA model.
-- Stage 2 (``training_stage="qa"``) trains the QA model; the memory role is the served stage-1 model.
+- Stage 2 (``trained_role="qa"``) trains the QA model; the memory role is the served stage-1 model.
 
 The served model comes as a readiness marker, re-probed here (:func:`memupdate.serving.readiness.read_marker`)
 so a dead server fails before the first rollout; so does a misconfigured reward (:func:`stage_reward`).
@@ -89,7 +89,7 @@ def fixed_model_endpoint(marker: str | os.PathLike | None, policy_dir: str | os.
 
 
 def stage_reward(
-    reward: Mapping[str, Any], training_stage: str, fixed: Mapping[str, Any] | None, settings: Mapping[str, Any]
+    reward: Mapping[str, Any], trained_role: str, fixed: Mapping[str, Any] | None, settings: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The reward manager's settings for one stage (``reward.custom_reward_function.reward_kwargs``): the
     workflow's reward settings with the trained role and the QA answer cap. In a memory stage a served scorer's
@@ -104,9 +104,9 @@ def stage_reward(
             "qa_max_tokens is the reward's (reward.qa_max_tokens in config/config.yaml): the QA phase and the "
             "reader give the same answers, so they share one cap; remove it from the stage settings"
         )
-    out = {**reward, "training_stage": training_stage}
+    out = {**reward, "trained_role": trained_role}
     out.setdefault("qa_max_tokens", DEFAULT_QA_MAX_TOKENS)
-    if training_stage == "memory" and out.get("scorer") in SERVED_ROLES:
+    if trained_role == "memory" and out.get("scorer") in SERVED_ROLES:
         if "reader_marker" in out:
             raise ValueError(
                 "a memory stage's reader is its fixed QA model (the stage's fixed_marker), not a reader_marker of "
@@ -124,7 +124,7 @@ def stage_reward(
 
 def train_stage(
     *,
-    training_stage: str,
+    trained_role: str,
     settings: Mapping[str, Any],
     model: str,
     train_files: list[str],
@@ -155,9 +155,9 @@ def train_stage(
         **ToolSettings.environment(tools),
     )
     fixed = fixed_model_endpoint(fixed_marker, model)
-    reward = stage_reward(reward, training_stage, fixed, settings)
+    reward = stage_reward(reward, trained_role, fixed, settings)
     return train_verl(
-        training_stage=training_stage,
+        trained_role=trained_role,
         settings=settings,
         model=model,
         train_files=train_files,
@@ -261,7 +261,7 @@ def num_nodes(record: str, where: str) -> int:
 
 def verl_commands(
     *,
-    training_stage: str,
+    trained_role: str,
     settings: Mapping[str, Any],
     model: str,
     train_files: list[str],
@@ -281,7 +281,7 @@ def verl_commands(
 
     nnodes, gpus = verl_layout(settings, env)
     argv, run_env = prepare_main_ppo(
-        training_stage,
+        trained_role,
         model_path=model,
         train_files=train_files,
         val_files=validation_files(verl),

@@ -15,13 +15,13 @@ Per run, under ``experiment_dir``:
 - ``run_info.json``: that record and the config digest, the sha256 of ``resolved_config.yaml``
   (:mod:`memupdate.training.tracking`);
 - ``tensorboard/`` (verl's tensorboard backend of ``trainer.logger``; ``tracking.jsonl`` for ``file``);
-- ``agent_loops.yaml``: ``verl_config/agent_loops.yaml`` with the run's ``training_stage`` and
+- ``agent_loops.yaml``: ``verl_config/agent_loops.yaml`` with the run's ``trained_role`` and
   ``fixed_model`` (verl passes an agent-loop entry's keys to the loop's constructor);
 - ``checkpoints/`` (verl's ``trainer.default_local_dir``), ``validation/`` (validation generations),
   ``hydra/`` (main_ppo's hydra output).
 
-A stage is an override set, not a config file: ``memory`` trains the memory role (two-stage stage 1, or
-single-stage MemoryUpdate), ``qa`` trains the QA role while the stage-1 model is served as the fixed
+A trained role is an override set, not a config file: ``memory`` trains the memory role (two-stage stage 1,
+or single-stage MemoryUpdate), ``qa`` trains the QA role while the stage-1 model is served as the fixed
 memory model (stage 2). Only the agent loop's arguments differ between them.
 
 The memory tools and the reward manager read the run's ``memory_environment.json``
@@ -187,12 +187,12 @@ def _files(files: PathLike | Sequence[PathLike]) -> list[str]:
     return [_abs(f) for f in files]
 
 
-def _fixed_model(stage: str, endpoint: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if stage not in ROLES:
-        raise ValueError(f"unknown training stage {stage!r}; expected one of {', '.join(ROLES)}")
-    if stage == "qa" and endpoint is None:
+def _fixed_model(role: str, endpoint: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if role not in ROLES:
+        raise ValueError(f"unknown training role {role!r}; expected one of {', '.join(ROLES)}")
+    if role == "qa" and endpoint is None:
         raise ValueError(
-            "stage 'qa' trains the QA role against a served memory model: pass fixed_model_endpoint "
+            "role 'qa' trains the QA role against a served memory model: pass fixed_model_endpoint "
             "{base_url, model} (the stage-1 model's readiness marker)"
         )
     if endpoint is None:
@@ -333,7 +333,7 @@ def _extra_overrides(extra: Mapping[str, Any] | Sequence[str]) -> list[str]:
 
 
 def compose_overrides(
-    stage: str,
+    role: str,
     *,
     model_path: PathLike,
     train_files: PathLike | Sequence[PathLike],
@@ -351,7 +351,7 @@ def compose_overrides(
 ) -> list[str]:
     """Hydra overrides for ``main_ppo --config-name grpo_memupdate`` for one run.
 
-    ``stage`` is a training stage (``memory`` or ``qa``); it and ``fixed_model_endpoint``
+    ``role`` is a training role (``memory`` or ``qa``); it and ``fixed_model_endpoint``
     go into the run's ``agent_loops.yaml``, ``memory`` into its ``memory_environment.json`` and ``tool_config``'s
     tools into its ``tools.yaml`` (all written by :func:`prepare_main_ppo`). ``reward`` holds our
     reward manager's settings (:func:`memupdate.training.stages.stage_reward`: scorer, the served scorers'
@@ -363,7 +363,7 @@ def compose_overrides(
     ``rollout_server`` for the external vLLM rollout). Every path becomes absolute, since Ray workers on
     other nodes do not share the driver's working directory.
     """
-    _fixed_model(stage, fixed_model_endpoint)
+    _fixed_model(role, fixed_model_endpoint)
     if n_gpus_per_node < 1 or nnodes < 1:
         raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
     data = {"memories": memory.memories, "embeddings": memory.embeddings}
@@ -401,14 +401,14 @@ def main_ppo_argv(
 
 
 def build_main_ppo_command(
-    stage: str, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, **run: Any
+    role: str, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, **run: Any
 ) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` for one run; ``run`` takes :func:`compose_overrides`' keyword arguments.
 
     ``env`` holds the trackers' folders and the platform (:func:`run_env`): run ``argv`` with
     ``{**os.environ, **env}``.
     """
-    argv = main_ppo_argv(compose_overrides(stage, **run), python=python, config_dir=config_dir)
+    argv = main_ppo_argv(compose_overrides(role, **run), python=python, config_dir=config_dir)
     return argv, run_env(run["experiment_dir"], run.get("extra", ()), run.get("rollout_server"))
 
 
@@ -548,7 +548,7 @@ def write_run_files(run_dir: Path, config: DictConfig, base_model: PathLike) -> 
 
 def write_agent_loop_config(
     path: PathLike,
-    training_stage: str,
+    trained_role: str,
     fixed_model: Mapping[str, Any] | None = None,
     *,
     template: PathLike = CONFIG_DIR / AGENT_LOOP_TEMPLATE,
@@ -556,18 +556,18 @@ def write_agent_loop_config(
     qa_max_tokens: int | None = None,
     max_new_tokens: int | None = None,
 ) -> Path:
-    """Copy the agent-loop list from ``template`` with ``memupdate_agent``'s ``training_stage`` and
+    """Copy the agent-loop list from ``template`` with ``memupdate_agent``'s ``trained_role`` and
     ``fixed_model`` set for this run (verl hands them to the loop's constructor), the QA phase's retrieval and
     prompt ``qa`` and its answer cap ``qa_max_tokens`` when given (the reward's: its reader scores the QA phase's
     answers, so both retrieve, prompt and cap alike) and the episode's per-turn cap ``max_new_tokens``."""
-    fixed = _fixed_model(training_stage, fixed_model)
+    fixed = _fixed_model(trained_role, fixed_model)
     loops = OmegaConf.load(template)
     if not isinstance(loops, ListConfig):
         raise ValueError(f"{template} must be a list of agent loops (verl's agent_loop_config_path format)")
     entries = [entry for entry in loops if entry.get("name") == MEMORY_AGENT]
     if not entries:
         raise ValueError(f"{template} has no agent loop named {MEMORY_AGENT!r}")
-    entries[0].training_stage = training_stage
+    entries[0].trained_role = trained_role
     entries[0].fixed_model = fixed
     if qa is not None:
         entries[0].qa = dict(qa)
@@ -581,19 +581,19 @@ def write_agent_loop_config(
 
 
 def prepare_main_ppo(
-    stage: str, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, **run: Any
+    role: str, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, **run: Any
 ) -> tuple[list[str], dict[str, str]]:
     """Everything before the exec: compose and validate the config, write the run's ``agent_loops.yaml``,
     ``memory_environment.json``, ``tools.yaml`` and ``resolved_config.yaml``, and return ``(argv, env)``.
 
     Takes :func:`compose_overrides`' keyword arguments. Nothing is written when validation fails.
     """
-    overrides = compose_overrides(stage, **run)
+    overrides = compose_overrides(role, **run)
     config = validate_overrides(config_dir, CONFIG_NAME, overrides)
     run_dir = Path(_abs(run["experiment_dir"]))
     write_agent_loop_config(
         run_dir / AGENT_LOOPS_FILE,
-        stage,
+        role,
         run.get("fixed_model_endpoint"),
         template=Path(config_dir) / AGENT_LOOP_TEMPLATE,
         qa={k: v for k, v in (run.get("reward") or {}).items() if k in QA_PHASE_KEYS},
@@ -602,7 +602,7 @@ def prepare_main_ppo(
     )
     write_tool_config(run["tool_config"], run["memory"].write(run_dir), run_dir)
     write_run_files(run_dir, config, run["model_path"])
-    logger.info("verl run prepared in %s (stage %s, %d overrides)", run_dir, stage, len(overrides))
+    logger.info("verl run prepared in %s (role %s, %d overrides)", run_dir, role, len(overrides))
     return (
         main_ppo_argv(overrides, python=python, config_dir=config_dir),
         run_env(run_dir, run.get("extra", ()), run.get("rollout_server")),
