@@ -410,10 +410,13 @@ def test_a_policy_with_the_weights_of_one_evaluated_before_takes_its_predictions
     from memupdate.settings import LocomoEvalSettings
 
     markers = {}
-    for name, weights, step in (("qa-base", b"qa", 0), ("sft", b"cold", 0), ("stage1", b"cold", 10), ("x", b"new", 1)):
+    import torch
+    from safetensors.torch import save_file
+
+    for name, weight, step in (("qa-base", 0.0, 0), ("sft", 1.0, 0), ("stage1", 1.0, 10), ("x", 2.0, 1)):
         folder = tmp_path / "models" / name
         folder.mkdir(parents=True)
-        (folder / "model.safetensors").write_bytes(weights)
+        save_file({"w": torch.full((2,), weight)}, folder / "model.safetensors", metadata={"step": str(step)})
         (folder / "manifest.json").write_text(json.dumps({"step": step}))
         markers[name] = tmp_path / f"{name}.ready.json"
         marker = {"format": MARKER_FORMAT, "endpoint": "http://127.0.0.1:9", "served_model_name": name}

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import re
+import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -63,9 +64,15 @@ def test_evaluation_reads_every_chunk_unless_truncation_is_asked_for(tiny_models
     model = tiny_models / "policy"
     lengths = haystack_tokens(model, hotpot_rows, 3)
     assert max(lengths) > 2 * 256  # longer than the 2-chunk budget below (and than training's 3 x 48)
+    # A copy with the same weights (another folder, another manifest) is the same policy: not run again.
+    twin = shutil.copytree(model, tmp_path / "twin")
+    (twin / "manifest.json").write_text('{"step": 3}')
     whole = memagent_length_curve(
-        {"tiny": model}, {"3": hotpot_rows}, tmp_path / "whole", {**SETTINGS, "memagent_style": False}
+        {"tiny": model, "twin": twin}, {"3": hotpot_rows}, tmp_path / "whole", {**SETTINGS, "memagent_style": False}
     )
+    assert whole["same_weights"] == {"twin": "tiny"} and whole["results"]["twin"] == whole["results"]["tiny"]
+    assert predictions(tmp_path / "whole", "twin", 3) == predictions(tmp_path / "whole", "tiny", 3)
+    assert "twin has the weights of tiny" in (tmp_path / "whole" / "report.md").read_text()
     for p, n in zip(predictions(tmp_path / "whole", "tiny", 3), lengths, strict=True):
         assert p["haystack_tokens"] == p["context_tokens"] == n and p["truncated_tokens"] == 0
         assert p["chunks_read"] == p["chunks_total"] == math.ceil(n / 256)

@@ -331,9 +331,18 @@ def test_the_export_copies_the_model_the_workers_saved_whole(tmp_path):
     stages.guard_verl_checkpoints(run_dir)
     saved = verl_saves(run_dir, 5) / "actor" / stages.HF_MODEL_DIR
     save_file({"w": torch.ones(2)}, saved / "model.safetensors")
+    (saved / "model.safetensors").chmod(0o600)  # as verl's workers write it
     (run_dir / "tracking.jsonl").write_text(json.dumps({"step": 5, "data": {"critic/score/mean": 0.5}}) + "\n")
-    ckpt = stages.export_verl_checkpoint(run_dir, "base")
+    old = os.umask(0o022)
+    try:
+        ckpt = stages.export_verl_checkpoint(run_dir, "base")
+    finally:
+        os.umask(old)
     assert torch.equal(load_file(ckpt / "model.safetensors")["w"], torch.ones(2))
+    # The checkpoint is shared as the user's umask says, not private as the workers wrote it.
+    assert {oct(p.stat().st_mode & 0o777) for p in ckpt.iterdir()} == {"0o644"} and oct(
+        ckpt.stat().st_mode & 0o777
+    ) == "0o755"
     assert (ckpt / "config.json").read_text() == "{}"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["step"] == 5 and manifest["base_model"] == "base" and manifest["git"]["commit"] == "a" * 40

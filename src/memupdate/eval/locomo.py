@@ -84,6 +84,7 @@ from memupdate.utils.io import (
     read_parquet_columns,
     sha256_file,
     sha256_text,
+    weights_digest,
     write_json_atomic,
     write_text_atomic,
 )
@@ -698,25 +699,6 @@ async def judge_predictions(
     if unparsed:
         logger.warning("%s: %d judge replies without a CORRECT/WRONG label (judge: None)", path, unparsed)
     return unparsed
-
-
-def weights_digest(folder: Path) -> str | None:
-    """The sha256 of a model folder's weight files (``*.safetensors``, ``*.bin``), names and contents: two
-    folders with the same digest hold the same policy whatever else differs (manifests, step counts). None when
-    the folder holds no weight file.
-
-    >>> import tempfile; a, b = Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp())
-    >>> for d, step in ((a, "1"), (b, "2")):
-    ...     _ = (d / "model.safetensors").write_bytes(b"w"); _ = (d / "manifest.json").write_text(step)
-    >>> weights_digest(a) == weights_digest(b), weights_digest(a.parent / "nothing")
-    (True, None)
-    """
-    if not folder.is_dir():
-        return None
-    files = sorted(p for pattern in ("*.safetensors", "*.bin") for p in folder.glob(pattern))
-    if not files:
-        return None
-    return sha256_text("".join(f"{p.name}\t{sha256_file(p)}\n" for p in files))
 
 
 def copy_predictions(source: Path, path: Path, namespaces: set[str], system: str, twin: str) -> None:

@@ -37,6 +37,7 @@ import asyncio
 import json
 import logging
 import re
+import shutil
 import string
 import time
 from collections import Counter
@@ -51,7 +52,7 @@ from tqdm.auto import tqdm
 from memupdate.agents.fields import MEMAGENT_REWARD
 from memupdate.names import MEMAGENT_AGENT
 from memupdate.settings import MemAgentEvalSettings, build
-from memupdate.utils.io import portable_path, write_json_atomic, write_text_atomic
+from memupdate.utils.io import portable_path, weights_digest, write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +334,9 @@ def memagent_length_curve(
 
     Every (model, style, length) pass runs at once: a served model then batches the questions of all its passes,
     where one pass at a time (a few questions, a few turns each) left the server decoding one or two sequences.
-    A prediction's ``seconds`` is its batch's time with the other passes running beside it."""
+    A prediction's ``seconds`` is its batch's time with the other passes running beside it. A model with the
+    weights of one listed before it (:func:`same_weights`; a run whose every update was skipped saves its base's)
+    is that model: its passes are that one's, copied, and ``report.json`` says so (``same_weights``)."""
     settings = settings if isinstance(settings, MemAgentEvalSettings) else build(MemAgentEvalSettings, settings, "eval")
     out = Path(out_dir)
     (out / "predictions").mkdir(parents=True, exist_ok=True)
@@ -346,7 +349,14 @@ def memagent_length_curve(
     datasets = {
         (name, length): e.dataset(rows) for name, e in evaluators.items() for length, rows in rows_files.items()
     }
-    passes = [(name, style, length) for name in evaluators for style in settings.styles for length in rows_files]
+    twins = same_weights({name: e.model_path for name, e in evaluators.items()})
+    passes = [
+        (name, style, length)
+        for name in evaluators
+        if name not in twins
+        for style in settings.styles
+        for length in rows_files
+    ]
 
     async def run_passes() -> list[dict[str, Any]]:
         return await asyncio.gather(
@@ -366,7 +376,19 @@ def memagent_length_curve(
     }
     for (name, style, length), summary in zip(passes, asyncio.run(run_passes()), strict=True):
         results[style][name][length] = summary
+    for twin, source in twins.items():
+        logger.info("%s has the weights of %s: its passes are %s's, not run again", twin, source, source)
+        for style in settings.styles:
+            results[style][twin] = results[style][source]
+            for length in rows_files:
+                suffix = "" if style == "ours" else ".memagent_style"
+                predictions = out / "predictions"
+                shutil.copyfile(
+                    predictions / f"{source}-{length}{suffix}.jsonl", predictions / f"{twin}-{length}{suffix}.jsonl"
+                )
     report = {"experiment": experiment, "settings": asdict(settings), "models": described, "results": results["ours"]}
+    if twins:
+        report["same_weights"] = twins
     if "memagent" in results:
         report["memagent_style"] = {
             "protocol": (
@@ -381,6 +403,29 @@ def memagent_length_curve(
     write_text_atomic(out / "report.md", _markdown(report))
     write_json_atomic(out / "report.json", report)
     return report
+
+
+def same_weights(models: Mapping[str, Path]) -> dict[str, str]:
+    """Each model whose weight files (:func:`memupdate.utils.io.weights_digest`) are those of one listed before
+    it, mapped to the first such; models without weight files are never matched.
+
+    >>> import tempfile, torch; from safetensors.torch import save_file; d = Path(tempfile.mkdtemp())
+    >>> for name, value in (("base", 1.0), ("trained", 1.0), ("other", 2.0)):
+    ...     (d / name).mkdir(); save_file({"w": torch.full((2,), value)}, d / name / "model.safetensors")
+    >>> same_weights({name: d / name for name in ("base", "trained", "other")})
+    {'trained': 'base'}
+    """
+    first: dict[str, str] = {}
+    twins = {}
+    for name, folder in models.items():
+        digest = weights_digest(Path(folder))
+        if digest is None:
+            continue
+        if digest in first:
+            twins[name] = first[digest]
+        else:
+            first[digest] = name
+    return twins
 
 
 def _plot(report: Mapping[str, Any], out: Path) -> list[str]:
@@ -456,5 +501,9 @@ def _markdown(report: Mapping[str, Any]) -> str:
                     f"{100 * r['truncated']:.0f}% | {100 * r['sub_em']:.1f} | {100 * r['exact_match']:.1f} | "
                     f"{100 * r['f1']:.1f} | {100 * r['answered']:.1f} | {r['seconds']:.2f} |"
                 )
+    lines += [
+        f"\n{twin} has the weights of {source} (the same weight files): its rows are {source}'s passes, not run again."
+        for twin, source in (report.get("same_weights") or {}).items()
+    ]
     lines += ["", *(f"![{p}]({p})" for p in report["plots"])]
     return "\n".join(lines) + "\n"

@@ -36,7 +36,7 @@ from memupdate.memory.environment import MemoryEnvironment
 from memupdate.serving.readiness import load_marker, read_marker
 from memupdate.settings import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, ToolSettings
 from memupdate.tools.config import TOOL_CONFIG
-from memupdate.utils.io import sha256_file, write_json_atomic
+from memupdate.utils.io import sha256_file, share_like_open, write_json_atomic
 from memupdate.utils.system import tail
 
 logger = logging.getLogger(__name__)
@@ -653,6 +653,9 @@ def export_verl_checkpoint(
     else:
         merge = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp"]
         subprocess.run([*merge, "--local_dir", str(shard_dir), "--target_dir", str(tmp)], check=True)
+    # verl's workers write the weights 0600: the exported checkpoint is shared as the user's umask says.
+    for path in [tmp, *tmp.rglob("*")]:
+        share_like_open(path)
     step = int(last.name.rsplit("_", 1)[1])
     manifest = {"backend": "verl", **({"kind": kind} if kind else {}), "step": step, "base_model": base_model}
     write_json_atomic(tmp / "manifest.json", {**manifest, **record})

@@ -361,3 +361,39 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def weights_digest(folder: Path) -> str | None:
+    """The sha256 of the weights a model folder holds: every tensor of its ``*.safetensors`` files by name, dtype,
+    shape and bytes, in name order (two saves of the same weights differ in their files' headers and sharding), else
+    of its ``*.bin`` files' contents. Two folders with the same digest hold the same policy whatever else differs
+    (manifests, step counts). None when the folder holds no weight file.
+
+    >>> import tempfile, torch; from safetensors.torch import save_file
+    >>> a, b = Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp())
+    >>> save_file({"w": torch.ones(2), "v": torch.zeros(1)}, a / "model.safetensors")
+    >>> save_file({"v": torch.zeros(1), "w": torch.ones(2)}, b / "model.safetensors", metadata={"step": "3"})
+    >>> weights_digest(a) == weights_digest(b), weights_digest(a.parent / "nothing")
+    (True, None)
+    >>> save_file({"w": torch.ones(2), "v": torch.ones(1)}, b / "model.safetensors")
+    >>> weights_digest(a) == weights_digest(b)
+    False
+    """
+    if not folder.is_dir():
+        return None
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        files = sorted(folder.glob("*.bin"))
+        return sha256_text("".join(f"{p.name}\t{sha256_file(p)}\n" for p in files)) if files else None
+    import torch
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(path), framework="pt")) for path in shards]
+        where = {key: handle for handle in handles for key in handle.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        for key in sorted(where):
+            tensor = where[key].get_tensor(key).contiguous()
+            digest.update(f"{key}\t{tensor.dtype}\t{tuple(tensor.shape)}\n".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
