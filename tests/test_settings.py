@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import yaml
 
 from memupdate.settings import (
+    VERL_FLOATS_WITH_INT_DEFAULTS,
     ConfigError,
     EpisodeSettings,
     LocomoEvalSettings,
@@ -158,10 +160,6 @@ def test_the_shipped_configs_pass_and_keep_their_values():
         ({"serving": {"slurm": {"gres": "gpu"}}}, "serving.slurm.gres: 'gpu' does not match"),
         ({"models": {"tiny-random": {"heads": 3}}}, "models.tiny-random: hidden_size, heads, kv_heads must nest"),
         (
-            {"data": {"locomo": {"splits": {"ours": {"test": ["conv-48", "conv-99"]}}}}},
-            "data.locomo.splits.ours.test[1]: no conversation 'conv-99' in the LoCoMo file",
-        ),
-        (
             {"data": {"locomo": {"splits": {"ours": {"val": ["conv-47", "conv-47"]}}}}},
             "data.locomo.splits.ours.val[1]: 'conv-47' is already in data.locomo.splits.ours.val",
         ),
@@ -240,6 +238,65 @@ def test_verl_backend_settings_are_checked_against_verls_config():
     )
     check_config(ok, SCHEMA, root=REPO)
     assert ok["experiments"]["smoke"]["stage1"]["actor_rollout_ref.actor.optim.lr"] == 1e-6
+
+
+@pytest.mark.skipif(not verl_defaults(), reason="verl is not installed")
+def test_the_float_fields_verls_yaml_writes_as_integers_are_read_off_its_source():
+    """VERL_FLOATS_WITH_INT_DEFAULTS stands in, at Snakefile load, for verl's config dataclasses' annotations."""
+    import ast
+
+    defaults = verl_defaults()
+    classes: dict[str, dict[str, ast.ClassDef]] = {}
+
+    def module_classes(module: str) -> dict[str, ast.ClassDef]:
+        if module not in classes:
+            spec = importlib.util.find_spec(module.split(".")[0])
+            package = Path(next(iter(spec.submodule_search_locations))).joinpath(*module.split(".")[1:])
+            files = sorted(package.rglob("*.py")) if package.is_dir() else [package.with_suffix(".py")]
+            found = classes[module] = {}
+            for path in files:
+                for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                    if isinstance(node, ast.ClassDef):
+                        found.setdefault(node.name, node)
+        return classes[module]
+
+    def annotation(key: str) -> str | None:
+        parent, _, name = key.rpartition(".")
+        module, _, cls = str(defaults.get(f"{parent}._target_", "")).rpartition(".")
+        if not module:
+            return None
+        known, todo = module_classes(module), [cls]
+        while todo:
+            node = known.get(todo.pop())
+            for stmt in node.body if node else []:
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == name:
+                    return ast.unparse(stmt.annotation)
+            todo += [ast.unparse(base).rpartition(".")[2] for base in (node.bases if node else [])]
+        return None
+
+    integers = [k for k, v in defaults.items() if isinstance(v, int) and not isinstance(v, bool)]
+    assert {k for k in integers if annotation(k) in ("float", "float | None", "Optional[float]")} == (
+        VERL_FLOATS_WITH_INT_DEFAULTS
+    )
+
+
+def test_loading_the_snakefile_reads_configuration_only(monkeypatch):
+    """check_config runs at every Snakefile load: it reads config files and verl's config, never data (the LoCoMo
+    copy's conversation ids are the first job's check) or verl's source."""
+    read: list[Path] = []
+    for method in ("read_text", "read_bytes", "open"):
+        original = getattr(Path, method)
+        monkeypatch.setattr(Path, method, lambda self, *a, _o=original, **k: read.append(self) or _o(self, *a, **k))
+    config = merged()
+    check_config(config, SCHEMA, root=REPO, files=[REPO / "config" / "config.yaml"])
+    allowed = {
+        REPO / "config",
+        REPO / "profiles",
+        Path(importlib.util.find_spec("memupdate").origin).parent / "training",
+    }
+    if verl_defaults():
+        allowed.add(Path(importlib.util.find_spec("verl").origin).parent / "trainer" / "config")
+    assert read and all(any(p.resolve().is_relative_to(a) for a in allowed) for p in read), read
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from user values with the key's full path in every error, the code that runs the
 same way, and ``config/schema/config.schema.yaml`` defers to it for these sections.
 :func:`check_config` runs everything at Snakefile load: the JSON schema of the top level (with its
 defaults filled in), these typed sections, and references between sections (experiments named by a scale,
-models named by an experiment, LoCoMo conversations named by a split). So ``snakemake -n`` fails on a
+models named by an experiment, a conversation named by two splits). So ``snakemake -n`` fails on a
 misspelt key, a bad value or a dangling name, not the training job hours later.
 
 Two conveniences of YAML are handled here rather than left to surprise:
@@ -724,7 +724,7 @@ def check_config(
         except ConfigError as err:
             raise ConfigError(f"invalid configuration:\n  {err}") from None
         swaps = apply_rehearsal(config, _verl_sections, lambda experiment: _trains_on_gpus(experiment, table))
-        errors = _place_training(config, table) + _typed_errors(config) + _reference_errors(config, Path(root))
+        errors = _place_training(config, table) + _typed_errors(config) + _reference_errors(config)
     errors = errors + others
     if errors:
         shown = errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])
@@ -1013,7 +1013,7 @@ def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
     return errors
 
 
-def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
+def _reference_errors(config: dict[str, Any]) -> list[str]:
     errors = []
     experiments, models, files = config["experiments"], config["models"], config["data"]["files"]
     for scale, spec in config["scales"].items():
@@ -1057,9 +1057,8 @@ def _reference_errors(config: dict[str, Any], root: Path) -> list[str]:
             errors.append(_dangling(f"data.hotpotqa.splits.{split}", key, "data.files", files))
     if locomo["split"] not in locomo["splits"]:
         errors.append(_dangling("data.locomo.split", locomo["split"], "data.locomo.splits", locomo["splits"]))
-    known = _conversation_ids(config, root)
     for name, split in locomo["splits"].items():
-        errors += _split_errors(split, known, f"data.locomo.splits.{name}")
+        errors += _split_errors(split, f"data.locomo.splits.{name}")
     return errors
 
 
@@ -1114,7 +1113,9 @@ def _dangling(path: str, name: Any, section: str, have: Mapping[str, Any]) -> st
     return f"{path}: {show_value(name)} is not defined in {section}{hint} (defined: {', '.join(have)})"
 
 
-def _split_errors(split: Mapping[str, list[str]], known: set[str] | None, where: str) -> list[str]:
+def _split_errors(split: Mapping[str, list[str]], where: str) -> list[str]:
+    """A split's ids listed twice; whether each names a conversation of the LoCoMo file is the first job's check
+    (:func:`memupdate.data.locomo.resolve_split`): the file is data, not read while the Snakefile loads."""
     errors, seen = [], {}
     for part, ids in split.items():
         for i, sample_id in enumerate(ids):
@@ -1125,34 +1126,7 @@ def _split_errors(split: Mapping[str, list[str]], known: set[str] | None, where:
                 )
                 continue
             seen[sample_id] = f"{where}.{part}"
-            if known is not None and sample_id not in known:
-                close = difflib.get_close_matches(sample_id, sorted(known), n=1)
-                hint = f"; did you mean {close[0]}?" if close else ""
-                errors.append(
-                    f"{path}: no conversation {sample_id!r} in the LoCoMo file{hint} (it has {', '.join(sorted(known))})"
-                )
     return errors
-
-
-def _conversation_ids(config: Mapping[str, Any], root: Path) -> set[str] | None:
-    """The sample ids of the LoCoMo file when a copy is already on disk (fetched, or in a mirror); None
-    before the first fetch, when the preprocess job checks them instead."""
-    spec = config["data"]["files"].get(config["data"]["locomo"]["file"])
-    if spec is None:
-        return None
-    candidates = [root / "resources" / "data" / f"{config['data']['locomo']['file']}.json"]
-    candidates += [
-        root / m / spec.get("filename", "") for m in config["data"].get("mirrors", []) if spec.get("filename")
-    ]
-    for path in candidates:
-        if path.is_file():
-            try:
-                return {
-                    c["sample_id"] for c in json.loads(path.read_bytes()) if isinstance(c, dict) and "sample_id" in c
-                }
-            except (ValueError, TypeError):
-                return None  # a broken copy is the fetch job's error to report, with its checksum
-    return None
 
 
 # ------------------------------------------------------------------------------------------ verl keys
@@ -1186,55 +1160,19 @@ def flatten_keys(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): node}
 
 
-@functools.lru_cache(maxsize=8)
-def _module_classes(module: str) -> dict[str, Any]:
-    """The class definitions (``ast.ClassDef``) in the source of ``module`` (a package: all its files), by name,
-    found without importing it; empty if it is not installed."""
-    import ast
-    import importlib.util
-
-    top, *rest = module.split(".") if module else [""]
-    spec = importlib.util.find_spec(top) if top else None
-    if spec is None or not spec.submodule_search_locations:
-        return {}
-    package = Path(next(iter(spec.submodule_search_locations))).joinpath(*rest)
-    files = sorted(package.rglob("*.py")) if package.is_dir() else [package.with_suffix(".py")]
-    classes: dict[str, Any] = {}
-    for path in files:
-        if path.is_file():
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.ClassDef):
-                    classes.setdefault(node.name, node)
-    return classes
-
-
-def _verl_field_type(defaults: Mapping[str, Any], key: str) -> str | None:
-    """The annotation verl's config dataclass (its section's ``_target_``) gives ``key``, read from verl's
-    source, or None. Not imported: verl's config classes import torch, seconds at every Snakefile load.
-
-    >>> _verl_field_type({"actor._target_": "verl.workers.config.FSDPActorConfig"}, "actor.entropy_coeff")
-    'float'
-    """
-    import ast
-
-    parent, _, name = key.rpartition(".")
-    module, _, cls = str(defaults.get(f"{parent}._target_", "")).rpartition(".")
-    classes = _module_classes(module)
-
-    def annotation(cls_name: str, seen: frozenset[str]) -> str | None:
-        node = classes.get(cls_name)
-        if node is None or cls_name in seen:
-            return None
-        for stmt in node.body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == name:
-                return ast.unparse(stmt.annotation)
-        for base in node.bases:
-            found = annotation(ast.unparse(base).rpartition(".")[2], seen | {cls_name})
-            if found:
-                return found
-        return None
-
-    return annotation(cls, frozenset())
+#: verl's float settings whose default its generated YAML writes as an integer (``entropy_coeff: 0``), so that a
+#: float given for them is not refused as "not an int". Read off verl's config dataclasses' annotations, which
+#: cannot be imported while the Snakefile loads (they import torch); tests/test_settings.py re-derives it from
+#: verl's source, so that a verl upgrade that changes them fails there.
+VERL_FLOATS_WITH_INT_DEFAULTS = frozenset(
+    {
+        "actor_rollout_ref.actor.entropy_coeff",
+        "actor_rollout_ref.rollout.top_p",
+        "actor_rollout_ref.rollout.over_sample_rate",
+        "actor_rollout_ref.rollout.val_kwargs.temperature",
+        "reward.reward_model.rollout.top_p",
+    }
+)
 
 
 #: The configs the launcher composes a verl run from (memupdate.training.verl_launcher), under a stage's settings:
@@ -1359,7 +1297,7 @@ def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
             )
             if ok:
                 settings[key] = int(value)
-            elif isinstance(value, float) and _verl_field_type(defaults, key) == "float":
+            elif isinstance(value, float) and key in VERL_FLOATS_WITH_INT_DEFAULTS:
                 # verl's YAML writes some float fields' defaults as integers (entropy_coeff: 0).
                 ok = True
         else:

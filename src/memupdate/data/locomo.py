@@ -18,6 +18,7 @@ memories keep speaker, session, date and evidence.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
@@ -573,7 +574,12 @@ def resolve_split(conversations: Sequence[LocomoConversation], split: dict[str, 
     for name, ids in split.items():
         for sample_id in ids:
             if sample_id not in by_id:
-                raise ValueError(f"split {name!r} lists {sample_id!r}, which is not in the data (have {sorted(by_id)})")
+                close = difflib.get_close_matches(sample_id, sorted(by_id), n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ValueError(
+                    f"split {name!r} (data.locomo.splits) lists {sample_id!r}, which is not in the data{hint} "
+                    f"(have {', '.join(sorted(by_id))})"
+                )
             if sample_id in assigned:
                 where = (
                     f"twice in split {name!r}"
