@@ -11,7 +11,7 @@
 #   <exp>/sft/ckpt/                        the cold start: policy fine-tuned on demonstrations (train_sft; MemAgent: train_memagent_sft)
 #   <exp>/stage<N>/ckpt/                   stage-N checkpoint + manifest: stage1 memory, stage2 QA, ... (train_stage)
 #   <exp>/data/stage<N>.train.parquet      the train rows of a stage with `train_on` (select_stage_rows)
-#   <exp>/eval/report.{json,md,html}       LoCoMo evaluation report + plots, predictions/ (eval_locomo)
+#   <exp>/eval/report.{json,md}, figures/  LoCoMo evaluation report + plots, predictions/ (eval_locomo)
 #   <exp>/memagent/ckpt/                   MemAgent checkpoint + manifest (train_memagent)
 #   <exp>/memagent_eval/report.{json,md}   MemAgent accuracy vs. context length, length_curve.png (eval_memagent)
 #   stage<N>/ckpt, eval/                   the default experiment's, as hard links (default_checkpoint, default_report)
@@ -28,6 +28,10 @@ min_version("9.0")
 
 
 configfile: "config/config.yaml"
+
+
+# `snakemake --report results/report.html`: the evaluations' tables and figures, with the DAG and run times.
+report: "report/workflow.rst"
 
 
 # Every setting at every depth, and the names one section gives another, checked before any job runs. A

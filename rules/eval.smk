@@ -10,6 +10,21 @@ rule eval_locomo:
         unpack(get_eval_inputs),
     output:
         report="results/{exp}/eval/report.json",
+        markdown=report(
+            "results/{exp}/eval/report.md",
+            caption="../report/eval_locomo.rst",
+            category="LoCoMo evaluation",
+            subcategory="{exp}",
+            labels={"experiment": "{exp}", "content": "tables"},
+        ),
+        figures=report(
+            directory("results/{exp}/eval/figures"),
+            patterns=["{figure}.png"],
+            caption="../report/eval_locomo_figure.rst",
+            category="LoCoMo evaluation",
+            subcategory="{exp}",
+            labels={"experiment": "{exp}", "content": "{figure}"},
+        ),
     log:
         "logs/eval_locomo/{exp}.log",
     benchmark:

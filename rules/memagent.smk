@@ -61,6 +61,20 @@ rule eval_memagent:
         unpack(get_memagent_eval_inputs),
     output:
         report="results/{exp}/memagent_eval/report.json",
+        markdown=report(
+            "results/{exp}/memagent_eval/report.md",
+            caption="../report/eval_memagent.rst",
+            category="MemAgent evaluation",
+            subcategory="{exp}",
+            labels={"experiment": "{exp}", "content": "tables"},
+        ),
+        curve=report(
+            "results/{exp}/memagent_eval/length_curve.png",
+            caption="../report/eval_memagent_curve.rst",
+            category="MemAgent evaluation",
+            subcategory="{exp}",
+            labels={"experiment": "{exp}", "content": "length curve"},
+        ),
     log:
         "logs/eval_memagent/{exp}.log",
     benchmark:

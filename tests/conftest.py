@@ -65,7 +65,7 @@ def shared_data_dir() -> Path:
 
 
 #: What a Snakemake run of the workflow needs of the repository (the package is installed).
-WORKFLOW_PARTS = ("Snakefile", "rules", "workflow", "config", "profiles")
+WORKFLOW_PARTS = ("Snakefile", "rules", "workflow", "config", "profiles", "report")
 
 
 def _copy_workflow(root: Path, parts: tuple[str, ...] = WORKFLOW_PARTS) -> Path:

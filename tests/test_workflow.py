@@ -133,7 +133,9 @@ def test_the_briefs_short_paths_build_the_default_experiment(workdir):
     by_rule = {job["rule"]: job for job in jobs}
     # The default experiment of the scale (smoke) is trained and evaluated at its own paths, then linked.
     assert by_rule["train_stage2"]["wildcards"] == "exp=smoke, n=2"
-    assert by_rule["eval_locomo"]["output"] == "results/smoke/eval/report.json"
+    assert by_rule["eval_locomo"]["output"] == (
+        "results/smoke/eval/report.json, results/smoke/eval/report.md, results/smoke/eval/figures"
+    )
     assert by_rule["default_checkpoint"]["output"] == "results/stage2/ckpt"
     assert by_rule["default_report"]["output"] == "results/eval/report.json"
     # A named experiment keeps its own path, and no short path is built for it.
@@ -506,13 +508,19 @@ def test_the_whole_dag_on_the_local_profile(tiny_pipeline):
         ours, baseline = saved["stage1+qa_base"][ns], saved["no_update"][ns]
         assert ours["predictions"] == baseline["predictions"] and ours["context_tokens"] == baseline["context_tokens"]
         assert ours["retrieved_ids"] == baseline["retrieved_ids"]
-    for name in ("per_category.png", "training.png", "report.md", "report.html"):
+    for name in ("figures/per_category.png", "figures/training.png", "report.md"):
         assert (workdir / "results/tiny/eval" / name).is_file()
+    # Snakemake's report of the run: the evaluations' tables and figures, each under its experiment.
+    page = tiny_pipeline.snakemake("--profile", "profiles/local", "all", *TINY, "--report", "results/report.html")
+    assert page.returncode == 0, page.stderr[-3000:]
+    html = (workdir / "results/report.html").read_text()
+    assert all(
+        text in html for text in ("LoCoMo evaluation", "MemAgent evaluation", "per_category.png", "tiny_memagent")
+    )
     # The short paths are the default experiment's (tiny) artifacts, stored once: the same inodes.
     for short_path, source in (
         ("results/stage2/ckpt/model.safetensors", "results/tiny/stage2/ckpt/model.safetensors"),
         ("results/eval/report.json", "results/tiny/eval/report.json"),
-        ("results/eval/report.html", "results/tiny/eval/report.html"),
     ):
         assert (workdir / short_path).stat().st_ino == (workdir / source).stat().st_ino, short_path
     assert AutoModelForCausalLM.from_pretrained(workdir / "results/stage1/ckpt").num_parameters() > 0

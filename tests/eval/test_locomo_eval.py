@@ -188,14 +188,17 @@ def test_report_numbers_are_recomputed_from_the_saved_predictions(tmp_path):
     assert [s["reward_mean"] for s in saved["training"]["stage1"]] == [0.1, 0.2]
     assert "stage2" not in saved["training"]
     assert saved["plots"] == ["per_category.png", "training.png"]
+    # The plots are one folder, the rule's output that Snakemake's report shows (snakemake --report).
+    assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == ["per_category.png", "training.png"]
     for name in ("per_category.png", "training.png"):
-        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (tmp_path / "figures" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (tmp_path / "report.md").read_text()
-    assert "| stage1+qa_base |" in md and "judge: exp-qa-base" in md and "![training.png](training.png)" in md
+    assert "| stage1+qa_base |" in md and "judge: exp-qa-base" in md and "![training.png](figures/training.png)" in md
     assert "question-conditioned" in md and "could not be parsed for 1 questions" in md
-    page = (tmp_path / "report.html").read_text()
-    # main table, LoCoMo F1 per category, Mem0 protocol per category, memory episodes
-    assert page.count("<table>") == 3 and '<img src="per_category.png"' in page
+    # main table, LoCoMo F1 per category, Mem0 protocol per category (no comparison: one system)
+    assert [line.startswith("| --- |") for line in md.splitlines()].count(True) == 3
+    assert "## Paired comparisons" not in md
+    assert "- stage1: 2 steps; last reward 0.200 (std 0.050); terminations done 2" in md
 
 
 def test_only_full_context_may_skip_and_it_is_reported_apart(tmp_path):
@@ -385,8 +388,8 @@ def test_a_question_agnostic_system_is_labelled_and_its_ingestion_timed(tmp_path
     }
     md = (tmp_path / "report.md").read_text()
     # Beside the published numbers too, the setting named is the one the systems were evaluated in.
-    assert "## Beside published numbers" in md and md.count(report.AGNOSTIC_NOTE) == 2
-    assert report.SETTING_NOTE not in md
+    assert "## Beside published numbers" in md and md.count("Setting: question-agnostic (Mem0's") == 2
+    assert "Setting: question-conditioned" not in md
     assert "| stage1+qa_base | agnostic |" in md and "| stage1+qa_base | 3 | 6.0 | 3.00 | 12 | 9 |" in md
 
 

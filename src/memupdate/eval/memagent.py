@@ -456,54 +456,7 @@ def _plot(report: Mapping[str, Any], out: Path) -> list[str]:
 
 
 def _markdown(report: Mapping[str, Any]) -> str:
-    truncate = report["settings"]["truncate_chunks"]
-    reading = (
-        "every chunk of each haystack is read"
-        if truncate is None
-        else f"haystacks are centre-truncated to {truncate} chunks"
-    )
-    lines = [
-        f"# MemAgent evaluation: {report['experiment']}",
-        "",
-        f"Scores in % over the same questions at each context length; {reading}. Tokens and chunks are "
-        "means per question; 'truncated' is the share of questions whose haystack was cut.",
-        "",
-        "## Our evaluation (training's boxed prompt, greedy)",
-        "",
-        "| model | length | questions | haystack tokens | tokens read | truncated | chunks read / total | EM | "
-        "sub-EM | F1 | boxed | memory cut | s / question |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, by_length in report["results"].items():
-        for length, r in by_length.items():
-            lines.append(
-                f"| {name} | {length} | {r['n']} | {r['haystack_tokens']:.0f} | {r['context_tokens']:.0f} | "
-                f"{100 * r['truncated']:.0f}% | {r['chunks_read']:.1f} / {r['chunks_total']:.1f} | "
-                f"{100 * r['exact_match']:.1f} | {100 * r['sub_em']:.1f} | {100 * r['f1']:.1f} | "
-                f"{100 * r['boxed']:.1f} | {r['memory_truncations']:.2f} | {r['seconds']:.2f} |"
-            )
-    if "memagent_style" in report:
-        style = report["memagent_style"]
-        lines += [
-            "",
-            "## MemAgent's own evaluation style (compare with the paper's numbers)",
-            "",
-            f"{style['protocol']}.",
-            "",
-            "| model | length | questions | haystack tokens | tokens read | truncated | sub-EM | EM | F1 | "
-            "'the answer is' found | s / question |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for name, by_length in style["results"].items():
-            for length, r in by_length.items():
-                lines.append(
-                    f"| {name} | {length} | {r['n']} | {r['haystack_tokens']:.0f} | {r['context_tokens']:.0f} | "
-                    f"{100 * r['truncated']:.0f}% | {100 * r['sub_em']:.1f} | {100 * r['exact_match']:.1f} | "
-                    f"{100 * r['f1']:.1f} | {100 * r['answered']:.1f} | {r['seconds']:.2f} |"
-                )
-    lines += [
-        f"\n{twin} has the weights of {source} (the same weight files): its rows are {source}'s passes, not run again."
-        for twin, source in (report.get("same_weights") or {}).items()
-    ]
-    lines += ["", *(f"![{p}]({p})" for p in report["plots"])]
-    return "\n".join(lines) + "\n"
+    """``report.md`` from ``report.json``'s content, through ``templates/memagent_report.md.j2``."""
+    from memupdate.eval.report import render_template
+
+    return render_template("memagent_report.md.j2", report=report, pct=lambda value: f"{100 * value:.1f}")

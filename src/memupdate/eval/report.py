@@ -1,5 +1,5 @@
-"""Scores and reports from saved predictions: ``report.json`` (every number), ``report.md``, ``report.html``
-and PNG plots.
+"""Scores and reports from saved predictions: ``report.json`` (every number), ``report.md`` (from a template of
+``templates/``) and PNG plots; Snakemake's report (``snakemake --report``) shows the last two.
 
 Everything here is computed from ``predictions/<system>.jsonl`` and the training runs' ``metrics.jsonl``,
 so a test (or a reader) can recompute every reported number from the saved files. Metrics come from
@@ -12,7 +12,6 @@ served judge when one is given). Categories are reported by numeric id with the 
 
 from __future__ import annotations
 
-import html
 import json
 import logging
 import re
@@ -262,13 +261,23 @@ def training_curves(metrics_files: Mapping[str, str | Path]) -> dict[str, list[d
 # ---------------------------------------------------------------------------------------- plots
 
 
+#: The folder of a report's plots, beside report.md: the rule's output that Snakemake's report shows.
+FIGURES = "figures"
+
+
 def _plots(report: Mapping[str, Any], out_dir: Path) -> list[str]:
+    """The report's plots, written into ``out_dir/figures`` (emptied first: a rerun leaves no stale one); their names."""
+    import shutil
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     plots = []
+    shutil.rmtree(out_dir / FIGURES, ignore_errors=True)
+    (out_dir / FIGURES).mkdir(parents=True)
+    out_dir = out_dir / FIGURES
     systems = report["systems"]
     if systems:
         fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -347,86 +356,8 @@ def _models(row: Mapping[str, Any]) -> str:
     return f"{text} (the weights of {row['same_weights_as']}: its predictions)" if row.get("same_weights_as") else text
 
 
-def _published_markdown(report: Mapping[str, Any]) -> list[str]:
-    """Our rows beside the published ones, one table per protocol, and what differs between them."""
-    published = report["published"]
-    ours = report["systems"]
-    models = "; ".join(f"{name}: {_models(row)}" for name, row in ours.items())
-    lines = [
-        "",
-        "## Beside published numbers",
-        "",
-        f"Ours: {report['questions']} questions of the test conversations {', '.join(report['conversations'])} "
-        f"(a seeded sample of {report['settings'].get('questions_per_conversation') or 'all'} per conversation), "
-        f"top-{report['settings'].get('top_k')} retrieval; models {models}; judge "
-        f"{report['judge'] or 'none'}.",
-        "",
-        *_setting_notes(ours),
-        "",
-        published["note"],
-    ]
-    locomo = published.get("locomo")
-    if locomo:
-        lines += [
-            "",
-            f"Official LoCoMo protocol: F1 in %, categories by numeric id ({locomo['source']}).",
-            "",
-            "| system | answer model | overall | " + " | ".join(f"{c} {n}" for c, n in CATEGORY_NAMES.items()) + " |",
-            "| --- | --- | --- |" + " --- |" * 5,
-        ]
-        for name, row in ours.items():
-            cells = [_pct(row["per_category"][str(c)]["locomo_f1"]) for c in CATEGORY_NAMES]
-            lines.append(f"| ours: {name} | {_models(row)} | {_pct(row['locomo']['f1'])} | " + " | ".join(cells) + " |")
-        for row in locomo["rows"]:
-            cells = [str(row["per_category"].get(c, "–")) for c in CATEGORY_NAMES]
-            lines.append(f"| {row['system']} | {row['answer_model']} | {row['f1']} | " + " | ".join(cells) + " |")
-    mem0 = published.get("mem0")
-    if mem0:
-        lines += [
-            "",
-            "Mem0 protocol: categories 1-4, scores in %.",
-            "",
-            "| system | protocol | J | F1 | BLEU-1 | answer model | source |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for name, row in ours.items():
-            lines.append(
-                f"| ours: {name} | Mem0 (cat 1-4), {row['mem0']['n']} q | {_pct(row['mem0']['j'])} | "
-                f"{_pct(row['mem0']['f1'])} | {_pct(row['mem0']['bleu1'])} | {_models(row)} | this run |"
-            )
-        for row in mem0["rows"]:
-            lines.append(
-                f"| {row['system']} | {row['protocol']} | {row.get('j', '–')} | {row.get('f1', '–')} | "
-                f"{row.get('bleu1', '–')} | {row['answer_model']} | {row['source']} |"
-            )
-    return lines
-
-
-SETTING_NOTE = (
-    "Setting: question-conditioned (MemoryUpdate's). The memory model sees the test question while it edits "
-    "that question's own copy of the store; Mem0, Memory-R1 and the LoCoMo paper build memory once per "
-    "conversation without seeing the questions, so their published numbers are context, not a like-for-like "
-    "comparison."
-)
-AGNOSTIC_NOTE = (
-    "Setting: question-agnostic (Mem0's, Memory-R1's and the LoCoMo paper's). The memory model builds each test "
-    "conversation's store session by session, one episode per session with that session's memories added, and "
-    "never sees a question; then every question is answered from the final store. no_update is the store with "
-    "every session's memories added as they are (an ingestion that edits nothing). The published numbers below "
-    "were measured in this setting, with other models, retrieval and splits: read them as context."
-)
 #: The report's label of a system's memory setting (summarize's ``memory_setting``).
 SETTING_LABELS = {"question-conditioned": "conditioned", "question-agnostic": "agnostic", None: "–"}
-
-
-_SETTING_NOTES = {"question-conditioned": SETTING_NOTE, "question-agnostic": AGNOSTIC_NOTE}
-
-
-def _setting_notes(systems: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """The paragraph of each memory setting the report's systems use (question-conditioned when none says)."""
-    settings = {row.get("memory_setting") for row in systems.values()}
-    notes = [note for setting, note in _SETTING_NOTES.items() if setting in settings] or [SETTING_NOTE]
-    return "\n\n".join(notes).split("\n")
 
 
 def _tokens(row: Mapping[str, Any]) -> str:
@@ -434,172 +365,41 @@ def _tokens(row: Mapping[str, Any]) -> str:
     return " / ".join(f"{p} {_num(v, 0)}" for p, v in (row.get("context_tokens_mean") or {}).items()) or "–"
 
 
-def _markdown(report: Mapping[str, Any]) -> str:
-    systems = report["systems"]
-    lines = [f"# LoCoMo evaluation: {report['experiment']}", ""]
-    lines += [
-        f"{report['questions']} test questions from {', '.join(report['conversations'])}"
-        f"{' (the ' + report['split'] + ' split)' if report.get('split') else ''}, the same questions for "
-        f"every system (top-{report['settings'].get('top_k')} memories within {report['settings'].get('context_chars')} "
-        f"characters); judge: {report['judge'] or 'none (J not computed)'}. Scores in %. A question a system did "
-        "not answer scores 0 (column *unanswered*); only full_context may skip a question whose conversation "
-        "does not fit the model, and is then scored on fewer questions (column *skipped*). Context: the QA "
-        "prompt's tokens per protocol (chat template included). Latency: seconds per question (for a "
-        "question-conditioned memory system, its whole episode and the answers; for a question-agnostic one, "
-        "the answers: its ingestion's time is under *Ingestion*).",
-        "",
-    ]
-    lines += _setting_notes(systems)
-    lines += [
-        "",
-        "| system | memory | models | LoCoMo F1 (cat 1-5) | Mem0 F1 (1-4) | BLEU-1 (1-4) | J (1-4) | evidence recall@k | "
-        "context tokens | latency p50 / p95 s | unanswered | skipped |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, row in systems.items():
-        lines.append(
-            f"| {name} | {SETTING_LABELS[row.get('memory_setting')]} | {_models(row)} | {_pct(row['locomo']['f1'])} | "
-            f"{_pct(row['mem0']['f1'])} | "
-            f"{_pct(row['mem0']['bleu1'])} | {_pct(row['mem0']['j'])} | {_pct(row['evidence_recall_at_k'])} | "
-            f"{_tokens(row)} | {_num(row['latency_s']['p50'])} / {_num(row['latency_s']['p95'])} | "
-            f"{row['unanswered']} | {row['skipped']} |"
-        )
-    for name, row in systems.items():
-        if row["skipped"]:
-            lines += [
-                "",
-                f"{name}: scored on {row['scored']} of {row['questions']} questions, not comparable with "
-                f"the other rows; {row['skipped']} skipped ({'; '.join(row['skip_reasons'])}).",
-            ]
-        if row["mem0"].get("j_unparsed"):
-            lines += [
-                "",
-                f"{name}: the judge's reply could not be parsed for {row['mem0']['j_unparsed']} questions; "
-                "they count as not correct in J.",
-            ]
-    if report.get("comparisons"):
-        lines += [
-            "",
-            "## Paired comparisons",
-            "",
-            "LoCoMo F1 of a system minus its baseline on the same questions, with a paired bootstrap 95% interval "
-            "(10,000 resamples of the questions); *beyond noise*: the interval excludes 0.",
-            "",
-            "| system | baseline | difference (points) | 95% interval | questions | beyond noise |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
-        for c in report["comparisons"]:
-            lines.append(
-                f"| {c['system']} | {c['baseline']} | {100 * c['mean_difference']:+.1f} | "
-                f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] | {c['n']} | {'yes' if c['excludes_zero'] else 'no'} |"
-            )
-    header = "| system | " + " | ".join(f"{c} {n}" for c, n in CATEGORY_NAMES.items()) + " |"
-    lines += [
-        "",
-        "## Per category (by numeric id)",
-        "",
-        "LoCoMo F1 (n = questions answered):",
-        "",
-        header,
-        "| --- |" + " --- |" * 5,
-    ]
-    for name, row in systems.items():
-        cells = [
-            f"{_pct(row['per_category'][str(c)]['locomo_f1'])} (n={row['per_category'][str(c)]['n']})"
-            for c in CATEGORY_NAMES
-        ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "Mem0 protocol, J / F1 / BLEU-1 (category 5 is not part of it):",
-        "",
-        header,
-        "| --- |" + " --- |" * 5,
-    ]
-    for name, row in systems.items():
-        cells = [
-            " / ".join(_pct(row["per_category"][str(c)][k]) for k in ("j", "mem0_f1", "bleu1")) for c in CATEGORY_NAMES
-        ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    episodes = {name: row for name, row in systems.items() if row.get("memory")}
-    if episodes:
-        lines += [
-            "",
-            "## Memory episodes",
-            "",
-            "| system | memories before | after | created | updated | deleted | merged | split | terminations |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for name, row in episodes.items():
-            m = row["memory"]
-            cells = [_num(m[f"{k}_mean"], 1) for k in MEMORY_STATS]
-            terminations = ", ".join(f"{k} {v}" for k, v in sorted(row["termination"].items()))
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {terminations} |")
-    ingested = {name: row["ingestion"] for name, row in systems.items() if row.get("ingestion")}
-    if ingested:
-        lines += [
-            "",
-            "## Ingestion",
-            "",
-            "Each test conversation's sessions, one episode each, the conversations' k-th sessions in one batch. "
-            "Seconds per session: the wall time of one such batch.",
-            "",
-            "| system | sessions | seconds | seconds per session | memories appended | memories built |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
-        for name, log in ingested.items():
-            lines.append(
-                f"| {name} | {log['episodes']} | {_num(log['seconds'], 1)} | {_num(log['seconds_per_step'])} | "
-                f"{log['appended']} | {log['built']} |"
-            )
-    for plot in report["plots"]:
-        lines += ["", f"![{plot}]({plot})"]
-    if report["training"]:
-        lines += ["", "## Training", ""]
-        for name, steps in report["training"].items():
-            last = steps[-1] if steps else {}
-            lines.append(
-                f"- {name}: {len(steps)} steps; last reward {_num(last.get('reward_mean'), 3)} "
-                f"(std {_num(last.get('reward_std'), 3)}); terminations {last.get('termination')}"
-            )
-    if report.get("published"):
-        lines += _published_markdown(report)
-    return "\n".join(lines) + "\n"
+def _terminations(counts: Mapping[str, int] | None) -> str:
+    """``done 2, no_tool_call 1``: episodes per reason, or – where none was recorded (verl's steps)."""
+    return ", ".join(f"{k} {v}" for k, v in sorted((counts or {}).items())) or "–"
 
 
-def _html(markdown: str) -> str:
-    """A self-contained page: the markdown tables as HTML tables, images inline by file name."""
-    body, table = [], []
-
-    def flush():
-        if table:
-            rows = [r for r in table if not set(r.replace("|", "").strip()) <= {"-", " "}]
-            cells = [[html.escape(c.strip()) for c in r.strip().strip("|").split("|")] for r in rows]
-            head = "".join(f"<th>{c}</th>" for c in cells[0])
-            rest = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in cells[1:])
-            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rest}</tbody></table>")
-            table.clear()
-
-    for line in markdown.splitlines():
-        if line.startswith("|"):
-            table.append(line)
-            continue
-        flush()
-        if line.startswith("# "):
-            body.append(f"<h1>{html.escape(line[2:])}</h1>")
-        elif line.startswith("## "):
-            body.append(f"<h2>{html.escape(line[3:])}</h2>")
-        elif line.startswith("!["):
-            src = line[line.index("(") + 1 : -1]
-            body.append(f'<img src="{html.escape(src)}" alt="{html.escape(src)}">')
-        elif line.strip():
-            body.append(f"<p>{html.escape(line)}</p>")
-    flush()
-    style = (
-        "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}img{max-width:100%}"
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """``report.md`` from ``report.json``'s content, through ``templates/locomo_report.md.j2``."""
+    return render_template(
+        "locomo_report.md.j2",
+        report=report,
+        categories=CATEGORY_NAMES,
+        memory_stats=MEMORY_STATS,
+        figures=FIGURES,
+        pct=_pct,
+        num=_num,
+        points=lambda value: f"{100 * value:+.1f}",
+        models=_models,
+        tokens=_tokens,
+        terminations=_terminations,
+        setting_label=lambda row: SETTING_LABELS[row.get("memory_setting")],
     )
-    return f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{''.join(body)}</body></html>\n"
+
+
+def render_template(name: str, **context: Any) -> str:
+    """A Markdown template of ``memupdate/eval/templates`` rendered with ``context`` (no HTML escaping: the
+    output is Markdown)."""
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("memupdate.eval", "templates"),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    return env.get_template(name).render(**context)
 
 
 def build_report(
@@ -613,7 +413,7 @@ def build_report(
     published: str | Path | None = None,
     split: str | None = None,
 ) -> dict[str, Any]:
-    """Write ``report.json``, ``report.md``, ``report.html`` and the plots into ``out_dir``; return the report.
+    """Write ``report.json``, ``report.md`` and the plots (``figures/``) into ``out_dir``; return the report.
     ``split`` names the LoCoMo split the test conversations come from (``data.locomo.split``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -662,9 +462,7 @@ def build_report(
     if published:
         report["published"] = yaml.safe_load(Path(published).read_text(encoding="utf-8"))
     report["plots"] = _plots(report, out_dir)
-    markdown = _markdown(report)
-    write_text_atomic(out_dir / "report.md", markdown)
-    write_text_atomic(out_dir / "report.html", _html(markdown))
+    write_text_atomic(out_dir / "report.md", render_markdown(report))
     # Last: report.json is the rule's output, so it exists only once everything else does.
     write_json_atomic(out_dir / "report.json", report)
     return report
