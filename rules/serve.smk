@@ -15,9 +15,14 @@ rule serve_model:
         "benchmarks/serve_model/{exp}/{purpose}/{served}.tsv"
     conda:
         "../workflow/envs/memupdate.yaml"
+    # The job starts a server and waits for it to answer; the server, not the job, does the work, and it runs
+    # outside Snakemake's count of cores from then on anyway. So the job holds no core: a training job (2
+    # cores) starts beside a server's start-up instead of after it. On Slurm, the job asks for one CPU.
+    threads: 0
     resources:
         runtime=60,
         mem_mb=2000,
+        cpus_per_task=1,
         server=server_request,
     params:
         served_model_name=get_served_model_name,
