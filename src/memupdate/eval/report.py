@@ -265,8 +265,8 @@ def training_curves(metrics_files: Mapping[str, str | Path]) -> dict[str, list[d
 FIGURES = "figures"
 
 
-def _plots(report: Mapping[str, Any], out_dir: Path) -> list[str]:
-    """The report's plots, written into ``out_dir/figures`` (emptied first: a rerun leaves no stale one); their names."""
+def _plots(report: Mapping[str, Any], folder: Path) -> list[str]:
+    """The report's plots, written into ``folder`` (emptied first: a rerun leaves no stale one); their names."""
     import shutil
 
     import matplotlib
@@ -275,9 +275,8 @@ def _plots(report: Mapping[str, Any], out_dir: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     plots = []
-    shutil.rmtree(out_dir / FIGURES, ignore_errors=True)
-    (out_dir / FIGURES).mkdir(parents=True)
-    out_dir = out_dir / FIGURES
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     systems = report["systems"]
     if systems:
         fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -292,7 +291,7 @@ def _plots(report: Mapping[str, Any], out_dir: Path) -> list[str]:
         ax.legend(fontsize=8)
         ax.set_title("LoCoMo F1 per category (numeric ids)")
         fig.tight_layout()
-        fig.savefig(out_dir / "per_category.png", dpi=110)
+        fig.savefig(folder / "per_category.png", dpi=110)
         plt.close(fig)
         plots.append("per_category.png")
     curves = report["training"]
@@ -331,7 +330,7 @@ def _plots(report: Mapping[str, Any], out_dir: Path) -> list[str]:
         axes[4].legend(fontsize=7)
         axes[0].legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out_dir / "training.png", dpi=110)
+        fig.savefig(folder / "training.png", dpi=110)
         plt.close(fig)
         plots.append("training.png")
     return plots
@@ -461,7 +460,7 @@ def build_report(
     }
     if published:
         report["published"] = yaml.safe_load(Path(published).read_text(encoding="utf-8"))
-    report["plots"] = _plots(report, out_dir)
+    report["plots"] = _plots(report, out_dir / FIGURES)
     write_text_atomic(out_dir / "report.md", render_markdown(report))
     # Last: report.json is the rule's output, so it exists only once everything else does.
     write_json_atomic(out_dir / "report.json", report)
