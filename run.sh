@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point that sets up everything on a fresh Debian machine with Python 3.11, then runs:
 #   ./run.sh pipeline [snakemake args]  the whole workflow on profiles/local at smoke scale
-#   ./run.sh tests [pytest args]        the test suite
+#   ./run.sh tests [pytest args]        the test suite (without args: the quick tests in parallel, then the rest)
 #   ./run.sh demo [snakemake args]      the cpu_demo run: cold start, GRPO and both evaluations (docs/cpu-demo.md)
 # The environment lives in .venv and is rebuilt only when pyproject.toml or constraints change.
 set -euo pipefail
@@ -74,7 +74,18 @@ case "$cmd" in
         ;;
     tests)
         ensure_env
-        exec "$VENV/bin/python" -m pytest "$@"
+        if [[ $# -gt 0 ]]; then
+            exec "$VENV/bin/python" -m pytest "$@"
+        fi
+        # The whole suite in two runs. The quick tests (pure Python, mostly one core each) on up to 4 processes
+        # (pytest-xdist); then, one at a time, the ones that start vLLM servers, Ray, verl and Slurm: two of those
+        # at once would not fit in 24 GB and would make each other's servers miss their start-up timeouts.
+        quick="not slow and not slurm and not vllm and not verl_cpu"
+        workers=$(( $(nproc) < 4 ? $(nproc) : 4 ))
+        status=0
+        "$VENV/bin/python" -m pytest -m "$quick" -n "$workers" || status=$?
+        "$VENV/bin/python" -m pytest -m "not ($quick)" || status=$?
+        exit "$status"
         ;;
     *)
         sed -n '2,6p' "$0" >&2

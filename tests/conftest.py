@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -321,6 +322,65 @@ def vllm_python() -> Path:
             pytest.skip(f"cannot build the vLLM environment {VLLM_ENV}: PyPI is not reachable ({exc})")
         raise
     return python
+
+
+#: The shared server's name and context: the longest any of its users asks for (the agent loop's 4,096 tokens).
+TINY_SERVED_NAME = "tiny"
+TINY_SERVED_MAX_MODEL_LEN = 4096
+
+
+@pytest.fixture(scope="session")
+def _tiny_server_slot():
+    """Where the shared tiny server lives between modules; at the session's end (also one cut short) a server
+    still running is stopped by its PID."""
+    slot: dict = {}
+    yield slot
+    if "server" in slot:
+        _stop_and_check(slot.pop("server"), slot.pop("pids"))
+
+
+@pytest.fixture(scope="module")
+def vllm_server(request, _tiny_server_slot, vllm_python, tiny_model_dir, tmp_path_factory):
+    """A vLLM server of the tiny model (float32, served as ``tiny``), one for every module that asks for it: a
+    start takes ~20 s on two cores. Started by the first such module, stopped by its PID after the last one of
+    the session's tests that use it (not held through the training tests after them), its processes then checked
+    gone."""
+    slot = _tiny_server_slot
+    if "server" not in slot:
+        from memupdate.serving.vllm_server import start_vllm_server
+
+        server = start_vllm_server(
+            tiny_model_dir,
+            served_model_name=TINY_SERVED_NAME,
+            python=vllm_python,
+            dtype="float32",
+            max_model_len=TINY_SERVED_MAX_MODEL_LEN,
+            log_path=tmp_path_factory.mktemp("vllm") / "server.log",
+        )
+        slot["server"], slot["pids"] = server, [server.pid]
+        server.wait_until_ready(timeout_s=300)
+        slot["pids"] += [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
+    yield slot["server"]
+    items = request.session.items
+    last = max(i for i, item in enumerate(items) if item.module is request.module)
+    if not any("vllm_server" in item.fixturenames for item in items[last + 1 :]):
+        _stop_and_check(slot.pop("server"), slot.pop("pids"))
+
+
+def _stop_and_check(server, pids: list[int]) -> None:
+    server.stop()
+    assert not server.alive()
+    deadline = time.monotonic() + 10
+    while (left := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"vLLM processes {left} survived stop()"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 # ----------------------------------------------------------------------------------- HTTP fixtures

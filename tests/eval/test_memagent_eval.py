@@ -25,7 +25,6 @@ from memupdate.eval.memagent import (
     model_source,
 )
 from memupdate.serving.readiness import write_marker
-from memupdate.serving.vllm_server import start_vllm_server
 from memupdate.settings import build
 
 # hotpot_rows' first three haystacks are 720, 735 and 1444 tiny-model tokens: 3, 3 and 6 chunks of 256.
@@ -159,34 +158,28 @@ def test_memagent_style_samples_at_upstream_temperature(tiny_models, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_served_and_in_process_evaluation_agree(tiny_model_dir, hotpot_rows, vllm_python, tmp_path):
+def test_served_and_in_process_evaluation_agree(vllm_server, tiny_model_dir, hotpot_rows, tmp_path):
+    """The session's tiny vLLM server (tests/conftest.py) against the same folder evaluated in-process."""
     marker = tmp_path / "serve" / "tiny.ready.json"
-    with start_vllm_server(
-        tiny_model_dir,
-        served_model_name="tiny-eval",
-        python=vllm_python,
-        dtype="float32",
-        log_path=tmp_path / "vllm.log",
-    ) as server:
-        server.wait_until_ready(timeout_s=300)
-        write_marker(
-            marker,
-            endpoint=server.base_url,
-            served_model_name="tiny-eval",
-            pid=server.pid,
-            model_path=tiny_model_dir,
-            api_key=server.api_key,
-        )
-        assert model_source(marker)[0] == tiny_model_dir.resolve()
-        report = memagent_length_curve(
-            {"local": tiny_model_dir, "served": marker},
-            {"3": hotpot_rows},
-            tmp_path / "eval",
-            {**SETTINGS, "memagent_style": False},
-        )
+    name = vllm_server.served_model_name
+    write_marker(
+        marker,
+        endpoint=vllm_server.base_url,
+        served_model_name=name,
+        pid=vllm_server.pid,
+        model_path=tiny_model_dir,
+        api_key=vllm_server.api_key,
+    )
+    assert model_source(marker)[0] == tiny_model_dir.resolve()
+    report = memagent_length_curve(
+        {"local": tiny_model_dir, "served": marker},
+        {"3": hotpot_rows},
+        tmp_path / "eval",
+        {**SETTINGS, "memagent_style": False},
+    )
     assert report["models"] == {
         "local": {"path": str(tiny_model_dir), "served_as": None},
-        "served": {"path": str(tiny_model_dir.resolve()), "served_as": "tiny-eval"},
+        "served": {"path": str(tiny_model_dir.resolve()), "served_as": name},
     }
     records = {name: predictions(tmp_path / "eval", name, 3) for name in ("local", "served")}
     # Greedy decoding of one float32 model: the server writes the same memories and answers, chunk by chunk.

@@ -312,29 +312,19 @@ def test_a_served_scorer_without_a_qa_model_fails_before_anything_runs(workdir):
 # ------------------------------------------------------------------ scoring against a served model
 
 
-SERVED_NAME = "tiny-qa-base"
-
-
 @pytest.fixture(scope="module")
-def served_marker(vllm_python, tiny_model_dir, tmp_path_factory):
-    """A vLLM server of the tiny model and its readiness marker, as the serve rule writes it."""
-    from memupdate.serving.vllm_server import start_vllm_server
-
-    root = tmp_path_factory.mktemp("served")
-    with start_vllm_server(
-        tiny_model_dir, served_model_name=SERVED_NAME, python=vllm_python, dtype="float32", log_path=root / "vllm.log"
-    ) as server:
-        server.wait_until_ready(timeout_s=300)
-        marker = root / "qa-base.ready.json"
-        write_marker(
-            marker,
-            endpoint=server.base_url,
-            served_model_name=SERVED_NAME,
-            pid=server.pid,
-            model_path=tiny_model_dir,
-            api_key=server.api_key,
-        )
-        yield marker
+def served_marker(vllm_server, tiny_model_dir, tmp_path_factory):
+    """The session's tiny vLLM server (tests/conftest.py) and its readiness marker, as the serve rule writes it."""
+    marker = tmp_path_factory.mktemp("served") / "qa-base.ready.json"
+    write_marker(
+        marker,
+        endpoint=vllm_server.base_url,
+        served_model_name=vllm_server.served_model_name,
+        pid=vllm_server.pid,
+        model_path=tiny_model_dir,
+        api_key=vllm_server.api_key,
+    )
+    return marker
 
 
 def served_requests(marker) -> float:

