@@ -31,9 +31,14 @@ rule eval_locomo:
         "benchmarks/eval_locomo/{exp}.tsv"
     conda:
         "../workflow/envs/memupdate.yaml"
-    threads: 2
+    # A client: the served models (serve_model) generate, this job searches memory and scores. Like a server's
+    # job it counts no core, so it runs beside a training job's start-up instead of holding it back; on Slurm it
+    # asks for two CPUs.
+    threads: 0
     resources:
-        **job_resources("eval_locomo", policy_of, runtime=120, mem_mb=6000),
+        **job_resources(
+            "eval_locomo", policy_of, runtime=120, mem_mb=6000, cpus_per_task=2
+        ),
     params:
         settings=get_eval_settings,
         # The memory models play the episodes they were trained on.

@@ -81,10 +81,13 @@ rule eval_memagent:
         "benchmarks/eval_memagent/{exp}.tsv"
     conda:
         "../workflow/envs/memupdate.yaml"
-    threads: 2
+    # A client, as eval_locomo: the models are served (serve_model); this job holds tokenizers and the agent
+    # loop only, and counts no core (two CPUs on Slurm).
+    threads: 0
     resources:
-        # The models are served (serve_model); this job holds tokenizers and the agent loop only.
-        **job_resources("eval_memagent", policy_of, runtime=120, mem_mb=4000),
+        **job_resources(
+            "eval_memagent", policy_of, runtime=120, mem_mb=4000, cpus_per_task=2
+        ),
     params:
         settings=get_memagent_eval_settings,
         out_dir=get_memagent_eval_dir,
