@@ -362,8 +362,8 @@ def vllm_server(request, _tiny_server_slot, vllm_python, tiny_model_dir, tmp_pat
         slot["pids"] += [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
     yield slot["server"]
     items = request.session.items
-    last = max(i for i, item in enumerate(items) if item.module is request.module)
-    if not any("vllm_server" in item.fixturenames for item in items[last + 1 :]):
+    last = max(i for i, item in enumerate(items) if getattr(item, "module", None) is request.module)
+    if not any("vllm_server" in getattr(item, "fixturenames", ()) for item in items[last + 1 :]):
         _stop_and_check(slot.pop("server"), slot.pop("pids"))
 
 
