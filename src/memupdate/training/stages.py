@@ -373,7 +373,9 @@ def allocation_cpus_per_task(job_id: str) -> int | None:
     """``CPUs/Task`` of Slurm job ``job_id`` (``scontrol show job``), or None (logged) when Slurm does not say."""
     where = f"`scontrol show job -o {job_id}`"
     try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+        # A controller answers its own job's query at once; an unreachable one makes scontrol retry for a minute
+        # (a machine with Slurm's tools and no running controller), which a command line need not wait for.
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired) as err:
         logger.warning("%s failed (%s): the Ray nodes' srun states no --cpus-per-task", where, err)
         return None
