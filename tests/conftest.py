@@ -336,7 +336,7 @@ def _tiny_server_slot():
     slot: dict = {}
     yield slot
     if "server" in slot:
-        _stop_and_check(slot.pop("server"), slot.pop("pids"))
+        _stop_and_check(slot)
 
 
 @pytest.fixture(scope="module")
@@ -344,36 +344,59 @@ def vllm_server(request, _tiny_server_slot, vllm_python, tiny_model_dir, tmp_pat
     """A vLLM server of the tiny model (float32, served as ``tiny``), one for every module that asks for it: a
     start takes ~20 s on two cores. Started by the first such module, stopped by its PID after the last one of
     the session's tests that use it (not held through the training tests after them), its processes then checked
-    gone."""
+    gone and its readiness marker then failing clearly."""
     slot = _tiny_server_slot
     if "server" not in slot:
+        from memupdate.serving.readiness import write_marker
         from memupdate.serving.vllm_server import start_vllm_server
 
+        folder = tmp_path_factory.mktemp("vllm")
         server = start_vllm_server(
             tiny_model_dir,
             served_model_name=TINY_SERVED_NAME,
             python=vllm_python,
             dtype="float32",
             max_model_len=TINY_SERVED_MAX_MODEL_LEN,
-            log_path=tmp_path_factory.mktemp("vllm") / "server.log",
+            log_path=folder / "server.log",
         )
         slot["server"], slot["pids"] = server, [server.pid]
         server.wait_until_ready(timeout_s=300)
         slot["pids"] += [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
+        slot["marker"] = folder / "results" / "exp" / "serve" / "qa.ready.json"
+        write_marker(
+            slot["marker"],
+            endpoint=server.base_url,
+            served_model_name=TINY_SERVED_NAME,
+            pid=server.pid,
+            api_key=server.api_key,
+        )
     yield slot["server"]
     items = request.session.items
     last = max(i for i, item in enumerate(items) if getattr(item, "module", None) is request.module)
     if not any("vllm_server" in getattr(item, "fixturenames", ()) for item in items[last + 1 :]):
-        _stop_and_check(slot.pop("server"), slot.pop("pids"))
+        _stop_and_check(slot)
 
 
-def _stop_and_check(server, pids: list[int]) -> None:
+def _stop_and_check(slot: dict) -> None:
+    """Stops the slot's server by its PID (emptying the slot): its processes must be gone, and the marker it
+    answered for (none if it never became ready) must then fail naming marker and endpoint."""
+    from memupdate.serving.readiness import ServerGone, read_marker
+
+    server, pids, marker = slot.pop("server"), slot.pop("pids"), slot.pop("marker", None)
+    if marker is not None:
+        read_marker(marker)
     server.stop()
     assert not server.alive()
     deadline = time.monotonic() + 10
     while (left := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"vLLM processes {left} survived stop()"
+    if marker is None:
+        return
+    with pytest.raises(
+        ServerGone, match=re.escape(f"the server recorded in {marker} at {server.base_url} is not answering")
+    ):
+        read_marker(marker, timeout_s=2)
 
 
 def _running(pid: int) -> bool:

@@ -28,9 +28,10 @@ FIRST_IMPORTS = [
 def _registries_after_importing(module: str) -> str:
     return (
         f"import importlib, logging, sys; logging.basicConfig(level=logging.ERROR); importlib.import_module({module!r})\n"
+        "plugin_loaded = 'memupdate.verl_plugin' in sys.modules\n"
         "from verl.experimental.agent_loop.agent_loop import _agent_loop_registry\n"
         "from verl.experimental.reward_loop.reward_manager.registry import get_reward_manager_cls\n"
-        "print('memupdate.verl_plugin' in sys.modules,\n"
+        "print(plugin_loaded,\n"
         "      sorted(k for k in _agent_loop_registry if k in ('memupdate_agent', 'memagent')),\n"
         "      get_reward_manager_cls('memupdate_memory').__name__, get_reward_manager_cls('memupdate_memagent').__name__)"
     )
@@ -55,10 +56,10 @@ def first_imports() -> dict[str, tuple[int, str, str]]:
 
 @pytest.mark.parametrize("module", FIRST_IMPORTS)
 def test_every_loop_and_reward_manager_registers_whichever_module_a_process_imports_first(module, first_imports):
-    """`import verl` alone loads our plugin and its registrations. The first of our modules to import verl is
-    still half-initialised while verl loads our plugin; no
-    registration may then depend on a name from it (the eval_locomo log once showed the MemAgent loop
-    missing after "cannot import name 'next_request_id' from partially initialized module")."""
+    """`import verl` alone loads our plugin (a Ray worker runs nothing else) and its registrations. The first of
+    our modules to import verl is still half-initialised while verl loads our plugin; no registration may then
+    depend on a name from it (the eval_locomo log once showed the MemAgent loop missing after "cannot import name
+    'next_request_id' from partially initialized module")."""
     code, stdout, stderr = first_imports[module]
     assert code == 0, stderr[-3000:]
     assert "failed" not in stderr and "partially initialized" not in stderr, stderr[-3000:]

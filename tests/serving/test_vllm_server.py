@@ -3,8 +3,8 @@ readiness markers, the token client verl's agent loops call, and stopping by PID
 
 The first tests need no server (they run everywhere, fast); the ``vllm_server`` tests share the session's
 tiny server (tests/conftest.py, which stops it by its PID and checks its processes are gone) and are marked
-``vllm`` and ``slow``. A stopped server's marker is a marker whose endpoint nothing answers:
-test_marker_of_a_dead_server_names_marker_url_and_fix.
+``vllm`` and ``slow``; that fixture also checks, once it has stopped the server, that the server's marker
+fails clearly.
 """
 
 from __future__ import annotations
