@@ -407,7 +407,8 @@ def test_training_curves_leave_out_the_validation_verl_logs_before_training(tmp_
 
 def test_a_policy_with_the_weights_of_one_evaluated_before_takes_its_predictions(tmp_path, locomo_rows, held_out_cache):
     """A stage whose every update was skipped saves the weights it started from: its memory system is the
-    earlier one and is not run again (no server is reachable here); another policy's weights are not."""
+    earlier one and is not run again (no server is reachable here), also when its QA model is another file
+    with the QA model's weights (a skipped QA stage); another policy's or QA model's weights are not."""
     from memupdate.memory.environment import MemoryEnvironment
     from memupdate.serving.markers import MARKER_FORMAT
     from memupdate.settings import LocomoEvalSettings
@@ -416,7 +417,15 @@ def test_a_policy_with_the_weights_of_one_evaluated_before_takes_its_predictions
     import torch
     from safetensors.torch import save_file
 
-    for name, weight, step in (("qa-base", 0.0, 0), ("sft", 1.0, 0), ("stage1", 1.0, 10), ("x", 2.0, 1)):
+    models = (
+        ("qa-base", 0.0, 0),
+        ("stage2", 0.0, 1),
+        ("qa-x", 3.0, 1),
+        ("sft", 1.0, 0),
+        ("stage1", 1.0, 10),
+        ("x", 2.0, 1),
+    )
+    for name, weight, step in models:
         folder = tmp_path / "models" / name
         folder.mkdir(parents=True)
         save_file({"w": torch.full((2,), weight)}, folder / "model.safetensors", metadata={"step": str(step)})
@@ -437,6 +446,10 @@ def test_a_policy_with_the_weights_of_one_evaluated_before_takes_its_predictions
         for name in ("sft", "stage1", "x")
     )
     assert evaluator.policy_key(sft) == evaluator.policy_key(stage1) != evaluator.policy_key(other)
+    stage2, qa_x = (
+        locomo.System(f"stage1+{qa}", str(markers[qa]), memory=str(markers["stage1"])) for qa in ("stage2", "qa-x")
+    )
+    assert evaluator.policy_key(stage2) == evaluator.policy_key(sft) != evaluator.policy_key(qa_x)
     made = tmp_path / "eval" / "predictions" / "sft+qa_base.jsonl"
     made.parent.mkdir(parents=True)
     rows = [{"namespace": r["extra_info"]["namespace"], "system": sft.name, "answer": "x"} for r in evaluator.rows]

@@ -255,6 +255,7 @@ class LocomoEvaluator:
         self.rows = ask_rows(select_rows(test_file, settings.questions_per_conversation, settings.seed), settings.seed)
         self.manager = manager_for(memory)
         self._tokenizers: dict[str, Any] = {}
+        self._digests: dict[Path, str | None] = {}
 
     def tokenizer(self, marker: str):
         from transformers import AutoTokenizer
@@ -615,17 +616,24 @@ class LocomoEvaluator:
         return {"kind": system.kind, "models": models, "settings": settings, "test_file": sha256_file(self.test_file)}
 
     def policy_key(self, system: System) -> tuple[str, str, str] | None:
-        """What makes two memory systems one: their kind, their QA model and their memory model's weights
-        (:func:`weights_digest`); None for a system without a memory model, or one whose weights are not files."""
+        """What makes two memory systems one: their kind and the weights of their memory and QA models
+        (:func:`weights_digest`: a stage whose every update was skipped, the QA stage too, saves the weights it
+        started from); None for a system without a memory model, or one whose weights are not files."""
         if system.memory is None:
             return None
-        digest = weights_digest(Path(load_marker(system.memory)["model_path"]))
-        qa = json.dumps(self.fingerprint(replace(system, memory=None))["models"], sort_keys=True)
-        return (system.kind, qa, digest) if digest else None
+        memory, qa = self._weights(system.memory), self._weights(system.qa)
+        return (system.kind, qa, memory) if memory and qa else None
+
+    def _weights(self, marker: str) -> str | None:
+        # A full-scale model's digest reads every tensor (GBs): once per model folder, not once per system.
+        folder = Path(load_marker(marker)["model_path"])
+        if folder not in self._digests:
+            self._digests[folder] = weights_digest(folder)
+        return self._digests[folder]
 
     async def run(self, systems: Sequence[System]) -> dict[str, Path]:
         """Predict with each system the questions its predictions file lacks. A memory system whose memory
-        model has the weights of one evaluated before it, with the same QA model, is that system (a stage
+        and QA models have the weights of one evaluated before it is that system (a stage
         whose every update was skipped saves the weights it started from): its predictions are copied, each
         marked ``same_weights_as``, instead of being made again."""
         predictions = self.out_dir / "predictions"
