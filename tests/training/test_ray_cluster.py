@@ -313,60 +313,13 @@ def test_a_head_that_exits_while_starting_starts_again_on_ports_picked_anew(tmp_
         shutil.rmtree(temp_root, ignore_errors=True)
 
 
-GATED = textwrap.dedent(
-    """
-    import json, os, pathlib, sys, time
-    out = pathlib.Path(sys.argv[-1] if __name__ == "__main__" else os.environ["GATED_OUT"])
-    if __name__ != "__main__":
-        out.with_suffix(".import").write_text(json.dumps(
-            {"pid": os.getpid(), "at": time.time(), "address": os.environ.get("RAY_ADDRESS")}))
-    else:
-        out.write_text(json.dumps({"argv": sys.argv[1:], "address": os.environ.get("RAY_ADDRESS")}))
-        sys.exit(3)
-    """
-)
-
-
-@pytest.mark.slow
-def test_a_python_module_command_imports_while_the_cluster_starts_then_runs_on_it(tmp_path):
-    """`python -m module` (main_ppo) is started before the head and imports its module meanwhile; it runs as
-    __main__ with the cluster's address and its arguments once every node has joined; its exit code is handed on."""
-    temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
-    (tmp_path / "gated_probe.py").write_text(GATED)
-    out = tmp_path / "out.json"
-    command = rc.cluster_command(
-        [sys.executable, "-m", "gated_probe", "a=1", str(out)],
-        shared_dir=tmp_path / "shared",
-        node_ip="127.0.0.1",
-        num_cpus=1,
-        object_store_memory=100 * 1024 * 1024,
-        temp_root=temp_root,
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}", GATED_OUT=str(out))
-    try:
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 3, proc.stderr
-        imported, ran = json.loads(out.with_suffix(".import").read_text()), json.loads(out.read_text())
-        head = tmp_path / "shared" / "local.head.json"
-        assert imported["address"] is None and imported["at"] < head.stat().st_mtime
-        assert ran == {"argv": ["a=1", str(out)], "address": json.loads(head.read_text())["address"]}
-    finally:
-        shutil.rmtree(temp_root, ignore_errors=True)
-
-
 @pytest.mark.slow
 def test_a_rank_that_never_joins_fails_the_start_up_naming_it(tmp_path):
-    """The start-up fails naming the rank that never joined; the command, started early (`python -m`) to wait for
-    the cluster, is stopped and never runs."""
     temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
-    (tmp_path / "gated_probe.py").write_text(GATED)
-    out = tmp_path / "out.json"
     try:
-        env = {**os.environ, "SLURM_NNODES": "2", "SLURM_PROCID": "0", "SLURM_JOB_ID": "t3", "GATED_OUT": str(out)}
-        env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        env = {**os.environ, "SLURM_NNODES": "2", "SLURM_PROCID": "0", "SLURM_JOB_ID": "t3"}
         command = rc.cluster_command(
-            [sys.executable, "-m", "gated_probe", str(out)],
+            [sys.executable, "-c", "pass"],
             shared_dir=tmp_path,
             node_ip="127.0.0.1",
             num_cpus=1,
@@ -379,8 +332,6 @@ def test_a_rank_that_never_joins_fails_the_start_up_naming_it(tmp_path):
         assert proc.returncode == 1
         assert "only 1 of 2 Ray nodes joined" in proc.stderr and "missing ranks [1]" in proc.stderr
         assert json.loads((tmp_path / "t3.stop").read_text()) == {"exit_code": 1}
-        assert not psutil.pid_exists(json.loads(out.with_suffix(".import").read_text())["pid"])
-        assert not out.exists(), "the command ran though the cluster never formed"
     finally:
         shutil.rmtree(temp_root, ignore_errors=True)
 

@@ -70,7 +70,6 @@ from pathlib import Path
 import psutil
 import ray
 
-from memupdate.training.gated_main import gated_command, open_gate
 from memupdate.utils.io import write_json_atomic
 from memupdate.utils.logging import setup_logging
 from memupdate.utils.system import free_port, tail
@@ -112,11 +111,6 @@ class ClusterFiles:
     @property
     def stop(self) -> Path:
         return self.shared_dir / f"{self.cluster_id}.stop"
-
-    @property
-    def gate(self) -> Path:
-        """Rank 0's command, started before the cluster (:mod:`memupdate.training.gated_main`), runs once this is written."""
-        return self.shared_dir / f"{self.cluster_id}.command.json"
 
     @property
     def token(self) -> Path:
@@ -496,7 +490,7 @@ def _run_head(
     timeout: float,
 ) -> int:
     deadline = time.monotonic() + timeout
-    for stale in (files.head, files.stop, files.gate, *(files.stopped(r) for r in range(1, nnodes))):
+    for stale in (files.head, files.stop, *(files.stopped(r) for r in range(1, nnodes))):
         if stale.exists():
             logger.warning("removing %s left by an earlier run with cluster id %s", stale, files.cluster_id)
             stale.unlink()
@@ -505,10 +499,6 @@ def _run_head(
     exit_code = 1
     joined: set[int] = set()
     seen: list[psutil.Process] = []  # the head's processes, kept up to date while the command runs
-    # A `python -m` command starts now and imports its module while the cluster starts (it has the token's
-    # environment already); it runs once the gate holds the address. Any other command starts then.
-    gated = gated_command(command, files.gate)
-    child = subprocess.Popen(gated) if gated else None
     try:
         proc, port = _start_head(node_argv, port, files.log(0), deadline)
         address = f"{node_argv['node_ip']}:{port}"
@@ -524,17 +514,10 @@ def _run_head(
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, on_sigterm)
         logger.info("running on the Ray cluster at %s: %s", address, " ".join(command))
-        if child is None:
-            child = subprocess.Popen(list(command), env={**os.environ, "RAY_ADDRESS": address})
-        else:
-            open_gate(files.gate, {"RAY_ADDRESS": address})
-        exit_code = _run_command(child, proc, files.log(0), seen)
+        exit_code = _run_command(command, address, proc, files.log(0), seen)
         logger.info("command exited with %d", exit_code)
         return exit_code
     finally:
-        if child is not None and child.poll() is None:  # the cluster did not start: the waiting command goes
-            child.kill()
-            child.wait()
         # Also on failure: the other ranks wait for this file.
         write_json_atomic(files.stop, {"exit_code": exit_code})
         _wait_for_workers(files, sorted(joined - {0}))
@@ -542,11 +525,14 @@ def _run_head(
             _stop_node(proc, seen)
 
 
-def _run_command(child: subprocess.Popen, head: subprocess.Popen, head_log: Path, seen: list[psutil.Process]) -> int:
-    """Wait for the command (``child``, running on the cluster) and return its exit code; end it and raise if the
-    head's ``ray start --block`` exits meanwhile (one of the head's processes died). The command's driver would
-    otherwise wait for the GCS for Ray's reconnection timeout: a run once sat 14 minutes on a dead head. ``seen`` is
-    kept up to date with the head's processes, which a ``ray start`` that exits this way leaves behind."""
+def _run_command(
+    command: Sequence[str], address: str, head: subprocess.Popen, head_log: Path, seen: list[psutil.Process]
+) -> int:
+    """Run ``command`` on the cluster at ``address`` and return its exit code; end it and raise if the head's
+    ``ray start --block`` exits meanwhile (one of the head's processes died). The command's driver would otherwise
+    wait for the GCS for Ray's reconnection timeout: a run once sat 14 minutes on a dead head. ``seen`` is kept
+    up to date with the head's processes, which a ``ray start`` that exits this way leaves behind."""
+    child = subprocess.Popen(list(command), env={**os.environ, "RAY_ADDRESS": address})
     next_look = 0.0
     try:
         while (code := child.poll()) is None:
