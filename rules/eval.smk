@@ -32,8 +32,8 @@ rule eval_locomo:
     conda:
         "../workflow/envs/memupdate.yaml"
     # A client: the served models (serve_model) generate, this job searches memory and scores. Like a server's
-    # job it counts no core, so it runs beside a training job's start-up instead of holding it back; on Slurm it
-    # asks for two CPUs.
+    # job it counts no core, so it runs beside a training job's start-up instead of holding it back (when both
+    # are ready together: see serve_model); on Slurm it asks for two CPUs.
     threads: 0
     resources:
         **job_resources(
