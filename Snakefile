@@ -36,9 +36,7 @@ report: "report/workflow.rst"
 
 # Every setting at every depth, and the names one section gives another, checked before any job runs. A
 # rehearsal (`--config rehearse=true`) prints what it swapped, on every run.
-rehearsal_swaps = check_config(
-    config, "config/schema/config.schema.yaml", files=workflow.configfiles
-)
+rehearsal_swaps = check_config(config, files=workflow.configfiles)
 if rehearsal_swaps:
     logger.warning(
         "rehearsal: the GPU experiments as configured, with only these swapped (config/config.yaml rehearsal):\n  "

@@ -61,7 +61,7 @@ def config(repo_root):
 def checked(config, repo_root, **top):
     config = copy.deepcopy(config)
     config.update(top)
-    swaps = check_config(config, repo_root / "config/schema/config.schema.yaml", root=repo_root)
+    swaps = check_config(config, root=repo_root)
     return config, swaps
 
 

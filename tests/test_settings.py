@@ -25,7 +25,6 @@ from memupdate.settings import (
 from memupdate.typed_config import json_schema
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMA = REPO / "config" / "schema" / "config.schema.yaml"
 
 
 def merged(*overrides: dict) -> dict:
@@ -44,18 +43,19 @@ def merged(*overrides: dict) -> dict:
 
 def problems(config: dict) -> str:
     with pytest.raises(ConfigError) as info:
-        check_config(config, SCHEMA, root=REPO)
+        check_config(config, root=REPO)
     return str(info.value)
 
 
 def test_the_shipped_configs_pass_and_keep_their_values():
     config = merged()
-    check_config(config, SCHEMA, root=REPO)
+    check_config(config, root=REPO)
     assert config["experiments"]["smoke"]["stage1"]["trainer.total_training_steps"] == 1
     assert config["experiments"]["smoke"]["episode"]["max_new_tokens"] == 64
-    assert config["experiments"]["smoke"]["kind"] == "memupdate"  # the schema's default, filled in
+    assert config["experiments"]["smoke"]["kind"] == "memupdate"  # the default, filled in
+    assert config["data"]["hotpotqa"]["test_percent"] == 20 and config["rehearse"] is False
     tiny = merged(yaml.safe_load((REPO / "config" / "experiments" / "tiny.yaml").read_text()))
-    check_config(tiny, SCHEMA, root=REPO)
+    check_config(tiny, root=REPO)
 
 
 @pytest.mark.parametrize(
@@ -172,6 +172,23 @@ def test_the_shipped_configs_pass_and_keep_their_values():
         # YAML's .nan and .inf compare false with every bound (issue 37).
         ({"experiments": {"smoke": {"episode": {"top_p": float("nan")}}}}, "episode.top_p: nan is not a finite number"),
         ({"experiments": {"smoke": {"episode": {"temperature": float("inf")}}}}, "temperature: inf is not a finite"),
+        # The top level is typed as the sections are (WorkflowConfig).
+        ({"servng": {}}, "servng: unknown setting; did you mean serving?"),
+        ({"data": {"hotpotqa": {"test_percent": 0}}}, "data.hotpotqa.test_percent: 0 is below the minimum 1"),
+        (
+            {"scales": {"smoke": {"hotpotqa_num_docs": [1]}}},
+            "scales.smoke.hotpotqa_num_docs[0]: 1 is below the minimum 2",
+        ),
+        ({"scales": {"smoke": {"hotpotqa_num_docs": []}}}, "scales.smoke.hotpotqa_num_docs: [] needs at least 1 entry"),
+        ({"data": {"locomo": {"memory_sources": ["chat"]}}}, "memory_sources[0]: 'chat' is not one of observation"),
+        ({"data": {"locomo": {"drop_categories": {"test": [6]}}}}, "drop_categories.test[0]: 6 is above the maximum 5"),
+        ({"rehearse": "yes"}, "rehearse: 'yes' is not true or false"),
+        ({"experiments": {"smoke": {"kind": "memoryupdate"}}}, "experiments.smoke.kind: 'memoryupdate' is not one of"),
+        (
+            {"experiments": {"memagent_smoke": {"train": {"num_docs": None}}}},
+            "memagent_smoke.train: 'num_docs' is required",
+        ),
+        ({"experiments": {"memagent_smoke": {"stage1": {}}}}, "memagent_smoke.stage1: unknown setting"),
         # true == 1 and 2.0 == 2 in Python; a category is an integer.
         (
             {"experiments": {"smoke": {"stage1": {"train_on": {"categories": [True, 2.0]}}}}},
@@ -190,23 +207,23 @@ def test_numbers_in_scientific_notation_are_numbers():
         yaml.safe_load(f"experiments: {{smoke: {{stage1: {{{lr}: 1e-6}}}}, memagent_smoke: {{train: {{{lr}: 2E-5}}}}}}")
     )
     assert config["experiments"]["smoke"]["stage1"][lr] == "1e-6"
-    check_config(config, SCHEMA, root=REPO)
+    check_config(config, root=REPO)
     assert config["experiments"]["smoke"]["stage1"][lr] == 1e-6
     assert config["experiments"]["memagent_smoke"]["train"][lr] == 2e-5
     reward = merged(yaml.safe_load("reward: {efficiency: {size_floor: 1e-3}}"))
-    check_config(reward, SCHEMA, root=REPO)
+    check_config(reward, root=REPO)
     assert reward["reward"]["efficiency"]["size_floor"] == 1e-3
 
 
 def test_null_in_a_configfile_removes_a_key():
     config = merged({"experiments": {"smoke": {"stage2": None, "episode": {"prompt_length": None}}}})
-    check_config(config, SCHEMA, root=REPO)
+    check_config(config, root=REPO)
     assert "stage2" not in config["experiments"]["smoke"]
     episode = build(EpisodeSettings, config["experiments"]["smoke"]["episode"], "x")
     assert episode.prompt_length == EpisodeSettings().prompt_length and episode.max_new_tokens == 64
     # Where null is a value, it stays one.
     limit = merged({"scales": {"smoke": {"hotpotqa_limit": None}}})
-    check_config(limit, SCHEMA, root=REPO)
+    check_config(limit, root=REPO)
     assert limit["scales"]["smoke"]["hotpotqa_limit"] is None
     # Removing a required key is an error, not a silent default.
     assert "experiments.smoke: 'policy' is required" in problems(merged({"experiments": {"smoke": {"policy": None}}}))
@@ -236,7 +253,7 @@ def test_verl_backend_settings_are_checked_against_verls_config():
             "+my.key": 1,
         }
     )
-    check_config(ok, SCHEMA, root=REPO)
+    check_config(ok, root=REPO)
     assert ok["experiments"]["smoke"]["stage1"]["actor_rollout_ref.actor.optim.lr"] == 1e-6
 
 
@@ -288,7 +305,7 @@ def test_loading_the_snakefile_reads_configuration_only(monkeypatch):
         original = getattr(Path, method)
         monkeypatch.setattr(Path, method, lambda self, *a, _o=original, **k: read.append(self) or _o(self, *a, **k))
     config = merged()
-    check_config(config, SCHEMA, root=REPO, files=[REPO / "config" / "config.yaml"])
+    check_config(config, root=REPO, files=[REPO / "config" / "config.yaml"])
     allowed = {
         REPO / "config",
         REPO / "profiles",
@@ -333,7 +350,7 @@ def test_what_verl_accepts_but_would_hang_a_gpu_run_is_refused_when_the_snakefil
     assert f"experiments.{experiment}.{section}: " in text and named in text, text
     # verl on CPU serves the policy from its own vLLM server: the same rollout is right there.
     cpu = merged({"experiments": {"smoke": {"stage1": {"actor_rollout_ref.rollout.name": "memupdate_vllm"}}}})
-    check_config(cpu, SCHEMA, root=REPO)
+    check_config(cpu, root=REPO)
 
 
 def test_the_schema_of_a_section_is_its_dataclass():
@@ -453,7 +470,7 @@ def test_snakemake_refuses_an_experiment_named_to_escape_results_before_any_job(
 
 def test_a_scales_settings_are_merged_over_the_config_when_it_is_chosen():
     full = merged({"scale": "full"})
-    check_config(full, SCHEMA, root=REPO)
+    check_config(full, root=REPO)
     assert full["serving"]["engine"] == "vllm" and full["serving"]["max_model_len"] == 32768
     # Merged key by key: the rest of the section keeps its values.
     assert full["serving"]["startup_timeout_s"] == 900
@@ -461,7 +478,7 @@ def test_a_scales_settings_are_merged_over_the_config_when_it_is_chosen():
         full["data"]["hotpotqa"]["splits"] == {"dev": "hotpotqa_dev"} and full["data"]["hotpotqa"]["test_percent"] == 20
     )
     smoke = merged()
-    check_config(smoke, SCHEMA, root=REPO)
+    check_config(smoke, root=REPO)
     assert smoke["serving"]["engine"] == "vllm-cpu" and smoke["data"]["hotpotqa"]["splits"] == {
         "dev": "hotpotqa_dev100"
     }
@@ -487,7 +504,7 @@ def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows()
             }
         }
     )
-    check_config(config, SCHEMA, root=REPO)
+    check_config(config, root=REPO)
     smoke = config["experiments"]["smoke"]
     # The device is the job's resources': SmolLM2 has no GPU row (profiles/slurm/resources.yaml), so CPU.
     assert smoke["stage3"] == {
@@ -513,7 +530,7 @@ def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows()
         "categories": [1, 4],
     }
     # A second check (a config passed on) keeps it; another device set by hand is refused with the row that decides.
-    check_config(config, SCHEMA, root=REPO)
+    check_config(config, root=REPO)
     on_gpu = merged({"experiments": {"smoke": {"stage1": {"trainer.device": "cuda"}}}})
     with pytest.raises(
         ConfigError,
@@ -521,14 +538,14 @@ def test_an_experiment_lists_its_stages_in_order_each_with_a_role_and_its_rows()
         r"resources \(profiles/slurm/resources.yaml, rule train_stage, model smollm2-135m: 0 GPUs, "
         r"so cpu\), not 'cuda'",
     ):
-        check_config(on_gpu, SCHEMA, root=REPO)
+        check_config(on_gpu, root=REPO)
     # A --configfile removes a stage with null, as any other key.
     dropped = merged({"experiments": {"smoke": {"stage2": None}}})
-    check_config(dropped, SCHEMA, root=REPO)
+    check_config(dropped, root=REPO)
     assert [s.name for s in experiment_stages(dropped["experiments"]["smoke"])] == ["stage1"]
     # verl experiments: the plan keys beside verl keys; the curriculum example is one.
     full = merged({"scale": "full"})
-    check_config(full, SCHEMA, root=REPO)
+    check_config(full, root=REPO)
     curriculum = experiment_stages(full["experiments"]["curriculum_7b"])
     assert [s.role for s in curriculum] == ["memory", "qa", "memory", "qa", "memory"]
     # Qwen2.5-7B's training jobs ask for GPUs: verl runs on them.
@@ -565,7 +582,7 @@ def test_scale_problems_are_named(override, message):
 
 def test_the_memory_r1_split_is_an_option_and_an_unknown_split_is_named():
     r1 = merged(yaml.safe_load((REPO / "config/experiments/memory_r1_split.yaml").read_text()))
-    check_config(r1, SCHEMA, root=REPO)
+    check_config(r1, root=REPO)
     assert r1["data"]["locomo"]["splits"][r1["data"]["locomo"]["split"]]["train"] == ["conv-26"]
     message = problems(merged({"data": {"locomo": {"split": "memory-r1"}}}))
     assert "data.locomo.split: 'memory-r1' is not defined in data.locomo.splits; did you mean memory_r1?" in message
@@ -573,7 +590,7 @@ def test_the_memory_r1_split_is_an_option_and_an_unknown_split_is_named():
 
 def test_an_ingestion_experiment_trains_the_memory_role_on_sessions():
     full = merged({"scale": "full"})
-    check_config(full, SCHEMA, root=REPO)
+    check_config(full, root=REPO)
     ingest = experiment_stages(full["experiments"]["ingest_7b"])
     assert [s.role for s in ingest] == ["memory"] * 3
     assert [s.start for s in ingest] == [None, "stage1", "stage2"]

@@ -23,7 +23,7 @@ def apply_rehearsal(
     """Swap what ``config['rehearsal']`` names into ``config`` in place, if ``config['rehearse']``; return one line
     per swapped key, its old values and its new one (empty when not rehearsing).
 
-    The section's shape is the schema's (config/schema/config.schema.yaml), checked before this runs.
+    The section's shape is :class:`memupdate.settings.RehearsalSettings`', checked before this runs.
     ``verl_sections(experiment)``: the sections of an experiment that hold verl keys (a MemoryUpdate experiment's
     stages, MemAgent's ``train``). Only the experiments trained on GPUs are swapped (``on_gpus(experiment)``: a
     training job of theirs asks for GPUs in profiles/slurm/resources.yaml); the others run on CPUs already.

@@ -1,12 +1,12 @@
 """Typed settings: the one definition of every setting a user writes, checked when the Snakefile loads.
 
-Each section of ``config/config.yaml`` that the package reads as a whole is a dataclass here (training,
-evaluation, MemAgent's loop, serving, the reward, the memory environment, the model kinds). Its fields are the only list of keys: :func:`build` constructs it
-from user values with the key's full path in every error, the code that runs the section builds it the
-same way, and ``config/schema/config.schema.yaml`` defers to it for these sections.
-:func:`check_config` runs everything at Snakefile load: the JSON schema of the top level (with its
-defaults filled in), these typed sections, and references between sections (experiments named by a scale,
-models named by an experiment, a conversation named by two splits). So ``snakemake -n`` fails on a
+Every section of ``config/config.yaml`` is a dataclass here (:class:`WorkflowConfig` at the top, then data,
+scales, training, evaluation, MemAgent's loop, serving, the reward, the memory environment, the model kinds),
+validated by pydantic (:mod:`memupdate.typed_config`). Its fields are the only list of keys, with their types,
+defaults, bounds and help: :func:`build` constructs a section from user values with the key's full path in every
+error, and the code that runs the section builds it the same way. :func:`check_config` runs everything at Snakefile
+load: the top level (defaults filled in), the typed sections, and references between sections (experiments named
+by a scale, models named by an experiment, a conversation named by two splits). So ``snakemake -n`` fails on a
 misspelt key, a bad value or a dangling name, not the training job hours later.
 
 Two conveniences of YAML are handled here rather than left to surprise:
@@ -32,12 +32,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BeforeValidator, Field
 
 from memupdate.chat_templates import available_chat_templates
 from memupdate.cluster import RESOURCES_FILE, Table, read_table
@@ -45,7 +46,6 @@ from memupdate.names import MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SEARCH_TOOL
 from memupdate.rehearsal import apply_rehearsal
 from memupdate.typed_config import (
     EXACT,
-    SCIENTIFIC,
     Bool,
     ConfigError,
     Float,
@@ -675,6 +675,150 @@ def model_spec(spec: Any, path: str = "model spec") -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ workflow config
 
+
+@section
+class ScaleSpec:
+    """A ``scales.<name>`` entry: what a run at this scale builds, and the settings that differ at it."""
+
+    experiments: list[Str] = setting(help="experiments whose artifacts `all` builds")
+    default_experiment: Str = setting(
+        help="the experiment of the short paths results/stage1/ckpt, results/stage2/ckpt, results/eval/report.json"
+    )
+    hotpotqa_num_docs: list[Annotated[Int, Field(ge=2)]] = setting(
+        help="documents per MemAgent haystack, one parquet file each", min_length=1
+    )
+    hotpotqa_limit: Int | None = setting(help="questions per HotpotQA file (null = all)", minimum=1)
+    settings: dict[str, Any] = setting(
+        help="settings of this file that differ at this scale, merged over it key by key", factory=dict
+    )
+
+
+@section
+class DataFile:
+    """A ``data.files.<key>`` entry: where a data file comes from and how it is verified."""
+
+    source: Str = setting(help="http(s) URL or local path")
+    sha256: Str | None = setting(help="the file's sha256 (null: a local file, not verified)", pattern="[0-9a-f]{64}")
+    filename: Str | None = setting(None, help="name of the file in a mirror folder")
+
+
+@section
+class LocomoSplit:
+    """A ``data.locomo.splits.<name>`` entry: the conversation ids of each part."""
+
+    train: list[Str] = setting(help="conversations trained on", min_length=1)
+    val: list[Str] = setting(help="conversations of held-out policy evaluation and validation")
+    test: list[Str] = setting(help="conversations of the evaluation", min_length=1)
+
+
+#: A LoCoMo question category: 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop, 5 adversarial.
+Category = Annotated[Int, Field(ge=1, le=5)]
+
+
+@section
+class DropCategories:
+    """``data.locomo.drop_categories``: the question categories left out of each part."""
+
+    train: list[Category] = setting(help="categories left out of the train rows", factory=list)
+    val: list[Category] = setting(help="categories left out of the validation rows", factory=list)
+    test: list[Category] = setting(help="categories left out of the test rows", factory=list)
+
+
+@section
+class LocomoData:
+    """``data.locomo``: the LoCoMo file, its splits and what becomes a memory."""
+
+    file: Str = setting(help="key in data.files")
+    split: Str = setting(help="the key of `splits` the workflow uses")
+    splits: dict[str, Annotated[dict[str, Any], Section(LocomoSplit)]] = setting(
+        help="conversation ids of train, val and test, by split name", min_length=1
+    )
+    memory_sources: list[Literal["observation", "session_summary", "dialogue"]] = setting(
+        help="what becomes an initial memory", factory=lambda: ["observation"], min_length=1
+    )
+    drop_categories: Annotated[dict[str, Any], Section(DropCategories)] = setting(
+        help="question categories left out of each part (5, adversarial, has no answer to train on)",
+        factory=lambda: {"train": [5], "val": [5], "test": []},
+    )
+
+
+@section
+class HotpotData:
+    """``data.hotpotqa``: MemAgent's HotpotQA files and how their questions are parted."""
+
+    splits: dict[str, Str] = setting(help="key in data.files of each split", min_length=1)
+    seed: Int = setting(0, help="draws each haystack's distractors")
+    tokenizer: Str | None = setting(None, help="a model whose tokenizer counts haystack tokens (null: none)")
+    test_percent: Int = setting(
+        20,
+        help="share of questions (by a hash of their id) held out for MemAgent evaluation",
+        minimum=1,
+        maximum=99,
+    )
+
+
+@section
+class DataSettings:
+    """The ``data`` section: the public data files and how each dataset is read."""
+
+    files: dict[str, Annotated[dict[str, Any], Section(DataFile)]] = setting(help="data files by key")
+    locomo: Annotated[dict[str, Any], Section(LocomoData, filled=True)] = setting(help="LoCoMo")
+    hotpotqa: Annotated[dict[str, Any], Section(HotpotData, filled=True)] = setting(help="HotpotQA (MemAgent)")
+    mirrors: list[Str] = setting(
+        help="folders searched for a verified copy of each data file before downloading", factory=list
+    )
+
+
+@section
+class RehearsalSettings:
+    """The ``rehearsal`` section: what a CPU cluster cannot run of a GPU experiment, swapped in when ``rehearse`` is
+    true (:mod:`memupdate.rehearsal`)."""
+
+    model: Str | None = setting(
+        None, help="the model every verl experiment's policy and qa_model become (a key of models)"
+    )
+    settings: dict[str, Any] = setting(
+        help="settings of this file merged over it, as a scale's settings are", factory=dict
+    )
+    verl: dict[str, Any] = setting(
+        help="verl keys set in every verl section (MemoryUpdate stages, MemAgent's train)", factory=dict
+    )
+    episode: dict[str, Any] = setting(
+        help="episode settings set in every MemoryUpdate experiment (EpisodeSettings)", factory=dict
+    )
+    memagent_loop: dict[str, Any] = setting(help="MemAgent loop budgets set in every MemAgent experiment", factory=dict)
+    memagent_train: dict[str, Any] = setting(help="MemAgent train keys that are not verl's (num_docs)", factory=dict)
+
+
+def _switch(value: Any) -> Any:
+    # `--config rehearse=true` gives Snakemake's string "true".
+    return value.lower() == "true" if isinstance(value, str) and value.lower() in ("true", "false") else value
+
+
+@section
+class WorkflowConfig:
+    """config/config.yaml with any ``--configfile`` / ``--config`` over it. The sections typed on their own (the
+    experiments' sections, ``serving``, ``memory``, ``reward``, each model) are checked after the scale's and the
+    rehearsal's settings are merged in (:func:`check_config`)."""
+
+    scale: Literal["smoke", "full"] = setting(help="which entry of `scales` this run uses")
+    scales: dict[str, Annotated[dict[str, Any], Section(ScaleSpec, filled=True)]] = setting(help="the run sizes")
+    data: Annotated[dict[str, Any], Section(DataSettings, filled=True)] = setting(
+        help="the data files and their reading"
+    )
+    models: dict[str, dict[str, Any]] = setting(help="models by name (HFModel, SmolLM2Model, TinyRandomModel by kind)")
+    experiments: dict[str, dict[str, Any]] = setting(help="experiments by name (MemoryUpdate or MemAgent)")
+    memory: dict[str, Any] = setting(help="MemorySettings", factory=dict)
+    reward: dict[str, Any] = setting(help="RewardSettings", factory=dict)
+    serving: dict[str, Any] = setting(help="ServeSettings", factory=dict)
+    rehearse: Annotated[Bool, BeforeValidator(_switch)] = setting(
+        False, help="run the dress rehearsal (the `rehearsal` section's swaps over the chosen scale's verl experiments)"
+    )
+    rehearsal: Annotated[dict[str, Any], Section(RehearsalSettings)] = setting(
+        help="what a CPU cluster cannot run of a GPU experiment (memupdate.rehearsal)", factory=dict
+    )
+
+
 #: Typed sections of an experiment, by the experiment's kind. A MemoryUpdate experiment's ``stage<N>`` sections are
 #: verl keys beside their :class:`StagePlan` keys (:func:`experiment_stages`).
 SECTIONS = {
@@ -696,23 +840,20 @@ VERL_SECTIONS = {"memupdate": (), "memagent": ("train",)}
 
 def check_config(
     config: dict[str, Any],
-    schema_path: str | Path,
     *,
     root: str | Path = ".",
     files: Sequence[str | Path] = (),
     other_scales: bool = True,
 ) -> list[str]:
     """Check the workflow config at Snakefile load and normalise it in place: the scale's settings merged over
-    it, then the rehearsal's swaps if ``rehearse`` (:func:`memupdate.rehearsal.apply_rehearsal`; returned, one
-    line each, for the run to print), keys set to null where null is not valid removed, scientific-notation
-    strings made numbers, the schema's defaults filled in, typed sections rebuilt with their typed values.
+    it, every section typed (:class:`WorkflowConfig`, then each experiment's), then the rehearsal's swaps if
+    ``rehearse`` (:func:`memupdate.rehearsal.apply_rehearsal`; returned, one line each, for the run to print), keys
+    set to null where null is not valid removed, scientific-notation strings made numbers, defaults filled in.
     Raises :class:`ConfigError` listing every problem, each with the key's full path, the bad value and what
     is allowed. ``files`` are the YAML files ``config`` was read from (config/config.yaml, every --configfile):
     their parser kept the last of a key named twice, so they are read again to refuse that. Every other scale's
     ``settings`` are checked too (``other_scales``), as if that scale were chosen: a typo there would otherwise
     pass until the day it is."""
-    import yaml
-
     unreadable = []
     for path in files:
         try:
@@ -721,11 +862,9 @@ def check_config(
             unreadable.append(str(err))
     if unreadable:
         raise ConfigError("invalid configuration file(s):\n  " + "\n  ".join(unreadable))
-    schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
-    others = _other_scales_errors(config, schema_path, root) if other_scales else []
+    others = _other_scales_errors(config, root) if other_scales else []
     _apply_scale_settings(config)
-    _prune_and_coerce(config, schema)
-    errors = _schema_errors(config, schema)
+    errors = _shape_errors(config)
     swaps = []
     if not errors:
         errors = _name_errors(config)
@@ -746,7 +885,52 @@ def check_config(
     return swaps
 
 
-def _other_scales_errors(config: dict[str, Any], schema_path: str | Path, root: str | Path) -> list[str]:
+#: An experiment's own keys, besides its sections (:data:`SECTIONS`, :data:`VERL_SECTIONS`, a MemoryUpdate one's
+#: ``stage<N>``).
+EXPERIMENT_KEYS = ("kind", "policy", "qa_model")
+#: What an experiment of each kind must have.
+REQUIRED = {"memupdate": ("policy", "stage1"), "memagent": ("policy", "loop", "train", "eval")}
+
+
+def _shape_errors(config: dict[str, Any]) -> list[str]:
+    """The top level typed (:class:`WorkflowConfig`, its defaults filled in) and each experiment's keys checked
+    against its kind; in place."""
+    try:
+        config.update(dataclasses.asdict(build(WorkflowConfig, config, "")))
+    except ConfigError as err:
+        return str(err).splitlines()
+    errors = []
+    for name, experiment in config["experiments"].items():
+        where = f"experiments.{name}"
+        # A --configfile cannot delete a key: `stage2: null` drops the stage.
+        for key in [key for key, value in experiment.items() if value is None]:
+            del experiment[key]
+        kind = experiment.setdefault("kind", "memupdate")
+        if not isinstance(kind, str) or kind not in SECTIONS:
+            errors.append(f"{where}.kind: {show_value(kind)} is not one of {', '.join(SECTIONS)}")
+            continue
+        allowed = [*EXPERIMENT_KEYS, *SECTIONS[kind], *VERL_SECTIONS[kind]]
+        for key, value in experiment.items():
+            if key in EXPERIMENT_KEYS:
+                if not isinstance(value, str):
+                    errors.append(f"{where}.{key}: {show_value(value)} is not a string")
+            elif key in allowed or (kind == "memupdate" and STAGE_SECTION.fullmatch(str(key))):
+                if not isinstance(value, dict):
+                    errors.append(f"{where}.{key}: expected a mapping, got {show_value(value)}")
+            else:
+                stages = ["stage<N>"] if kind == "memupdate" else []
+                errors.append(unknown_key(f"{where}.{key}", str(key), dict.fromkeys(allowed + stages)))
+        errors += [f"{where}: {key!r} is required" for key in REQUIRED[kind] if key not in experiment]
+        if (
+            kind == "memagent"
+            and isinstance(experiment.get("train"), dict)
+            and experiment["train"].get("num_docs") is None
+        ):
+            errors.append(f"{where}.train: 'num_docs' is required (the haystack length trained on)")
+    return errors
+
+
+def _other_scales_errors(config: dict[str, Any], root: str | Path) -> list[str]:
     """The problems of each scale besides the chosen one that has ``settings``, checked on a copy as if chosen."""
     import copy
 
@@ -759,7 +943,7 @@ def _other_scales_errors(config: dict[str, Any], schema_path: str | Path, root: 
             continue
         trial = {**copy.deepcopy(config), "scale": name, "rehearse": False}
         try:
-            check_config(trial, schema_path, root=root, other_scales=False)
+            check_config(trial, root=root, other_scales=False)
         except ConfigError as err:
             problems = str(err).splitlines()[1:]
             errors += [f"with scale {name} (scales.{name}.settings over this file): {p.strip()}" for p in problems]
@@ -836,82 +1020,6 @@ def _apply_scale_settings(config: dict[str, Any]) -> None:
             update_config(config[key], value)
         else:
             config[key] = value
-
-
-def _prune_and_coerce(node: Any, schema: Mapping[str, Any]) -> None:
-    if not isinstance(node, dict) or not isinstance(schema, Mapping):
-        return
-    props = schema.get("properties", {})
-    extra = schema.get("additionalProperties")
-    patterns = schema.get("patternProperties", {})
-    for key in list(node):
-        sub = props.get(key) or next(
-            (sub for pattern, sub in patterns.items() if re.search(pattern, str(key))),
-            extra if isinstance(extra, Mapping) else None,
-        )
-        if sub is None:
-            continue
-        value = node[key]
-        if value is None and not _schema_admits_null(sub):
-            del node[key]
-            continue
-        if isinstance(value, str) and SCIENTIFIC.match(value.strip()) and {"number", "integer"} & _types(sub):
-            node[key] = as_number(value)
-        # `--config rehearse=true` gives Snakemake's string "true".
-        if isinstance(value, str) and value.lower() in ("true", "false") and _types(sub) == {"boolean"}:
-            node[key] = value.lower() == "true"
-        _prune_and_coerce(node[key], sub)
-
-
-def _types(schema: Mapping[str, Any]) -> set[str]:
-    kind = schema.get("type", [])
-    return {kind} if isinstance(kind, str) else set(kind)
-
-
-def _schema_admits_null(schema: Mapping[str, Any]) -> bool:
-    return "null" in _types(schema) or None in schema.get("enum", []) or not schema.get("type") and "enum" not in schema
-
-
-def _schema_errors(config: dict[str, Any], schema: Mapping[str, Any]) -> list[str]:
-    import jsonschema
-
-    base = jsonschema.validators.validator_for(schema)
-    set_defaults = base.VALIDATORS["properties"]
-
-    def properties(validator, props, instance, schema):
-        if isinstance(instance, dict):
-            for key, sub in props.items():
-                if "default" in sub and key not in instance:
-                    instance[key] = json.loads(json.dumps(sub["default"]))
-        yield from set_defaults(validator, props, instance, schema)
-
-    validator = jsonschema.validators.extend(base, {"properties": properties})(schema)
-    errors = sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])
-    return [_describe(e) for e in _leaves(errors)]
-
-
-def _leaves(errors: list[Any]) -> list[Any]:
-    # An if/then or anyOf failure carries the errors of its branches: report the innermost ones.
-    out = []
-    for err in errors:
-        out.extend(_leaves(sorted(err.context, key=lambda e: e.relevance)) if err.context else [err])
-    return out
-
-
-def _describe(err: Any) -> str:
-    path = ".".join(str(p) for p in err.absolute_path) or "(top level)"
-    kind, value, spec = err.validator, err.instance, err.validator_value
-    if kind == "additionalProperties" and isinstance(value, dict):
-        allowed = list(err.schema.get("properties", {}))
-        extra = [k for k in value if k not in allowed]
-        return "\n  ".join(unknown_key(f"{path}.{k}", k, dict.fromkeys(allowed)) for k in extra)
-    if kind == "required":
-        return f"{path}: {err.message.replace('is a required property', 'is required')}"
-    if kind == "enum":
-        return f"{path}: {show_value(value)} is not one of {', '.join(map(str, spec))}"
-    if kind == "type":
-        return f"{path}: {show_value(value)} is not of type {spec if isinstance(spec, str) else ' or '.join(spec)}"
-    return f"{path}: {show_value(value)}: {err.message}"
 
 
 def _typed_errors(config: dict[str, Any]) -> list[str]:

@@ -100,10 +100,11 @@ EXACT = BeforeValidator(_exact)
 
 class Section:
     """Marks a ``dict[str, Any]`` setting as a nested section: its values are checked as ``cls``'s fields and kept
-    as a mapping of the keys given (``Annotated[dict[str, Any], Section(TrainOn)]``)."""
+    as a mapping (``Annotated[dict[str, Any], Section(TrainOn)]``) of the keys given, or of every field with its
+    default if ``filled``."""
 
-    def __init__(self, cls: type) -> None:
-        self.cls = cls
+    def __init__(self, cls: type, *, filled: bool = False) -> None:
+        self.cls, self.filled = cls, filled
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
         def nested(value: Any, validate: Any) -> dict[str, Any]:
@@ -111,7 +112,8 @@ class Section:
                 raise PydanticCustomError("dict_type", "expected a mapping")
             value = _without_nulls(self.cls, value)
             typed = validate(value)
-            return {key: getattr(typed, key) for key in value}
+            keys = [f.name for f in dataclasses.fields(self.cls)] if self.filled else list(value)
+            return {key: getattr(typed, key) for key in keys}
 
         return core_schema.no_info_wrap_validator_function(nested, handler.generate_schema(self.cls))
 
@@ -200,7 +202,8 @@ def _bare(hint: Any) -> Any:
 def _message(cls: type, path: str, error: Mapping[str, Any]) -> str:
     """One of pydantic's errors in our words: the key's full path, the bad value, what is allowed."""
     loc, kind, value, ctx = error["loc"], error["type"], error["input"], error.get("ctx") or {}
-    where = path + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+    where = (path + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)).lstrip(".")
+    where = where or "(top level)"
     shown = show_value(value)
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         owner = _section_at(cls, loc[:-1])
@@ -223,6 +226,9 @@ def _message(cls: type, path: str, error: Mapping[str, Any]) -> str:
         "string_type": lambda: f"{shown} is not a string",
         "bool_type": lambda: f"{shown} is not true or false",
         "list_type": lambda: f"expected a list, got {shown}",
+        "too_short": lambda: (
+            f"{shown} needs at least {ctx['min_length']} {'entry' if ctx['min_length'] == 1 else 'entries'}"
+        ),
         "dict_type": lambda: f"expected a mapping, got {shown}",
         "dataclass_type": lambda: f"expected a mapping, got {shown}",
     }

@@ -21,7 +21,7 @@ ENDPOINT = {"base_url": "http://gpu-node:8000/v1", "model": "served"}
 def full(repo_root):
     config = yaml.safe_load((repo_root / "config/config.yaml").read_text())
     config["scale"] = "full"
-    check_config(config, repo_root / "config/schema/config.schema.yaml", root=repo_root)
+    check_config(config, root=repo_root)
     return config
 
 
