@@ -78,18 +78,18 @@ UNITS = {
 class Job:
     """One row: what a job of the rule asks Slurm for when it handles the model."""
 
-    nodes: Int = setting(1, help="nodes of a training job (one Ray node each)", minimum=1)
-    gpus_per_node: Int = setting(0, help="GPUs on each node (gres gpu:N)", minimum=0)
-    cpus_per_task: Int | None = setting(None, help="CPUs on each node", minimum=1)
-    mem_mb: Int | None = setting(None, help="memory on each node, MB", minimum=1)
+    nodes: Int = setting(1, help="nodes of a training job (one Ray node each)", ge=1)
+    gpus_per_node: Int = setting(0, help="GPUs on each node (gres gpu:N)", ge=0)
+    cpus_per_task: Int | None = setting(None, help="CPUs on each node", ge=1)
+    mem_mb: Int | None = setting(None, help="memory on each node, MB", ge=1)
     runtime: Int | None = setting(
-        None, help="an explicit wall-clock limit, minutes, for a row without an expected time", minimum=1
+        None, help="an explicit wall-clock limit, minutes, for a row without an expected time", ge=1
     )
     minutes: Float | None = setting(
-        None, help="expected wall time, minutes: the whole job, or its fixed part with per_step/per_system", minimum=0
+        None, help="expected wall time, minutes: the whole job, or its fixed part with per_step/per_system", ge=0
     )
-    per_step: Float | None = setting(None, help="expected minutes per training step (training rules)", minimum=0)
-    per_system: Float | None = setting(None, help="expected minutes per evaluated system (eval rules)", minimum=0)
+    per_step: Float | None = setting(None, help="expected minutes per training step (training rules)", ge=0)
+    per_system: Float | None = setting(None, help="expected minutes per evaluated system (eval rules)", ge=0)
     source: Str | None = setting(None, help="where the expected times come from")
 
     @property
@@ -138,23 +138,23 @@ class Job:
 class Limits:
     """The table's ``plan`` section: how time limits follow from expected times, and the checkpoint sizes."""
 
-    margin: Float = setting(1.5, help="time limit = expected wall time x margin", minimum=1)
+    margin: Float = setting(1.5, help="time limit = expected wall time x margin", ge=1)
     queue_margin: Int = setting(
         720,
         help="minutes a served model's job outlives its longest consumer's limit (the consumer may wait in the "
         "queue after the server starts)",
-        minimum=0,
+        ge=0,
     )
     max_runtime: Int | None = setting(
         None,
         help="the partition's longest time limit, minutes (MEMUPDATE_SLURM_MAX_RUNTIME overrides); a longer job "
         "is asked for this and needs resubmits",
-        minimum=1,
+        ge=1,
     )
     save_bytes_per_param: Float = setting(
-        13, help="bytes per parameter of one verl save (fp32 weights + Adam state, sharded)", minimum=0
+        13, help="bytes per parameter of one verl save (fp32 weights + Adam state, sharded)", ge=0
     )
-    merged_bytes_per_param: Float = setting(2, help="bytes per parameter of the merged bf16 ckpt/", minimum=0)
+    merged_bytes_per_param: Float = setting(2, help="bytes per parameter of the merged bf16 ckpt/", ge=0)
 
 
 @dataclass(frozen=True)

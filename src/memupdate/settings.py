@@ -76,9 +76,9 @@ class SlurmOptions:
     partition: Str | None = setting(None, flag="--partition")
     account: Str | None = setting(None, flag="--account")
     qos: Str | None = setting(None, flag="--qos")
-    time: Int | None = setting(None, help="minutes", flag="--time", minimum=1)
-    mem_mb: Int | None = setting(None, flag="--mem", minimum=1)
-    cpus_per_task: Int | None = setting(None, flag="--cpus-per-task", minimum=1)
+    time: Int | None = setting(None, help="minutes", flag="--time", ge=1)
+    mem_mb: Int | None = setting(None, flag="--mem", ge=1)
+    cpus_per_task: Int | None = setting(None, flag="--cpus-per-task", ge=1)
     gres: Str | None = setting(
         None, help='generic resources, e.g. "gpu:1"', flag="--gres", pattern=r"[a-z]+(:[\w-]+)?:[0-9]+"
     )
@@ -96,19 +96,19 @@ class ServeSettings:
         "auto", help="auto: a Slurm job when the serve rule runs inside one, else a local process"
     )
     python: Str | None = setting(None, help="interpreter with vLLM (null = the engine's default)")
-    max_model_len: Int = setting(4096, minimum=256)
+    max_model_len: Int = setting(4096, ge=256)
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
     startup_timeout_s: Float = setting(
-        900.0, help="seconds from the server's start (its Slurm job RUNNING) until it answers", minimum=10
+        900.0, help="seconds from the server's start (its Slurm job RUNNING) until it answers", ge=10
     )
     queue_timeout_s: Float | None = setting(
-        None, help="seconds a server's Slurm job may stay queued before the run gives up (null = wait)", minimum=10
+        None, help="seconds a server's Slurm job may stay queued before the run gives up (null = wait)", ge=10
     )
     reconnect_timeout_s: Float = setting(
         1800.0,
         help="seconds a client waits for a server that stopped answering (re-reading its readiness marker, which a "
         "requeued server rewrites with its new address) before it fails; 0 = fail after its retries",
-        minimum=0,
+        ge=0,
     )
     extra_args: list[Str] = setting(help="extra arguments of the vLLM server", factory=list)
     env: dict[str, Str] = setting(
@@ -141,38 +141,38 @@ class EpisodeSettings:
     (greedy) play the same ones. The defaults are the GPU runs' (notes/upstream-systems.md)."""
 
     max_new_tokens: Int | None = setting(
-        None, help="tokens per assistant turn (null: what is left of response_length)", minimum=1
+        None, help="tokens per assistant turn (null: what is left of response_length)", ge=1
     )
     prompt_length: Int = setting(
         2048,
         help="system prompt, tool schemas and the question (or session); upstream MemoryUpdate used 2048",
-        minimum=1,
+        ge=1,
     )
     response_length: Int = setting(
         8192,
         help="the whole episode after the prompt, assistant turns and tool responses alike; UMA's 8192 fits 10 "
         "turns of a few memory searches each",
-        minimum=1,
+        ge=1,
     )
     max_assistant_turns: Int = setting(
         10,
         help="enough to search, edit and check the result several times (upstream MemoryUpdate's debug value 2 "
         "allowed one search and one edit; UMA used 10)",
-        minimum=1,
+        ge=1,
     )
     max_parallel_calls: Int = setting(
         4,
         help="tool calls per turn: a few edits at once; more would let one turn's responses eat the budget",
-        minimum=1,
+        ge=1,
     )
     max_tool_response_length: Int = setting(
         2000,
         help="characters of a tool response, cut at the end (ranked search results keep their best); a search "
         "returns top-k memories of about 150 characters each",
-        minimum=1,
+        ge=1,
     )
-    temperature: Float = setting(1.0, help="the policy's sampling (the LoCoMo evaluation is greedy)", minimum=0)
-    top_p: Float = setting(1.0, exclusiveMinimum=0, maximum=1)
+    temperature: Float = setting(1.0, help="the policy's sampling (the LoCoMo evaluation is greedy)", ge=0)
+    top_p: Float = setting(1.0, gt=0, le=1)
 
 
 #: verl's key for each episode setting (the launcher sets them from the experiment's ``episode``); max_new_tokens
@@ -207,27 +207,27 @@ class SFTSettings:
     SFT trainer on one node (:mod:`memupdate.training.verl_sft`): ``batch_size`` is the global batch,
     ``micro_batch_size`` per GPU (per CPU rank on CPU)."""
 
-    epochs: Int = setting(2, help="passes over the kept demonstrations", minimum=1)
-    batch_size: Int = setting(8, help="episodes per optimiser step", minimum=1)
-    micro_batch_size: Int = setting(2, help="episodes per forward/backward pass (bounds peak memory)", minimum=1)
-    lr: Float = setting(5e-5, help="AdamW learning rate", exclusiveMinimum=0)
-    weight_decay: Float = setting(0.0, minimum=0)
-    max_grad_norm: Float = setting(1.0, exclusiveMinimum=0)
+    epochs: Int = setting(2, help="passes over the kept demonstrations", ge=1)
+    batch_size: Int = setting(8, help="episodes per optimiser step", ge=1)
+    micro_batch_size: Int = setting(2, help="episodes per forward/backward pass (bounds peak memory)", ge=1)
+    lr: Float = setting(5e-5, help="AdamW learning rate", gt=0)
+    weight_decay: Float = setting(0.0, ge=0)
+    max_grad_norm: Float = setting(1.0, gt=0)
     max_rows: Int | None = setting(
-        None, help="train rows (questions, or sessions) played by the expert (null = all)", minimum=1
+        None, help="train rows (questions, or sessions) played by the expert (null = all)", ge=1
     )
     min_rows: Int = setting(
         64,
         help="demonstrations kept at least: episodes that stop without an edit are kept as many as the kept edits, "
         "and more up to this many rows (the tool format needs them; balance_edits)",
-        minimum=1,
+        ge=1,
     )
     search_top_k: Int = setting(
         10,
         help="top_k of the expert's search: evidence often ranks below the top 5, but each result shown "
         "lengthens the episode by about 40 tokens",
-        minimum=1,
-        maximum=20,
+        ge=1,
+        le=20,
     )
     seed: Int = 0
 
@@ -273,12 +273,12 @@ class PolicyEvalSettings:
     split: Literal["val", "test"] = setting(
         "val", help="held-out rows: the validation conversation(s); settings are never tuned on test"
     )
-    n: Int = setting(4, help="rollouts per question (a GRPO group: its reward spread is the signal)", minimum=2)
-    questions: Int | None = setting(40, help="questions with a gold answer (null = all)", minimum=1)
+    n: Int = setting(4, help="rollouts per question (a GRPO group: its reward spread is the signal)", ge=2)
+    questions: Int | None = setting(40, help="questions with a gold answer (null = all)", ge=1)
     batch_size: Int = setting(
         16,
         help="episodes in flight at once (whole groups); a CPU server queues more past the client's timeout",
-        minimum=1,
+        ge=1,
     )
     server: Literal["vllm", "hf"] = setting("vllm", help="vllm: a vLLM server of the policy; hf: in-process")
     seed: Int = setting(0, help="draws the questions (the same for every policy) and the rollouts")
@@ -302,7 +302,7 @@ class TrainOn:
         None,
         help="only questions whose evidence lies in the first N sessions of their conversation (a question "
         "without evidence ids is left out: where its answer lies is unknown); ingestion: the first N sessions",
-        minimum=1,
+        ge=1,
     )
 
 
@@ -317,7 +317,7 @@ class IngestionSettings:
         None,
         help="questions a session's reward is scored on (null = every question whose evidence it has seen; a cap "
         "keeps those of the new session first, and an episode that deletes the older memories can then gain)",
-        minimum=1,
+        ge=1,
     )
 
 
@@ -392,10 +392,10 @@ class MemAgentLoopSettings:
     """MemAgent's budgets in the policy's tokens (:class:`memupdate.agents.memagent.MemAgentLoop`), the same
     in training and evaluation except ``max_chunks`` (training only)."""
 
-    chunk_size: Int = setting(5000, minimum=1)
-    max_chunks: Int | None = setting(8, help="training centre-truncates a haystack to this many chunks", minimum=1)
-    max_memory_tokens: Int = setting(1024, minimum=1)
-    max_final_tokens: Int = setting(256, minimum=1)
+    chunk_size: Int = setting(5000, ge=1)
+    max_chunks: Int | None = setting(8, help="training centre-truncates a haystack to this many chunks", ge=1)
+    max_memory_tokens: Int = setting(1024, ge=1)
+    max_final_tokens: Int = setting(256, ge=1)
 
     #: Tokens of a turn's prompt besides its chunk and memory: the template and the question take well under this.
     TEMPLATE_TOKENS: ClassVar[int] = 1024
@@ -418,21 +418,21 @@ class LocomoEvalSettings:
     """The ``eval`` section of a MemoryUpdate experiment (:mod:`memupdate.eval.locomo`)."""
 
     questions_per_conversation: Int | None = setting(
-        None, help="questions per test conversation (null = all), drawn with seed", minimum=1
+        None, help="questions per test conversation (null = all), drawn with seed", ge=1
     )
-    top_k: Int = setting(5, help="memories retrieved for the QA model (default: reward.top_k)", minimum=1)
+    top_k: Int = setting(5, help="memories retrieved for the QA model (default: reward.top_k)", ge=1)
     context_chars: Int | None = setting(
-        None, help="characters of memory text the QA model reads (default: reward.context_chars)", minimum=1
+        None, help="characters of memory text the QA model reads (default: reward.context_chars)", ge=1
     )
     max_content_chars: Int | None = setting(
-        None, help="longest memory text the memory model's tools accept (default: memory.max_content_chars)", minimum=1
+        None, help="longest memory text the memory model's tools accept (default: memory.max_content_chars)", ge=1
     )
     protocols: list[Literal["locomo", "mem0"]] = setting(
         help="protocols whose verbatim QA prompt answers every question", factory=lambda: ["locomo", "mem0"]
     )
     seed: Int = 0
-    qa_max_tokens: Int = setting(32, help="answer cap of the QA model", minimum=1)
-    batch_size: Int = setting(8, help="episodes run concurrently; predictions are saved after each batch", minimum=1)
+    qa_max_tokens: Int = setting(32, help="answer cap of the QA model", ge=1)
+    batch_size: Int = setting(8, help="episodes run concurrently; predictions are saved after each batch", ge=1)
     judge: Literal["qa-base", "base", "stage1", "stage2"] | None = setting(
         "qa-base", help="served model that judges answers for Mem0's J (null: no J)"
     )
@@ -450,18 +450,18 @@ STYLES = ("ours", "memagent")
 class MemAgentEvalSettings:
     """The loop's budgets (as in training), how much of a haystack to read, and the styles to run."""
 
-    chunk_size: Int = setting(5000, minimum=1)
-    max_memory_tokens: Int = setting(1024, minimum=1)
-    max_final_tokens: Int = setting(256, minimum=1)
-    prompt_length: Int = setting(8192, minimum=1)
-    batch_size: Int = setting(4, minimum=1)
-    limit: Int | None = setting(None, help="questions per length (null = every test question)", minimum=1)
+    chunk_size: Int = setting(5000, ge=1)
+    max_memory_tokens: Int = setting(1024, ge=1)
+    max_final_tokens: Int = setting(256, ge=1)
+    prompt_length: Int = setting(8192, ge=1)
+    batch_size: Int = setting(4, ge=1)
+    limit: Int | None = setting(None, help="questions per length (null = every test question)", ge=1)
     truncate_chunks: Int | None = setting(
-        None, help="centre-truncate each haystack to this many chunks (null = read every chunk)", minimum=1
+        None, help="centre-truncate each haystack to this many chunks (null = read every chunk)", ge=1
     )
     memagent_style: Bool = setting(True, help="also evaluate in MemAgent's own style (sampled, 'the answer is')")
-    memagent_temperature: Float = setting(0.7, help="MemAgent's evaluation sampling (ruler_hqa.py)", minimum=0)
-    memagent_top_p: Float = setting(0.95, exclusiveMinimum=0, maximum=1)
+    memagent_temperature: Float = setting(0.7, help="MemAgent's evaluation sampling (ruler_hqa.py)", ge=0)
+    memagent_top_p: Float = setting(0.95, gt=0, le=1)
 
     #: Keys that belong elsewhere, with where.
     MOVED: ClassVar[dict[str, str]] = {
@@ -544,18 +544,18 @@ class RewardSettings:
         "locomo",
         help="protocol of the QA prompt (memupdate/prompt_files/<protocol>.yaml) of the QA phase and the reader",
     )
-    qa_max_tokens: Int = setting(32, help="answer cap of the QA phase and of the reader (the same answers)", minimum=1)
+    qa_max_tokens: Int = setting(32, help="answer cap of the QA phase and of the reader (the same answers)", ge=1)
     reader_metric: Literal["locomo_f1", "mem0_f1"] | None = setting(
         None, help="the reader's F1 against the gold (null = the qa_prompt protocol's own)"
     )
-    top_k: Int = setting(5, help="memories retrieved per question", minimum=1)
+    top_k: Int = setting(5, help="memories retrieved per question", ge=1)
     context_chars: Int = setting(
         650,
         help="characters of the reader's context (each memory as the QA prompt shows it, date included) that S, "
         "the QA phase and evaluation use",
-        minimum=1,
+        ge=1,
     )
-    other_questions: Int = setting(0, help="other questions of the conversation averaged into S", minimum=0)
+    other_questions: Int = setting(0, help="other questions of the conversation averaged into S", ge=0)
     ingestion_baseline: Literal["append", "before"] = setting(
         "append",
         help="the store S(initial) of an ingestion session reads: append = the session's memories added as they "
@@ -584,11 +584,11 @@ class MemorySettings:
         DEFAULT_EMBEDDING_MODEL,
         help="sentence-transformers model (name or local path); the default loads offline from a package",
     )
-    embedding_batch_size: Int = setting(64, help="texts per encode call when building the embedding cache", minimum=1)
+    embedding_batch_size: Int = setting(64, help="texts per encode call when building the embedding cache", ge=1)
     max_content_chars: Int = setting(
         DEFAULT_MAX_CONTENT_CHARS,
         help="longest memory text a memory tool writes; longer text is refused with an instruction",
-        minimum=1,
+        ge=1,
     )
 
 
@@ -635,13 +635,13 @@ class TinyRandomModel:
     """A tiny random Qwen2 with a tiny BPE vocabulary, for tests."""
 
     kind: Literal["tiny_random"] = "tiny_random"
-    seed: Int = setting(0, minimum=0)
-    hidden_size: Int = setting(64, minimum=1)
-    layers: Int = setting(2, minimum=1)
-    heads: Int = setting(4, minimum=1)
-    kv_heads: Int = setting(2, minimum=1)
-    intermediate_size: Int = setting(128, minimum=1)
-    max_position_embeddings: Int = setting(4096, minimum=1)
+    seed: Int = setting(0, ge=0)
+    hidden_size: Int = setting(64, ge=1)
+    layers: Int = setting(2, ge=1)
+    heads: Int = setting(4, ge=1)
+    kv_heads: Int = setting(2, ge=1)
+    intermediate_size: Int = setting(128, ge=1)
+    max_position_embeddings: Int = setting(4096, ge=1)
     chat_template: Str | None = DEFAULT_CHAT_TEMPLATE
 
     def __post_init__(self) -> None:
@@ -687,7 +687,7 @@ class ScaleSpec:
     hotpotqa_num_docs: list[Annotated[Int, Field(ge=2)]] = setting(
         help="documents per MemAgent haystack, one parquet file each", min_length=1
     )
-    hotpotqa_limit: Int | None = setting(help="questions per HotpotQA file (null = all)", minimum=1)
+    hotpotqa_limit: Int | None = setting(help="questions per HotpotQA file (null = all)", ge=1)
     settings: dict[str, Any] = setting(
         help="settings of this file that differ at this scale, merged over it key by key", factory=dict
     )
@@ -752,8 +752,8 @@ class HotpotData:
     test_percent: Int = setting(
         20,
         help="share of questions (by a hash of their id) held out for MemAgent evaluation",
-        minimum=1,
-        maximum=99,
+        ge=1,
+        le=99,
     )
 
 

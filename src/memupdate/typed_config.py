@@ -8,7 +8,7 @@ whose fields are declared with :func:`setting` and the YAML-aware types below, s
 
 >>> @section
 ... class Steps:
-...     steps: Int = setting(1, help="optimizer steps", minimum=1)
+...     steps: Int = setting(1, help="optimizer steps", ge=1)
 >>> build(Steps, {"steps": "1e1"}, "x")  # YAML's 1e1 reads as a string: a number in scientific notation is taken
 Steps(steps=10)
 >>> build(Steps, {"steps": "two", "step": 3}, "x")
@@ -129,11 +129,10 @@ def section(cls: type[T] | None = None, /, *, frozen: bool = False) -> Any:
 
 
 def setting(default: Any = dataclasses.MISSING, *, help: str = "", factory: Any = None, **constraints: Any) -> Any:
-    """A dataclass field with its help text and bounds (``minimum``, ``maximum``, ``exclusiveMinimum``, a ``pattern``
-    the whole string must match), in the metadata pydantic reads as ``Field`` arguments; other keys (``flag``) stay
-    for the section's own use."""
-    names = {"minimum": "ge", "maximum": "le", "exclusiveMinimum": "gt"}
-    metadata = {names.get(key, key): value for key, value in constraints.items()}
+    """A dataclass field with its help text and pydantic's ``Field`` constraints (``ge``, ``le``, ``gt``,
+    ``min_length``, a ``pattern`` the whole string must match) in the metadata pydantic reads; other keys (``flag``)
+    stay for the section's own use."""
+    metadata = dict(constraints)
     if "pattern" in metadata:
         metadata["pattern"] = f"^(?:{metadata['pattern']})$"
     if help:
