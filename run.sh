@@ -29,6 +29,10 @@ install_cpu_torch() {
         log "$TORCH_CPU_INDEX is unreachable: installing torch==2.13.0 from pip's configured index"
         "$VENV/bin/python" -m pip install --quiet --no-compile torch==2.13.0
     fi
+    # From the package's metadata: importing torch before its bytecode is written would compile it in memory.
+    # PyTorch's CPU wheels carry the local version +cpu; PyPI's default Linux wheel is the CUDA build.
+    log "installed $("$VENV/bin/python" -c "from importlib.metadata import version; v = version('torch')
+print(f'torch {v} (' + ('CPU build' if v.endswith('+cpu') else 'not the CPU build: it brings CUDA libraries') + ')')")"
 }
 
 ensure_env() {
@@ -55,8 +59,6 @@ ensure_env() {
     # lists them.
     "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
         > "$VENV/.memupdate-compile.log" 2>&1 || true
-    log "installed $("$VENV/bin/python" -c "import torch; cuda = torch.version.cuda
-print(f'torch {torch.__version__} (' + (f'CUDA {cuda}' if cuda else 'CPU') + ' build)')")"
     echo "$want" > "$stamp"
 }
 
