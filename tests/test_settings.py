@@ -225,6 +225,11 @@ def test_null_in_a_configfile_removes_a_key():
     limit = merged({"scales": {"smoke": {"hotpotqa_limit": None}}})
     check_config(limit, root=REPO)
     assert limit["scales"]["smoke"]["hotpotqa_limit"] is None
+    # An entry of a named collection set to null is removed, as the schema of the top level removed it.
+    removed = merged({"data": {"files": {"spare": None}}, "experiments": {"spare": None}, "models": {"spare": None}})
+    check_config(removed, root=REPO)
+    assert "spare" not in removed["data"]["files"] and "spare" not in removed["experiments"]
+    assert "spare" not in removed["models"]
     # Removing a required key is an error, not a silent default.
     assert "experiments.smoke: 'policy' is required" in problems(merged({"experiments": {"smoke": {"policy": None}}}))
 

@@ -731,7 +731,7 @@ class LocomoData:
     file: Str = setting(help="key in data.files")
     split: Str = setting(help="the key of `splits` the workflow uses")
     splits: dict[str, Annotated[dict[str, Any], Section(LocomoSplit)]] = setting(
-        help="conversation ids of train, val and test, by split name", min_length=1
+        help="conversation ids of train, val and test, by split name", min_length=1, removable=True
     )
     memory_sources: list[Literal["observation", "session_summary", "dialogue"]] = setting(
         help="what becomes an initial memory", factory=lambda: ["observation"], min_length=1
@@ -746,7 +746,7 @@ class LocomoData:
 class HotpotData:
     """``data.hotpotqa``: MemAgent's HotpotQA files and how their questions are parted."""
 
-    splits: dict[str, Str] = setting(help="key in data.files of each split", min_length=1)
+    splits: dict[str, Str] = setting(help="key in data.files of each split", min_length=1, removable=True)
     seed: Int = setting(0, help="draws each haystack's distractors")
     tokenizer: Str | None = setting(None, help="a model whose tokenizer counts haystack tokens (null: none)")
     test_percent: Int = setting(
@@ -761,7 +761,7 @@ class HotpotData:
 class DataSettings:
     """The ``data`` section: the public data files and how each dataset is read."""
 
-    files: dict[str, Annotated[dict[str, Any], Section(DataFile)]] = setting(help="data files by key")
+    files: dict[str, Annotated[dict[str, Any], Section(DataFile)]] = setting(help="data files by key", removable=True)
     locomo: Annotated[dict[str, Any], Section(LocomoData, filled=True)] = setting(help="LoCoMo")
     hotpotqa: Annotated[dict[str, Any], Section(HotpotData, filled=True)] = setting(help="HotpotQA (MemAgent)")
     mirrors: list[Str] = setting(
@@ -802,12 +802,18 @@ class WorkflowConfig:
     rehearsal's settings are merged in (:func:`check_config`)."""
 
     scale: Literal["smoke", "full"] = setting(help="which entry of `scales` this run uses")
-    scales: dict[str, Annotated[dict[str, Any], Section(ScaleSpec, filled=True)]] = setting(help="the run sizes")
+    scales: dict[str, Annotated[dict[str, Any], Section(ScaleSpec, filled=True)]] = setting(
+        help="the run sizes", removable=True
+    )
     data: Annotated[dict[str, Any], Section(DataSettings, filled=True)] = setting(
         help="the data files and their reading"
     )
-    models: dict[str, dict[str, Any]] = setting(help="models by name (HFModel, SmolLM2Model, TinyRandomModel by kind)")
-    experiments: dict[str, dict[str, Any]] = setting(help="experiments by name (MemoryUpdate or MemAgent)")
+    models: dict[str, dict[str, Any]] = setting(
+        help="models by name (HFModel, SmolLM2Model, TinyRandomModel by kind)", removable=True
+    )
+    experiments: dict[str, dict[str, Any]] = setting(
+        help="experiments by name (MemoryUpdate or MemAgent)", removable=True
+    )
     memory: dict[str, Any] = setting(help="MemorySettings", factory=dict)
     reward: dict[str, Any] = setting(help="RewardSettings", factory=dict)
     serving: dict[str, Any] = setting(help="ServeSettings", factory=dict)

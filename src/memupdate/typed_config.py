@@ -130,8 +130,8 @@ def section(cls: type[T] | None = None, /, *, frozen: bool = False) -> Any:
 
 def setting(default: Any = dataclasses.MISSING, *, help: str = "", factory: Any = None, **constraints: Any) -> Any:
     """A dataclass field with its help text and pydantic's ``Field`` constraints (``ge``, ``le``, ``gt``,
-    ``min_length``, a ``pattern`` the whole string must match) in the metadata pydantic reads; other keys (``flag``)
-    stay for the section's own use."""
+    ``min_length``, a ``pattern`` the whole string must match) in the metadata pydantic reads; other keys stay for
+    the section's own use (``flag``), or mark a named collection whose null entries are removed (``removable``)."""
     metadata = dict(constraints)
     if "pattern" in metadata:
         metadata["pattern"] = f"^(?:{metadata['pattern']})$"
@@ -178,14 +178,24 @@ def _adapter(cls: type) -> TypeAdapter:
 
 def _without_nulls(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
     # A --configfile cannot delete a key of config/config.yaml: a null where null is not valid falls back to the
-    # default instead.
+    # default instead, and a null entry of a named collection (a setting marked `removable`: models, experiments,
+    # ...) removes the entry.
     hints = _hints(cls)
-    return {k: v for k, v in values.items() if v is not None or k not in hints or _admits_none(hints[k])}
+    removable = {f.name for f in dataclasses.fields(cls) if f.metadata.get("removable")}
+    out = {}
+    for key, value in values.items():
+        if value is None and key in hints and not _admits_none(hints[key]):
+            continue
+        if key in removable and isinstance(value, Mapping):
+            value = {name: entry for name, entry in value.items() if entry is not None}
+        out[key] = value
+    return out
 
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return {f.name: typing.get_type_hints(cls, include_extras=True)[f.name] for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def _admits_none(hint: Any) -> bool:
@@ -205,11 +215,11 @@ def _message(cls: type, path: str, error: Mapping[str, Any]) -> str:
     where = where or "(top level)"
     shown = show_value(value)
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
-        owner = _section_at(cls, loc[:-1])
+        owner = _unwrap(_at(cls, loc[:-1]))
         moved = getattr(owner, "MOVED", {}).get(loc[-1])
         return f"{where}: {moved}" if moved else unknown_key(where, str(loc[-1]), _hints(owner))
-    if kind in ("missing", "missing_keyword_only_argument"):
-        owner = _section_at(cls, loc[:-1])
+    if kind == "missing":
+        owner = _unwrap(_at(cls, loc[:-1]))
         help = {f.name: f.metadata.get("description") for f in dataclasses.fields(owner)}.get(loc[-1])
         return f"{where}: required ({help or 'no default'})"
     if kind == "literal_error":
@@ -229,7 +239,6 @@ def _message(cls: type, path: str, error: Mapping[str, Any]) -> str:
             f"{shown} needs at least {ctx['min_length']} {'entry' if ctx['min_length'] == 1 else 'entries'}"
         ),
         "dict_type": lambda: f"expected a mapping, got {shown}",
-        "dataclass_type": lambda: f"expected a mapping, got {shown}",
     }
     if kind in texts:
         return f"{where}: {texts[kind]()}"
@@ -258,10 +267,6 @@ def _unwrap(hint: Any) -> Any:
         options = [a for a in typing.get_args(hint) if a is not type(None)]
         return _unwrap(options[0]) if len(options) == 1 else hint
     return hint
-
-
-def _section_at(cls: type, loc: tuple[Any, ...]) -> type:
-    return _unwrap(_at(cls, loc))
 
 
 def _literal_at(cls: type, loc: tuple[Any, ...]) -> Any:
