@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import psutil
 import pytest
 
 from memupdate.training import ray_cluster as rc
+from memupdate.utils.system import free_port
 
 
 def test_slurm_rank_reads_the_task_environment():
@@ -275,9 +277,37 @@ def test_a_port_another_process_answers_on_does_not_pass_for_the_heads_gcs(tmp_p
             other.bind(("127.0.0.1", 0))
             other.listen()
             with pytest.raises(rc.RayClusterError, match="did not listen on port"):
-                rc._wait_for_gcs(head, other.getsockname()[1], tmp_path / "head.log", time.monotonic() + 1)
+                rc._wait_for_ports(head, [other.getsockname()[1]], tmp_path / "head.log", time.monotonic() + 1)
     finally:
         head.kill()
+        head.wait()
+
+
+def test_the_head_counts_as_started_only_when_its_client_server_listens_too(tmp_path):
+    """The GCS listening is not enough: the head's Ray client server binds its own picked port later, and once
+    an outgoing connection had taken it (the head exited, and the run failed when its driver connected). Both of
+    the head's ports must be its own processes' listening sockets."""
+    gcs, client = free_port(), free_port()
+    # A stand-in for ray start: its child listens on the GCS port only.
+    listen = f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {gcs})); s.listen(); time.sleep(60)"
+    head = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {listen!r}]); time.sleep(60)",
+        ],
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not any(rc._listens(p, gcs) for p in rc._node_processes(head)):
+            assert time.monotonic() < deadline, "the stand-in did not listen"
+            time.sleep(0.1)
+        rc._wait_for_ports(head, [gcs], tmp_path / "head.log", time.monotonic() + 1)
+        with pytest.raises(rc.RayClusterError, match=f"did not listen on port {client} "):
+            rc._wait_for_ports(head, [gcs, client], tmp_path / "head.log", time.monotonic() + 1)
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)
         head.wait()
 
 

@@ -404,18 +404,22 @@ class HeadStartError(RayClusterError):
     """The head's ``ray start`` exited before its GCS listened."""
 
 
-def _wait_for_gcs(proc: subprocess.Popen, port: int, log_path: Path, deadline: float) -> None:
-    """Until one of the head's own processes listens on ``port``: a connection alone could reach a process that
-    took the port after it was picked (the head's ray start then exits, after about 40 s of Ray's retries)."""
+def _wait_for_ports(proc: subprocess.Popen, ports: Sequence[int], log_path: Path, deadline: float) -> None:
+    """Until the head's own processes listen on every one of ``ports`` (its GCS's and its Ray client server's): a
+    connection alone could reach a process that took a port after it was picked. The head's ray start then exits
+    (after about 40 s of Ray's retries for the GCS port; at once when the client server cannot bind, which once
+    happened after the GCS was up, and the run failed when its driver connected)."""
     while True:
         if proc.poll() is not None:
             raise HeadStartError(
                 f"the Ray head exited with {proc.returncode} while starting; {log_path}:\n{tail(log_path, 20) or '(no log)'}"
             )
-        if any(_listens(p, port) for p in _node_processes(proc)):
+        processes = _node_processes(proc)
+        missing = [port for port in ports if not any(_listens(p, port) for p in processes)]
+        if not missing:
             return
         if time.monotonic() > deadline:
-            raise RayClusterError(f"the Ray head did not listen on port {port} in time; see {log_path}")
+            raise RayClusterError(f"the Ray head did not listen on port {missing[0]} in time; see {log_path}")
         time.sleep(POLL_S)
 
 
@@ -428,16 +432,18 @@ def _listens(process: psutil.Process, port: int) -> bool:
 
 
 def _start_head(node_argv: dict, port: int | None, log_path: Path, deadline: float) -> tuple[subprocess.Popen, int]:
-    """The head's ``ray start`` with its GCS listening, and the GCS port. Ports it picks itself (``port`` None)
-    are free when picked and bound seconds later; another process can take one meanwhile (a vLLM server starting
-    beside it once did), and the head then exits: it is started again on other ports, up to
-    :data:`HEAD_START_ATTEMPTS` times."""
+    """The head's ``ray start`` with its GCS and its Ray client server listening, and the GCS port. Ports it picks
+    itself are free when picked and bound seconds later; another process can take one meanwhile (a vLLM server
+    starting beside it once did, and once an outgoing connection's source port took the client server's), and the
+    head then exits: it is started again on ports picked anew, up to :data:`HEAD_START_ATTEMPTS` times, unless
+    ``port`` was given."""
     node_ip = node_argv["node_ip"]
     for attempt in range(1, HEAD_START_ATTEMPTS + 1):
         gcs_port = port or free_port(node_ip)
-        proc = _start_node(ray_start_argv(port=gcs_port, client_port=free_port(node_ip), **node_argv), log_path)
+        client_port = free_port(node_ip)
+        proc = _start_node(ray_start_argv(port=gcs_port, client_port=client_port, **node_argv), log_path)
         try:
-            _wait_for_gcs(proc, gcs_port, log_path, deadline)
+            _wait_for_ports(proc, (gcs_port, client_port), log_path, deadline)
             return proc, gcs_port
         except HeadStartError as err:
             _stop_node(proc)
