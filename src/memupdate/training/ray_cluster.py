@@ -401,7 +401,7 @@ def _stop_group(pgid: int, timeout_s: float = 30.0) -> None:
 
 
 class HeadStartError(RayClusterError):
-    """The head's ``ray start`` exited before its GCS listened."""
+    """The head's ``ray start`` exited before its GCS and its Ray client server listened."""
 
 
 def _wait_for_ports(proc: subprocess.Popen, ports: Sequence[int], log_path: Path, deadline: float) -> None:
