@@ -181,26 +181,43 @@ def test_the_open_files_limit_is_raised_to_the_hard_limit(caplog):
     assert rc.raise_open_files_limit(FakeRlimit(1024, 2048, fail=True)) == (1024, 1024)
 
 
+# Run as `python -m check`: the launcher imports it while the head starts (the stamp of its first import), then
+# runs it as __main__ on the cluster.
 CHECK = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, pathlib, sys, time
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    ray.init(address="auto", logging_level="WARNING")
-    nodes = [n for n in ray.nodes() if n["Alive"]]
+    stamp = pathlib.Path(__file__).with_name("imported")
+    if not stamp.exists():
+        stamp.write_text(repr(time.time()))
 
-    @ray.remote(num_cpus=1)
-    def where():
-        return ray.get_runtime_context().get_node_id()
 
-    ran = ray.get([
-        where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
-        for n in nodes
-    ])
-    result = {"names": sorted(n["NodeName"] for n in nodes), "ran_on_each": ran == [n["NodeID"] for n in nodes]}
-    json.dump(result, open(sys.argv[1], "w"))
-    sys.exit(3)  # rank 0 must hand this exit code on
+    def main():
+        ray.init(address="auto", logging_level="WARNING")
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+
+        @ray.remote(num_cpus=1)
+        def where():
+            return ray.get_runtime_context().get_node_id()
+
+        ran = ray.get([
+            where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+            for n in nodes
+        ])
+        result = {
+            "names": sorted(n["NodeName"] for n in nodes),
+            "ran_on_each": ran == [n["NodeID"] for n in nodes],
+            "imported": float(stamp.read_text()),
+            "ran": time.time(),
+        }
+        json.dump(result, open(sys.argv[1], "w"))
+        sys.exit(3)  # rank 0 must hand this exit code on
+
+
+    if __name__ == "__main__":
+        main()
     """
 )
 
@@ -216,7 +233,7 @@ def test_two_ranks_form_one_cluster_and_stop_it(tmp_path):
     shared, result = tmp_path / "shared", tmp_path / "result.json"
     (tmp_path / "check.py").write_text(CHECK)
     command = rc.cluster_command(
-        [sys.executable, str(tmp_path / "check.py"), str(result)],
+        [sys.executable, "-m", "check", str(result)],
         shared_dir=shared,
         node_ip="127.0.0.1",
         num_cpus=1,
@@ -230,7 +247,7 @@ def test_two_ranks_form_one_cluster_and_stop_it(tmp_path):
     home = tmp_path / "home"
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text("0" * 64)
-    env = {**os.environ, "HOME": str(home), "SLURM_NNODES": "2", "SLURM_JOB_ID": "t2"}
+    env = {**os.environ, "HOME": str(home), "SLURM_NNODES": "2", "SLURM_JOB_ID": "t2", "PYTHONPATH": str(tmp_path)}
     ranks = [
         subprocess.Popen(command, env={**env, "SLURM_PROCID": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for r in (0, 1)
@@ -251,10 +268,12 @@ def test_two_ranks_form_one_cluster_and_stop_it(tmp_path):
         outputs = [p.communicate(timeout=10)[0].decode(errors="replace") for p in ranks]
         assert [p.returncode for p in ranks] == [3, 0], "\n---\n".join(outputs)
 
-        assert json.loads(result.read_text()) == {
-            "names": [f"{os.uname().nodename}-rank{r}" for r in (0, 1)],
-            "ran_on_each": True,
-        }
+        checked = json.loads(result.read_text())
+        assert checked["names"] == [f"{os.uname().nodename}-rank{r}" for r in (0, 1)] and checked["ran_on_each"]
+        # The command's imports ran while the head started (before it wrote its address); the command itself
+        # once both nodes had joined.
+        head_up = (shared / "t2.head.json").stat().st_mtime
+        assert checked["imported"] < head_up < checked["ran"], checked
         assert len(seen) > 4, "the ranks should have started Ray processes"
         assert _alive(seen) == [], "Ray processes outlived their cluster"
         assert {f.name for f in shared.iterdir()} >= {"t2.head.json", "t2.stop", "t2.rank1.stopped"}

@@ -12,7 +12,9 @@ Every task runs :func:`run_ray_cluster` with its rank (``SLURM_PROCID``):
 - every other rank waits for that file and joins (``ray start --address <head> --block``);
 - rank 0 waits until ``ray.nodes()`` shows all N nodes alive (or fails after ``timeout``, naming the
   ranks that joined), runs the command with ``RAY_ADDRESS`` set, so main_ppo's ``ray.init()`` joins this
-  cluster instead of starting its own, and then writes ``<cluster id>.stop`` with the exit code;
+  cluster instead of starting its own, and then writes ``<cluster id>.stop`` with the exit code. A
+  ``python -m MODULE`` command imports its module while the head starts (:mod:`memupdate.training.ray_gate`)
+  and runs once the nodes joined;
 - on that file every rank stops its own Ray node; rank 0 exits with the command's exit code.
 
 The cluster uses Ray's token authentication with a token of its own: rank 0 writes a fresh one to
@@ -78,6 +80,7 @@ logger = logging.getLogger(__name__)
 
 # Spelled out: under `python -m` this module's __name__ is "__main__".
 MODULE = "memupdate.training.ray_cluster"
+GATE_MODULE = "memupdate.training.ray_gate"
 #: The network interface whose address each node gives Ray (e.g. ib0), set where the workflow starts.
 NODE_IP_INTERFACE_ENV = "MEMUPDATE_NODE_IP_INTERFACE"
 # The plasma socket is <temp dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store: 64 characters
@@ -505,6 +508,7 @@ def _run_head(
     exit_code = 1
     joined: set[int] = set()
     seen: list[psutil.Process] = []  # the head's processes, kept up to date while the command runs
+    waiting = _start_gated(command)
     try:
         proc, port = _start_head(node_argv, port, files.log(0), deadline)
         address = f"{node_argv['node_ip']}:{port}"
@@ -520,10 +524,13 @@ def _run_head(
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, on_sigterm)
         logger.info("running on the Ray cluster at %s: %s", address, " ".join(command))
-        exit_code = _run_command(command, address, proc, files.log(0), seen)
+        exit_code = _run_command(command, address, proc, files.log(0), seen, waiting)
         logger.info("command exited with %d", exit_code)
         return exit_code
     finally:
+        if waiting is not None and waiting.poll() is None:  # the cluster did not start: the command never runs
+            waiting.kill()
+            waiting.wait()
         # Also on failure: the other ranks wait for this file.
         write_json_atomic(files.stop, {"exit_code": exit_code})
         _wait_for_workers(files, sorted(joined - {0}))
@@ -531,14 +538,35 @@ def _run_head(
             _stop_node(proc, seen)
 
 
+def _start_gated(command: Sequence[str]) -> subprocess.Popen | None:
+    """A ``python -m MODULE ...`` command started through :mod:`memupdate.training.ray_gate`, importing its module
+    while the cluster starts; it runs once :func:`_run_command` gives it the address. Other commands: None (they
+    start then)."""
+    if len(command) < 3 or command[1] != "-m":
+        return None
+    return subprocess.Popen([command[0], "-m", GATE_MODULE, *command[2:]], stdin=subprocess.PIPE, text=True)
+
+
 def _run_command(
-    command: Sequence[str], address: str, head: subprocess.Popen, head_log: Path, seen: list[psutil.Process]
+    command: Sequence[str],
+    address: str,
+    head: subprocess.Popen,
+    head_log: Path,
+    seen: list[psutil.Process],
+    waiting: subprocess.Popen | None = None,
 ) -> int:
-    """Run ``command`` on the cluster at ``address`` and return its exit code; end it and raise if the head's
-    ``ray start --block`` exits meanwhile (one of the head's processes died). The command's driver would otherwise
-    wait for the GCS for Ray's reconnection timeout: a run once sat 14 minutes on a dead head. ``seen`` is kept
-    up to date with the head's processes, which a ``ray start`` that exits this way leaves behind."""
-    child = subprocess.Popen(list(command), env={**os.environ, "RAY_ADDRESS": address})
+    """Run ``command`` on the cluster at ``address`` (``waiting``, its gated start, if there is one) and return its
+    exit code; end it and raise if the head's ``ray start --block`` exits meanwhile (one of the head's processes
+    died). The command's driver would otherwise wait for the GCS for Ray's reconnection timeout: a run once sat 14
+    minutes on a dead head. ``seen`` is kept up to date with the head's processes, which a ``ray start`` that exits
+    this way leaves behind."""
+    if waiting is None:
+        child = subprocess.Popen(list(command), env={**os.environ, "RAY_ADDRESS": address})
+    else:
+        child = waiting
+        with contextlib.suppress(BrokenPipeError):  # it exited already (an import failed): its exit code says so
+            child.stdin.write(f"{address}\n")
+            child.stdin.close()
     next_look = 0.0
     try:
         while (code := child.poll()) is None:
