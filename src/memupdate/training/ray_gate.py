@@ -24,7 +24,7 @@ def main() -> None:
     importlib.import_module(module)
     address = sys.stdin.readline().strip()
     if not address:
-        # The launcher closes the pipe without an address when the cluster did not start; it says why.
+        # The pipe closed without an address: the launcher died before its cluster was up (its log says why).
         sys.exit(f"{module} did not run: the Ray cluster it was to run on did not start")
     os.environ["RAY_ADDRESS"] = address
     runpy.run_module(module, run_name="__main__", alter_sys=True)
