@@ -553,7 +553,7 @@ def _run_command(
     head: subprocess.Popen,
     head_log: Path,
     seen: list[psutil.Process],
-    waiting: subprocess.Popen | None = None,
+    waiting: subprocess.Popen | None,
 ) -> int:
     """Run ``command`` on the cluster at ``address`` (``waiting``, its gated start, if there is one) and return its
     exit code; end it and raise if the head's ``ray start --block`` exits meanwhile (one of the head's processes
