@@ -1307,8 +1307,8 @@ VERL_BASE_CONFIG = {"memupdate": "grpo_memupdate", "memagent": "grpo_memagent"}
 VERL_CPU_CONFIG = "cpu"
 #: The rollout served by a vLLM server process of its own (memupdate.verl_ext.external_vllm.NAME): for CPUs.
 EXTERNAL_ROLLOUT = "memupdate_vllm"
-#: verl's synchronous trainer that skips the actor's update in a step whose advantages are all zero
-#: (memupdate.verl_ext.trainer), chosen with trainer.v1.trainer_mode; verl's own modes beside it.
+#: verl's synchronous trainer whose actor update runs on the groups with reward spread only, and is skipped in a step
+#: without any (memupdate.verl_ext.trainer), chosen with trainer.v1.trainer_mode; verl's own modes beside it.
 FLAT_SKIPPING_TRAINER = "memupdate_sync"
 TRAINER_MODES = ("sync", "colocate_async", "separate_async", FLAT_SKIPPING_TRAINER)
 

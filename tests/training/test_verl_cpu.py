@@ -16,6 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from memupdate.settings import FLAT_SKIPPING_TRAINER
 from memupdate.training.stages import train_stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.verl_cpu, pytest.mark.vllm]
@@ -37,25 +38,32 @@ def workflow(repo_root):
 def test_verls_trainer_on_cpu_raises_a_reward_the_tiny_model_can_earn(
     workflow, tiny_model_dir, locomo_rows, cache_dir, vllm_python, token_share_reward, tmp_path, caplog
 ):
-    """Learning tested where it is run: verl's main_ppo on CPU, our memory agent loop (one turn) and the served
-    rollout, rewarded by the toy token share (about 1/8 at random). No entropy bonus and no KL: the reward alone
-    moves the policy, and it rises (measured twice: 0.12, 0.23, 0.14, 0.29, 0.43, 0.86, 0.99, 1.00 and 0.12, 0.25,
-    0.10, 0.14, 0.28, 0.45, 0.67, 0.99). Replies of 16 tokens: a short reply's share varies more from sample to
-    sample, so each token of it carries more of the advantage's signal; with 256-token replies one CI run stayed
-    near 1/8 for all eight steps."""
+    """Learning tested where it is run: verl's main_ppo on CPU in the CPU experiments' trainer mode
+    (memupdate_sync: the update runs on the groups with reward spread), our memory agent loop (one turn) and the
+    served rollout, rewarded by the toy token share (about 1/8 at random) on about half the prompts and 0 on the
+    others, whose groups are flat. No entropy bonus and no KL: the reward alone moves the policy, and it rises
+    (measured twice, the unrewarded half included: 0.11, 0.12, 0.07, 0.09, 0.09, 0.04, 0.50, 0.47 and 0.09, 0.12,
+    0.13, 0.13, 0.13, 0.06, 0.51, 0.49; when every prompt was rewarded and every row trained: 0.12, 0.23, 0.14, 0.29,
+    0.43, 0.86, 0.99, 1.00). Replies of 16 tokens: a short reply's share varies more from sample to sample, so each
+    token of it carries more of the advantage's signal; with 256-token replies one CI run stayed near 1/8 for all
+    eight steps."""
     caplog.set_level(logging.INFO, logger="memupdate.serving.rollout_server")
     run_dir = tmp_path / "run"
     settings = {
         **CPU_STAGE,
         "trainer.total_training_steps": 8,
         "trainer.save_freq": 8,
-        "data.train_batch_size": 4,
+        # 8 prompts, about 4 of them rewarded: as many rows to learn from per step as when the test rewarded every
+        # prompt of 4 (with 4 prompts, about 2 of them rewarded, one run of three rose by 0.14, short of the 0.15 asked).
+        "data.train_batch_size": 8,
         "actor_rollout_ref.rollout.n": 4,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
         "actor_rollout_ref.actor.optim.lr": 3.0e-2,
         "actor_rollout_ref.actor.entropy_coeff": 0.0,
         "actor_rollout_ref.actor.use_kl_loss": False,
+        "trainer.v1.trainer_mode": FLAT_SKIPPING_TRAINER,
         **token_share_reward,
+        "reward.reward_manager.name": "HalfFlatTokenShareReward",
     }
     ckpt = train_stage(
         trained_role="memory",
@@ -72,9 +80,15 @@ def test_verls_trainer_on_cpu_raises_a_reward_the_tiny_model_can_earn(
             "serving": {**workflow["serving"], "python": str(vllm_python), "dtype": "float32", "max_model_len": 8192},
         },
     )
-    rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [step["reward_mean"] for step in steps]
     assert len(rewards) == 8
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
+    # Half the prompts score 0 whatever the policy does: the mean rises half as far.
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
+    # Rows of whole groups (4 rollouts each), fewer than the step's 32 where a group was flat.
+    # (memupdate.verl_ext.trainer.TRAINED_ROWS_METRIC; importing it would import verl into pytest's process.)
+    trained_rows = [step["verl"]["actor/trained_rows"] for step in steps]
+    assert all(rows % 4 == 0 for rows in trained_rows) and any(0 < rows < 32 for rows in trained_rows), trained_rows
     trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
     assert any(not torch.equal(base[name].to(tensor.dtype), tensor) for name, tensor in trained.items())
     # The rollout server started before verl (its start-up beside verl's) and verl's replica served with it.

@@ -21,3 +21,17 @@ class TokenShareReward(RewardManagerBase):
             tokens = tokens[row.batch["response_mask"][:length].bool()]
         share = float((tokens < len(self.tokenizer) // 8).float().mean()) if len(tokens) else 0.0
         return {"reward_score": share, "reward_extra_info": {"share": share}}
+
+
+class HalfFlatTokenShareReward(TokenShareReward):
+    """The token share for about half the prompts, 0 for every rollout of the others (those whose token ids sum to an
+    odd number): their groups are flat, so that a trainer that updates only on groups with spread has some to drop in
+    most steps."""
+
+    async def run_single(self, data):
+        scored = await super().run_single(data)
+        row = data[-1]
+        prompt = row.batch["prompts"][row.batch["attention_mask"][: row.batch["prompts"].size(-1)].bool()]
+        if int(prompt.sum()) % 2:
+            return {"reward_score": 0.0, "reward_extra_info": {"share": 0.0}}
+        return scored
