@@ -15,6 +15,7 @@ from memupdate import plan as planning
 from memupdate.cluster import RESOURCES_FILE, read_table
 from memupdate.models.hub import is_hub_id
 from memupdate.settings import (
+    HeadroomSettings,
     IngestionSettings,
     PolicyEvalSettings,
     build,
@@ -410,7 +411,7 @@ def validation_inputs(wildcards):
     ingestion experiment)."""
     if is_ingestion(wildcards):
         return {"val": f"results/{wildcards.exp}/data/ingest.val.parquet"}
-    return {"val": "results/data/locomo/val.parquet"}
+    return {"val": question_rows(wildcards, "val")}
 
 
 def get_qa_model(wildcards):
@@ -589,11 +590,34 @@ def get_questions_per_session(wildcards):
     return build(IngestionSettings, section, where).questions_per_session
 
 
+def has_headroom_mix(wildcards):
+    """Whether the experiment's question rows are a headroom mix (its `headroom` section, rule headroom_rows)."""
+    return "headroom" in get_experiment(wildcards)
+
+
+def get_headroom_settings(wildcards):
+    experiment = get_experiment(wildcards)
+    if "headroom" not in experiment:
+        raise ValueError(
+            f"experiment {wildcards.exp!r} has no headroom section in config/config.yaml"
+        )
+    section = f"experiments.{wildcards.exp}.headroom"
+    return dataclasses.asdict(build(HeadroomSettings, experiment["headroom"], section))
+
+
+def question_rows(wildcards, part):
+    """An experiment's question rows of a LoCoMo split: all of them, or its headroom mix."""
+    if has_headroom_mix(wildcards):
+        return f"results/{wildcards.exp}/data/headroom.{part}.parquet"
+    return f"results/data/locomo/{part}.parquet"
+
+
 def get_train_rows(wildcards):
-    """The experiment's train rows: the questions, or for an ingestion experiment its sessions."""
+    """The experiment's train rows: the questions (or their headroom mix), or for an ingestion experiment its
+    sessions."""
     if is_ingestion(wildcards):
         return f"results/{wildcards.exp}/data/ingest.train.parquet"
-    return memory_inputs()["train"]
+    return question_rows(wildcards, "train")
 
 
 def get_sft_inputs(wildcards):
@@ -780,7 +804,7 @@ def get_policy_eval_inputs(wildcards):
     settings = get_policy_eval_settings(wildcards)
     inputs = {
         "model": policy_checkpoint(wildcards),
-        "rows": f"results/data/locomo/{settings['split']}.parquet",
+        "rows": question_rows(wildcards, settings["split"]),
         "memories": "results/data/locomo/memories.parquet",
         "embeddings": f"{EMBEDDINGS}/memories",
     }
@@ -806,9 +830,16 @@ def get_policy_summaries(wildcards):
         if "sft" in get_experiment(wildcards)
         else ["base", "stage1"]
     )
-    return {
+    summaries = {
         p: f"results/{wildcards.exp}/policy_eval/{p}/summary.json" for p in policies
     }
+    if has_headroom_mix(wildcards):
+        # Every question of the held-out split, flagged: the report's strata and their shares.
+        split = get_policy_eval_settings(wildcards)["split"]
+        summaries["flags"] = (
+            f"results/{wildcards.exp}/data/headroom.{split}.flags.parquet"
+        )
+    return summaries
 
 
 def get_eval_dir(wildcards):

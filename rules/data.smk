@@ -66,6 +66,36 @@ rule ingestion_rows:
         "../workflow/scripts/ingestion_rows.py"
 
 
+rule headroom_rows:
+    # An experiment's question rows as a mix of questions with headroom (gold evidence in the question's own search,
+    # outside the reader's context) and others (memupdate.data.headroom), and every row's flags.
+    input:
+        rows="results/data/locomo/{part}.parquet",
+        memories="results/data/locomo/memories.parquet",
+        embeddings=f"{EMBEDDINGS}/memories",
+    output:
+        rows="results/{exp}/data/headroom.{part}.parquet",
+        flags="results/{exp}/data/headroom.{part}.flags.parquet",
+        summary="results/{exp}/data/headroom.{part}.summary.json",
+    log:
+        "logs/headroom_rows/{exp}-{part}.log",
+    benchmark:
+        "benchmarks/headroom_rows/{exp}-{part}.tsv"
+    wildcard_constraints:
+        part="train|val|test",
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    resources:
+        runtime=10,
+        mem_mb=3000,
+    params:
+        settings=get_headroom_settings,
+        reward=get_reward_config,
+        embedding_model=EMBEDDING_MODEL,
+    script:
+        "../workflow/scripts/headroom_rows.py"
+
+
 rule preprocess_hotpotqa:
     input:
         unpack(get_hotpotqa_tokenizer_inputs),

@@ -108,8 +108,8 @@ def test_the_shipped_configs_pass_and_keep_their_values():
             "experiments.smoke.tools.names[1]: 'forget' is not one of search_memory",
         ),
         (
-            {"experiments": {"smoke": {"sft": {}, "tools": {"names": ["search_memory", "manage_memory"]}}}},
-            "experiments.smoke.tools.names: the cold start's expert uses search_memory, manage_memory, merge_memory",
+            {"experiments": {"smoke": {"sft": {}, "tools": {"names": ["search_memory", "merge_memory"]}}}},
+            "experiments.smoke.tools.names: the cold start's expert uses search_memory, manage_memory; give the policy all of them",
         ),
         (
             {"experiments": {"smoke": {"polciy": "x"}}},
@@ -612,4 +612,32 @@ def test_an_ingestion_experiment_trains_the_memory_role_on_sessions():
     curriculum = {"ingestion": {}, "stage2": None, "stage1": {"train_on": {"categories": [1]}}}
     assert "experiments.smoke.stage1.train_on.categories: an ingestion experiment's rows are sessions" in problems(
         merged({"experiments": {"smoke": curriculum}})
+    )
+
+
+def test_a_headroom_mix_is_checked_against_the_experts_search_and_the_rows_kind():
+    demo = merged({})
+    check_config(demo, root=REPO)
+    assert demo["experiments"]["cpu_demo"]["headroom"] == {"search_top_k": 10, "share": 0.5}
+    shallow = merged({"experiments": {"cpu_demo": {"sft": {"search_top_k": 5}}}})
+    assert (
+        "experiments.cpu_demo.sft.search_top_k: the expert searches 5 memories deep, but the rows' headroom is "
+        "evidence up to rank 10" in problems(shallow)
+    )
+    assert "experiments.cpu_demo.headroom.share" in problems(
+        merged({"experiments": {"cpu_demo": {"headroom": {"share": 0}}}})
+    )
+    sessions = merged({"experiments": {"cpu_ingest": {"headroom": {}}}})
+    assert "experiments.cpu_ingest.headroom: an ingestion experiment's rows are sessions, not questions" in problems(
+        sessions
+    )
+
+
+def test_an_episode_that_would_cut_the_experts_search_short_is_refused():
+    """verl cuts a tool's text at max_tool_response_length characters: cpu_demo's expert, searching ten results
+    deep behind 640 characters, saw four of them and demonstrated no edit."""
+    cut = merged({"experiments": {"cpu_demo": {"episode": {"max_tool_response_length": 640}}}})
+    assert (
+        "experiments.cpu_demo.episode.max_tool_response_length: the expert's search of 10 results is about 1700 "
+        "characters, but a tool's text is cut at 640" in problems(cut)
     )

@@ -283,6 +283,17 @@ def test_the_cpu_demo_is_one_command_from_data_to_both_reports(workdir):
     assert stage1["output"] == "results/cpu_demo/stage1/ckpt"
     assert stage1["input"].startswith("results/cpu_demo/sft/ckpt") and "serve/" not in stage1["input"]
     assert "results/envs/vllm-cpu.json" in stage1["input"]
+    # Every stage plays the headroom mix: the cold start and stage 1 the train split's, the policies the test
+    # split's, and the report reads the test split's flags for its strata.
+    mixes = {job["output"].split(", ")[0] for job in jobs if job["rule"] == "headroom_rows"}
+    assert mixes == {f"results/cpu_demo/data/headroom.{part}.parquet" for part in ("train", "val", "test")}
+    sft = next(job for job in jobs if job["rule"] == "train_sft")
+    assert "results/cpu_demo/data/headroom.train.parquet" in sft["input"]
+    assert "results/cpu_demo/data/headroom.train.parquet" in stage1["input"]
+    evals = [job for job in jobs if job["rule"] == "eval_policy"]
+    assert evals and all("results/cpu_demo/data/headroom.test.parquet" in job["input"] for job in evals)
+    report = next(job for job in jobs if job["rule"] == "policy_report")
+    assert "results/cpu_demo/data/headroom.test.flags.parquet" in report["input"]
 
 
 def test_an_ingestion_experiments_cold_start_plays_its_sessions(workdir):

@@ -231,8 +231,11 @@ class SFTSettings:
     )
     seed: Int = 0
 
-    #: The tools the expert's program uses (memupdate.training.demonstrations): the experiment must give them.
-    TOOLS: ClassVar[tuple[str, ...]] = (SEARCH_TOOL, MANAGE_TOOL, MERGE_TOOL)
+    @staticmethod
+    def tools(ingestion: bool) -> tuple[str, ...]:
+        """The tools the expert's program uses (memupdate.training.demonstrations: search and promote;
+        memupdate.training.ingestion_expert: search and merge): the experiment must give them."""
+        return (SEARCH_TOOL, MERGE_TOOL) if ingestion else (SEARCH_TOOL, MANAGE_TOOL)
 
 
 #: A memory tool's name, as its schema gives it to the model.
@@ -319,6 +322,19 @@ class IngestionSettings:
         "keeps those of the new session first, and an episode that deletes the older memories can then gain)",
         ge=1,
     )
+
+
+@section
+class HeadroomSettings:
+    """An experiment's ``headroom`` section: its rows (train, validation and the held-out policy evaluation's) are a
+    mix of questions with headroom, whose gold evidence the question's own search reaches but the reader does not
+    read, and others, where stopping is right (:mod:`memupdate.data.headroom`, rule ``headroom_rows``)."""
+
+    search_top_k: Int = setting(
+        20, help="how deep the question's own search reaches for evidence the reader's context lacks", ge=1
+    )
+    share: Float = setting(0.5, help="share of questions with headroom in the mix (1 = those alone)", gt=0, le=1)
+    seed: Int = setting(0, help="draws the questions without headroom")
 
 
 @section
@@ -832,6 +848,7 @@ SECTIONS = {
         "episode": EpisodeSettings,
         "reward": RewardSettings,
         "ingestion": IngestionSettings,
+        "headroom": HeadroomSettings,
         "tools": ToolSettings,
         "sft": SFTSettings,
         "policy_eval": PolicyEvalSettings,
@@ -1041,9 +1058,10 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
             except ConfigError as err:
                 errors.extend(str(err).splitlines())
         names = experiment.get("tools", {}).get("names", MEMORY_TOOLS)
-        if "sft" in experiment and kind == "memupdate" and not set(SFTSettings.TOOLS) <= set(names):
+        expert_tools = SFTSettings.tools("ingestion" in experiment)
+        if "sft" in experiment and kind == "memupdate" and not set(expert_tools) <= set(names):
             errors.append(
-                f"experiments.{name}.tools.names: the cold start's expert uses {', '.join(SFTSettings.TOOLS)}; "
+                f"experiments.{name}.tools.names: the cold start's expert uses {', '.join(expert_tools)}; "
                 f"give the policy all of them (it has {', '.join(names)})"
             )
         for key in VERL_SECTIONS[kind]:
@@ -1101,6 +1119,11 @@ def check_lengths(name: str, experiment: Mapping[str, Any], serving: Mapping[str
         )
 
 
+#: Characters of one search result as the memory tools show it (a LoCoMo observation averages 116 characters,
+#: its id, speaker, session and date about 55 more): what a tool response needs per result shown.
+SEARCH_RESULT_CHARS = 170
+
+
 def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
     """Check a MemoryUpdate experiment's stages (order, roles, plan keys, training settings) and type each
     section's values in place."""
@@ -1111,6 +1134,25 @@ def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
         return str(err).splitlines()
     errors = []
     episode_keys = {verl_key: key for key, verl_key in VERL_EPISODE_KEYS.items()}
+    if "ingestion" in experiment and "headroom" in experiment:
+        errors.append(f"{path}.headroom: an ingestion experiment's rows are sessions, not questions")
+    if "headroom" in experiment and "sft" in experiment:
+        reach = experiment["headroom"].get("search_top_k", HeadroomSettings.search_top_k)
+        search = experiment["sft"].get("search_top_k", SFTSettings.search_top_k)
+        if search < reach:
+            errors.append(
+                f"{path}.sft.search_top_k: the expert searches {search} memories deep, but the rows' headroom is "
+                f"evidence up to rank {reach} (headroom.search_top_k): it would stop where it should promote"
+            )
+    if "sft" in experiment:
+        search = experiment["sft"].get("search_top_k", SFTSettings.search_top_k)
+        shown = experiment.get("episode", {}).get("max_tool_response_length", EpisodeSettings.max_tool_response_length)
+        if shown < SEARCH_RESULT_CHARS * search:
+            errors.append(
+                f"{path}.episode.max_tool_response_length: the expert's search of {search} results is about "
+                f"{SEARCH_RESULT_CHARS * search} characters, but a tool's text is cut at {shown} (verl cuts by "
+                "characters): the expert and the policy would see only the first results; raise it"
+            )
     if "ingestion" in experiment and "policy_eval" in experiment:
         errors.append(f"{path}.policy_eval: not available for an ingestion experiment yet (it plays question episodes)")
     for stage in stages:

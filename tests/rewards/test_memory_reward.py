@@ -52,10 +52,10 @@ def test_a_change_the_reader_cannot_see_scores_exactly_zero(base, embedder, scor
 
 def test_a_memory_that_answers_the_question_earns_a_positive_reward(base, embedder):
     out = reward(TrialStore(base), improved_trial(base, embedder), [TARGET], embedder, AnswerRecallScorer())
-    # Before: the observation says "recently", under the next day's date (8 May, 2023: "may 2023" of the gold,
-    # F1 2/3, and one wrong number of three: 2/3 of that); after: the new memory, ranked first, states the
-    # day ("went on 7 May 2023": F1 0.75).
-    assert out["qa_initial"] == pytest.approx(4 / 9) and out["qa_final"] == pytest.approx(0.75)
+    # Before: the observation says "recently", under the next day's date (8 May, 2023: its phrase "may 2023"
+    # has F1 0.8 against the gold, and one wrong number of three: 2/3 of that); after: the new memory, ranked
+    # first, states the day ("went on 7 May 2023": the phrase "7 may 2023", F1 1).
+    assert out["qa_initial"] == pytest.approx(8 / 15) and out["qa_final"] == pytest.approx(1.0)
     assert out["score"] > 0 and out["memories_final"] == out["memories_initial"] + 1
     assert out["ops_created"] == 1.0 and out["ops_deleted"] == 0.0
 
@@ -95,7 +95,7 @@ def test_other_questions_join_the_target_reproducibly(base, embedder, locomo_con
     assert items == select_questions(TARGET, pool, 4, "conv-26-qa0-ff702917")
     assert items != select_questions(TARGET, pool, 4, "conv-26-qa1-00000000")
     out = reward(TrialStore(base), improved_trial(base, embedder), items, embedder, AnswerRecallScorer())
-    assert out["n_questions"] == 5 and out["target_final"] == pytest.approx(0.75)
+    assert out["n_questions"] == 5 and out["target_final"] == pytest.approx(1.0)
 
 
 def test_batch_computer_matches_one_by_one(base, embedder):

@@ -1,6 +1,7 @@
-"""The cpu_demo experiment shortened for CI (docs/cpu-demo.md): SmolLM2's cold start on a
-few train demonstrations (verl's SFT trainer on CPU) makes held-out episodes call the tools the untrained model
-never calls, and verl's GRPO trains from the cold start."""
+"""The cpu_demo experiment shortened for CI (docs/cpu-demo.md): rows that mix questions with headroom and others,
+SmolLM2's cold start on a few of the expert's demonstrations (verl's SFT trainer on CPU) makes held-out episodes
+call the tools the untrained model never calls, and verl's GRPO, in the experiment's trainer mode, finds reward
+spread on the questions with headroom and updates the cold start on it."""
 
 from __future__ import annotations
 
@@ -11,27 +12,45 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from memupdate.data.headroom import write_headroom_rows
 from memupdate.eval.policy import EPISODES, evaluate_policy
-from memupdate.names import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
+from memupdate.names import MANAGE_TOOL, SEARCH_TOOL
+from memupdate.settings import RewardSettings
 from memupdate.training.sft import cold_start
 from memupdate.training.stages import train_stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.verl_cpu, pytest.mark.vllm]
 
-TOOLS = {"names": [SEARCH_TOOL, MANAGE_TOOL, MERGE_TOOL], "compact": True}
-# cpu_demo's episode (config/config.yaml) with shorter turns: a search call is about 40 tokens.
+#: cpu_demo's tools, reward and episode (config/config.yaml).
+TOOLS = {"names": [SEARCH_TOOL, MANAGE_TOOL], "compact": True}
 EPISODE = {
-    "max_new_tokens": 96,
-    "max_assistant_turns": 2,
+    "max_new_tokens": 192,
+    "max_assistant_turns": 3,
     "prompt_length": 1024,
-    "response_length": 512,
-    "max_tool_response_length": 512,
+    "response_length": 1024,
+    "max_tool_response_length": 2600,
 }
 ON_CPU = {"trainer.device": "cpu"}
-REWARD = {"scorer": "answer_recall", "efficiency": {"max_total_memories": None}}
-# Measured: two epochs of about 7 demonstrations, two per step, bring the held-out well-formed call rate from
-# 0 to 0.75 (one epoch at batch 4 and lr 2e-4: calls in 60% of episodes, none well-formed), in about 2 minutes.
-SFT = {"epochs": 2, "batch_size": 2, "micro_batch_size": 2, "lr": 1e-4, "max_rows": 8, "search_top_k": 5}
+REWARD = {"scorer": "evidence_recall", "efficiency": {"max_total_memories": None}}
+SEARCH_TOP_K = 10
+SFT = {"epochs": 2, "batch_size": 2, "micro_batch_size": 2, "lr": 1e-4, "max_rows": 12, "search_top_k": SEARCH_TOP_K}
+
+
+def mix(locomo_rows, cache, part, out, share):
+    rows, flags = out / f"{part}.parquet", out / f"{part}.flags.parquet"
+    write_headroom_rows(
+        locomo_rows[part],
+        locomo_rows["memories"],
+        cache,
+        rows,
+        flags,
+        embedding_model="all-MiniLM-L6-v2",
+        search_top_k=SEARCH_TOP_K,
+        top_k=RewardSettings.top_k,
+        context_chars=RewardSettings.context_chars,
+        share=share,
+    )
+    return rows
 
 
 def tool_call_rate(episodes) -> float:
@@ -39,7 +58,7 @@ def tool_call_rate(episodes) -> float:
     return sum(r["tool_calls"] > 0 for r in records) / len(records)
 
 
-def test_a_short_cold_start_makes_smollm2_call_tools_on_held_out_questions_and_grpo_trains_from_it(
+def test_the_cold_start_calls_tools_held_out_and_grpo_updates_it_on_reward_spread(
     smollm2_dir, locomo_rows, held_out_cache, vllm_python, repo_root, tmp_path
 ):
     data = {
@@ -48,26 +67,30 @@ def test_a_short_cold_start_makes_smollm2_call_tools_on_held_out_questions_and_g
         "reward": REWARD,
         "tools": TOOLS,
     }
+    train = mix(locomo_rows, held_out_cache, "train", tmp_path / "rows", share=0.5)
     sft = cold_start(
         settings=SFT,
         episode=EPISODE,
         model=str(smollm2_dir),
-        train_files=[str(locomo_rows["train"])],
+        train_files=[str(train)],
         run_dir=str(tmp_path / "sft"),
         layout=ON_CPU,
         **data,
     )
+    demonstrations = json.loads((tmp_path / "sft" / "demonstrations.summary.json").read_text())
+    assert demonstrations["kept_edits"] > 0, demonstrations
     base = load_file(smollm2_dir / "model.safetensors")
     cold = load_file(sft / "model.safetensors")
     assert any(not torch.equal(base[k], cold[k].to(base[k].dtype)) for k in base)
 
-    # Held out: conv-30's questions; the demonstrations came from conv-26's.
+    # Held out: conv-30's mix; the demonstrations came from conv-26's.
+    held_out = mix(locomo_rows, held_out_cache, "test", tmp_path / "rows", share=0.5)
     summaries, rates = {}, {}
     for name, model in (("base", smollm2_dir), ("sft", sft)):
         out = tmp_path / "policy_eval" / name
         summaries[name] = evaluate_policy(
             model=str(model),
-            rows=str(locomo_rows["test"]),
+            rows=str(held_out),
             out_dir=str(out),
             episode=EPISODE,
             n=1,
@@ -80,32 +103,41 @@ def test_a_short_cold_start_makes_smollm2_call_tools_on_held_out_questions_and_g
     assert rates["sft"] > rates["base"], rates
     assert summaries["sft"]["well_formed_rate"] > summaries["base"]["well_formed_rate"], summaries
 
-    # GRPO from the cold start, by verl's trainer on CPU: one step of one question x two rollouts.
+    # GRPO from the cold start, by verl's trainer on CPU in cpu_demo's trainer mode, on questions with headroom
+    # (where the cold start's promotions differ in reward): two steps of two questions x four rollouts.
+    with_room = mix(locomo_rows, held_out_cache, "train", tmp_path / "headroom", share=1.0)
     serving = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())["serving"]
     run_dir = tmp_path / "stage1"
     ckpt = train_stage(
         trained_role="memory",
         settings={
             **ON_CPU,
-            "trainer.total_training_steps": 1,
-            "trainer.save_freq": 1,
+            "trainer.total_training_steps": 2,
+            "trainer.save_freq": 2,
             "trainer.test_freq": -1,
             "trainer.val_before_train": False,
-            "data.train_batch_size": 1,
-            "actor_rollout_ref.rollout.n": 2,
-            "actor_rollout_ref.actor.ppo_mini_batch_size": 1,
+            "data.train_batch_size": 2,
+            "actor_rollout_ref.rollout.n": 4,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
             "actor_rollout_ref.actor.optim.lr": 1e-5,
+            "actor_rollout_ref.actor.use_kl_loss": False,
+            "trainer.v1.trainer_mode": "memupdate_sync",
+            "data.seed": 0,
         },
         episode=EPISODE,
         model=str(sft),
-        train_files=[str(locomo_rows["train"])],
+        train_files=[str(with_room)],
         run_dir=str(run_dir),
-        verl={"val_files": [str(locomo_rows["test"])], "serving": {**serving, "python": str(vllm_python)}},
+        verl={"val_files": [str(held_out)], "serving": {**serving, "python": str(vllm_python)}},
         **data,
     )
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1] and steps[0]["verl"]["timing_s/update_actor"] > 0
+    assert [s["step"] for s in steps] == [1, 2]
+    # A step with spread updates (not skipped), on its groups with spread: a policy loss was computed.
+    updated = [s["verl"] for s in steps if s["verl"].get("actor/update_skipped", 1.0) == 0.0]
+    assert updated, [s["verl"].get("critic/score/mean") for s in steps]
+    assert all("actor/pg_loss" in v and v["actor/trained_rows"] > 0 for v in updated), updated
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    assert manifest["step"] == 1 and manifest["base_model"] == str(sft)
+    assert manifest["step"] == 2 and manifest["base_model"] == str(sft)
     trained = load_file(ckpt / "model.safetensors")
-    assert any(not torch.equal(base[k], trained[k].to(base[k].dtype)) for k in base)
+    assert any(not torch.equal(cold[k], trained[k].to(cold[k].dtype)) for k in cold)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 
 import pyarrow.parquet as pq
 import pytest
@@ -16,7 +17,7 @@ from transformers import AutoTokenizer
 from memupdate.data.ingestion import build_ingestion_rows
 from memupdate.names import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 from memupdate.settings import DEFAULT_MAX_CONTENT_CHARS, RewardSettings
-from memupdate.training.demonstrations import DONE, MemoryExpert, expert_rows, read_memories
+from memupdate.training.demonstrations import DONE, read_memories
 from memupdate.training.ingestion_expert import merge_chars
 from memupdate.training.memagent_expert import NOTHING_YET, covers
 from memupdate.training.sft import DEMONSTRATION_SUMMARY, DEMONSTRATIONS, cold_start, cold_start_memagent
@@ -25,15 +26,15 @@ from memupdate.training.verl_sft import ROWS_FILE
 pytestmark = [pytest.mark.slow, pytest.mark.verl_cpu]
 
 #: The tools the expert uses, in compact form: the prompt a CPU experiment gives its policy.
-TOOLS = {"names": [SEARCH_TOOL, MANAGE_TOOL, MERGE_TOOL], "compact": True}
+TOOLS = {"names": [SEARCH_TOOL, MANAGE_TOOL], "compact": True}
 
-#: The episode's lengths: the merged memory's call is the longest reply (~300 characters of text).
+#: The episode's lengths: the promoting update's call is the longest reply (~300 characters of text).
 EPISODE = {
     "max_new_tokens": 512,
     "prompt_length": 4096,
     "response_length": 2048,
     "max_assistant_turns": 4,
-    "max_tool_response_length": 2048,
+    "max_tool_response_length": 2600,
 }
 
 
@@ -45,14 +46,14 @@ def train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, settings):
     """The cold start on conv-26 with the tiny model, the episode's lengths and the compact tools, fine-tuned by
     verl's SFT trainer on CPU."""
     return cold_start(
-        settings={**settings, "lr": 1e-3, "search_top_k": 5},
+        settings={**settings, "lr": 1e-3, "search_top_k": 10},
         episode=EPISODE,
         model=str(tiny_model_dir),
         train_files=[str(locomo_rows["train"])],
         memories=str(locomo_rows["memories"]),
         embeddings=str(cache_dir),
         run_dir=str(run_dir),
-        reward={"efficiency": {"max_total_memories": None}},
+        reward={"scorer": "evidence_recall", "efficiency": {"max_total_memories": None}},
         tools=TOOLS,
         layout=ON_CPU,
     )
@@ -74,14 +75,14 @@ def test_demonstrations_are_the_experts_program_in_the_loops_format(sft_run, tin
     records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
     assert len(records) == 8
     for record in records:
-        # Search with the question; merge the memories shown that cite the evidence, if two or more; stop.
+        # Search with the question; promote the evidence the reader's context lacks, if the search shows it; stop.
         text = record["policy_text"]
         calls = calls_of(record)
-        assert calls[0] == {"name": SEARCH_TOOL, "arguments": {"query": record["question"], "top_k": 5}}
-        assert [c["name"] for c in calls[1:]] in ([], [MERGE_TOOL])
+        assert calls[0] == {"name": SEARCH_TOOL, "arguments": {"query": record["question"], "top_k": 10}}
+        assert [c["name"] for c in calls[1:]] in ([], [MANAGE_TOOL])
         assert text.rstrip().endswith(DONE + "<|im_end|>")
         # Only the expert's own replies are trained: the tool's output (search results) never is.
-        assert "Found " not in text and "Merged [" not in text
+        assert "Found " not in text and "Updated memory" not in text
         assert record["termination"] == "done" and record["well_formed_call"]
         assert record["edited"] == (len(calls) == 2)
     # The policy was shown the experiment's tools only, in compact form.
@@ -96,23 +97,25 @@ def calls_of(record):
     return [json.loads(c.split("</tool_call>")[0]) for c in record["policy_text"].split("<tool_call>\n")[1:]]
 
 
-def test_kept_edits_raised_both_offline_scorers_and_no_single_memory_is_rewritten(sft_run, locomo_rows):
-    """The expert merges two or more memories that cite the question's evidence, never rewrites one alone,
-    and an edit is trained on only if it raised the reward under answer_recall and evidence_recall both;
-    stops (no edit, reward 0) are kept beside the kept edits, no more of them."""
+def test_kept_edits_raised_the_training_reward_and_lowered_no_other(sft_run, locomo_rows):
+    """The expert updates one memory that cites the question's evidence, keeping its text, and an edit is trained
+    on only if it raised the training reward (evidence_recall) and lowered answer_recall nowhere; stops (no edit,
+    reward 0) are kept beside the kept edits, no more of them."""
     run_dir, ckpt = sft_run
     records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
     rows = {r["question"]: r for r in pq.read_table(locomo_rows["train"]).column("extra_info").to_pylist()}
     memories = read_memories(str(locomo_rows["memories"]))["conv-26"]
     for record in records:
         assert set(record["rewards"]) == {"answer_recall", "evidence_recall"}
-        assert record["reward"] == pytest.approx(record["rewards"]["answer_recall"])  # the training scorer
+        assert record["reward"] == pytest.approx(record["rewards"]["evidence_recall"])  # the training scorer
         evidence = set(rows[record["question"]]["evidence"])
         for call in calls_of(record)[1:]:
-            ids = call["arguments"]["memory_ids"]
-            assert len(ids) >= 2 and all(memories[i].evidence & evidence for i in ids), call
+            args = call["arguments"]
+            assert args["operation"] == "update" and memories[args["memory_id"]].evidence & evidence, call
+            assert args["content"].endswith(memories[args["memory_id"]].content), call
         if record["edited"]:
-            assert record["kept"] == (min(record["rewards"].values()) > 0), record
+            rewards = record["rewards"]
+            assert record["kept"] == (rewards["evidence_recall"] > 0 and min(rewards.values()) >= 0), record
         else:
             assert record["rewards"] == {"answer_recall": 0.0, "evidence_recall": 0.0}
             assert record["kept"] != record.get("balanced_out", False)
@@ -134,27 +137,8 @@ def assert_stops_balanced(records, min_rows):
     assert [r["kept"] for r in stops] == [True] * kept_stops + [False] * (len(stops) - kept_stops), records
 
 
-def test_one_memory_citing_the_evidence_is_left_as_it_is(locomo_rows):
-    """A search that shows a single memory citing the question's evidence ends the episode: rewriting it with
-    its date in front would tell the reader nothing its date metadata does not."""
-    table = pq.read_table(locomo_rows["train"]).to_pylist()
-    memories = read_memories(str(locomo_rows["memories"]))["conv-26"]
-
-    def citing(row):
-        return [i for i, m in memories.items() if m.evidence & set(row["extra_info"]["evidence"])]
-
-    row = next(r for r in table if len(citing(r)) == 1)
-    (single,) = citing(row)
-    expert = MemoryExpert(None, expert_rows(table), str(locomo_rows["memories"]), 300, 512, 5)
-    transcript = "\n".join(m["content"] for m in row["prompt"])
-    assert calls_of({"policy_text": expert.reply("r", transcript)})[0]["name"] == SEARCH_TOOL
-    shown = f"<tool_call>...</tool_call>Found 1:\n[{single}] {memories[single].content}\n"
-    assert expert.reply("r", transcript + shown) == DONE
-    assert expert.actions["r"] == [SEARCH_TOOL, DONE]
-
-
 def test_the_expert_needs_its_tools(tiny_model_dir, locomo_rows, cache_dir, tmp_path):
-    with pytest.raises(ValueError, match="the expert uses search_memory, manage_memory, merge_memory, but the policy"):
+    with pytest.raises(ValueError, match="the expert uses search_memory, manage_memory, but the policy"):
         cold_start(
             settings={"max_rows": 2},
             episode=EPISODE,
@@ -164,7 +148,7 @@ def test_the_expert_needs_its_tools(tiny_model_dir, locomo_rows, cache_dir, tmp_
             embeddings=str(cache_dir),
             run_dir=str(tmp_path / "run"),
             reward={},
-            tools={"names": [SEARCH_TOOL, MANAGE_TOOL]},
+            tools={"names": [SEARCH_TOOL, MERGE_TOOL]},
             layout=ON_CPU,
         )
 
@@ -207,11 +191,21 @@ def test_verls_sft_trainer_fine_tunes_on_the_policys_own_tokens(sft_run, tiny_mo
         trained = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
         assert trained.startswith("<tool_call>") and "Found " not in trained and "Target question" not in trained
         assert "Target question" in tokenizer.decode(row["input_ids"])
-    # Two epochs on the same rows: the loss falls, and the weights moved.
+    # Two epochs on the same rows: the second epoch's mean loss is at least 10% below the first's (each epoch's
+    # steps cover every row once, so the means compare the same rows; single steps hold different ones), and
+    # the weights moved.
     losses = sft_losses(run_dir)
-    assert len(losses) == SFT["epochs"] * (len(rows) // SFT["batch_size"]) and losses[-1] < losses[0], losses
+    assert len(losses) == SFT["epochs"] * (len(rows) // SFT["batch_size"]), losses
+    assert_epoch_loss_falls(losses, SFT["epochs"])
     trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
     assert any(not torch.equal(base[name], tensor.to(base[name].dtype)) for name, tensor in trained.items())
+
+
+def assert_epoch_loss_falls(losses: list[float], epochs: int, margin: float = 0.1) -> None:
+    """The last epoch's mean step loss is at least ``margin`` below the first epoch's."""
+    per_epoch = len(losses) // epochs
+    first, last = statistics.fmean(losses[:per_epoch]), statistics.fmean(losses[-per_epoch:])
+    assert last < (1 - margin) * first, losses
 
 
 def sft_losses(run_dir) -> list[float]:
@@ -253,7 +247,7 @@ def ingest_sft(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
         memories=str(locomo_rows["memories"]),
         embeddings=str(cache_dir),
         run_dir=str(out / "run"),
-        reward={"efficiency": {"max_total_memories": None}},
+        reward={"scorer": "evidence_recall", "efficiency": {"max_total_memories": None}},
         tools=TOOLS,
         layout=ON_CPU,
     )
@@ -349,7 +343,6 @@ def test_memagent_sft_trains_on_every_turn_of_the_kept_trajectories(memagent_sft
     assert len(pq.read_table(run_dir / ROWS_FILE)) == rows
     losses = sft_losses(run_dir)
     assert len(losses) == MEMAGENT_SFT["epochs"] * (rows // MEMAGENT_SFT["batch_size"])
-    per_epoch = len(losses) // 2
-    assert sum(losses[per_epoch:]) < sum(losses[:per_epoch]), losses
+    assert_epoch_loss_falls(losses, MEMAGENT_SFT["epochs"])
     trained, base = load_file(ckpt / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
     assert any(not torch.equal(base[name], tensor.to(base[name].dtype)) for name, tensor in trained.items())

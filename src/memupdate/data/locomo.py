@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from memupdate.data.fetch import verify_copy
@@ -709,6 +710,13 @@ def evidence_session(dia_id: str) -> int:
     12
     """
     return int(_DIA_ID.fullmatch(dia_id).group(1))
+
+
+def answerable(table: pa.Table) -> pa.Table:
+    """The rows of ``table`` (verl's layout) with a gold answer: those the memory reward can score (categories
+    1-4; the adversarial category 5 has none)."""
+    answers = pc.struct_field(table.column("extra_info"), "answer")
+    return table.filter(pc.fill_null(pc.greater(pc.utf8_length(answers), 0), False))
 
 
 def select_rows(

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
@@ -31,7 +30,9 @@ from verl import DataProto
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from memupdate.agents.context import LoopContext
-from memupdate.eval.stats import paired_by_key
+from memupdate.data.headroom import read_flags
+from memupdate.data.locomo import answerable
+from memupdate.eval.stats import paired_by_key, stratified_by_key
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import COMPONENTS, episode_records
@@ -79,7 +80,55 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         values = [r[key] for r in records if r.get(key) is not None]
         if values:
             out[f"{key}_mean"] = round(float(np.mean(values)), 4)
+    out["edits"] = edits_by_kind(records)
     return out
+
+
+#: Examples of each kind of edit a summary keeps, and the characters of the policy's text each shows.
+EXAMPLES, EXAMPLE_CHARS = 5, 600
+
+
+def edit_kind(record: Mapping[str, Any]) -> str:
+    """What an episode did to the store, from its operation counts: ``stop`` (nothing), the one kind of
+    operation it made (``update``, ``create``, ``delete``, ``merge``, ``split``), or ``mixed``.
+
+    >>> edit_kind({"ops_updated": 1.0, "ops_created": 0.0}), edit_kind({}), edit_kind({"ops_created": 2, "ops_deleted": 1})
+    ('update', 'stop', 'mixed')
+    """
+    kinds = [kind for kind, key in _OPS.items() if (record.get(key) or 0) > 0]
+    return kinds[0] if len(kinds) == 1 else ("stop" if not kinds else "mixed")
+
+
+_OPS = {
+    "update": "ops_updated",
+    "create": "ops_created",
+    "delete": "ops_deleted",
+    "merge": "ops_merged",
+    "split": "ops_split",
+}
+
+
+def edits_by_kind(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per kind of edit (:func:`edit_kind`): how many episodes made it, their mean reward, and the first
+    :data:`EXAMPLES` of them (question, reward, the policy's own text), so a reader sees what a policy does.
+
+    >>> e = edits_by_kind([{"question": "q", "reward": 0.5, "ops_updated": 1, "policy_text": "x"}, {"reward": 0.0}])
+    >>> e["update"]["episodes"], e["update"]["reward_mean"], e["stop"]["examples"][0]["reward"]
+    (1, 0.5, 0.0)
+    """
+    out: dict[str, Any] = {}
+    for record in records:
+        kind = out.setdefault(edit_kind(record), {"episodes": 0, "rewards": [], "examples": []})
+        kind["episodes"] += 1
+        kind["rewards"].append(record["reward"])
+        if len(kind["examples"]) < EXAMPLES:
+            text = record.get("policy_text") or ""
+            kind["examples"].append(
+                {"question": record.get("question"), "reward": record["reward"], "policy_text": text[:EXAMPLE_CHARS]}
+            )
+    for kind in out.values():
+        kind["reward_mean"] = round(float(np.mean(kind.pop("rewards"))), 4)
+    return dict(sorted(out.items()))
 
 
 async def _episodes(
@@ -161,9 +210,7 @@ def evaluate_policy(
 
 def scorable_rows(rows: str, out: Path) -> str:
     """The rows the memory reward can score (a gold answer: categories 1-4, not the adversarial 5), at ``out``."""
-    table = pq.read_table(rows)
-    answers = pc.struct_field(table.column("extra_info"), "answer")
-    kept = table.filter(pc.fill_null(pc.greater(pc.utf8_length(answers), 0), False))
+    kept = answerable(pq.read_table(rows))
     if not kept.num_rows:
         raise ValueError(f"{rows}: no row has a gold answer for the memory reward to score")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -202,12 +249,39 @@ def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] |
         yield VLLMTokenClient(process.endpoint, max_tokens=cfg.turn_tokens), tokenizer
 
 
-def compare_policies(summaries: Mapping[str, Mapping[str, Any]], pairs: Sequence[tuple[str, str]]) -> list[dict]:
+def compare_policies(
+    summaries: Mapping[str, Mapping[str, Any]],
+    pairs: Sequence[tuple[str, str]],
+    flags: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[dict]:
     """For each ``(a, b)`` of ``pairs``: a's mean reward minus b's on the same questions, with the paired
-    bootstrap 95% interval (:func:`memupdate.eval.stats.paired_by_key`)."""
-    return [
-        {"a": a, "b": b, **paired_by_key(summaries[a]["per_question"], summaries[b]["per_question"])} for a, b in pairs
-    ]
+    bootstrap 95% interval (:func:`memupdate.eval.stats.paired_by_key`). Given the split's headroom ``flags``
+    (:func:`memupdate.data.headroom.read_flags`, every question of the split), also on the questions with
+    headroom alone, on the others alone, and over every question of the split: the two strata's differences
+    weighted by their shares of the split (:func:`memupdate.eval.stats.stratified_by_key`)."""
+    out = []
+    for a, b in pairs:
+        scores_a, scores_b = summaries[a]["per_question"], summaries[b]["per_question"]
+        out.append({"a": a, "b": b, "questions": "evaluated", **paired_by_key(scores_a, scores_b)})
+        if flags is None:
+            continue
+        stratum = {ns: HEADROOM if flags[ns]["headroom"] else NO_HEADROOM for ns in scores_a}
+        for name in (HEADROOM, NO_HEADROOM):
+            keys = [ns for ns in scores_a if stratum[ns] == name]
+            if keys:
+                only_a, only_b = ({k: s[k] for k in keys} for s in (scores_a, scores_b))
+                out.append({"a": a, "b": b, "questions": name, **paired_by_key(only_a, only_b)})
+        share = float(np.mean([f["headroom"] for f in flags.values()]))
+        weights = {HEADROOM: share, NO_HEADROOM: 1 - share}
+        present = set(stratum.values())
+        if present == set(weights):
+            result = stratified_by_key(scores_a, scores_b, stratum, weights)
+            out.append({"a": a, "b": b, "questions": "all (reweighted)", **result})
+    return out
+
+
+#: The strata of a headroom mix.
+HEADROOM, NO_HEADROOM = "headroom", "no headroom"
 
 
 #: The comparisons the report makes, later policy first; pairs with a policy the experiment lacks are left out.
@@ -216,14 +290,20 @@ PAIRS = (("stage1", "sft"), ("stage1", "base"), ("sft", "base"))
 CURVES = ("reward_mean", "num_turns_mean", "response_tokens_mean", "kl")
 
 
-def policy_report(summaries: Mapping[str, str | Path], training_metrics: str | Path | None, out: str | Path) -> dict:
+def policy_report(
+    summaries: Mapping[str, str | Path],
+    training_metrics: str | Path | None,
+    out: str | Path,
+    flags: str | Path | None = None,
+) -> dict:
     """``<out>`` (report.json) with ``report.md`` and, given stage 1's ``metrics.jsonl``, ``training.png``
-    beside it: each policy's held-out summary and the paired comparisons of :data:`PAIRS`."""
+    beside it: each policy's held-out summary, its edits by kind, and the paired comparisons of :data:`PAIRS`
+    (by stratum too, given the held-out split's headroom ``flags``: :func:`compare_policies`)."""
     loaded = {name: json.loads(Path(path).read_text(encoding="utf-8")) for name, path in summaries.items()}
     pairs = [(a, b) for a, b in PAIRS if a in loaded and b in loaded]
     report = {
         "policies": {name: {k: v for k, v in s.items() if k != "per_question"} for name, s in loaded.items()},
-        "comparisons": compare_policies(loaded, pairs),
+        "comparisons": compare_policies(loaded, pairs, read_flags(flags) if flags else None),
     }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -269,13 +349,28 @@ def _markdown(report: Mapping[str, Any]) -> str:
             f"| {s['tool_calls_mean']:.2f} | {s['groups_with_spread']:.0%} |"
         )
     if report["comparisons"]:
-        lines += ["", "| comparison | mean reward difference | 95% interval (paired bootstrap) | beyond noise |"]
-        lines.append("| --- | --- | --- | --- |")
+        lines += [
+            "",
+            "| comparison | questions | n | mean reward difference | 95% interval (paired bootstrap) | beyond noise |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for c in report["comparisons"]:
             lines.append(
-                f"| {c['a']} - {c['b']} | {c['mean_difference']:+.4f} | [{c['low']:+.4f}, {c['high']:+.4f}] "
-                f"| {'yes' if c['excludes_zero'] else 'no'} |"
+                f"| {c['a']} - {c['b']} | {c.get('questions', 'evaluated')} | {c['n']} | {c['mean_difference']:+.4f} "
+                f"| [{c['low']:+.4f}, {c['high']:+.4f}] | {'yes' if c['excludes_zero'] else 'no'} |"
             )
+    for name, s in report["policies"].items():
+        if not s.get("edits"):
+            continue
+        lines += ["", f"## {name}: edits by kind", "", "| kind | episodes | mean reward |", "| --- | --- | --- |"]
+        lines += [f"| {kind} | {e['episodes']} | {e['reward_mean']:+.4f} |" for kind, e in s["edits"].items()]
+        for kind, e in s["edits"].items():
+            if kind == "stop":
+                continue
+            lines += ["", f"{name}, {kind} (first {len(e['examples'])}):", ""]
+            for x in e["examples"]:
+                text = " ".join(x["policy_text"].split())
+                lines.append(f"- {x['question']} (reward {x['reward']:+.3f}): `{text[:300]}`")
     if "training" in report:
         lines += ["", "![stage-1 training](training.png)"]
     return "\n".join(lines) + "\n"

@@ -63,3 +63,53 @@ def paired_by_key(a: Mapping[str, float], b: Mapping[str, float], **kwargs: Any)
             "a paired comparison needs the same ones"
         )
     return paired_bootstrap([a[k] for k in keys], [b[k] for k in keys], **kwargs)
+
+
+def stratified_by_key(
+    a: Mapping[str, float],
+    b: Mapping[str, float],
+    stratum: Mapping[str, str],
+    weights: Mapping[str, float],
+    *,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict[str, Any]:
+    """The mean of ``a - b`` over a population the questions were drawn from by strata (``stratum``: each
+    question's), each stratum's paired mean weighted by its share of the population (``weights``, summing to 1),
+    with a bootstrap interval that resamples within each stratum. A mix that over-samples one kind of question
+    (the questions with headroom) so estimates the difference over all the questions it was drawn from.
+
+    >>> a = {"h1": 1.0, "h2": 0.5, "o1": 0.0, "o2": 0.0}
+    >>> b = {"h1": 0.0, "h2": 0.0, "o1": 0.0, "o2": 0.0}
+    >>> strata = {"h1": "h", "h2": "h", "o1": "o", "o2": "o"}
+    >>> r = stratified_by_key(a, b, strata, {"h": 0.2, "o": 0.8})
+    >>> round(r["mean_difference"], 3), r["n"], r["strata"]
+    (0.15, 4, {'h': 2, 'o': 2})
+    """
+    keys = sorted(a.keys() & b.keys())
+    if len(keys) != len(a) or len(keys) != len(b) or not keys:
+        raise ValueError("a stratified comparison needs the same questions scored by both systems")
+    groups: dict[str, list[float]] = {}
+    for key in keys:
+        groups.setdefault(stratum[key], []).append(a[key] - b[key])
+    if abs(sum(weights[s] for s in groups) - 1) > 1e-9:
+        raise ValueError(f"the strata's weights must sum to 1 over the strata present, got {dict(weights)}")
+    rng = np.random.default_rng(seed)
+    estimate = 0.0
+    means = np.zeros(resamples)
+    for name, diffs in groups.items():
+        d = np.asarray(diffs)
+        estimate += weights[name] * float(d.mean())
+        means += weights[name] * d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
+    tail = (1 - level) / 2
+    low, high = (float(v) for v in np.quantile(means, [tail, 1 - tail]))
+    return {
+        "mean_difference": estimate,
+        "low": low,
+        "high": high,
+        "level": level,
+        "n": len(keys),
+        "strata": {name: len(diffs) for name, diffs in sorted(groups.items())},
+        "excludes_zero": low > 0 or high < 0,
+    }

@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import string
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,16 +70,17 @@ class Scorer(Protocol):
 
 def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "") -> float:
     """How well the reader can answer from its context: the best token F1 (SQuAD normalisation) against the
-    gold answer of one unit of what the QA prompt shows, a unit being a retrieved memory's day (its
-    date, as :func:`memupdate.prompts.memory_line` shows it, without a time of day) or its content
-    (:func:`reader_units`).
+    gold answer of a contiguous phrase of one unit of what the QA prompt shows (:func:`span_f1`), a unit
+    being a retrieved memory's day (its date, as :func:`memupdate.prompts.memory_line` shows it, without a
+    time of day) or its content (:func:`reader_units`).
 
-    Why F1 of a unit, not the share of answer tokens anywhere in the text (this scorer's rule before): the
-    LoCoMo prompt asks for "a short phrase ... with exact words from the context", and a reader can give
+    Why a phrase of a unit, not the share of answer tokens anywhere in the text (this scorer's rule before):
+    the LoCoMo prompt asks for "a short phrase ... with exact words from the context", and a reader can give
     the answer only where a memory states it. A memory that states it scores high; the same tokens
     scattered over the context, or one right value among many candidates, are no statement: a memory
-    listing the months, the days and the years holds every token of "7 May 2023" in one long text of low
-    precision, and so does a list of dates or names. Reading the date apart from the content makes the
+    listing the months, the days and the years holds every token of "7 May 2023" in one long text, and so
+    does a list of dates or names (weighted down below). Why a phrase, not the whole unit (the rule
+    before): cutting a memory into shorter copies paid (:func:`span_f1`). Reading the date apart from the content makes the
     order they are shown in irrelevant, and a memory's copy without its date, or with its date copied
     into the text, brings the reader nothing new and scores nothing more. The content is one unit whatever
     its punctuation: units the writer could cut with full stops ("Adoption. Agencies.") would pay for
@@ -86,9 +88,9 @@ def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "
 
     A unit that offers several values of the gold's kind (numbers and days, or names: see
     :func:`candidate_values`) is a guess among them, however short: its F1 is weighted by the share of those
-    values the gold holds. F1 alone paid a list of n names holding the right one 2/(n+1), which beat the
-    context where no memory named anyone (+0.016 per question for the names of a top-20 search); weighted, a
-    list pays where its values are the answer and about 2/n^2 of a statement elsewhere. The cost, for honest
+    values the gold holds: a list of n names holding the right one is a guess worth 1/n of a statement, as a
+    reader picking one of them at random would score, and pays nothing over a context that states the answer.
+    The cost, for honest
     memories: one that names the answer beside other values of its kind ("Ned, Daisy and Max" for "Ned")
     counts as that share of a statement, as a reader unsure which value is meant would.
 
@@ -98,18 +100,18 @@ def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "
     only of question tokens scores 0 from any store.
 
     >>> round(answer_recall("7 May 2023", [Retrieved("Caroline went to the group.", date="1:56 pm on 8 May, 2023")]), 2)
-    0.44
-    >>> round(answer_recall("7 May 2023", [Retrieved("Caroline went on 7 May 2023.")], question="When did Caroline go?"), 2)
-    0.75
+    0.53
+    >>> answer_recall("7 May 2023", [Retrieved("Caroline went on 7 May 2023.")], question="When did Caroline go?")
+    1.0
     >>> round(answer_recall("7 May 2023", [Retrieved("April May June 1 2 3 4 5 6 7 8 9 10 2022 2023")]), 2)
-    0.07
+    0.1
     >>> question = "Who did Caroline go hiking with?"
     >>> answer_recall("Melanie", [Retrieved("Caroline went hiking with Melanie on Sunday.")], question)
-    0.4
+    1.0
     >>> answer_recall("Melanie", [Retrieved(f"{question} Melanie, John, Sarah, Gina")], question)
-    0.1
+    0.25
     >>> answer_recall("Adoption agencies", [Retrieved("She researched. Adoption. Agencies. For years.")])
-    0.5
+    1.0
     >>> answer_recall("27 June 2023", [Retrieved("camping in June")], question="Camping in June?")
     0.0
     """
@@ -121,9 +123,43 @@ def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "
     if not gold:
         return 0.0
     units = (unit for r in retrieved for unit in reader_units(r))
-    return max(
-        (metrics.token_f1(_tokens(unit, given), gold) * _committed(unit, gold, given) for unit in units), default=0.0
-    )
+    return max((span_f1(_tokens(unit, given), gold) * _committed(unit, gold, given) for unit in units), default=0.0)
+
+
+def span_f1(tokens: Sequence[str], gold: Sequence[str]) -> float:
+    """The best token F1 against ``gold`` of a contiguous run of ``tokens``: what a reader answering with a
+    short phrase of the text can reach.
+
+    Why a span, not the whole text: F1 of a whole memory paid for cutting it. A memory's copy cut into two or
+    three shorter memories (each dated as the source) held the answer in a text of fewer other words, so it
+    scored higher while the reader read nothing new: +0.015 to +0.023 per question on three conversations
+    (``reward-headroom.md``). A cut's runs are runs of the text it was cut from, so no cut of a text scores
+    above the text. It also stops penalising honest memories for their other words ("James's favorite type of
+    pizza is pepperoni" states "Pepperoni"). Only runs that start and end on a gold token can be best
+    (trimming a token the gold lacks raises precision and loses no recall), so only those are tried.
+
+    >>> span_f1("james favorite type of pizza is pepperoni".split(), ["pepperoni"])
+    1.0
+    >>> round(span_f1("on 7 june she went on 8 may 2023".split(), "7 may 2023".split()), 2)
+    0.8
+    >>> span_f1([], ["x"]), span_f1(["a", "b"], ["c"])
+    (0.0, 0.0)
+    """
+    wanted = Counter(gold)
+    at = [i for i, token in enumerate(tokens) if token in wanted]
+    best = 0.0
+    for a, start in enumerate(at):
+        seen: Counter[str] = Counter()
+        same = 0
+        for end in at[a:]:
+            # Tokens start+1..end enter the run one gold hit at a time; count the hit at `end`.
+            token = tokens[end]
+            seen[token] += 1
+            if seen[token] <= wanted[token]:
+                same += 1
+            length = end - start + 1
+            best = max(best, 2 * same / (length + len(gold)))
+    return best
 
 
 #: Tokens that are values of the "number" kind without a digit: a reader guessing a day picks among these.

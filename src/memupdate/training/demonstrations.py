@@ -4,32 +4,33 @@ agent loop and tools, on the *train* conversations.
 An untrained small model never calls a tool, so every GRPO reward is 0 and nothing is learnt. The field's
 answer is a short supervised cold start on demonstrations in the exact format RL samples; here they are
 made by :class:`MemoryExpert`, a scripted policy with one privileged input: LoCoMo's evidence ids (which
-dialogue turns answer a question) and the seed memories that cite them. Its program, per question:
+dialogue turns answer a question) and the seed memories that cite them. Its program, per question, is the
+edit that pays where memory can help (``reward-headroom.md``: promoted in place, +0.458 under
+``evidence_recall`` on the questions with headroom) and stopping everywhere else:
 
-1. ``search_memory`` with the question as the query (``top_k`` from the experiment's ``sft.search_top_k``);
-2. when two or more of the memories shown cite the question's evidence, ``merge_memory`` (in the order
-   shown, as many as fit in ``max_content_chars``) into one memory holding each one's text after its date,
-   unless they share one: a merged memory keeps its sources' date metadata only when they share it, so a
-   memory spanning sessions carries its dates in its text. A single memory is left as it is: rewritten with its date in front it would tell the
-   reader nothing new (``update`` keeps the date metadata, which the reader is shown), a trick only the
-   offline ``answer_recall`` scorer paid for;
-3. reply ``DONE`` (the system prompt's way to stop), also straight after the search when fewer than two
-   memories shown cite the evidence.
+1. ``search_memory`` with the question as the query, wider than the reader reads (``top_k`` from the
+   experiment's ``sft.search_top_k``; the reader reads the reward's ``top_k`` within ``context_chars``);
+2. where a memory shown below the reader's context cites gold evidence the context lacks
+   (:func:`memupdate.data.headroom.missing_evidence_rank`, the one definition of headroom), ``manage_memory``
+   updates the first such memory in place to the question's key words followed by its own text
+   (:func:`promoted`): the text, date and evidence are kept, and the key words bring it into the question's
+   search above the memories the reader reads now;
+3. reply ``DONE`` (the system prompt's way to stop), straight after the search where nothing is missing.
 
-It never writes the gold answer into memory and names only ids the search showed, but *which* memories it
-merges, and whether it merges at all, it decides by evidence ids the policy never sees: the policy cannot
-learn every step from what it sees. What it can learn is the format and the program's shape (search, merge
-what belongs together, stop). The expert reads its transcript as a policy does (the question from the
-prompt, the ids from the search result) and is served to verl's ``AgentLoopWorker`` like any model (verl's
-``generate``), so the episodes' token ids, response masks (tool outputs and prompts masked) and rewards are
-exactly those of a GRPO rollout.
+It never writes the gold answer into memory and names only ids the search showed, but *whether* and *which*
+memory it promotes it decides by evidence ids the policy never sees. What the policy can learn is the
+program's shape and a good part of the choice: the result sharing the question's words is the evidence
+memory far more often than a random one. The expert reads its transcript as a policy does (the question from
+the prompt, the ids from the search result) and is served to verl's ``AgentLoopWorker`` like any model
+(verl's ``generate``), so the episodes' token ids, response masks (tool outputs and prompts masked) and
+rewards are exactly those of a GRPO rollout.
 
-An episode that edits is trained on only if it raises the reward under both offline scorers
-(:func:`keep_episode`): each scorer sees one side of what the reader is shown (``answer_recall`` the text,
-``evidence_recall`` the provenance), so a kept edit raised both. An episode that stops without an edit
-teaches when not to edit (its store is the one it started from, so every scorer gives it exactly 0; an
-ingestion episode, against the ``append`` baseline); :func:`balance_edits` keeps as many of those as kept
-edits, and more while the demonstrations are fewer than ``sft.min_rows`` (the tool format needs that many).
+An episode that edits is trained on only if it raises the training reward and lowers no other offline
+scorer's (:func:`keep_episode`): each scorer sees one side of what the reader is shown (``answer_recall`` the
+text, ``evidence_recall`` the provenance). An episode that stops without an edit teaches when not to edit (its
+store is the one it started from, so every scorer gives it exactly 0; an ingestion episode, against the
+``append`` baseline); :func:`balance_edits` keeps as many of those as kept edits, and more while the
+demonstrations are fewer than ``sft.min_rows`` (the tool format needs that many).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ from typing import Any
 import pyarrow.parquet as pq
 from verl.workers.rollout.replica import TokenOutput
 
-from memupdate.names import MERGE_TOOL, SEARCH_TOOL
+from memupdate.data.headroom import missing_evidence_rank
+from memupdate.memory.store import content_words
+from memupdate.names import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 from memupdate.rollout.episodes import COMPONENTS
 
 logger = logging.getLogger(__name__)
@@ -93,10 +96,10 @@ def tool_call(name: str, arguments: Mapping[str, Any]) -> str:
 def edit_plan(
     shown: Iterable[int], evidence: Iterable[str], memories: Mapping[int, Memory], max_chars: int
 ) -> tuple[str, dict[str, Any]] | None:
-    """The expert's edit, as a tool name and its arguments, or None: the memories among ``shown`` that cite
-    the question's ``evidence`` (in the order shown, as many as fit in ``max_chars`` once dated and joined)
-    merged, each text after its date unless they share one (the merged memory then keeps it as its date);
-    None when fewer than two are found. A single memory is never rewritten: its date metadata, which the
+    """The ingestion expert's edit (:mod:`memupdate.training.ingestion_expert`), as a tool name and its
+    arguments, or None: the memories among ``shown`` that cite the ``evidence`` (in the order shown, as many
+    as fit in ``max_chars`` once dated and joined) merged, each text after its date unless they share one
+    (the merged memory then keeps it as its date); None when fewer than two are found. A single memory is never rewritten: its date metadata, which the
     reader is shown, already dates it (module docstring).
 
     >>> mems = {1: Memory("Ann moved to Oslo.", frozenset({"D1:2"}), "8 May, 2023"),
@@ -127,6 +130,27 @@ def edit_plan(
         # One day for all: the merged memory keeps it as its date, which the reader is shown.
         texts = [memories[i].content for i in ids]
     return MERGE_TOOL, {"memory_ids": ids, "content": " ".join(texts)}
+
+
+#: Words that ask rather than name (a question's, beside the common words content_words leaves out).
+_ASKING = frozenset("what when where who whom whose which why how does go went".split())
+
+
+def promoted(question: str, content: str, max_chars: int) -> str:
+    """A memory's text promoted for ``question``: the question's key words (its content words in order, each
+    once, those the text already has included) in front of the whole text, as many as fit in ``max_chars``.
+    The text is kept whole, so the memory keeps its evidence (:func:`memupdate.memory.store.keeps`).
+
+    >>> promoted("When did Caroline go to the LGBTQ support group?", "Caroline attended a meeting.", 300)
+    'Caroline LGBTQ support group: Caroline attended a meeting.'
+    >>> promoted("When did Caroline go to the LGBTQ support group?", "Caroline attended a meeting.", 45)
+    'Caroline LGBTQ: Caroline attended a meeting.'
+    """
+    wanted = content_words(question)
+    words = list(dict.fromkeys(w for w in re.findall(r"[^\W_]+", question) if w.casefold() in wanted - _ASKING))
+    while words and len(f"{' '.join(words)}: {content}") > max_chars:
+        words.pop()
+    return f"{' '.join(words)}: {content}" if words else content
 
 
 def read_memories(path: str) -> dict[str, dict[int, Memory]]:
@@ -180,7 +204,8 @@ class ScriptedExpert:
 class MemoryExpert(ScriptedExpert):
     """The scripted expert, with verl's ``generate``. It finds its question in the prompt (speakers and
     question, as the row's user message states them), so one expert serves a whole batch of rows;
-    ``rows`` are the rows' ``extra_info`` with the row's speakers (:func:`expert_rows`)."""
+    ``rows`` are the rows' ``extra_info`` with the row's speakers (:func:`expert_rows`). The reader it helps
+    reads the top ``top_k`` memories within ``context_chars`` (the reward's settings)."""
 
     def __init__(
         self,
@@ -190,6 +215,9 @@ class MemoryExpert(ScriptedExpert):
         max_content_chars: int,
         max_new_tokens: int,
         search_top_k: int,
+        *,
+        top_k: int,
+        context_chars: int,
     ):
         super().__init__(
             tokenizer,
@@ -198,6 +226,8 @@ class MemoryExpert(ScriptedExpert):
             max_new_tokens=max_new_tokens,
             search_top_k=search_top_k,
         )
+        self.top_k = top_k
+        self.context_chars = context_chars
         self.rows: dict[tuple[str, str, str], Mapping[str, Any]] = {}
         for row in rows:
             self.rows.setdefault((row["speaker_a"], row["speaker_b"], row["question"]), row)
@@ -210,19 +240,28 @@ class MemoryExpert(ScriptedExpert):
             reply = tool_call(SEARCH_TOOL, {"query": row["question"], "top_k": self.search_top_k})
             actions.append(SEARCH_TOOL)
         elif actions[-1] == SEARCH_TOOL:
-            # The ids shown by the search: the text after the last call (the tool's response).
+            # The ids shown by the search, in rank order: the text after the last call (the tool's response).
             shown = [int(i) for i in _SHOWN.findall(transcript.rsplit("</tool_call>", 1)[-1])]
-            plan = edit_plan(shown, row["evidence"], self.memories.get(row["sample_id"], {}), self.max_content_chars)
-            if plan is None:
-                reply = DONE
-                actions.append(DONE)
-            else:
-                reply = tool_call(*plan)
-                actions.append(plan[0])
+            plan = self.promotion(row, shown)
+            reply = DONE if plan is None else tool_call(*plan)
+            actions.append(DONE if plan is None else plan[0])
         else:
             reply = DONE
             actions.append(DONE)
         return reply
+
+    def promotion(self, row: Mapping[str, Any], shown: list[int]) -> tuple[str, dict[str, Any]] | None:
+        """The edit for ``row`` after a search that showed ``shown``: the update promoting the first memory
+        shown below the reader's context that cites evidence the context lacks (module docstring), or None."""
+        memories = self.memories.get(row["sample_id"], {})
+        ranked = [memories[i] for i in shown if i in memories]
+        if len(ranked) != len(shown):
+            raise ValueError(f"the search showed ids {shown}, not all seed memories of {row['sample_id']!r}")
+        position = missing_evidence_rank(ranked, row["evidence"], self.top_k, self.context_chars)
+        if position is None:
+            return None
+        content = promoted(row["question"], ranked[position].content, self.max_content_chars)
+        return MANAGE_TOOL, {"operation": "update", "memory_id": shown[position], "content": content}
 
     def _row(self, transcript: str) -> Mapping[str, Any]:
         speakers, question = _SPEAKERS.search(transcript), _QUESTION.search(transcript)
@@ -254,18 +293,23 @@ def expert_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def keep_episode(rewards: Mapping[str, float], edited: bool) -> bool:
-    """Whether an episode is trained on, from its reward under each offline scorer (``rewards``) and whether it
-    ``edited`` the store (:func:`edits`): an edit only if it raised every one of them (module docstring);
-    an episode without an edit always, for :func:`balance_edits` to weigh against the kept edits.
+def keep_episode(rewards: Mapping[str, float], edited: bool, trained: str) -> bool:
+    """Whether an episode is trained on, from its reward under each offline scorer (``rewards``), whether it
+    ``edited`` the store (:func:`edits`) and the scorer training rewards with (``trained``): an edit only if it
+    raised the training reward and lowered no other (module docstring); an episode without an edit always, for
+    :func:`balance_edits` to weigh against the kept edits.
 
-    >>> both = {"answer_recall": 0.5, "evidence_recall": 0.25}
-    >>> keep_episode(both, True), keep_episode({**both, "evidence_recall": 0.0}, True)
+    >>> both = {"answer_recall": 0.0, "evidence_recall": 0.25}
+    >>> keep_episode(both, True, "evidence_recall"), keep_episode(both, True, "answer_recall")
     (True, False)
-    >>> keep_episode({"answer_recall": 0.0, "evidence_recall": 0.0}, False)
+    >>> keep_episode({**both, "answer_recall": -0.1}, True, "evidence_recall")
+    False
+    >>> keep_episode({"answer_recall": 0.0, "evidence_recall": 0.0}, False, "evidence_recall")
     True
     """
-    return not edited or all(reward > 0 for reward in rewards.values())
+    if trained not in rewards:
+        raise ValueError(f"no reward under the training scorer {trained!r} (have {sorted(rewards)})")
+    return not edited or (rewards[trained] > 0 and all(reward >= 0 for reward in rewards.values()))
 
 
 def edits(record: Mapping[str, Any]) -> bool:
@@ -301,8 +345,8 @@ def balance_edits(records: list[dict[str, Any]], min_rows: int) -> list[dict[str
     room = max(kept_edits, min_rows - kept_edits)
     if kept_edits == 0:
         logger.warning(
-            "no edit raised the reward under every offline scorer: the cold start keeps up to %d episodes that "
-            "search and stop, and teaches the tool format only",
+            "no edit raised the training reward without lowering another scorer's: the cold start keeps up to %d "
+            "episodes that search and stop, and teaches the tool format only",
             room,
         )
     for record in records:

@@ -102,15 +102,17 @@ def _expert(cfg: SFTConfig, tokenizer: Any) -> Any:
         return MemAgentExpert(
             tokenizer, [r["extra_info"] for r in table], loop.max_memory_tokens, loop.max_final_tokens
         )
-    missing = [name for name in SFTSettings.TOOLS if name not in rollout.memory.tools]
+    ingestion = bool(table) and is_ingestion_row(table[0]["extra_info"])
+    tools = SFTSettings.tools(ingestion)
+    missing = [name for name in tools if name not in rollout.memory.tools]
     if missing:
-        raise ValueError(f"the expert uses {', '.join(SFTSettings.TOOLS)}, but the policy is not given {missing}")
-    if table and is_ingestion_row(table[0]["extra_info"]):
-        reward = rollout.reward
-        top_k, budget = (
-            reward.get("top_k", RewardSettings.top_k),
-            reward.get("context_chars", RewardSettings.context_chars),
-        )
+        raise ValueError(f"the expert uses {', '.join(tools)}, but the policy is not given {missing}")
+    reward = rollout.reward
+    top_k, budget = (
+        reward.get("top_k", RewardSettings.top_k),
+        reward.get("context_chars", RewardSettings.context_chars),
+    )
+    if ingestion:
         return IngestionExpert(
             tokenizer,
             table,
@@ -127,6 +129,8 @@ def _expert(cfg: SFTConfig, tokenizer: Any) -> Any:
         cfg.max_content_chars,
         rollout.turn_tokens,
         cfg.search_top_k,
+        top_k=top_k,
+        context_chars=budget,
     )
 
 
@@ -174,7 +178,7 @@ async def _records(
         for i, record in enumerate(records):
             rewards = {scorer: record["reward"], **{name: results[i]["score"] for name, results in rescored.items()}}
             edited = edits(record)
-            record.update(rewards=rewards, edited=edited, kept=keep_episode(rewards, edited))
+            record.update(rewards=rewards, edited=edited, kept=keep_episode(rewards, edited, scorer))
         return records
     records = []
     for i in final:
@@ -320,10 +324,22 @@ def fine_tuner(layout: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"device": run_device(layout), "world_size": world_size}
 
 
-#: The offline scorer demonstrations are rewarded by (no served model: the cold start runs before any).
+#: The offline scorer demonstrations are rewarded by where training's is served (the cold start runs before any
+#: model is served).
 DEMONSTRATION_SCORER = "answer_recall"
 #: The offline scorers an edit must raise the reward under to be kept (memupdate.rewards.scorers).
 OFFLINE_SCORERS = ("answer_recall", "evidence_recall")
+
+
+def demonstration_scorer(reward: Mapping[str, Any]) -> str:
+    """The scorer the demonstrations are rewarded by: training's where it is offline, else
+    :data:`DEMONSTRATION_SCORER`.
+
+    >>> demonstration_scorer({"scorer": "evidence_recall"}), demonstration_scorer({"scorer": "reader"})
+    ('evidence_recall', 'answer_recall')
+    """
+    scorer = reward.get("scorer")
+    return scorer if scorer in OFFLINE_SCORERS else DEMONSTRATION_SCORER
 
 
 def cold_start(
@@ -342,8 +358,8 @@ def cold_start(
     layout: Mapping[str, Any] | None = None,
 ) -> Path:
     """The experiment's ``sft`` run: demonstrations of the experiment's ``episode`` (its
-    :class:`~memupdate.settings.EpisodeSettings`, as training plays it), scored by the workflow's ``reward`` with the offline
-    :data:`DEMONSTRATION_SCORER` and again with the other of :data:`OFFLINE_SCORERS` (a served scorer in
+    :class:`~memupdate.settings.EpisodeSettings`, as training plays it), scored by the workflow's ``reward`` with its
+    scorer where that is offline (:func:`demonstration_scorer`) and again with the other of :data:`OFFLINE_SCORERS` (a served scorer in
     ``reward``, the reader or judge, is not used: the cold start runs before any model is served), and the
     fine-tuned policy in ``<run_dir>/ckpt``. The expert uses the tools of the experiment's ``tools``
     (:class:`~memupdate.settings.ToolSettings` values), as the policy will. ``layout``: where verl's SFT trainer
@@ -366,7 +382,7 @@ def cold_start(
         run_dir=run_dir,
         tool_config=str(TOOL_CONFIG),
         memory=memory,
-        reward={**reward, "scorer": DEMONSTRATION_SCORER, "trained_role": "memory"},
+        reward={**reward, "scorer": demonstration_scorer(reward), "trained_role": "memory"},
         seed=sft["seed"],
         **lengths,
     )
