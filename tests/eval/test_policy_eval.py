@@ -55,7 +55,9 @@ def test_a_policy_is_scored_on_held_out_questions_with_n_rollouts_each(
     assert [(c["a"], c["b"]) for c in report["comparisons"]] == [("stage1", "base")]
     assert json.loads((tmp_path / "report/report.json").read_text()) == report
     assert (tmp_path / "report/training.png").stat().st_size > 0
-    assert "| stage1 - base | +0.0000 |" in (tmp_path / "report/report.md").read_text()
+    assert "| stage1 - base | evaluated | 3 | +0.0000 |" in (tmp_path / "report/report.md").read_text()
+    # Every episode stopped: the edits by kind say so.
+    assert summary["edits"]["stop"]["episodes"] == 6 and set(summary["edits"]) == {"stop"}
 
 
 def test_policies_scored_on_different_questions_are_not_compared():
@@ -63,3 +65,22 @@ def test_policies_scored_on_different_questions_are_not_compared():
         compare_policies(
             {"a": {"per_question": {"q1": 1.0}}, "b": {"per_question": {"q1": 0.0, "q2": 1.0}}}, [("a", "b")]
         )
+
+
+def test_a_headroom_mix_is_compared_by_stratum_and_reweighted_to_every_question(tmp_path):
+    """The held-out mix over-samples the questions with headroom (half of it, a fifth of the split): the report
+    gives each stratum's paired difference and the difference over every question of the split, each stratum
+    weighted by its share of the split."""
+    flags = {f"h{i}": {"headroom": True} for i in range(4)} | {f"o{i}": {"headroom": False} for i in range(16)}
+    evaluated = [*(f"h{i}" for i in range(4)), *(f"o{i}" for i in range(4))]
+    stage1 = {"per_question": {q: (0.5 if q.startswith("h") else 0.0) for q in evaluated}}
+    sft = {"per_question": dict.fromkeys(evaluated, 0.0)}
+    rows = compare_policies({"stage1": stage1, "sft": sft}, [("stage1", "sft")], flags)
+    by = {r["questions"]: r for r in rows}
+    assert set(by) == {"evaluated", "headroom", "no headroom", "all (reweighted)"}
+    assert by["evaluated"]["mean_difference"] == 0.25 and by["evaluated"]["n"] == 8
+    assert by["headroom"]["mean_difference"] == 0.5 and by["headroom"]["excludes_zero"]
+    assert by["no headroom"]["mean_difference"] == 0.0 and not by["no headroom"]["excludes_zero"]
+    # 4 of the split's 20 questions have headroom: 0.2 x 0.5 + 0.8 x 0.
+    assert by["all (reweighted)"]["mean_difference"] == pytest.approx(0.1)
+    assert by["all (reweighted)"]["strata"] == {"headroom": 4, "no headroom": 4}

@@ -154,6 +154,12 @@ def test_create_update_delete_change_the_store_and_the_delta(tools):
             "session must be 0 or more, got -3",
         ),
         ({"operation": "update", "memory_id": True, "content": "x"}, "'memory_id' must be an integer, got True"),
+        ({"operation": "update", "memory_id": 3, "content": "x", "keywords": "y"}, "either 'content'"),
+        ({"operation": "update", "memory_id": 3, "keywords": " "}, "Argument 'keywords' must be a non-empty string"),
+        (
+            {"operation": "update", "memory_id": 3, "keywords": "word " * 80},
+            "the limit is 300: use fewer keywords",
+        ),
     ],
 )
 def test_manage_bad_arguments_are_instructions(tools, params, message):
@@ -531,3 +537,17 @@ def test_an_environment_naming_a_tool_the_template_lacks_fails_naming_both(envir
 def test_a_bad_tool_list_fails_in_the_environment(environment, tools):
     with pytest.raises(MemoryEnvironmentError, match="memory environment: tools"):
         dataclasses.replace(environment, tools=tools)
+
+
+def test_keywords_go_in_front_of_a_memorys_text_which_keeps_its_evidence(tools):
+    """An update by keywords rewrites a memory without the model retyping it: the text is kept whole behind the
+    words, so the memory keeps its evidence, and its new embedding is that of the whole new text."""
+    agent = new_agent_data()
+    _, ok = call(tools, agent, "search_memory", query="LGBTQ support group", top_k=1)
+    store = asyncio.run(tools["manage_memory"].store_for(agent))
+    before = store.get(0)
+    text, ok = call(tools, agent, "manage_memory", operation="update", memory_id=0, keywords="Caroline support group")
+    after = store.get(0)
+    assert ok and text.startswith("Updated memory [0]")
+    assert after.content == f"Caroline support group: {before.content}" and after.evidence == before.evidence
+    assert after.evidence and agent.extra_fields[DELTA_KEY]["updated"][0]["content"] == after.content

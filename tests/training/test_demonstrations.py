@@ -60,7 +60,9 @@ def played(locomo_rows, base, embedder):
             call = expert.promotion(info, [h.id for h in hits])
             assert call is not None and call[0] == MANAGE_TOOL
             args = call[1]
-            trial.update(args["memory_id"], args["content"], vector=embedder.encode([args["content"]])[0])
+            # manage_memory's keywords: the words in front of the memory's text (tests/tools).
+            text = f"{args['keywords']}: {trial.get(args['memory_id']).content}"
+            trial.update(args["memory_id"], text, vector=embedder.encode([text])[0])
         item = QAItem(info["question"], info["answer"], info["category"], tuple(info["evidence"] or ()))
         rewards = {
             scorer.name: asyncio.run(memory_reward(TrialStore(base), trial, [item], vector[None], scorer, config))[

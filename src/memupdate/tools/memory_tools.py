@@ -376,6 +376,13 @@ class ManageMemoryTool(MemoryTool):
                     "description": "The memory text: one specific, dated fact, at most {max_content_chars} characters.",
                 },
                 "memory_id": {"type": "integer", "description": "Id of the memory to update (update only)."},
+                "keywords": {
+                    "type": "string",
+                    "description": (
+                        "Update only, instead of content: a few words put in front of the memory's text, so that "
+                        "searches for them find it; the text itself is kept."
+                    ),
+                },
                 "metadata": {
                     "type": "object",
                     # The caps in words, not as a schema per key: the schemas are most of a small model's prompt.
@@ -396,6 +403,7 @@ class ManageMemoryTool(MemoryTool):
         operation=None,
         content=None,
         memory_id="update only",
+        keywords="update only, instead of content: words put in front of its text",
     )
 
     async def run(self, store, params):
@@ -410,10 +418,17 @@ class ManageMemoryTool(MemoryTool):
         if operation == "update":
             memory_id = _int_arg(params, "memory_id")
             content = params.get("content")
+            if content is not None and params.get("keywords") is not None:
+                raise ToolArgumentError("Pass either 'content' (the new text) or 'keywords' (put in front), not both.")
             if content is not None:
                 content = self._content(_text_arg(params, "content", "the new text of the memory"))
+            elif params.get("keywords") is not None:
+                keywords = _text_arg(params, "keywords", "a few words to put in front of the memory's text")
+                content = self._content(
+                    f"{keywords}: {store.get(memory_id).content}", "text with the keywords", "use fewer keywords"
+                )
             if content is None and not metadata:
-                raise ToolArgumentError("Nothing to update: pass new 'content' and/or 'metadata'.")
+                raise ToolArgumentError("Nothing to update: pass new 'content', 'keywords' and/or 'metadata'.")
             await store.aupdate(memory_id, content=content, metadata=metadata or None)
             return f"Updated memory {format_record(store.get(memory_id))}"
         raise ToolArgumentError("Argument 'operation' must be 'create' or 'update'.")

@@ -12,9 +12,11 @@ edit that pays where memory can help (``reward-headroom.md``: promoted in place,
    experiment's ``sft.search_top_k``; the reader reads the reward's ``top_k`` within ``context_chars``);
 2. where a memory shown below the reader's context cites gold evidence the context lacks
    (:func:`memupdate.data.headroom.missing_evidence_rank`, the one definition of headroom), ``manage_memory``
-   updates the first such memory in place to the question's key words followed by its own text
-   (:func:`promoted`): the text, date and evidence are kept, and the key words bring it into the question's
-   search above the memories the reader reads now;
+   updates the first such memory in place with the question's key words in front of its text (its
+   ``keywords`` argument, :func:`key_words`): the text, date and evidence are kept, and the key words bring it
+   into the question's search above the memories the reader reads now. The call names the words only, so a
+   policy learns a short reply instead of copying a memory's text (a 135M cold start copying it wrote broken
+   JSON or other text: 1 update in 160 held-out episodes);
 3. reply ``DONE`` (the system prompt's way to stop), straight after the search where nothing is missing.
 
 It never writes the gold answer into memory and names only ids the search showed, but *whether* and *which*
@@ -136,21 +138,23 @@ def edit_plan(
 _ASKING = frozenset("what when where who whom whose which why how does go went".split())
 
 
-def promoted(question: str, content: str, max_chars: int) -> str:
-    """A memory's text promoted for ``question``: the question's key words (its content words in order, each
-    once, those the text already has included) in front of the whole text, as many as fit in ``max_chars``.
-    The text is kept whole, so the memory keeps its evidence (:func:`memupdate.memory.store.keeps`).
+def key_words(question: str, content: str, max_chars: int) -> str | None:
+    """The words that promote a memory's ``content`` for ``question``: the question's content words in order, each
+    once (those the text already has included), as many as fit in front of the text within ``max_chars``
+    (``manage_memory``'s ``keywords``: "<keywords>: <content>"); None where none fits.
 
-    >>> promoted("When did Caroline go to the LGBTQ support group?", "Caroline attended a meeting.", 300)
-    'Caroline LGBTQ support group: Caroline attended a meeting.'
-    >>> promoted("When did Caroline go to the LGBTQ support group?", "Caroline attended a meeting.", 45)
-    'Caroline LGBTQ: Caroline attended a meeting.'
+    >>> key_words("When did Caroline go to the LGBTQ support group?", "Caroline attended a meeting.", 300)
+    'Caroline LGBTQ support group'
+    >>> key_words("When did Caroline go to the LGBTQ support group?", "Caroline attended a meeting.", 45)
+    'Caroline LGBTQ'
+    >>> key_words("When did Caroline go?", "x" * 300, 300) is None
+    True
     """
-    wanted = content_words(question)
-    words = list(dict.fromkeys(w for w in re.findall(r"[^\W_]+", question) if w.casefold() in wanted - _ASKING))
+    wanted = content_words(question) - _ASKING
+    words = list(dict.fromkeys(w for w in re.findall(r"[^\W_]+", question) if w.casefold() in wanted))
     while words and len(f"{' '.join(words)}: {content}") > max_chars:
         words.pop()
-    return f"{' '.join(words)}: {content}" if words else content
+    return " ".join(words) or None
 
 
 def read_memories(path: str) -> dict[str, dict[int, Memory]]:
@@ -260,8 +264,10 @@ class MemoryExpert(ScriptedExpert):
         position = missing_evidence_rank(ranked, row["evidence"], self.top_k, self.context_chars)
         if position is None:
             return None
-        content = promoted(row["question"], ranked[position].content, self.max_content_chars)
-        return MANAGE_TOOL, {"operation": "update", "memory_id": shown[position], "content": content}
+        keywords = key_words(row["question"], ranked[position].content, self.max_content_chars)
+        if keywords is None:
+            return None
+        return MANAGE_TOOL, {"operation": "update", "memory_id": shown[position], "keywords": keywords}
 
     def _row(self, transcript: str) -> Mapping[str, Any]:
         speakers, question = _SPEAKERS.search(transcript), _QUESTION.search(transcript)
