@@ -1136,16 +1136,17 @@ def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
     episode_keys = {verl_key: key for key, verl_key in VERL_EPISODE_KEYS.items()}
     if "ingestion" in experiment and "headroom" in experiment:
         errors.append(f"{path}.headroom: an ingestion experiment's rows are sessions, not questions")
-    if "headroom" in experiment and "sft" in experiment:
-        reach = experiment["headroom"].get("search_top_k", HeadroomSettings.search_top_k)
+    if "sft" in experiment:
         search = experiment["sft"].get("search_top_k", SFTSettings.search_top_k)
+        # Rows without a headroom section: no rank the expert must reach.
+        reach = (
+            experiment["headroom"].get("search_top_k", HeadroomSettings.search_top_k) if "headroom" in experiment else 0
+        )
         if search < reach:
             errors.append(
                 f"{path}.sft.search_top_k: the expert searches {search} memories deep, but the rows' headroom is "
                 f"evidence up to rank {reach} (headroom.search_top_k): it would stop where it should promote"
             )
-    if "sft" in experiment:
-        search = experiment["sft"].get("search_top_k", SFTSettings.search_top_k)
         shown = experiment.get("episode", {}).get("max_tool_response_length", EpisodeSettings.max_tool_response_length)
         if shown < SEARCH_RESULT_CHARS * search:
             errors.append(

@@ -16,10 +16,8 @@ which the policy never sees: they select rows and guide the expert, and never re
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,6 +32,7 @@ from memupdate.memory.embedder import Embedder
 from memupdate.memory.store import BaseStore, TrialStore
 from memupdate.prompts import within_budget
 from memupdate.utils.io import atomic_outputs
+from memupdate.utils.seeding import seeded_random
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +146,7 @@ def select_mix(flags: Sequence[dict[str, Any]], share: float, seed: str) -> list
     with_room = [i for i, f in enumerate(flags) if f["headroom"]]
     others = [i for i, f in enumerate(flags) if not f["headroom"]]
     wanted = min(len(others), round(len(with_room) * (1 - share) / share))
-    rng = random.Random(int(hashlib.sha256(seed.encode()).hexdigest()[:16], 16))
+    rng = seeded_random(seed)
     keep = set(with_room) | set(rng.sample(others, wanted))
     return [i in keep for i in range(len(flags))]
 
@@ -168,8 +167,8 @@ def write_headroom_rows(
     summary: str | Path | None = None,
 ) -> dict[str, Any]:
     """The rows of ``rows`` with a gold answer in a mix of ``share`` headroom questions (:func:`select_mix`) to
-    ``out_rows`` (the same layout, in row order), and every such row's flags (:data:`FLAGS_SCHEMA`) to ``out_flags``. Returns
-    (and writes to ``summary``) the counts, overall and by conversation."""
+    ``out_rows`` (the same layout, in row order), and every such row's flags (:data:`FLAGS_SCHEMA`) to
+    ``out_flags``. Returns (and writes to ``summary``) the counts, overall and by conversation."""
     # The questions the memory reward can score: a test split keeps category 5 (no gold answer) for LoCoMo's
     # evaluation, and neither training nor the policy evaluation can play it.
     table = answerable(pq.read_table(rows))

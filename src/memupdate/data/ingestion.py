@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import random
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,6 +39,7 @@ from memupdate.memory.store import MemoryRecord
 from memupdate.names import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.prompts import format_record
 from memupdate.utils.io import write_parquet_atomic
+from memupdate.utils.seeding import seeded_random
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def reward_questions(
     """The questions a session's reward is scored on (module docstring): seen so far, those with evidence in
     ``session`` first, at most ``limit`` (None: all), in an order seeded by ``seed_key``."""
     seen = questions_seen(questions, session)
-    rng = random.Random(int(hashlib.sha256(seed_key.encode()).hexdigest()[:16], 16))
+    rng = seeded_random(seed_key)
     new = [q for q in seen if any(evidence_session(e) == session for e in q["evidence"])]
     old = [q for q in seen if not any(evidence_session(e) == session for e in q["evidence"])]
     rng.shuffle(new)

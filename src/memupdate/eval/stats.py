@@ -36,14 +36,19 @@ def paired_bootstrap(
     diff = x - y
     rng = np.random.default_rng(seed)
     means = diff[rng.integers(0, len(diff), size=(resamples, len(diff)))].mean(axis=1)
+    return _interval(float(diff.mean()), means, level, len(diff))
+
+
+def _interval(estimate: float, means: np.ndarray, level: float, n: int) -> dict[str, Any]:
+    """``estimate`` with the percentile interval of its bootstrap ``means`` at ``level``."""
     tail = (1 - level) / 2
     low, high = (float(v) for v in np.quantile(means, [tail, 1 - tail]))
     return {
-        "mean_difference": float(diff.mean()),
+        "mean_difference": estimate,
         "low": low,
         "high": high,
         "level": level,
-        "n": len(diff),
+        "n": n,
         "excludes_zero": low > 0 or high < 0,
     }
 
@@ -54,6 +59,12 @@ def paired_by_key(a: Mapping[str, float], b: Mapping[str, float], **kwargs: Any)
     >>> paired_by_key({"q1": 1.0, "q2": 0.5}, {"q2": 0.0, "q1": 0.5})["mean_difference"]
     0.5
     """
+    keys = _same_keys(a, b)
+    return paired_bootstrap([a[k] for k in keys], [b[k] for k in keys], **kwargs)
+
+
+def _same_keys(a: Mapping[str, float], b: Mapping[str, float]) -> list[str]:
+    """The questions both systems scored, in order; refuses systems scored on different ones."""
     keys = sorted(a.keys() & b.keys())
     if not keys:
         raise ValueError("the two systems scored no question in common")
@@ -62,7 +73,7 @@ def paired_by_key(a: Mapping[str, float], b: Mapping[str, float], **kwargs: Any)
             f"the two systems scored different questions ({len(a)} and {len(b)}, {len(keys)} in common): "
             "a paired comparison needs the same ones"
         )
-    return paired_bootstrap([a[k] for k in keys], [b[k] for k in keys], **kwargs)
+    return keys
 
 
 def stratified_by_key(
@@ -87,11 +98,8 @@ def stratified_by_key(
     >>> round(r["mean_difference"], 3), r["n"], r["strata"]
     (0.15, 4, {'h': 2, 'o': 2})
     """
-    keys = sorted(a.keys() & b.keys())
-    if len(keys) != len(a) or len(keys) != len(b) or not keys:
-        raise ValueError("a stratified comparison needs the same questions scored by both systems")
     groups: dict[str, list[float]] = {}
-    for key in keys:
+    for key in _same_keys(a, b):
         groups.setdefault(stratum[key], []).append(a[key] - b[key])
     if abs(sum(weights[s] for s in groups) - 1) > 1e-9:
         raise ValueError(f"the strata's weights must sum to 1 over the strata present, got {dict(weights)}")
@@ -102,14 +110,7 @@ def stratified_by_key(
         d = np.asarray(diffs)
         estimate += weights[name] * float(d.mean())
         means += weights[name] * d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
-    tail = (1 - level) / 2
-    low, high = (float(v) for v in np.quantile(means, [tail, 1 - tail]))
     return {
-        "mean_difference": estimate,
-        "low": low,
-        "high": high,
-        "level": level,
-        "n": len(keys),
+        **_interval(estimate, means, level, sum(len(diffs) for diffs in groups.values())),
         "strata": {name: len(diffs) for name, diffs in sorted(groups.items())},
-        "excludes_zero": low > 0 or high < 0,
     }

@@ -22,9 +22,7 @@ matters) and reuses question vectors across the GRPO rollouts of one prompt.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import random
 import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +37,7 @@ from memupdate.prompts import memory_line, within_budget
 from memupdate.rewards.efficiency import EfficiencyConfig, apply_efficiency, efficiency_factor
 from memupdate.rewards.scorers import QAItem, Retrieved, Scorer
 from memupdate.settings import RewardSettings
+from memupdate.utils.seeding import seeded_random
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +183,7 @@ def select_questions(target: QAItem, pool: Sequence[QAItem], k: int, seed_key: s
     True
     """
     others = [q for q in pool if q.question != target.question]
-    rng = random.Random(int(hashlib.sha256(seed_key.encode()).hexdigest()[:16], 16))
+    rng = seeded_random(seed_key)
     return [target, *rng.sample(others, min(k, len(others)))]
 
 

@@ -80,19 +80,18 @@ def answer_recall(answer: str, retrieved: Sequence[Retrieved], question: str = "
     scattered over the context, or one right value among many candidates, are no statement: a memory
     listing the months, the days and the years holds every token of "7 May 2023" in one long text, and so
     does a list of dates or names (weighted down below). Why a phrase, not the whole unit (the rule
-    before): cutting a memory into shorter copies paid (:func:`span_f1`). Reading the date apart from the content makes the
-    order they are shown in irrelevant, and a memory's copy without its date, or with its date copied
-    into the text, brings the reader nothing new and scores nothing more. The content is one unit whatever
-    its punctuation: units the writer could cut with full stops ("Adoption. Agencies.") would pay for
+    before): cutting a memory into shorter copies paid (:func:`span_f1`). Reading the date apart from the
+    content makes the order they are shown in irrelevant, and a memory's copy without its date, or with its
+    date copied into the text, brings the reader nothing new and scores nothing more. The content is one unit
+    whatever its punctuation: units the writer could cut with full stops ("Adoption. Agencies.") would pay for
     punctuation.
 
     A unit that offers several values of the gold's kind (numbers and days, or names: see
     :func:`candidate_values`) is a guess among them, however short: its F1 is weighted by the share of those
     values the gold holds: a list of n names holding the right one is a guess worth 1/n of a statement, as a
     reader picking one of them at random would score, and pays nothing over a context that states the answer.
-    The cost, for honest
-    memories: one that names the answer beside other values of its kind ("Ned, Daisy and Max" for "Ned")
-    counts as that share of a statement, as a reader unsure which value is meant would.
+    The cost, for honest memories: one that names the answer beside other values of its kind ("Ned, Daisy and
+    Max" for "Ned") counts as that share of a statement, as a reader unsure which value is meant would.
 
     Tokens of the ``question`` count neither way: a memory that repeats the question would otherwise supply
     them ("When did Melanie go camping in June?" gives away "June" of "The week before 27 June 2023"),

@@ -417,12 +417,12 @@ class ManageMemoryTool(MemoryTool):
             return f"Created memory {format_record(store.get(new_id))}"
         if operation == "update":
             memory_id = _int_arg(params, "memory_id")
-            content = params.get("content")
-            if content is not None and params.get("keywords") is not None:
+            content, keywords = params.get("content"), params.get("keywords")
+            if content is not None and keywords is not None:
                 raise ToolArgumentError("Pass either 'content' (the new text) or 'keywords' (put in front), not both.")
             if content is not None:
                 content = self._content(_text_arg(params, "content", "the new text of the memory"))
-            elif params.get("keywords") is not None:
+            elif keywords is not None:
                 keywords = _text_arg(params, "keywords", "a few words to put in front of the memory's text")
                 content = self._content(
                     f"{keywords}: {store.get(memory_id).content}", "text with the keywords", "use fewer keywords"

@@ -101,8 +101,8 @@ def edit_plan(
     """The ingestion expert's edit (:mod:`memupdate.training.ingestion_expert`), as a tool name and its
     arguments, or None: the memories among ``shown`` that cite the ``evidence`` (in the order shown, as many
     as fit in ``max_chars`` once dated and joined) merged, each text after its date unless they share one
-    (the merged memory then keeps it as its date); None when fewer than two are found. A single memory is never rewritten: its date metadata, which the
-    reader is shown, already dates it (module docstring).
+    (the merged memory then keeps it as its date); None when fewer than two are found. A single memory is
+    never rewritten: its date metadata, which the reader is shown, already dates it.
 
     >>> mems = {1: Memory("Ann moved to Oslo.", frozenset({"D1:2"}), "8 May, 2023"),
     ...         2: Memory("Ann loves tea.", frozenset()), 3: Memory("Bo came too.", frozenset({"D1:3"}))}
