@@ -3,7 +3,9 @@ import asyncio
 import numpy as np
 import pytest
 
+from memupdate.data.locomo import initial_memories
 from memupdate.memory.store import EvidenceNotWritable, TrialStore
+from memupdate.metrics import normalize_squad
 from memupdate.rewards.efficiency import EfficiencyConfig, efficiency_factor
 from memupdate.rewards.memory import (
     MemoryRewardComputer,
@@ -12,7 +14,7 @@ from memupdate.rewards.memory import (
     memory_reward,
     select_questions,
 )
-from memupdate.rewards.scorers import AnswerRecallScorer, EvidenceRecallScorer, QAItem
+from memupdate.rewards.scorers import AnswerRecallScorer, EvidenceRecallScorer, QAItem, span_f1
 from memupdate.settings import DEFAULT_MAX_CONTENT_CHARS
 
 TARGET = QAItem("When did Caroline go to the LGBTQ support group?", "7 May 2023", 2, ("D1:3",))
@@ -328,3 +330,20 @@ def test_apply_to_is_validated():
         EfficiencyConfig(apply_to="sometimes")
     with pytest.raises(ValueError, match="context_chars must be >= 1"):
         MemoryRewardConfig(context_chars=0)
+
+
+def test_no_cut_of_a_memory_holds_a_phrase_that_scores_above_it(locomo_conversations):
+    """span_f1's claim, on conv-26's observations and answers: every contiguous cut of a memory's tokens scores at
+    most what the whole memory scores against the same gold (the fragment trick's bound)."""
+    conv = locomo_conversations["conv-26"]
+    golds = [normalize_squad(str(q.answer)).split() for q in conv.qa if q.answer][:40]
+    texts = [normalize_squad(r["content"]).split() for r in initial_memories(conv)][:40]
+    checked = 0
+    for tokens in texts:
+        for gold in golds:
+            whole = span_f1(tokens, gold)
+            for start in range(0, len(tokens), 3):
+                for end in range(start + 1, len(tokens) + 1, 3):
+                    assert span_f1(tokens[start:end], gold) <= whole + 1e-12, (tokens, gold, start, end)
+                    checked += 1
+    assert checked > 20_000
