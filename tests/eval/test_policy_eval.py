@@ -46,7 +46,13 @@ def test_a_policy_is_scored_on_held_out_questions_with_n_rollouts_each(
 
     # The report pairs the policies it has (here stage 1 against base) and plots stage 1's training curve.
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": i, "reward_mean": 0.1 * i, "kl": 0.01}) + "\n" for i in (1, 2)))
+    metrics.write_text(
+        json.dumps({"step": 0, "heldout_reward_mean": 0.05})
+        + "\n"
+        + "".join(json.dumps({"step": i, "reward_mean": 0.1 * i, "kl": 0.01}) + "\n" for i in (1, 2))
+        + json.dumps({"step": 2, "heldout_reward_mean": 0.25})
+        + "\n"
+    )
     report = policy_report(
         {"base": tmp_path / "base/summary.json", "stage1": tmp_path / "again/summary.json"},
         metrics,
@@ -55,7 +61,10 @@ def test_a_policy_is_scored_on_held_out_questions_with_n_rollouts_each(
     assert [(c["a"], c["b"]) for c in report["comparisons"]] == [("stage1", "base")]
     assert json.loads((tmp_path / "report/report.json").read_text()) == report
     assert (tmp_path / "report/training.png").stat().st_size > 0
-    assert "| stage1 - base | evaluated | 3 | +0.0000 |" in (tmp_path / "report/report.md").read_text()
+    markdown = (tmp_path / "report/report.md").read_text()
+    assert "| stage1 - base | evaluated | 3 | +0.0000 |" in markdown
+    # The learning curve's held-out points: verl's validation before training and at step 2.
+    assert "by step: step 0 0.0500, step 2 0.2500" in markdown
     # Every episode stopped: the edits by kind say so.
     assert summary["edits"]["stop"]["episodes"] == 6 and set(summary["edits"]) == {"stop"}
 

@@ -65,14 +65,18 @@ def test_a_verl_runs_metrics_jsonl_is_made_from_verls_file_log(tmp_path):
         metrics_from_verl(tmp_path)
     log = tmp_path / "tracking.jsonl"
     log.write_text(
-        json.dumps({"step": 1, "data": {"critic/score/mean": 0.1, "num_turns/mean": 3.0, "actor/lr": 1e-6}})
+        # verl's validation before training (step 0), then a step that validated and one that did not.
+        json.dumps({"step": 0, "data": {"val-core/locomo/reward/mean@1": 0.05, "val-aux/num_turns/mean": 3.0}})
         + "\n"
-        + json.dumps({"step": 2, "data": {"critic/score/mean": 0.3}})
+        + json.dumps({"step": 1, "data": {"critic/score/mean": 0.1, "num_turns/mean": 3.0, "actor/lr": 1e-6}})
+        + "\n"
+        + json.dumps({"step": 2, "data": {"critic/score/mean": 0.3, "val-core/locomo/reward/mean@1": 0.2}})
         + "\n"
     )
     rows = [json.loads(line) for line in metrics_from_verl(tmp_path).read_text().splitlines()]
-    assert [(r["step"], r["reward_mean"]) for r in rows] == [(1, 0.1), (2, 0.3)]
-    assert rows[0]["num_turns_mean"] == 3.0 and rows[0]["verl"]["actor/lr"] == 1e-6
+    assert [(r["step"], r.get("reward_mean")) for r in rows] == [(0, None), (1, 0.1), (2, 0.3)]
+    assert [r.get("heldout_reward_mean") for r in rows] == [0.05, None, 0.2]
+    assert rows[1]["num_turns_mean"] == 3.0 and rows[1]["verl"]["actor/lr"] == 1e-6
     log.write_text("{not json\n")
     with pytest.raises(ValueError, match="tracking.jsonl, line 1: not a verl file-logger record"):
         metrics_from_verl(tmp_path)

@@ -286,8 +286,10 @@ HEADROOM, NO_HEADROOM = "headroom", "no headroom"
 
 #: The comparisons the report makes, later policy first; pairs with a policy the experiment lacks are left out.
 PAIRS = (("stage1", "sft"), ("stage1", "base"), ("sft", "base"))
-#: Per-step training metrics the report plots (metrics.jsonl's keys: memupdate.training.tracking.VERL_METRICS).
+#: Per-step training metrics the report plots (metrics.jsonl's keys: memupdate.training.tracking.VERL_METRICS), one
+#: panel each; the held-out reward (verl's validation, at the steps it ran) shares the training reward's panel.
 CURVES = ("reward_mean", "num_turns_mean", "response_tokens_mean", "kl")
+HELDOUT_CURVE = "heldout_reward_mean"
 
 
 def policy_report(
@@ -309,7 +311,7 @@ def policy_report(
     out.parent.mkdir(parents=True, exist_ok=True)
     if training_metrics and Path(training_metrics).is_file():
         curve = [json.loads(line) for line in Path(training_metrics).read_text(encoding="utf-8").splitlines()]
-        report["training"] = [{k: step.get(k) for k in ("step", *CURVES)} for step in curve]
+        report["training"] = [{k: step.get(k) for k in ("step", *CURVES, HELDOUT_CURVE)} for step in curve]
         _plot_training(report["training"], out.with_name("training.png"))
     write_json_atomic(out, report)
     write_text_atomic(out.with_name("report.md"), _markdown(report))
@@ -325,8 +327,13 @@ def _plot_training(steps: Sequence[Mapping[str, Any]], path: Path) -> None:
     shown = [key for key in CURVES if any(s.get(key) is not None for s in steps)]
     fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 2.8), squeeze=False)
     for ax, key in zip(axes[0], shown, strict=True):
-        points = [(s["step"], s[key]) for s in steps if s.get(key) is not None]
-        ax.plot(*zip(*points, strict=True), marker="o")
+        curves = [(key, "train")] + ([(HELDOUT_CURVE, "held out")] if key == "reward_mean" else [])
+        for curve, label in curves:
+            points = [(s["step"], s[curve]) for s in steps if s.get(curve) is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=label)
+        if len(ax.get_lines()) > 1:
+            ax.legend(fontsize="small")
         ax.set_title(key)
         ax.set_xlabel("step")
     fig.tight_layout()
@@ -372,5 +379,12 @@ def _markdown(report: Mapping[str, Any]) -> str:
                 text = " ".join(x["policy_text"].split())
                 lines.append(f"- {x['question']} (reward {x['reward']:+.3f}): `{text[:300]}`")
     if "training" in report:
+        heldout = [s for s in report["training"] if s.get(HELDOUT_CURVE) is not None]
+        if heldout:
+            lines += [
+                "",
+                "Stage 1's held-out reward (verl's validation rows, greedy) by step: "
+                + ", ".join(f"step {s['step']} {s[HELDOUT_CURVE]:.4f}" for s in heldout),
+            ]
         lines += ["", "![stage-1 training](training.png)"]
     return "\n".join(lines) + "\n"

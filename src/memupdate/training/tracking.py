@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -128,6 +129,22 @@ VERL_METRICS = {
     "response_tokens_mean": "response_length/mean",
     "kl": "actor/kl_loss",
 }
+#: verl's validation reward at the steps it validates (``trainer.test_freq``, ``val_before_train`` at step 0):
+#: ``val-core/<data source>/reward/mean@<n>`` (verl.trainer.ppo.ray_trainer's ``_val_metrics_update``).
+HELDOUT_REWARD = re.compile(r"val-core/[^/]+/reward/mean@\d+")
+
+
+def heldout_reward(data: Mapping[str, Any]) -> float | None:
+    """The held-out (validation) rows' mean reward in one verl record, None where the step did not validate. The
+    experiments' rows have one data source; were there several, their means would be averaged.
+
+    >>> heldout_reward({"val-core/locomo/reward/mean@1": 0.5, "critic/score/mean": 0.1})
+    0.5
+    >>> heldout_reward({"critic/score/mean": 0.1}) is None
+    True
+    """
+    values = [value for key, value in data.items() if HELDOUT_REWARD.fullmatch(key)]
+    return sum(values) / len(values) if values else None
 
 
 def metrics_from_verl(run_dir: str | Path) -> Path:
@@ -155,6 +172,8 @@ def metrics_from_verl(run_dir: str | Path) -> Path:
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ValueError(f"{source}, line {number}: not a verl file-logger record ({err})") from err
         ours = {key: data[theirs] for key, theirs in VERL_METRICS.items() if theirs in data}
+        if (heldout := heldout_reward(data)) is not None:
+            ours["heldout_reward_mean"] = heldout
         rows.append(json.dumps({"step": step, **ours, "verl": data}))
     target = run_dir / "metrics.jsonl"
     write_text_atomic(target, "".join(row + "\n" for row in rows))
