@@ -83,6 +83,9 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
         assert rollout.n == 8 and resolved.data.train_batch_size == batch and rollout.multi_turn.enable
         assert resolved.actor_rollout_ref.model.path == full["models"][model]["name_or_path"]
         assert resolved.reward.custom_reward_function.reward_kwargs.scorer == "reader"
+        # Every step reachable whatever the rows (one step an epoch is the fewest a run can have; verl 0.9.1 stops
+        # at total_epochs epochs): a 300-step stage of our split's 27 steps an epoch once stopped at step 270.
+        assert vl.unreachable_steps(resolved, rows=resolved.data.train_batch_size) is None
         assert "verl.trainer.main_ppo" in " ".join(command)
 
 
@@ -105,6 +108,7 @@ def test_memagent_7b_composes_against_verl_with_memagents_budgets(full, repo_roo
     resolved = OmegaConf.load(run_dir / vl.RESOLVED_CONFIG)
     assert (resolved.trainer.nnodes, resolved.trainer.n_gpus_per_node) == (4, 8)
     assert resolved.actor_rollout_ref.rollout.n == 16 and resolved.data.train_batch_size == 128
+    assert vl.unreachable_steps(resolved, rows=resolved.data.train_batch_size) is None
     # A turn holds a 5,000-token chunk and the 1,024-token memory; a reply is at most 1,024 tokens.
     assert resolved.actor_rollout_ref.rollout.prompt_length == 5000 + 1024 + 1024
     assert resolved.actor_rollout_ref.rollout.response_length == 1024

@@ -10,6 +10,8 @@ import shutil
 import sys
 
 import hydra.utils
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -227,6 +229,33 @@ def test_extra_overrides(run):
     assert config.trainer.total_epochs == 1
     config = validate(vl.compose_overrides("memory", extra=["+trainer.note='x'"], **run))
     assert config.trainer.note == "x"
+
+
+def test_a_run_given_its_steps_runs_them_all_and_one_capped_short_by_its_epochs_is_refused(run, tmp_path):
+    """verl stops at total_epochs epochs of rows // train_batch_size steps (verl 0.9.1, v1 trainer_base): settings
+    that give steps get as many epochs, and steps the rows cannot reach under given epochs are refused by the job,
+    where the rows exist (the full scale's stages: tests/training/test_full_scale.py)."""
+    config = validate(vl.compose_overrides("memory", extra={"trainer.total_training_steps": 300}, **run))
+    assert config.trainer.total_epochs == 300
+    assert vl.unreachable_steps(config, rows=config.data.train_batch_size) is None
+    rows = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"question": ["q"] * 100}), rows)
+
+    def resolved(epochs):
+        settings = {
+            "trainer.total_training_steps": 30,
+            "trainer.total_epochs": epochs,
+            "data.train_batch_size": 16,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
+        }
+        return OmegaConf.to_container(
+            validate(vl.compose_overrides("memory", extra=settings, **{**run, "train_files": rows}))
+        )
+
+    message = r"train.parquet: trainer.total_training_steps is 30, but verl stops after 12: 2 epochs .* of 6 steps"
+    with pytest.raises(vl.ConfigValidationError, match=message):
+        vl.refuse_unreachable_steps(resolved(2))
+    vl.refuse_unreachable_steps(resolved(5))
 
 
 def test_misspelt_key_fails_naming_it(run):

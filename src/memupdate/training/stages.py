@@ -415,11 +415,15 @@ def run_verl(
     (:func:`export_verl_checkpoint` with ``export``). verl resumes from ``<run_dir>/checkpoints`` only if they
     are this very run's (:func:`guard_verl_checkpoints`)."""
     from memupdate.serving.rollout_server import prelaunched_servers
+    from memupdate.training.verl_launcher import refuse_unreachable_steps
 
+    resolved = _resolved_config(Path(run_dir))
+    if resolved:  # main_ppo's runs; verl's SFT trainer writes none
+        refuse_unreachable_steps(resolved)
     guard_verl_checkpoints(Path(run_dir))
     log = Path(run_dir) / log_name
     logger.info("running %s\nits output: %s", " ".join(command), log)
-    with log.open("w", encoding="utf-8") as out, prelaunched_servers(_resolved_config(Path(run_dir)), run_env):
+    with log.open("w", encoding="utf-8") as out, prelaunched_servers(resolved, run_env):
         code = subprocess.run(command, env={**os.environ, **run_env}, stdout=out, stderr=subprocess.STDOUT).returncode
     if code:
         raise RuntimeError(f"verl's trainer exited with code {code}; the end of {log}:\n{tail(log, 60)}")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import os
 import re
 import sys
@@ -320,7 +321,15 @@ def run_overrides(
 
 def _extra_overrides(extra: Mapping[str, Any] | Sequence[str]) -> list[str]:
     """The stage settings as overrides. A ``trainer.logger`` without ``file`` is refused: the run's metrics.jsonl
-    (the report's training curves, a DVC out) is made from that backend's log."""
+    (the report's training curves, a DVC out) is made from that backend's log. Settings that give
+    ``trainer.total_training_steps`` without ``trainer.total_epochs`` get as many epochs as steps: verl stops at
+    whichever cap comes first, and the base configs' epochs (10 in grpo_memupdate.yaml) would end a 300-step stage
+    of our split's 27 steps an epoch at step 270, unsaved; an epoch holds at least one step, so this cap never
+    binds.
+
+    >>> _extra_overrides({"trainer.total_training_steps": 300})
+    ['trainer.total_training_steps=300', 'trainer.total_epochs=300']
+    """
     if not isinstance(extra, Mapping):
         return list(extra)
     logger_setting = extra.get("trainer.logger")
@@ -329,7 +338,58 @@ def _extra_overrides(extra: Mapping[str, Any] | Sequence[str]) -> list[str]:
             f"trainer.logger {list(logger_setting)}: trainer.logger must include file (the run's metrics.jsonl "
             "is made from it); add it beside your trackers"
         )
-    return [f"{key}={hydra_value(value)}" for key, value in extra.items()]
+    overrides = [f"{key}={hydra_value(value)}" for key, value in extra.items()]
+    steps = extra.get("trainer.total_training_steps")
+    if steps is not None and "trainer.total_epochs" not in extra:
+        overrides.append(f"trainer.total_epochs={int(steps)}")
+    return overrides
+
+
+def unreachable_steps(config: DictConfig, rows: int) -> str | None:
+    """Why a composed run would stop before ``trainer.total_training_steps`` on ``rows`` training rows (verl 0.9.1
+    stops at ``total_epochs`` epochs of ``rows // data.train_batch_size`` steps, ``data.train_max_samples`` rows at
+    most, with no final save or validation), or None.
+
+    >>> config = OmegaConf.create({"trainer": {"total_training_steps": 300, "total_epochs": 10},
+    ...                            "data": {"train_batch_size": 32, "train_max_samples": -1}})
+    >>> unreachable_steps(config, 885)
+    'trainer.total_training_steps is 300, but verl stops after 270: 10 epochs (trainer.total_epochs) of 27 steps (885 training rows // data.train_batch_size 32); raise trainer.total_epochs to at least 12, or leave it unset (it then follows the steps)'
+    >>> unreachable_steps(config, 1024) is None
+    True
+    """
+    steps = config.trainer.get("total_training_steps")
+    if steps is None:
+        return None
+    cap = config.data.get("train_max_samples")
+    used = min(rows, cap) if cap is not None and cap > 0 else rows
+    per_epoch = used // config.data.train_batch_size
+    if per_epoch == 0:
+        return (
+            f"{used} training rows make no step of data.train_batch_size {config.data.train_batch_size}: "
+            "verl would train nothing"
+        )
+    epochs = config.trainer.total_epochs
+    if steps <= per_epoch * epochs:
+        return None
+    return (
+        f"trainer.total_training_steps is {steps}, but verl stops after {per_epoch * epochs}: {epochs} epochs "
+        f"(trainer.total_epochs) of {per_epoch} steps ({used} training rows // data.train_batch_size "
+        f"{config.data.train_batch_size}); raise trainer.total_epochs to at least {math.ceil(steps / per_epoch)}, "
+        "or leave it unset (it then follows the steps)"
+    )
+
+
+def refuse_unreachable_steps(config: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigValidationError` where a resolved run's training files (``data.train_files``) hold too
+    few rows for its steps (:func:`unreachable_steps`): checked by the job, once the rows exist."""
+    import pyarrow.parquet as pq
+
+    files = config["data"]["train_files"]
+    files = [files] if isinstance(files, str) else list(files)
+    rows = sum(pq.read_metadata(path).num_rows for path in files)
+    problem = unreachable_steps(OmegaConf.create(dict(config)), rows)
+    if problem:
+        raise ConfigValidationError(f"{', '.join(files)}: {problem}")
 
 
 def compose_overrides(

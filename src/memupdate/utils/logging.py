@@ -41,3 +41,6 @@ def setup_logging(log_path: str | os.PathLike | None = None, level: str | None =
     sys.excepthook = _log_uncaught
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, exit_on_sigterm)
+        # A process inherits its parent thread's blocked signals across exec: started from a thread that blocks
+        # SIGTERM (Ray's spawner blocks SIGINT so), a job would hold the signal pending and never exit on it.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
