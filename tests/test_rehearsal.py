@@ -38,6 +38,8 @@ FOLLOWING = {
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu (cpu.yaml)",
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu (cpu.yaml)",
     "actor_rollout_ref.actor.checkpoint.load_contents": "actor.checkpoint.save_contents (cpu.yaml)",
+    # The launcher gives a stage as many epochs as its steps (verl_launcher._extra_overrides).
+    "trainer.total_epochs": "trainer.total_training_steps",
     "actor_rollout_ref.model.path": "the model",
     "actor_rollout_ref.rollout.prometheus.served_model_name": "the model",
     # The layout: profiles/slurm/resources.yaml's row of the tiny model (two CPU nodes, one rank each).
