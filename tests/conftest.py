@@ -412,11 +412,15 @@ def _running(pid: int) -> bool:
 class ChatServer:
     """A real OpenAI-compatible endpoint on loopback whose failures we control: answers /v1/chat/completions,
     fails the first ``fail`` requests with ``status``, then replies
-    ``reply(messages)``; sleeps ``delay`` seconds per request."""
+    ``reply(messages)``; sleeps ``delay`` seconds per request. With ``models``, /v1/models answers too, as a
+    live vLLM server's does."""
 
-    def __init__(self, reply, fail=0, status=503, delay=0.0):
-        self.reply, self.fail, self.status, self.delay = reply, fail, status, delay
+    def __init__(self, reply, fail=0, status=503, delay=0.0, models=False):
+        self.reply, self.fail, self.status, self.delay, self.models = reply, fail, status, delay, models
         self.requests = []
+
+    async def list_models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "qa", "object": "model"}]})
 
     async def handle(self, request):
         payload = await request.json()
@@ -430,6 +434,8 @@ class ChatServer:
     async def __aenter__(self):
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.handle)
+        if self.models:
+            app.router.add_get("/v1/models", self.list_models)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

@@ -62,6 +62,30 @@ def test_timeout_is_enforced(chat_server):
     run(main())
 
 
+def test_a_request_has_time_for_every_token_it_asks_and_a_slow_live_server_is_not_waited_for(chat_server):
+    """A request's timeout grows with its max_tokens (a full-scale turn may ask for 8,192); past it, a server that
+    answers GET /models is slow, not lost: the request fails at once, saying so, instead of being generated again
+    and then retried for the marker's reconnect time."""
+
+    async def main(delay, max_tokens, marker=None):
+        async with chat_server(lambda m: "late", delay=delay, models=True) as server:
+            endpoint = Endpoint(server.url, "qa", timeout_s=0.2, max_retries=3, marker=marker)
+            async with OpenAIClient(endpoint) as client:
+                try:
+                    return await client.chat([{"role": "user", "content": "q"}], **GREEDY.request(max_tokens))
+                except EndpointError as err:
+                    return err, len(server.requests)
+
+    # 0.2 s + 0.1 s x 20 tokens: time enough for a 1 s generation.
+    assert run(main(delay=1.0, max_tokens=20)) == "late"
+    # 0.2 s + 0.1 s x 4 = 0.6 s: not for a 2 s one; one request, no retries, no wait on the (absent) marker.
+    error, requests = run(main(delay=2.0, max_tokens=4, marker="/nonexistent/qa.ready.json"))
+    assert requests == 1
+    assert "more than 0.6 s (timeout_s 0.2 s + 0.1 s for each of its 4 max_tokens), while the server answers" in str(
+        error
+    )
+
+
 def test_reader_and_judge_scorers_speak_the_protocol(chat_server):
     def reader_reply(messages):
         prompt = messages[0]["content"]

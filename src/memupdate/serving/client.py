@@ -21,6 +21,7 @@ import logging
 import os
 import random
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -159,6 +160,12 @@ class OpenAIClient:
 
     # Statuses worth retrying: overload and transient server errors. 4xx errors are the caller's bug.
     RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+    #: What a request's timeout allows per token it asks for (``max_tokens``), over the endpoint's ``timeout_s``: a
+    #: full-scale turn may ask for 8,192 tokens, far past a flat 60 s at a loaded server's 20-50 ms a token.
+    SECONDS_PER_TOKEN = 0.1
+    #: How long a timed-out request's server has to answer ``GET /models``, which tells a slow generation from a
+    #: lost server.
+    PROBE_TIMEOUT_S = 10.0
     #: The longest pause between two tries while waiting for a lost server to come back.
     MAX_RECONNECT_DELAY_S = 30.0
 
@@ -195,23 +202,60 @@ class OpenAIClient:
     def _url(self, path: str) -> str:
         return self.endpoint.base_url.rstrip("/") + path
 
+    def request_timeout_s(self, payload: Mapping[str, Any]) -> float:
+        """A request's whole timeout: the endpoint's ``timeout_s`` and :data:`SECONDS_PER_TOKEN` for each token
+        it asks for.
+
+        >>> OpenAIClient(Endpoint("http://h:8000/v1", "qa")).request_timeout_s({"max_tokens": 8192})
+        879.2
+        """
+        return round(self.endpoint.timeout_s + self.SECONDS_PER_TOKEN * int(payload.get("max_tokens") or 0), 3)
+
     async def _attempt(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
         """One POST; raises :class:`_Retry` for a failure worth retrying, :class:`EndpointError` otherwise."""
         assert self._session is not None
+        timeout = self.request_timeout_s(payload)
         try:
             # Per request, not per session: a restarted server's marker may carry a new key.
             headers = self.endpoint.headers()
-            async with self._semaphore, self._session.post(url, json=payload, headers=headers) as response:
+            async with (
+                self._semaphore,
+                self._session.post(
+                    url, json=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+                ) as response,
+            ):
                 if response.status == 200:
                     return await response.json()
                 body = (await response.text())[:500]
                 if response.status not in self.RETRY_STATUSES:
                     raise EndpointError(f"POST {url} returned {response.status}: {body}")
                 raise _Retry(f"HTTP {response.status}: {body}", lost=False)
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            # Refused, reset or silent: the server (or its node) may be gone, not just busy.
-            lost = isinstance(exc, TimeoutError | aiohttp.ClientConnectionError)
-            raise _Retry(f"{type(exc).__name__}: {exc}", lost=lost) from exc
+        except TimeoutError as exc:
+            if await self._answers():
+                # Alive, yet past a timeout that allows for every token asked: the same request would take as long
+                # again (a fixed role decodes greedily), so it is not retried, nor is the server waited for.
+                raise EndpointError(
+                    f"POST {url} took more than {timeout:g} s (timeout_s {self.endpoint.timeout_s:g} s + "
+                    f"{self.SECONDS_PER_TOKEN} s for each of its {payload.get('max_tokens')} max_tokens), while "
+                    f"the server answers GET /models: it is overloaded or far slower than expected; give it fewer "
+                    "concurrent requests (the client's max_concurrency) or raise the endpoint's timeout_s"
+                ) from exc
+            raise _Retry(f"TimeoutError after {timeout:g} s, and GET /models does not answer", lost=True) from exc
+        except aiohttp.ClientError as exc:
+            # Refused or reset: the server (or its node) may be gone, not just busy.
+            raise _Retry(f"{type(exc).__name__}: {exc}", lost=isinstance(exc, aiohttp.ClientConnectionError)) from exc
+
+    async def _answers(self) -> bool:
+        """Whether the server answers ``GET /models`` within :data:`PROBE_TIMEOUT_S`."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self.PROBE_TIMEOUT_S)
+        try:
+            async with self._session.get(
+                self._url("/models"), headers=self.endpoint.headers(), timeout=timeout
+            ) as response:
+                return response.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
 
     async def _post(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
         if self._session is None:
