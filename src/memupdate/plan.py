@@ -112,12 +112,16 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)([bm])(?![a-z])", re.IGNORECASE)
 
 
 def model_params(name: str, spec: Mapping[str, Any] | None = None) -> float | None:
-    """Parameters of a model from its hub id or name (``Qwen/Qwen2.5-7B-Instruct``: 7e9; ``...-135M``: 1.35e8):
-    the nominal size; None when neither names one.
+    """Parameters of a model: its spec's ``params``, else the nominal size its hub id or name gives
+    (``Qwen/Qwen2.5-7B-Instruct``: 7e9; ``...-135M``: 1.35e8); None when none does.
 
     >>> model_params("qwen2.5-7b", {"name_or_path": "Qwen/Qwen2.5-7B-Instruct"}), model_params("tiny-random")
     (7000000000.0, None)
+    >>> model_params("qwen2.5-7b", {"name_or_path": "Qwen/Qwen2.5-7B-Instruct", "params": 7.62e9})
+    7620000000.0
     """
+    if (spec or {}).get("params"):
+        return float(spec["params"])
     for text in ((spec or {}).get("name_or_path"), name):
         found = _SIZE.findall(str(text or ""))
         if found:

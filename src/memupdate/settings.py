@@ -629,6 +629,9 @@ class HFModel:
     chat_template: Str | None = setting(
         None, help="a template of memupdate/chat_template_files (null: the model's own)"
     )
+    params: Float | None = setting(
+        None, help="parameters, for the plan's checkpoint sizes (null: the size its hub id names, 7B: 7e9)", gt=0
+    )
 
     def __post_init__(self) -> None:
         _check_chat_template(self.chat_template)

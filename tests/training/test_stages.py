@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -300,8 +301,51 @@ def test_a_code_change_moves_checkpoints_aside_and_a_commit_without_one_does_not
     verl_saves(run_dir, 5)
     prepared_run(run_dir, commit="b" * 40)
     assert stages.guard_verl_checkpoints(run_dir) is None
-    (package / "loop.py").write_text("STEPS = 2\n")
+    # An evaluation fixed between two resubmits: training never runs it (stages.NOT_RUN).
+    (package / "eval").mkdir()
+    (package / "eval" / "report.py").write_text("ROUND = 1\n")
     prepared_run(run_dir, commit="c" * 40)
+    assert stages.guard_verl_checkpoints(run_dir) is None
+    (package / "eval" / "report.py").write_text("ROUND = 2\n")
+    prepared_run(run_dir, commit="d" * 40)
+    assert stages.guard_verl_checkpoints(run_dir) is None
+    (package / "loop.py").write_text("STEPS = 2\n")
+    prepared_run(run_dir, commit="e" * 40)
+    assert stages.guard_verl_checkpoints(run_dir) is not None
+
+
+def test_what_a_training_run_imports_is_in_its_resume_key(repo_root):
+    """The code digest leaves out stages.NOT_RUN: a run's entry points (verl's plugin, loaded by every Ray worker;
+    the job's stages and launcher; the rollout server) must import none of it, else a change to it could alter a
+    resumed run unseen."""
+    entry = "memupdate.verl_plugin, memupdate.training.stages, memupdate.training.verl_launcher, memupdate.serving.rollout_server"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys, {entry}; print(' '.join(m for m in sys.modules if m.startswith('memupdate')))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert "memupdate.verl_plugin" in out and "memupdate.rewards.manager" in out
+    left_out = {f"memupdate.{part.replace('/', '.')}" for part in stages.NOT_RUN}
+    imported = [m for m in out if any(m == x or m.startswith(x + ".") for x in left_out)]
+    assert not imported, f"a training run imports {imported}: take them out of stages.NOT_RUN"
+
+
+def test_a_cold_start_retrained_into_the_same_folder_is_another_run(tmp_path):
+    """The config names the starting model by path; a cold start retrained there is another model."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "manifest.json").write_text('{"step": 14}')
+    run_dir = prepared_run(tmp_path / "stage1")
+    stages.guard_verl_checkpoints(run_dir)
+    verl_saves(run_dir, 5)
+    assert stages.guard_verl_checkpoints(run_dir) is None
+    (model / "manifest.json").write_text('{"step": 28}')
     assert stages.guard_verl_checkpoints(run_dir) is not None
 
 

