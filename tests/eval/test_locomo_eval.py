@@ -234,7 +234,7 @@ def test_policies_are_compared_question_by_question_with_an_interval(tmp_path):
         paths[name] = tmp_path / f"{name}.jsonl"
         paths[name].write_text("".join(json.dumps(r) + "\n" for r in records))
     out = report.build_report(tmp_path, paths, experiment="exp", settings={"top_k": 5})
-    pairs = {(c["system"], c["baseline"]): c for c in out["comparisons"]}
+    pairs = {(c["system"], c["baseline"]): c for c in out["comparisons"] if c["metric"] == "locomo_f1"}
     assert set(pairs) == {
         ("base+qa_base", "no_update"),
         ("sft+qa_base", "base+qa_base"),
@@ -248,8 +248,12 @@ def test_policies_are_compared_question_by_question_with_an_interval(tmp_path):
     assert not gained["excludes_zero"]
     same = pairs[("stage1+qa_base", "sft+qa_base")]
     assert (same["mean_difference"], same["low"], same["high"]) == (0.0, 0.0, 0.0)
+    # Evidence recall@k is compared too, on the questions with gold evidence (the memories were the same here).
+    recall = {(c["system"], c["baseline"]): c for c in out["comparisons"] if c["metric"] == "evidence_recall"}
+    assert set(recall) == set(pairs) and all(c["mean_difference"] == 0.0 for c in recall.values())
     md = (tmp_path / "report.md").read_text()
-    assert "## Paired comparisons" in md and "| sft+qa_base | base+qa_base | +25.0 | [+0.0, +" in md
+    assert "## Paired comparisons" in md and "| sft+qa_base | base+qa_base | LoCoMo F1 | +25.0 | [+0.0, +" in md
+    assert "| sft+qa_base | base+qa_base | evidence recall@k | +0.0 | [+0.0, +0.0] |" in md
 
 
 def test_systems_asked_different_questions_are_refused(tmp_path):

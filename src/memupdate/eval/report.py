@@ -380,6 +380,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         pct=_pct,
         num=_num,
         points=lambda value: f"{100 * value:+.1f}",
+        metric_names=COMPARED_METRICS,
         models=_models,
         tokens=_tokens,
         terminations=_terminations,
@@ -416,7 +417,8 @@ def build_report(
     ``split`` names the LoCoMo split the test conversations come from (``data.locomo.split``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    systems, conversations, questions, asked, per_question = {}, set(), 0, {}, {}
+    systems, conversations, questions, asked = {}, set(), 0, {}
+    per_question: dict[str, dict[str, dict[str, float]]] = {metric: {} for metric in COMPARED_METRICS}
     for name in system_order(predictions):
         path = predictions[name]
         records = load_jsonl(path)
@@ -424,7 +426,11 @@ def build_report(
         systems[name] = summarize(records, may_skip=name in MAY_SKIP)
         scores = {r["namespace"]: score_prediction(r)["locomo_f1"] for r in records}
         if name not in MAY_SKIP and scores and None not in scores.values():
-            per_question[name] = scores
+            per_question["locomo_f1"][name] = scores
+            # The questions with gold evidence (LoCoMo's category 5 has none).
+            recall = {r["namespace"]: r["evidence_recall"] for r in records if r.get("evidence_recall") is not None}
+            if recall:
+                per_question["evidence_recall"][name] = recall
         # The checkpoints the predictions were made with (the evaluator's fingerprint beside them).
         meta = Path(path).with_suffix(".meta.json")
         if meta.is_file():
@@ -455,7 +461,7 @@ def build_report(
         "settings": dict(settings),
         "judge": judge,
         "systems": systems,
-        "comparisons": comparisons(per_question),
+        "comparisons": [c for metric in COMPARED_METRICS for c in comparisons(per_question[metric], metric)],
         "training": training_curves(training_metrics or {}),
     }
     if published:
@@ -512,21 +518,25 @@ def system_order(names: Iterable[str]) -> list[str]:
     return sorted(names, key=rank)
 
 
-def comparisons(per_question: Mapping[str, Mapping[str, float]]) -> list[dict[str, Any]]:
-    """Paired bootstrap 95% intervals (:func:`memupdate.eval.stats.paired_by_key`) of LoCoMo F1 for the
-    :data:`COMPARISONS` and each training stage's system against the previous stage's, whose two systems
-    both have per-question scores (namespace -> F1).
+#: The per-question metrics the report compares, with their names in report.md.
+COMPARED_METRICS = {"locomo_f1": "LoCoMo F1", "evidence_recall": "evidence recall@k"}
+
+
+def comparisons(per_question: Mapping[str, Mapping[str, float]], metric: str = "locomo_f1") -> list[dict[str, Any]]:
+    """Paired bootstrap 95% intervals (:func:`memupdate.eval.stats.paired_by_key`) of ``metric`` (one of
+    :data:`COMPARED_METRICS`) for the :data:`COMPARISONS` and each training stage's system against the previous
+    stage's, whose two systems both have per-question scores (namespace -> score).
 
     >>> out = comparisons({"no_update": {"q1": 0.0, "q2": 0.5}, "stage1+qa_base": {"q1": 1.0, "q2": 0.5}})
-    >>> [(c["system"], c["baseline"], c["mean_difference"]) for c in out]
-    [('stage1+qa_base', 'no_update', 0.5)]
+    >>> [(c["system"], c["baseline"], c["metric"], c["mean_difference"]) for c in out]
+    [('stage1+qa_base', 'no_update', 'locomo_f1', 0.5)]
     """
     stages = [name for name in system_order(per_question) if stage_number(name) is not None]
     out = []
     for system, baseline in [*COMPARISONS, *((b, a) for a, b in zip(stages, stages[1:], strict=False))]:
         if system in per_question and baseline in per_question:
             interval = paired_by_key(per_question[system], per_question[baseline])
-            out.append({"system": system, "baseline": baseline, "metric": "locomo_f1", **interval})
+            out.append({"system": system, "baseline": baseline, "metric": metric, **interval})
     return out
 
 
