@@ -383,7 +383,7 @@ def _markdown(report: Mapping[str, Any]) -> str:
         if heldout:
             lines += [
                 "",
-                "Stage 1's held-out reward (verl's validation rows, greedy) by step: "
+                "Stage 1's held-out reward (verl's validation rows, decoded with its val_kwargs) by step: "
                 + ", ".join(f"step {s['step']} {s[HELDOUT_CURVE]:.4f}" for s in heldout),
             ]
         lines += ["", "![stage-1 training](training.png)"]

@@ -130,7 +130,7 @@ VERL_METRICS = {
     "kl": "actor/kl_loss",
 }
 #: verl's validation reward at the steps it validates (``trainer.test_freq``, ``val_before_train`` at step 0):
-#: ``val-core/<data source>/reward/mean@<n>`` (verl.trainer.ppo.ray_trainer's ``_val_metrics_update``).
+#: ``val-core/<data source>/reward/mean@<n>`` (``_val_metrics_update`` of verl 0.9.1's trainers, v1 trainer_base's too).
 HELDOUT_REWARD = re.compile(r"val-core/[^/]+/reward/mean@\d+")
 
 
