@@ -37,6 +37,8 @@ EMBEDDINGS = f"results/embeddings/{EMBEDDING_TAG}"
 # Memory of a verl training job on a CPU node, MB (measured 10-14 GB with the tiny and the 135M models); on GPU
 # nodes profiles/slurm/resources.yaml's rows give theirs.
 VERL_CPU_MEM_MB = 14000
+# The GPU preflight's report (rule preflight), an input of every job that asks for GPUs (gpu_preflight).
+PREFLIGHT_REPORT = "results/preflight.json"
 
 
 def one_of(names):
@@ -173,6 +175,25 @@ def job_resources(rule, model_of, **own):
 
     keys = {"nodes", "tasks", "gres", "tasks_per_gpu", "mpi", "cpus_per_task", *own}
     return {key: resource(key) for key in sorted(keys)}
+
+
+def gpu_preflight(sized):
+    """An input function: the preflight's report (rule preflight) for a job of ``sized`` whose row asks for GPUs,
+    unless config `preflight` is false; nothing for a CPU job (the smoke scale, the rehearsal)."""
+
+    def inputs(wildcards):
+        if config["preflight"] and planned_row(sized, wildcards).gpus_per_node:
+            return {"preflight": PREFLIGHT_REPORT}
+        return {}
+
+    return inputs
+
+
+def get_preflight_inputs(wildcards):
+    """The downloads of the models the scale's experiments load: the preflight checks that each resolves offline."""
+    experiments = [config["experiments"][name] for name in SCALE["experiments"]]
+    models = dict.fromkeys(e[role] for e in experiments for role in ("policy", "qa_model") if e.get(role))
+    return [download for download in map(hub_download, models) if download]
 
 
 def planned_row(sized, wildcards):

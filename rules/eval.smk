@@ -8,6 +8,7 @@
 rule eval_locomo:
     input:
         unpack(get_eval_inputs),
+        unpack(gpu_preflight("eval_locomo")),
     output:
         report="results/{exp}/eval/report.json",
         markdown=report(

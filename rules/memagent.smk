@@ -7,6 +7,7 @@
 rule train_memagent_sft:
     input:
         unpack(get_memagent_sft_inputs),
+        unpack(gpu_preflight("train_memagent_sft")),
     output:
         ckpt=directory("results/{exp}/sft/ckpt"),
     log:
@@ -32,6 +33,7 @@ rule train_memagent_sft:
 rule train_memagent:
     input:
         unpack(get_memagent_train_inputs),
+        unpack(gpu_preflight("train_memagent")),
     output:
         ckpt=directory("results/{exp}/memagent/ckpt"),
     log:
@@ -59,6 +61,7 @@ rule train_memagent:
 rule eval_memagent:
     input:
         unpack(get_memagent_eval_inputs),
+        unpack(gpu_preflight("eval_memagent")),
     output:
         report="results/{exp}/memagent_eval/report.json",
         markdown=report(

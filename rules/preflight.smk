@@ -1,14 +1,17 @@
 # Preflight: on one GPU node, check what the run needs (CUDA, NCCL, flash-attn, the verl and vLLM versions,
 # every model offline, checkpoint disk) and fail in minutes with the fix, not hours into a training job:
 #   snakemake --profile profiles/slurm preflight --config scale=full
-# It reruns only when its report is missing: after changing the environment, add `-R preflight`.
+# Every job that asks for GPUs waits for its report (gpu_preflight), unless `--config preflight=false`. It reruns
+# only when its report is missing: after changing the environment, add `-R preflight`.
 
 from memupdate.cluster import Job
 
 
 rule preflight:
+    input:
+        get_preflight_inputs,
     output:
-        "results/preflight.json",
+        PREFLIGHT_REPORT,
     log:
         "logs/preflight/preflight.log",
     benchmark:

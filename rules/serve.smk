@@ -7,6 +7,8 @@
 rule serve_model:
     input:
         unpack(get_serve_inputs),
+        # The server's own job asks for GPUs.
+        unpack(gpu_preflight("serve_model")),
     output:
         marker=temp("results/{exp}/serve/{purpose}/{served}.ready.json"),
     log:

@@ -9,6 +9,7 @@
 rule train_sft:
     input:
         unpack(get_sft_inputs),
+        unpack(gpu_preflight("train_sft")),
         model=policy_model,
     output:
         ckpt=directory("results/{exp}/sft/ckpt"),
@@ -63,6 +64,7 @@ for n in stage_numbers():
             f"train_stage{n}"
         input:
             unpack(get_stage_inputs),
+            unpack(gpu_preflight("train_stage")),
         output:
             ckpt=directory("results/{exp}/stage{n}/ckpt"),
         log:

@@ -195,19 +195,42 @@ def test_the_file_runs_alone(tiny_models, hf_home, tmp_path):
     assert json.loads((tmp_path / "preflight.json").read_text())["ok"] is False
 
 
-def test_the_rule_asks_slurm_for_one_gpu(tmp_path, copy_workflow):
-    repo = copy_workflow(tmp_path)
+def dry_run(repo: Path, *args: str) -> subprocess.CompletedProcess:
     snakemake = str(Path(sys.executable).parent / "snakemake")
     run = subprocess.run(
-        [snakemake, "-n", "--profile", "profiles/slurm", "preflight", "--config", "scale=full"],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [snakemake, "-n", "--profile", "profiles/slurm", *args], cwd=repo, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_the_rule_asks_slurm_for_one_gpu_after_the_models_are_downloaded(tmp_path, copy_workflow):
+    run = dry_run(copy_workflow(tmp_path), "preflight", "--config", "scale=full")
     assert "rule preflight:" in run.stdout and "output: results/preflight.json" in run.stdout
     assert "gres=gpu:1" in run.stdout and "tasks_per_gpu=0" in run.stdout
+    # It checks that every model resolves offline, so it runs once they are in HF_HOME.
+    assert "input: results/models/qwen2.5-3b.download.json, results/models/qwen2.5-7b.download.json" in run.stdout
+
+
+def test_every_gpu_job_waits_for_the_preflight_unless_it_is_switched_off(tmp_path, copy_workflow):
+    """A bare node fails in minutes: at the full scale every job that asks Slurm for GPUs (training, the servers'
+    own jobs) has the preflight's report as an input; `preflight=false` skips it, and a rehearsal on CPU nodes
+    asks for no GPU, so it has none."""
+    repo = copy_workflow(tmp_path)
+    listing = dry_run(repo, "all", "--config", "scale=full").stdout
+    jobs = [block for block in listing.split("\n\n") if "rule " in block and "rule preflight:" not in block]
+    # A GPU job, or a server whose own job asks for GPUs (serve_model's `server=` resource).
+    gpu = [block for block in jobs if "gres=gpu" in block]
+    assert {"train_stage1", "train_stage2", "train_memagent", "serve_model"} <= {
+        block.split("rule ")[1].split(":")[0] for block in gpu
+    }
+    for block in gpu:
+        assert "results/preflight.json" in block.split("output:")[0], block
+    assert "rule preflight:" in listing
+    off = dry_run(repo, "all", "--config", "scale=full", "preflight=false").stdout
+    assert "results/preflight.json" not in off and "rule train_stage1:" in off
+    rehearsal = dry_run(repo, "results/stage1/ckpt", "--config", "scale=full", "rehearse=true").stdout
+    assert "rule train_stage1:" in rehearsal and "preflight" not in rehearsal
 
 
 @pytest.mark.parametrize("config_name", ["grpo_memupdate.yaml", "grpo_memagent.yaml"])

@@ -1,12 +1,20 @@
-"""run.sh's set-up: the CPU build of torch, whatever index pip would otherwise use."""
+"""run.sh's set-up (the CPU build of torch, whatever index pip would otherwise use) and the GPU install's resolve."""
 
 import functools
 import http.server
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
+import tomllib
 from pathlib import Path
+
+import pytest
+
+from memupdate.preflight import verl_pin
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,3 +60,66 @@ def test_torch_set_up_prefers_the_cpu_index_when_it_answers(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"installing torch==2.13.0 from PyTorch's CPU index {index}" in result.stderr
     assert "installed torch 2.13.0+cpu (CPU build)" in result.stderr
+
+
+def allowed_pythons() -> list[str]:
+    """The minor versions pyproject.toml's requires-python admits (">=3.11,<3.13": 3.11 and 3.12)."""
+    spec = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
+    low, high = re.fullmatch(r">=3\.(\d+),<3\.(\d+)", spec).groups()
+    return [f"3.{minor}" for minor in range(int(low), int(high))]
+
+
+def interpreter(version: str) -> str:
+    """A working ``python<version>``: on PATH, else among pyenv's installed versions."""
+    candidates = [shutil.which(f"python{version}")]
+    if pyenv := shutil.which("pyenv"):
+        root = subprocess.run([pyenv, "root"], capture_output=True, text=True).stdout.strip()
+        candidates += sorted(str(p) for p in Path(root).glob(f"versions/{version}.*/bin/python{version}"))
+    for candidate in filter(None, candidates):
+        probe = subprocess.run(
+            [candidate, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True
+        )
+        if probe.returncode == 0 and probe.stdout.strip() == str(tuple(int(v) for v in version.split("."))):
+            return candidate
+    pytest.fail(f"no Python {version} to resolve the gpu extra with: put python{version} on PATH (tried {candidates})")
+
+
+def pinned(constraints: Path, package: str) -> str:
+    return next(line.split("==")[1] for line in constraints.read_text().splitlines() if line.startswith(f"{package}=="))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", allowed_pythons())
+def test_the_gpu_extra_resolves_on_every_allowed_python(version, tmp_path):
+    """A cluster user's first command, `pip install -e ".[gpu]"`, as a dry run (metadata only, nothing installed):
+    it resolves, with the vLLM verl pins and the Slurm plugin CI's Slurm tests run (constraints/cpu.txt)."""
+    report = tmp_path / "report.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            interpreter(version),
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            "-e",
+            f"{REPO}[gpu]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    chosen = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert chosen["vllm"] == verl_pin("vllm")
+    assert chosen["torch"] == "2.11.0"
+    plugin = "snakemake-executor-plugin-slurm"
+    assert chosen[plugin] == pinned(REPO / "constraints" / "cpu.txt", plugin)

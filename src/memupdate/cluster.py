@@ -110,7 +110,7 @@ class Job:
         return (self.minutes or 0) + (per or 0) * (units or 0)
 
     def snakemake(self) -> dict[str, Any]:
-        """Resources of the rule's own job, as snakemake-executor-plugin-slurm 2.8 reads them."""
+        """Resources of the rule's own job, as snakemake-executor-plugin-slurm 2.6 reads them."""
         out: dict[str, Any] = {k: v for k in ("cpus_per_task", "mem_mb", "runtime") if (v := getattr(self, k))}
         if self.gpus_per_node:
             # `gres` with tasks_per_gpu=0, never `gpus=`: the plugin ignores `gpus`, and without

@@ -572,6 +572,12 @@ class RewardSettings:
         ge=1,
     )
     other_questions: Int = setting(0, help="other questions of the conversation averaged into S", ge=0)
+    idle_edit_cost: Float = setting(
+        0.0,
+        help="subtracted from the reward of an episode that edited the store and gained nothing (dS <= 0), so "
+        "stopping is strictly best where nothing is missing",
+        ge=0,
+    )
     ingestion_baseline: Literal["append", "before"] = setting(
         "append",
         help="the store S(initial) of an ingestion session reads: append = the session's memories added as they "
@@ -841,6 +847,11 @@ class WorkflowConfig:
     )
     rehearsal: Annotated[dict[str, Any], Section(RehearsalSettings)] = setting(
         help="what a CPU cluster cannot run of a GPU experiment (memupdate.rehearsal)", factory=dict
+    )
+    preflight: Annotated[Bool, BeforeValidator(_switch)] = setting(
+        True,
+        help="run the GPU preflight (rule preflight: CUDA and its driver, NCCL, flash-attn, verl, vLLM, the models, "
+        "disk) on one GPU node before any job that asks for GPUs; false skips it",
     )
 
 

@@ -71,6 +71,40 @@ def test_deleting_the_evidence_earns_a_negative_reward(base, embedder):
     assert after["score"] < 0
 
 
+COSTLY = MemoryRewardConfig(top_k=5, efficiency=EfficiencyConfig(max_total_memories=None), idle_edit_cost=0.05)
+
+
+@pytest.mark.parametrize("scorer", [AnswerRecallScorer(), EvidenceRecallScorer()], ids=lambda s: s.name)
+def test_an_edit_that_gains_nothing_pays_the_idle_edit_cost_and_stopping_pays_nothing(base, embedder, scorer):
+    """With reward.idle_edit_cost, stopping is strictly best where nothing is missing: an edit the reader cannot
+    tell from the original, or one that loses, pays the cost on top; a trajectory that changed nothing pays none."""
+    query = embedder.encode([TARGET.question])[0]
+    top = TrialStore(base).search(query, 1)[0]
+    unseen = TrialStore(base)
+    unseen.update(top.id, metadata={"session": 99})
+    lost = TrialStore(base, embedder)
+    lost.delete(0)
+    stopped = reward(TrialStore(base), TrialStore(base), [TARGET], embedder, scorer, COSTLY)
+    idle = reward(TrialStore(base), unseen, [TARGET], embedder, scorer, COSTLY)
+    losing = reward(TrialStore(base), lost, [TARGET], embedder, scorer, COSTLY)
+    assert stopped["score"] == 0.0 and stopped["idle_edit_cost"] == 0.0
+    assert idle["qa_delta"] == 0.0 and idle["score"] == -0.05 and idle["idle_edit_cost"] == 0.05
+    free = reward(TrialStore(base), lost, [TARGET], embedder, scorer)
+    assert losing["score"] == pytest.approx(free["score"] - 0.05) and losing["idle_edit_cost"] == 0.05
+
+
+def test_an_edit_that_helps_pays_no_idle_edit_cost(base, embedder):
+    free = reward(TrialStore(base), improved_trial(base, embedder), [TARGET], embedder, AnswerRecallScorer())
+    costly = reward(TrialStore(base), improved_trial(base, embedder), [TARGET], embedder, AnswerRecallScorer(), COSTLY)
+    assert costly["score"] == free["score"] > 0 and costly["idle_edit_cost"] == 0.0
+
+
+def test_the_idle_edit_cost_is_a_cost():
+    with pytest.raises(ValueError, match="idle_edit_cost"):
+        MemoryRewardConfig(idle_edit_cost=-0.1)
+    assert MemoryRewardConfig.from_dict({"idle_edit_cost": 0.05}).idle_edit_cost == 0.05
+
+
 def test_initial_and_final_must_be_different_objects(base, embedder):
     store = TrialStore(base)
     with pytest.raises(ValueError, match="different stores"):

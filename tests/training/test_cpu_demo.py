@@ -31,7 +31,7 @@ EPISODE = {
     "max_tool_response_length": 2600,
 }
 ON_CPU = {"trainer.device": "cpu"}
-REWARD = {"scorer": "evidence_recall", "efficiency": {"max_total_memories": None}}
+REWARD = {"scorer": "evidence_recall", "idle_edit_cost": 0.05, "efficiency": {"max_total_memories": None}}
 SEARCH_TOP_K = 10
 SFT = {"epochs": 2, "batch_size": 2, "micro_batch_size": 2, "lr": 1e-4, "max_rows": 8, "search_top_k": SEARCH_TOP_K}
 

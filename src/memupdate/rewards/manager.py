@@ -192,7 +192,7 @@ class MemoryRewardManager(RewardManagerBase):
         self.reward_config = MemoryRewardConfig.from_dict(
             {
                 k: self.settings[k]
-                for k in ("top_k", "context_chars", "other_questions", "efficiency")
+                for k in ("top_k", "context_chars", "other_questions", "efficiency", "idle_edit_cost")
                 if self.settings.get(k) is not None
             }
         )

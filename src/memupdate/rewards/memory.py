@@ -60,10 +60,16 @@ class MemoryRewardConfig:
     #: tomorrow's questions too, not only the target one. 0 = the target question only.
     other_questions: int = 0
     efficiency: EfficiencyConfig = field(default_factory=EfficiencyConfig)
+    #: Subtracted from the reward of a trajectory that edited the store and gained nothing (ΔS <= 0), so that
+    #: stopping is strictly best where nothing is missing: without it an edit the reader cannot tell from the
+    #: original ties with stopping, and GRPO learnt to edit as such (docs/cpu-demo.md). 0 = no cost.
+    idle_edit_cost: float = 0.0
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.other_questions < 0:
             raise ValueError(f"top_k must be >= 1 and other_questions >= 0, got {self.top_k}, {self.other_questions}")
+        if self.idle_edit_cost < 0:
+            raise ValueError(f"idle_edit_cost is a cost, >= 0, got {self.idle_edit_cost}")
         if self.context_chars < 1:
             raise ValueError(f"context_chars must be >= 1, got {self.context_chars}")
 
@@ -132,7 +138,8 @@ async def memory_reward(
 
     A question whose retrieved memories are the same in both stores keeps its initial score: the QA model
     would see the same prompt, so it is neither asked again nor scored on a second sample of the same
-    answer. A trajectory that changed nothing therefore scores exactly 0. Besides S and E, the components
+    answer. A trajectory that changed nothing therefore scores exactly 0; one that edited and gained nothing
+    pays ``config.idle_edit_cost`` besides any loss. Besides S and E, the components
     log what the trajectory wrote (``created_*``: count and length of its new memories) and how much text
     S was scored on (``context_chars_*``: mean per question).
     """
@@ -156,8 +163,11 @@ async def memory_reward(
     s_initial, s_final = statistics.fmean(before), statistics.fmean(after)
     factors = efficiency_factor(len(initial), total_chars(initial), len(final), total_chars(final), config.efficiency)
     ops = {f"ops_{name}": float(n) for name, n in final.stats().items() if name not in ("initial_count", "final_count")}
+    idle_edit = sum(ops.values()) > 0 and s_final <= s_initial
+    cost = config.idle_edit_cost if idle_edit else 0.0
     return {
-        "score": apply_efficiency(s_final - s_initial, factors["efficiency"], config.efficiency),
+        "score": apply_efficiency(s_final - s_initial, factors["efficiency"], config.efficiency) - cost,
+        "idle_edit_cost": cost,
         "qa_initial": s_initial,
         "qa_final": s_final,
         "qa_delta": s_final - s_initial,
