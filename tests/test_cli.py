@@ -24,6 +24,7 @@ COMMANDS = [
     ["eval", "locomo"],
     ["eval", "report"],
     ["score"],
+    ["flash-attn-wheel"],
 ]
 
 
@@ -74,6 +75,17 @@ def test_score_command(capsys):
     # Category 1 splits on commas: gold "painting and running" is one part, best matched by
     # "running" or "painting" alone (P=1, R=1/2), so 2/3.
     assert scores["locomo_f1"] == pytest.approx(2 / 3)
+
+
+def test_flash_attn_wheel_prints_the_prebuilt_wheel_or_says_why_there_is_none(capsys):
+    from memupdate.cli import main
+
+    main(["flash-attn-wheel", "--python", "3.12", "--torch", "2.11.0", "--cuda", "13.0", "--machine", "x86_64"])
+    assert capsys.readouterr().out.strip().endswith("/flash_attn-2.8.3+cu130torch2.11-cp312-cp312-linux_x86_64.whl")
+    with pytest.raises(
+        SystemExit, match="no prebuilt flash-attn wheel for flash-attn 2.8.3, torch 2.11, CUDA 13.0, aarch64"
+    ):
+        main(["flash-attn-wheel", "--python", "3.12", "--torch", "2.11.0", "--cuda", "13.0", "--machine", "aarch64"])
 
 
 def test_eval_report_rebuilds_from_predictions_and_names_a_missing_folder(tmp_path, capsys):

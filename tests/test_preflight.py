@@ -4,6 +4,8 @@ alone and the Snakemake rule all fail the way a user sees it."""
 
 import importlib.util
 import json
+import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -20,10 +22,12 @@ from memupdate.preflight import (
     all_reduce,
     check_cuda,
     check_disk,
+    check_driver,
     check_flash_attn,
     check_nccl,
     check_need,
     estimate_need,
+    flash_attn_wheel,
     read_config,
     target_needs,
     verl_pin,
@@ -66,14 +70,28 @@ def test_an_all_reduce_whose_ranks_fail_names_each_and_why():
     assert error.startswith("rank 0 exited with 1: ") and "; rank 1 exited with 1: " in error, error
 
 
+#: The wheel verl 0.9.1's flash-attn-cu130torch211 extra names for CPython 3.12 (verl's [tool.uv.sources]), and its
+#: CPython 3.11 sibling of the same release.
+PREBUILT = "https://github.com/mjun0812/flash-attention-prebuild-wheels/releases/download/v0.9.4/"
+
+
+@pytest.fixture()
+def gpu_torch(monkeypatch):
+    """The gpu extra's torch as the checks read it: 2.11.0, a CUDA 13.0 build, on x86_64."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
-def test_a_missing_flash_attn_fails_with_the_install_command():
+def test_a_missing_flash_attn_fails_with_the_prebuilt_wheel_for_this_python_and_torch(gpu_torch):
     check = check_flash_attn()
     assert not check.ok and "not installed" in check.detail and "flash_attention_2" in check.detail
-    assert f"pip install flash-attn=={verl_pin('flash-attn')} --no-build-isolation" in check.fix
+    abi = f"cp3{sys.version_info.minor}"
+    assert f"pip install --no-deps {PREBUILT}flash_attn-2.8.3+cu130torch2.11-{abi}-{abi}-linux_x86_64.whl" in check.fix
 
 
-def test_a_flash_attn_built_for_another_torch_is_named_with_the_rebuild(tmp_path, monkeypatch):
+def test_a_flash_attn_built_for_another_torch_is_named_with_the_wheel_for_this_one(tmp_path, monkeypatch, gpu_torch):
     # What a wheel built for another torch does: the package imports, its CUDA extension does not.
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text("")
@@ -89,7 +107,43 @@ def test_a_flash_attn_built_for_another_torch_is_named_with_the_rebuild(tmp_path
         sys.modules.pop("flash_attn", None)
     assert not check.ok and "flash-attn 2.7.4 was built for another torch" in check.detail
     assert "undefined symbol" in check.detail
-    assert "pip install flash-attn==2.7.4 --no-build-isolation --force-reinstall --no-deps" in check.fix
+    assert f"pip install --no-deps --force-reinstall {PREBUILT}flash_attn-2.8.3+cu130torch2.11-cp3" in check.fix
+
+
+@pytest.mark.parametrize("python", ["3.11", "3.12"])
+def test_every_allowed_python_has_a_prebuilt_flash_attn_for_the_gpu_extras_torch(python):
+    abi = "cp" + python.replace(".", "")
+    wheel = flash_attn_wheel(python, "2.11.0", "13.0", "x86_64")
+    assert wheel == f"{PREBUILT}flash_attn-2.8.3+cu130torch2.11-{abi}-{abi}-linux_x86_64.whl"
+
+
+def test_a_torch_without_a_prebuilt_flash_attn_names_the_compile_route():
+    with pytest.raises(LookupError, match=r"torch 2\.9, CUDA 12\.8.*pip install flash-attn==2\.8\.3 --no-build"):
+        flash_attn_wheel("3.11", "2.9.1", "12.8", "x86_64")
+
+
+def fake_nvidia_smi(folder: Path, driver: str, monkeypatch) -> None:
+    """An nvidia-smi that reports ``driver`` on two GPUs, first on PATH."""
+    smi = folder / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nprintf '{driver}\\n{driver}\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize(("driver", "ok"), [("575.57.08", False), ("580.65.06", True)])
+def test_the_driver_must_support_torchs_cuda(tmp_path, monkeypatch, gpu_torch, driver, ok):
+    """torch 2.11.0 from PyPI is a CUDA 13.0 build: a node needs driver R580 or newer."""
+    fake_nvidia_smi(tmp_path, driver, monkeypatch)
+    check = check_driver()
+    assert check.ok is ok and f"driver {driver}" in check.detail and "CUDA 13.0" in check.detail
+    assert ok or ("needs driver R580 or newer" in check.detail and "R580+" in check.fix)
+
+
+@cpu_only
+def test_no_driver_is_a_failed_check_with_its_fix(monkeypatch, gpu_torch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    check = check_driver()
+    assert not check.ok and "nvidia-smi not found" in check.detail and "GPU node" in check.fix
 
 
 def test_the_vllm_pin_comes_from_verls_metadata():

@@ -199,6 +199,15 @@ def _cmd_plan(args: argparse.Namespace) -> None:
     sys.stdout.write(plan.render() + "\n")
 
 
+def _cmd_flash_attn_wheel(args: argparse.Namespace) -> None:
+    from memupdate.preflight import flash_attn_wheel
+
+    try:
+        sys.stdout.write(flash_attn_wheel(args.python, args.torch, args.cuda, args.machine) + "\n")
+    except LookupError as err:
+        raise SystemExit(f"memupdate flash-attn-wheel: {err}") from None
+
+
 def _cmd_score(args: argparse.Namespace) -> None:
     from memupdate import metrics
 
@@ -395,6 +404,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_preflight_arguments(flight)
     flight.set_defaults(func=run_preflight_from_args)
+
+    wheel = sub.add_parser(
+        "flash-attn-wheel",
+        help="print the URL of the prebuilt flash-attn wheel (verl's pin) for this Python, torch, CUDA and machine, "
+        'so no node compiles it: pip install --no-deps "$(memupdate flash-attn-wheel)"',
+    )
+    wheel.add_argument("--python", help="major.minor (default: this interpreter's)")
+    wheel.add_argument("--torch", help="torch version (default: the installed one's)")
+    wheel.add_argument("--cuda", help="CUDA version torch is built for (default: the installed torch's)")
+    wheel.add_argument("--machine", help="x86_64 or aarch64 (default: this machine's)")
+    wheel.set_defaults(func=_cmd_flash_attn_wheel)
 
     plan = sub.add_parser(
         "plan",

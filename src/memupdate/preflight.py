@@ -3,10 +3,13 @@ with its fix, instead of a job that dies hours in (issue 35).
 
 Checks, each a small function returning a :class:`Check` (ok, or the problem and what to do about it):
 
+- ``driver``: the NVIDIA driver supports the CUDA torch was built for (torch 2.11.0 from PyPI, the gpu extra's, is
+  a CUDA 13.0 build: R580 or newer);
 - ``cuda``: torch sees a GPU, its names and compute capability, torch's CUDA version;
 - ``nccl``: torch has NCCL (verl's FSDP ranks talk through it);
 - ``flash-attn``: importable and built for the installed torch (verl 0.9.1 loads models with
-  ``attn_implementation: flash_attention_2``; a wheel built for another torch fails on an undefined symbol);
+  ``attn_implementation: flash_attention_2``; a wheel built for another torch fails on an undefined symbol); the fix
+  names the prebuilt wheel for this Python and torch (:func:`flash_attn_wheel`), so no node compiles it;
 - ``verl``, ``vllm``: the versions this project is validated against (vLLM's from verl's own metadata);
 - every model, tokenizer and embedding model the target loads, resolvable offline (compute nodes often
   have no internet; docs/cluster.md);
@@ -27,9 +30,11 @@ import importlib.util
 import json
 import logging
 import os
+import platform
 import re
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -61,6 +66,23 @@ KEPT_SAVES = 2
 MIN_NEED_BYTES = 1_000_000_000
 #: flash-attn 2 runs on Ampere (8.0) and newer.
 MIN_CAPABILITY = (8, 0)
+#: The oldest NVIDIA driver branch that runs each CUDA major version (minor-version compatibility): CUDA 13.x needs
+#: R580, 12.x R525 (NVIDIA's CUDA Toolkit release notes, "CUDA Driver" table).
+MIN_DRIVER = {12: 525, 13: 580}
+#: Prebuilt flash-attn wheels, by (flash-attn, torch major.minor, CUDA major.minor, machine): the release verl 0.9.1's
+#: own ``flash-attn-cu130torch211`` extra takes its cp312 wheel from (its ``[tool.uv.sources]``, which pip ignores),
+#: built for CPython 3.11 and 3.12 alike, so no node needs nvcc, the ``wheel`` package and hours of compiling.
+FLASH_ATTN_WHEELS = {
+    (
+        "2.8.3",
+        "2.11",
+        "13.0",
+        "x86_64",
+    ): "https://github.com/mjun0812/flash-attention-prebuild-wheels/releases/download/"
+    "v0.9.4/flash_attn-2.8.3+cu130torch2.11-{abi}-{abi}-linux_x86_64.whl",
+}
+#: The CPython versions those wheels are built for (requires-python allows 3.11 and 3.12).
+FLASH_ATTN_PYTHONS = ("3.11", "3.12")
 #: The fix for a GPU node's missing or CPU-only software: the install in docs/cluster.md.
 GPU_INSTALL = "pip install -e '.[gpu]' in a fresh venv (verl[vllm]==0.9.1: torch 2.11.0 with CUDA, vllm 0.24.0)"
 
@@ -93,6 +115,84 @@ class PreflightFailed(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- checks
+
+
+def check_driver() -> Check:
+    """The NVIDIA driver (``nvidia-smi``) is new enough for the CUDA torch was built with (:data:`MIN_DRIVER`)."""
+    try:
+        import torch
+
+        cuda = torch.version.cuda
+    except ImportError as err:
+        return Check("driver", False, f"torch is not importable: {err}", f"install it: {GPU_INSTALL}")
+    if cuda is None:
+        return Check("driver", False, f"torch {torch.__version__} is a CPU-only build", f"install: {GPU_INSTALL}")
+    need = MIN_DRIVER.get(int(cuda.split(".")[0]))
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return Check(
+            "driver",
+            False,
+            f"no NVIDIA driver here (nvidia-smi not found); torch {torch.__version__} needs one for CUDA {cuda}",
+            "run it on a GPU node (snakemake --profile profiles/slurm preflight)",
+        )
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return Check("driver", False, f"nvidia-smi did not answer: {err}", "check the node's driver (nvidia-smi)")
+    versions = sorted(set(out.stdout.split()))
+    if out.returncode != 0 or not versions:
+        said = (out.stderr or out.stdout).strip()[:300]
+        return Check("driver", False, f"nvidia-smi failed: {said}", "check the node's driver (nvidia-smi)")
+    driver = versions[0]
+    detail = f"driver {driver}; torch {torch.__version__} is built for CUDA {cuda}"
+    if need is not None and int(driver.split(".")[0]) < need:
+        return Check(
+            "driver",
+            False,
+            f"{detail}, which needs driver R{need} or newer",
+            f"ask for nodes with driver R{need}+ (a --constraint or partition of your cluster), or install a torch "
+            "built for an older CUDA with the matching vllm and flash-attn (docs/cluster.md)",
+        )
+    return Check("driver", True, detail)
+
+
+def flash_attn_wheel(
+    python: str | None = None, torch_version: str | None = None, cuda: str | None = None, machine: str | None = None
+) -> str:
+    """The URL of a prebuilt flash-attn wheel (verl's pin) for this Python, torch, CUDA and machine (default: the
+    running ones), from :data:`FLASH_ATTN_WHEELS`; LookupError naming what exists if there is none.
+
+    >>> flash_attn_wheel("3.12", "2.11.0+cu130", "13.0", "x86_64").rsplit("/", 1)[1]
+    'flash_attn-2.8.3+cu130torch2.11-cp312-cp312-linux_x86_64.whl'
+    >>> flash_attn_wheel("3.10", "2.11.0", "13.0", "x86_64")
+    Traceback (most recent call last):
+    ...
+    LookupError: no prebuilt flash-attn 2.8.3 wheel for Python 3.10: they exist for Python 3.11, 3.12
+    """
+    if python is None:
+        python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if torch_version is None or cuda is None:
+        import torch
+
+        torch_version, cuda = torch_version or torch.__version__, cuda or torch.version.cuda
+    machine = machine or platform.machine()
+    pin = verl_pin("flash-attn")
+    if python not in FLASH_ATTN_PYTHONS:
+        raise LookupError(
+            f"no prebuilt flash-attn {pin} wheel for Python {python}: they exist for Python {', '.join(FLASH_ATTN_PYTHONS)}"
+        )
+    key = (pin, ".".join(torch_version.split("+")[0].split(".")[:2]), cuda or "none", machine)
+    if key not in FLASH_ATTN_WHEELS:
+        known = "; ".join(f"flash-attn {f}, torch {t}, CUDA {c}, {m}" for f, t, c, m in FLASH_ATTN_WHEELS)
+        raise LookupError(
+            f"no prebuilt flash-attn wheel for flash-attn {key[0]}, torch {key[1]}, CUDA {key[2]}, {key[3]} (known: "
+            f"{known}); build it on a node with nvcc: pip install wheel && pip install flash-attn=={pin} "
+            "--no-build-isolation (about 9 GB of RAM per compile job, hours)"
+        )
+    return FLASH_ATTN_WHEELS[key].format(abi="cp" + python.replace(".", ""))
 
 
 def check_cuda() -> Check:
@@ -227,7 +327,6 @@ def all_reduce(ranks: int, backend: str, timeout_s: float = 180.0) -> tuple[str 
 
 def check_flash_attn() -> Check:
     """flash_attn and its CUDA extension import against the installed torch."""
-    pin = verl_pin("flash-attn")
     try:
         import torch
 
@@ -235,11 +334,11 @@ def check_flash_attn() -> Check:
     except ImportError:
         torch_version = "(torch not importable)"
     version = _version("flash-attn")
-    rebuild = (
-        f"pip install flash-attn=={version or pin} --no-build-isolation{' --force-reinstall --no-deps' if version else ''}"
-        f" (compiles against the installed torch {torch_version}), or a prebuilt flash-attn wheel for that torch and its"
-        " CUDA (verl[flash-attn-cu130torch211]==0.9.1 brings one for torch 2.11 on CUDA 13.0)"
-    )
+    try:
+        wheel = flash_attn_wheel()
+        rebuild = f"pip install --no-deps{' --force-reinstall' if version else ''} {wheel} (prebuilt for this Python and torch)"
+    except (LookupError, ImportError) as err:
+        rebuild = str(err) if isinstance(err, LookupError) else f"install torch first ({err})"
     try:
         import flash_attn  # noqa: F401
         import flash_attn_2_cuda  # noqa: F401
@@ -256,7 +355,7 @@ def check_flash_attn() -> Check:
                 "flash-attn",
                 False,
                 f"flash-attn {version} was built for another torch than {torch_version}: {err}",
-                f"rebuild it against this torch: {rebuild}",
+                f"install one built for this torch: {rebuild}",
             )
         return Check("flash-attn", False, f"flash-attn {version} does not import: {err}", f"reinstall it: {rebuild}")
     return Check("flash-attn", True, f"flash-attn {version}, CUDA extension loads against torch {torch_version}")
@@ -403,7 +502,7 @@ def run_preflight(
     :func:`estimate_need`; ``json_path`` to ``<results>/preflight.json``. ``show`` gets the table (default:
     the log). Raises :class:`PreflightFailed` if any check failed, after the report is written.
     """
-    checks = [check_cuda(), check_nccl(), check_flash_attn(), check_verl(), check_vllm()]
+    checks = [check_driver(), check_cuda(), check_nccl(), check_flash_attn(), check_verl(), check_vllm()]
     needs: list[Need] = []
     try:
         if not isinstance(config, Mapping):
