@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import os
 import re
+import shutil
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -12,9 +13,10 @@ from snakemake.iocontainers import Wildcards
 from snakemake_interface_executor_plugins.settings import ExecMode
 
 from memupdate import plan as planning
-from memupdate.cluster import RESOURCES_FILE, read_table
+from memupdate.cluster import RESOURCES_FILE, placement, read_table
 from memupdate.models.hub import is_hub_id
 from memupdate.settings import (
+    ConfigError,
     HeadroomSettings,
     IngestionSettings,
     PolicyEvalSettings,
@@ -152,9 +154,35 @@ def get_hotpotqa_tokenizer_inputs(wildcards):
 
 
 # What the heavy jobs ask Slurm for, per rule and model, and how long they are expected to take; checked
-# here, when the Snakefile loads. A partition's longest time limit (minutes) may come from the environment.
+# here, when the Snakefile loads. The partition's time limit comes from the environment, the table, or Slurm itself
+# (sinfo, where there is one); every job's limit fits it, or the job resumes after a cut, or the run is refused.
 CLUSTER = read_table(Path(workflow.basedir) / RESOURCES_FILE, config["models"])
-LIMITS = planning.with_cap(CLUSTER.limits, os.environ.get(planning.MAX_RUNTIME_ENV))
+
+
+@functools.cache
+def limits():
+    """The plan's limits with the partition's cap, read once the run's executor is known (while the DAG is built).
+    A run that submits to Slurm (profiles/slurm names slurm_partition among its default resources) reads the cap
+    from Slurm if neither MEMUPDATE_SLURM_MAX_RUNTIME nor plan.max_runtime gives it; where Slurm cannot say, a dry
+    run warns and plans without one, a real run stops before submitting anything."""
+    defaults = workflow.resource_settings.default_resources
+    to_slurm = defaults is not None and "slurm_partition" in defaults.keys()
+    if not to_slurm or workflow.exec_mode != ExecMode.DEFAULT:
+        return planning.with_cap(
+            CLUSTER.limits, os.environ.get(planning.MAX_RUNTIME_ENV)
+        )
+    try:
+        return planning.cluster_limits(
+            CLUSTER.limits,
+            os.environ,
+            placement("slurm_partition"),
+            shutil.which("sinfo"),
+        )
+    except ConfigError as err:
+        if not workflow.dryrun:
+            raise
+        logger.warning(f"{err}; this dry run plans without a cap")
+        return CLUSTER.limits
 # The model a sized rule's job handles, by rule (job_resources records each; serve_model's is added below).
 PLAN_MODEL_OF = {}
 
@@ -223,13 +251,13 @@ def _plan_job(sized, wildcards):
     if sized == "serve_model":
         consumers = [planned(r, w) for r, w in serve_consumers(wildcards)]
         what = f"{wildcards.purpose}/{wildcards.served}"
-        return planning.served(row, consumers, LIMITS, exp=exp, what=what, model=model)
+        return planning.served(row, consumers, limits(), exp=exp, what=what, model=model)
     name = f"train_stage{wildcards.n}" if sized == "train_stage" else sized
     pattern = getattr(rules, name).benchmark
     return planning.job(
         name,
         row,
-        LIMITS,
+        limits(),
         units=plan_units(sized, wildcards),
         benchmark=apply_wildcards(str(pattern), wildcards) if pattern else None,
         disk_gb=plan_disk(sized, wildcards, model),
@@ -271,7 +299,7 @@ def plan_disk(sized, wildcards, model):
         )
         defaults = planning.trainer_defaults("memagent" if memagent else "memupdate")
         saves = planning.saves_kept(settings, defaults)
-    return planning.checkpoint_gb(params, saves, LIMITS)
+    return planning.checkpoint_gb(params, saves, limits())
 
 
 def serve_consumers(wildcards):
@@ -311,7 +339,7 @@ def workflow_plan(dag, always=False):
     deps = {job: list(dag.dependencies[job]) for job in jobs}
     chain = planning.longest_chain(minutes, deps)
     return planning.Plan(
-        list(entries.values()), LIMITS, len(jobs) - len(entries), chain
+        list(entries.values()), limits(), len(jobs) - len(entries), chain
     )
 
 

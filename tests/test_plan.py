@@ -17,10 +17,12 @@ from memupdate.plan import (
     REFERENCE_CAP,
     Plan,
     checkpoint_gb,
+    cluster_limits,
     figure,
     job,
     longest_chain,
     model_params,
+    partition_cap,
     plan_targets,
     saves_kept,
     served,
@@ -47,6 +49,28 @@ def test_the_limit_is_the_expected_time_times_the_margin_capped_by_the_partition
     assert with_cap(Limits(), "2880").max_runtime == 2880 and with_cap(Limits(), None) == Limits()
     with pytest.raises(ConfigError, match="MEMUPDATE_SLURM_MAX_RUNTIME"):
         with_cap(Limits(), "2 days")
+
+
+def test_a_job_past_the_cap_that_does_not_resume_is_refused_naming_its_figures():
+    with pytest.raises(ConfigError, match=r"prepare_model.*past the partition cap of 48.0 h.*does not resume"):
+        job("prepare_model", Job(gpus_per_node=1, minutes=2000, source="a guess"), Limits(max_runtime=2880))
+    # Training resumes from its saves, both evaluations from their saved predictions: they are split instead.
+    for rule, units in (("train_stage1", 300), ("eval_locomo", 6), ("eval_memagent", 4)):
+        row = Job(gpus_per_node=8, minutes=10, per_step=30) if rule.startswith("train") else Job(per_system=900)
+        entry = job(rule, row, Limits(max_runtime=2880), units=units)
+        assert entry.limit == 2880 and entry.jobs > 1, rule
+
+
+def test_where_slurm_cannot_say_the_cap_must_be_given(tmp_path):
+    """A Slurm run reads the cap from sinfo unless the environment or the table gives it; where sinfo fails, the
+    error says what to set (a dry run then warns and plans without a cap: rules/common.smk)."""
+    assert cluster_limits(Limits(), {}, "gpu", None) == Limits()
+    assert cluster_limits(Limits(), {"MEMUPDATE_SLURM_MAX_RUNTIME": "2880"}, "gpu", "/bin/false").max_runtime == 2880
+    assert cluster_limits(Limits(max_runtime=1440), {}, "gpu", "/bin/false").max_runtime == 1440
+    with pytest.raises(ConfigError, match=r"cannot read the time limit of gpu from Slurm.*set MEMUPDATE_SLURM_MAX_RUN"):
+        cluster_limits(Limits(), {}, "gpu", shutil.which("false"))
+    with pytest.raises(ConfigError, match="the default partition"):
+        partition_cap("", shutil.which("false"))
 
 
 def test_a_benchmark_of_a_previous_run_turns_the_estimate_into_a_measurement(tmp_path):

@@ -2,8 +2,9 @@
 
 The figures live in one place, ``profiles/slurm/resources.yaml`` (:mod:`memupdate.cluster`): each row of a rule
 and model gives the job's expected wall time with its source, and the limit Slurm gets is derived from it,
-expected x ``plan.margin``, capped by the partition's ``plan.max_runtime`` (or ``MEMUPDATE_SLURM_MAX_RUNTIME``);
-a job that needs more is asked for the cap and needs resubmits (verl resumes from its last save). A served
+expected x ``plan.margin``, capped by the partition's limit (``MEMUPDATE_SLURM_MAX_RUNTIME``, ``plan.max_runtime``,
+or what Slurm says of the partition: :func:`cluster_limits`); a job that needs more is asked for the cap and needs
+resubmits if it resumes (:func:`resumes`), and is refused otherwise. A served
 model's job must outlive its consumers: its limit is its longest consumer's plus ``plan.queue_margin``. A
 previous run's benchmark file (``benchmarks/<rule>/...tsv``, Snakemake's ``s`` column) replaces the estimate,
 labelled measured.
@@ -24,6 +25,7 @@ import csv
 import logging
 import math
 import re
+import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cache
@@ -90,6 +92,68 @@ def _capped(needed: int, limits: Limits) -> tuple[int, int]:
     if cap and needed > cap:
         return cap, math.ceil(needed / cap)
     return needed, 1
+
+
+def slurm_minutes(text: str) -> int | None:
+    """A Slurm time limit as sinfo prints it (``%l``), in whole minutes; None for no limit.
+
+    >>> [slurm_minutes(t) for t in ("2-00:00:00", "48:00:00", "30:00", "1-12", "infinite", "UNLIMITED")]
+    [2880, 2880, 30, 2160, None, None]
+    """
+    text = text.strip()
+    if text.lower() in ("infinite", "unlimited"):
+        return None
+    days, _, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:
+        # days-hours[:minutes[:seconds]]
+        hours, minutes = parts[0], (parts[1] if len(parts) > 1 else 0)
+        return int(days) * 1440 + hours * 60 + minutes
+    # minutes, minutes:seconds or hours:minutes:seconds
+    if len(parts) == 3:
+        return parts[0] * 60 + parts[1]
+    return parts[0]
+
+
+def partition_cap(partition: str, sinfo: str) -> int | None:
+    """The time limit of ``partition`` (its default one if ""), from ``sinfo`` (a path), in minutes; None for no
+    limit. ConfigError, naming what to set instead, if Slurm cannot say."""
+    args = [sinfo, "--noheader", "--format=%P %l"] + (["--partition", partition] if partition else [])
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        out, failure = None, str(err)
+    else:
+        # sinfo's last line says why (a cluster it cannot reach prints several before "fatal: ...").
+        failure = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1] if out.returncode else ""
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()] if out and not failure else []
+    if not partition:
+        rows = [row for row in rows if row[0].endswith("*")]
+    named = partition or "the default partition"
+    if not rows:
+        raise ConfigError(
+            f"cannot read the time limit of {named} from Slurm ({' '.join(args)}: "
+            f"{failure or 'no such partition'}); set {MAX_RUNTIME_ENV} to it in minutes (or plan.max_runtime in "
+            "profiles/slurm/resources.yaml), so every job's limit fits it"
+        )
+    try:
+        caps = [slurm_minutes(row[1]) for row in rows]
+    except (IndexError, ValueError):
+        raise ConfigError(
+            f"cannot read the time limit of {named} from sinfo's {rows!r}; set {MAX_RUNTIME_ENV}"
+        ) from None
+    known = [cap for cap in caps if cap is not None]
+    return min(known) if known else None
+
+
+def cluster_limits(limits: Limits, env: Mapping[str, str], partition: str, sinfo: str | None) -> Limits:
+    """``limits`` with the partition's cap: ``MEMUPDATE_SLURM_MAX_RUNTIME``, else the table's ``max_runtime``, else
+    what Slurm says of the partition the jobs go to (``sinfo`` on PATH: a Slurm cluster), else none (a machine
+    without Slurm: no job has a time limit)."""
+    capped = with_cap(limits, env.get(MAX_RUNTIME_ENV))
+    if capped.max_runtime is not None or sinfo is None:
+        return capped
+    return replace(limits, max_runtime=partition_cap(partition, sinfo))
 
 
 def with_cap(limits: Limits, value: str | None) -> Limits:
@@ -239,7 +303,22 @@ def job(
     explicit ``runtime`` without a figure."""
     found = figure(row, units, benchmark)
     limit, jobs = time_limit(found.minutes, limits) if found else (row.runtime, 1)
-    return Entry(rule, row, found, limit, jobs, disk_gb=disk_gb, **about)
+    entry = Entry(rule, row, found, limit, jobs, disk_gb=disk_gb, **about)
+    if jobs > 1 and not resumes(entry):
+        raise ConfigError(
+            f"{entry.name}: {found.minutes / 60:,.1f} h expected ({found.label}: {found.source}), "
+            f"{found.minutes * limits.margin / 60:,.1f} h with plan.margin {limits.margin:g}, is past the partition "
+            f"cap of {limits.max_runtime / 60:,.1f} h, and the job does not resume after a cut: ask for a partition "
+            f"with a longer limit ({MAX_RUNTIME_ENV}, MEMUPDATE_SLURM_PARTITION), lower plan.margin in "
+            "profiles/slurm/resources.yaml, or evaluate fewer systems or lengths"
+        )
+    return entry
+
+
+def resumes(entry: Entry) -> bool:
+    """Whether a job cut by its time limit continues where it stopped when rerun: training (verl's saves), the
+    LoCoMo evaluation (its saved predictions, question by question) and MemAgent's (pass by pass)."""
+    return entry.table_rule in TRAINING or entry.rule in ("eval_locomo", "eval_memagent")
 
 
 def served(row: Job, consumers: Sequence[Entry], limits: Limits, **about: Any) -> Entry:
@@ -423,6 +502,11 @@ def _resume(entry: Entry) -> str:
         return "Rerun the same snakemake command after each cut (or pass --retries): verl resumes from its last save."
     if entry.rule == "eval_locomo":
         return "Rerun the same snakemake command after each cut: it completes only the missing predictions."
+    if entry.rule == "eval_memagent":
+        return (
+            "Rerun the same snakemake command after each cut: it runs only the passes (model, style, length) it had "
+            "not finished; they run side by side, so the longest haystacks finish last."
+        )
     return "It does not resume (each pass is predicted again): raise the cap or make the job fit."
 
 

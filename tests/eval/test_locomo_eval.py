@@ -11,6 +11,7 @@ import pytest
 
 from memupdate import metrics
 from memupdate.eval import locomo, report
+from memupdate.utils.io import invalidate_if_changed
 
 
 def test_rows_are_drawn_per_conversation_with_a_seed(locomo_rows):
@@ -55,11 +56,11 @@ def test_torn_last_line_is_redone(tmp_path):
 
 def test_predictions_of_other_models_are_moved_aside(tmp_path):
     path = tmp_path / "s.jsonl"
-    locomo._invalidate_if_changed(path, {"models": 1})
+    invalidate_if_changed(path, {"models": 1})
     path.write_text(json.dumps({"namespace": "a"}) + "\n")
-    locomo._invalidate_if_changed(path, {"models": 1})
+    invalidate_if_changed(path, {"models": 1})
     assert path.exists()
-    locomo._invalidate_if_changed(path, {"models": 2})
+    invalidate_if_changed(path, {"models": 2})
     assert not path.exists() and (tmp_path / "s.stale.jsonl").exists()
 
 

@@ -145,6 +145,19 @@ def test_memagent_style_is_reported_beside_ours(tiny_models, hotpot_rows, tmp_pa
         assert summary[key] == pytest.approx(np.mean([r[key] for r in records]), abs=1e-4)
     text = (out / "report.md").read_text()
     assert "## Our evaluation" in text and "## MemAgent's own evaluation style" in text
+    # Cut by its time limit before one pass was saved, then rerun: the saved pass is not predicted again.
+    (out / "predictions" / "tiny-3.jsonl").unlink()
+    (out / "report.json").unlink()
+    caplog.clear()
+    again = memagent_length_curve({"tiny": tiny_models / "policy"}, {"3": hotpot_rows}, out, SETTINGS)
+    assert "tiny @ 3 (memagent): 3 predictions saved by a previous run; not predicted again" in caplog.text
+    assert re.search(r"tiny @ 3 \(ours\): 3 questions in \d+ s", caplog.text)
+    assert again["memagent_style"]["results"] == style["results"] and len(predictions(out, "tiny", 3)) == 3
+    # Other settings: the saved passes are moved aside and predicted afresh.
+    caplog.clear()
+    memagent_length_curve({"tiny": tiny_models / "policy"}, {"3": hotpot_rows}, out, {**SETTINGS, "limit": 2})
+    assert "predictions saved by a previous run" not in caplog.text and "moved to" in caplog.text
+    assert len(predictions(out, "tiny", 3, ".memagent_style")) == 2
 
 
 def test_memagent_style_samples_at_upstream_temperature(tiny_models, tmp_path):

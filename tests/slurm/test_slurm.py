@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -333,6 +334,30 @@ def test_the_cluster_refuses_a_job_without_its_partition_and_account(slurm_clust
         [*submit, "-p", placement["partition"], "-A", placement["account"]], capture_output=True, text=True
     )
     assert placed.returncode == 0, placed.stderr
+
+
+def test_the_time_limits_fit_the_partitions_cap_read_from_slurm(slurm_cluster, placement, slurm_workdir, monkeypatch):
+    """With no cap given, a Slurm run reads the partition's MaxTime from sinfo (INFINITE: no cap) and fits every
+    job to it: on a 48 h partition the dry run plans MemAgent's training as resubmits, the servers within 48 h."""
+    from memupdate.plan import partition_cap
+
+    sinfo = shutil.which("sinfo")
+    assert partition_cap(placement["partition"], sinfo) is None
+    busy = placement["busy"]
+    subprocess.run(["scontrol", "update", f"PartitionName={busy}", "MaxTime=2-00:00:00"], check=True)
+    try:
+        assert partition_cap(busy, sinfo) == 2880
+        monkeypatch.setenv("MEMUPDATE_SLURM_PARTITION", busy)
+        monkeypatch.delenv("MEMUPDATE_SLURM_MAX_RUNTIME", raising=False)
+        run = snakemake(slurm_workdir, "-n", "--profile", "profiles/slurm", "all", "--config", "scale=full")
+    finally:
+        subprocess.run(["scontrol", "update", f"PartitionName={busy}", "MaxTime=INFINITE"], check=True)
+    text = run.stdout + run.stderr
+    assert run.returncode == 0, text[-3000:]
+    assert "partition cap 48.0 h" in text and "train_memagent of memagent_7b" in text and "resubmit(s)" in text
+    # Each job's limit, and each server's own job's (serve_model's `server=` resource: time=).
+    limits = [int(m) for m in re.findall(r"\b(?:runtime|time)=(\d+)", run.stdout)]
+    assert "time=2880" in run.stdout and limits and max(limits) <= 2880
 
 
 NO_NETWORK = textwrap.dedent(

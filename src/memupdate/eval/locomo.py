@@ -80,10 +80,11 @@ from memupdate.settings import (
 )
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.utils.io import (
+    invalidate_if_changed,
+    model_fingerprint,
     portable_path,
     read_parquet_columns,
     sha256_file,
-    sha256_text,
     weights_digest,
     write_json_atomic,
     write_text_atomic,
@@ -641,7 +642,7 @@ class LocomoEvaluator:
         paths, policies = {}, {}
         for system in systems:
             path = paths[system.name] = predictions / f"{system.name}.jsonl"
-            _invalidate_if_changed(path, self.fingerprint(system))
+            invalidate_if_changed(path, self.fingerprint(system))
             done = read_predictions(path)
             todo = [r for r in self.rows if r["extra_info"]["namespace"] not in done]
             logger.info("%s: %d of %d questions to predict", system.name, len(todo), len(self.rows))
@@ -717,35 +718,6 @@ def copy_predictions(source: Path, path: Path, namespaces: set[str], system: str
     if missing:
         raise RuntimeError(f"{source}: {twin} lacks predictions for {len(missing)} questions to copy to {system}")
     _append(path, [{**r, "system": system, "same_weights_as": twin} for r in records])
-
-
-def model_fingerprint(folder: Path) -> str | None:
-    """What identifies a served model's weights: its manifest (a trained checkpoint's ``manifest.json``, a prepared
-    model's ``memupdate_model.json``), else the sha256 of every file in the folder (a checkpoint put there by hand:
-    its config alone would not change when it is retrained); None for a folder that is not there.
-
-    >>> import tempfile; d = Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text("{}")
-    >>> _ = (d / "model.safetensors").write_bytes(b"1"); before = model_fingerprint(d)
-    >>> _ = (d / "model.safetensors").write_bytes(b"2"); model_fingerprint(d) == before
-    False
-    """
-    for name in ("manifest.json", "memupdate_model.json"):
-        if (folder / name).is_file():
-            return sha256_file(folder / name)
-    if not folder.is_dir():
-        return None
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return sha256_text("".join(f"{p.relative_to(folder)}\t{sha256_file(p)}\n" for p in files))
-
-
-def _invalidate_if_changed(path: Path, fingerprint: dict[str, Any]) -> None:
-    """Predictions made by other models or settings are moved aside, never mixed with new ones."""
-    meta = path.with_suffix(".meta.json")
-    if meta.is_file() and json.loads(meta.read_text(encoding="utf-8")) != fingerprint and path.exists():
-        stale = path.with_suffix(".stale.jsonl")
-        path.rename(stale)
-        logger.warning("%s was made by other models or settings; moved to %s and predicting afresh", path, stale)
-    write_json_atomic(meta, fingerprint)
 
 
 def locomo_full_context(conv: Any, start_prompt: str) -> str:

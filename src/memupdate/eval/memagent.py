@@ -52,7 +52,15 @@ from tqdm.auto import tqdm
 from memupdate.agents.fields import MEMAGENT_REWARD
 from memupdate.names import MEMAGENT_AGENT
 from memupdate.settings import MemAgentEvalSettings, build
-from memupdate.utils.io import portable_path, weights_digest, write_json_atomic, write_text_atomic
+from memupdate.utils.io import (
+    invalidate_if_changed,
+    model_fingerprint,
+    portable_path,
+    sha256_file,
+    weights_digest,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -188,11 +196,26 @@ class MemAgentEvaluator:
         return asyncio.run(self.run_pass(self.dataset(rows_file), style, label, predictions))
 
     async def run_pass(
-        self, dataset: Any, style: str, label: str, predictions: str | Path | None = None
+        self,
+        dataset: Any,
+        style: str,
+        label: str,
+        predictions: str | Path | None = None,
+        fingerprint: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """:meth:`evaluate` on a :meth:`dataset` in a running event loop, so that passes can run side by side."""
+        """:meth:`evaluate` on a :meth:`dataset` in a running event loop, so that passes can run side by side.
+        With a ``fingerprint`` (what the predictions depend on), a pass whose predictions a previous run saved is
+        summarized from them, not predicted again (they are written whole, so one there is complete): a job cut
+        by its time limit resumes at the passes it had not finished. Predictions of other models or settings are
+        moved aside first."""
         if style not in self.configs:
             raise ValueError(f"style {style!r} is not among this evaluator's styles {sorted(self.configs)}")
+        if predictions and fingerprint is not None:
+            invalidate_if_changed(Path(predictions), dict(fingerprint))
+            if Path(predictions).is_file():
+                records = [json.loads(line) for line in Path(predictions).read_text(encoding="utf-8").splitlines()]
+                logger.info("%s: %d predictions saved by a previous run; not predicted again", label, len(records))
+                return summarize(records, style)
         began = time.perf_counter()
         records = await self._predict(dataset, style, label)
         if predictions:
@@ -358,6 +381,16 @@ def memagent_length_curve(
         for length in rows_files
     ]
 
+    def fingerprint(name: str, style: str, length: str) -> dict[str, Any]:
+        """What a pass's predictions depend on: the model's weights (its manifest), the settings, the rows."""
+        folder = evaluators[name].model_path
+        return {
+            "model": {"path": portable_path(folder), "manifest": model_fingerprint(Path(folder))},
+            "settings": asdict(settings),
+            "style": style,
+            "rows": sha256_file(rows_files[length]),
+        }
+
     async def run_passes() -> list[dict[str, Any]]:
         return await asyncio.gather(
             *(
@@ -366,6 +399,7 @@ def memagent_length_curve(
                     style,
                     f"{name} @ {length} ({style})",
                     out / "predictions" / f"{name}-{length}{'' if style == 'ours' else '.memagent_style'}.jsonl",
+                    fingerprint(name, style, length),
                 )
                 for name, style, length in passes
             )

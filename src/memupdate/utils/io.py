@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+logger = logging.getLogger(__name__)
 
 
 def current_umask() -> int:
@@ -397,3 +400,32 @@ def weights_digest(folder: Path) -> str | None:
             digest.update(f"{key}\t{tensor.dtype}\t{tuple(tensor.shape)}\n".encode())
             digest.update(tensor.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def model_fingerprint(folder: Path) -> str | None:
+    """What identifies a served model's weights: its manifest (a trained checkpoint's ``manifest.json``, a prepared
+    model's ``memupdate_model.json``), else the sha256 of every file in the folder (a checkpoint put there by hand:
+    its config alone would not change when it is retrained); None for a folder that is not there.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text("{}")
+    >>> _ = (d / "model.safetensors").write_bytes(b"1"); before = model_fingerprint(d)
+    >>> _ = (d / "model.safetensors").write_bytes(b"2"); model_fingerprint(d) == before
+    False
+    """
+    for name in ("manifest.json", "memupdate_model.json"):
+        if (folder / name).is_file():
+            return sha256_file(folder / name)
+    if not folder.is_dir():
+        return None
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return sha256_text("".join(f"{p.relative_to(folder)}\t{sha256_file(p)}\n" for p in files))
+
+
+def invalidate_if_changed(path: Path, fingerprint: dict[str, Any]) -> None:
+    """Predictions made by other models or settings are moved aside, never mixed with new ones."""
+    meta = path.with_suffix(".meta.json")
+    if meta.is_file() and json.loads(meta.read_text(encoding="utf-8")) != fingerprint and path.exists():
+        stale = path.with_suffix(".stale.jsonl")
+        path.rename(stale)
+        logger.warning("%s was made by other models or settings; moved to %s and predicting afresh", path, stale)
+    write_json_atomic(meta, fingerprint)
