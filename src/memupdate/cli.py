@@ -193,10 +193,12 @@ def _cmd_dvc_run(args: argparse.Namespace) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> None:
-    from memupdate.plan import plan_targets
+    from memupdate.plan import pack, plan_targets
 
     plan = plan_targets(Path(args.directory), args.targets, args.config, args.configfile, forceall=args.forceall)
     sys.stdout.write(plan.render() + "\n")
+    if args.gpus:
+        sys.stdout.write(pack(plan, args.gpus, args.gpus_per_node).render() + "\n")
 
 
 def _cmd_flash_attn_wheel(args: argparse.Namespace) -> None:
@@ -430,6 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--forceall", action="store_true", help="every job of the targets, not only those a run would submit now"
     )
+    plan.add_argument(
+        "--gpus", type=int, help="pack the jobs onto this many GPUs and print the schedule (its length in days)"
+    )
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one node (default: 8)")
     plan.set_defaults(func=_cmd_plan)
 
     score = sub.add_parser("score", help="score one prediction against one gold answer")

@@ -360,6 +360,8 @@ class Plan:
     chain_minutes: float | None = None
     where: str = "profiles/slurm/resources.yaml"
     notes: list[str] = field(default_factory=list)
+    #: Each entry's (by ``id``) nearest planned inputs: the jobs it waits for, for :func:`pack`.
+    needs: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.entries = sorted(self.entries, key=_entry_order)
@@ -384,6 +386,176 @@ class Plan:
 
     def render(self) -> str:
         return render(self)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A job of a :class:`Schedule`: when it starts and ends (minutes from the start), on how many GPUs (its
+    servers' included)."""
+
+    entry: Entry
+    start: float
+    end: float
+    gpus: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The plan's jobs packed onto a cluster of ``gpus`` GPUs in nodes of ``gpus_per_node`` (:func:`pack`)."""
+
+    gpus: int
+    gpus_per_node: int
+    placed: list[Placed]
+
+    @property
+    def minutes(self) -> float:
+        return max((p.end for p in self.placed), default=0.0)
+
+    @property
+    def busy(self) -> float:
+        """The share of the cluster's GPU time the jobs use."""
+        used = sum(p.gpus * (p.end - p.start) for p in self.placed)
+        return used / (self.gpus * self.minutes) if self.minutes else 0.0
+
+    def render(self) -> str:
+        nodes = self.gpus // self.gpus_per_node
+        lines = [
+            f"Schedule on {self.gpus} GPUs ({nodes} nodes of {self.gpus_per_node}): {self.minutes / 60:,.0f} h "
+            f"({self.minutes / 1440:.1f} days), the GPUs {self.busy:.0%} busy; each job as soon as its inputs exist "
+            "and its GPUs are free, the longest remaining chain first, a served model on a GPU of its own beside "
+            "each consumer, no queue waits.",
+            f"{'job':<48} {'GPUs':>5} {'start (days)':>13} {'end (days)':>11}",
+        ]
+        for p in sorted(self.placed, key=lambda p: (p.start, p.end)):
+            lines.append(f"{p.entry.name:<48} {p.gpus:>5} {p.start / 1440:>13.1f} {p.end / 1440:>11.1f}")
+        return "\n".join(lines)
+
+
+def pack(plan: Plan, gpus: int, gpus_per_node: int) -> Schedule:
+    """The plan's jobs on ``gpus`` GPUs in nodes of ``gpus_per_node``: list scheduling, each job started as soon as
+    its inputs are done and its GPUs are free, the one on the longest remaining chain first (a later, smaller job
+    backfills where a larger one waits). A served model holds a GPU of its own while each consumer runs, so a
+    consumer asks for its GPUs and its servers' together; a multi-node job takes whole nodes. ConfigError if a job
+    can never fit.
+
+    >>> from memupdate.cluster import Job, Limits
+    >>> big = job("train_memagent", Job(nodes=4, gpus_per_node=8, minutes=600), Limits())
+    >>> small = job("train_stage1", Job(gpus_per_node=8, minutes=300), Limits())
+    >>> p = Plan([big, small], Limits(), needs={id(big): [], id(small): []})
+    >>> [(e.entry.rule, e.start, e.end) for e in pack(p, 32, 8).placed]
+    [('train_memagent', 0.0, 600.0), ('train_stage1', 600.0, 900.0)]
+    >>> [(e.entry.rule, e.start) for e in pack(p, 40, 8).placed]
+    [('train_stage1', 0.0), ('train_memagent', 0.0)]
+    """
+    if gpus < 1 or gpus_per_node < 1 or gpus % gpus_per_node:
+        raise ConfigError(f"a cluster of {gpus} GPUs in nodes of {gpus_per_node}: need whole nodes of >= 1 GPU")
+    by_id = {id(e): e for e in plan.entries}
+    servers = {key for key, e in by_id.items() if e.rule == "serve_model"}
+
+    def inputs(key: int) -> set[int]:
+        # A server is placed with its consumers: its own inputs become theirs.
+        out: set[int] = set()
+        for dep in plan.needs.get(key, []):
+            out |= inputs(dep) if dep in servers else {dep}
+        return out
+
+    jobs = [key for key in by_id if key not in servers]
+    waits = {key: inputs(key) for key in jobs}
+    served = {key: [d for d in plan.needs.get(key, []) if d in servers] for key in jobs}
+    minutes = {key: by_id[key].minutes or 0.0 for key in jobs}
+    later: dict[int, list[int]] = {key: [] for key in jobs}
+    for key, deps in waits.items():
+        for dep in deps:
+            later[dep].append(key)
+
+    @cache
+    def chain(key: int) -> float:
+        return minutes[key] + max((chain(k) for k in later[key]), default=0.0)
+
+    free = [gpus_per_node] * (gpus // gpus_per_node)
+
+    def take(key: int) -> list[tuple[int, int]] | None:
+        """Where the job and its servers go (node, GPUs), first fit, or None if they do not fit now."""
+        row, trial, taken = by_id[key].row, list(free), []
+        if row.gpus:
+            if row.nodes > 1 or row.gpus_per_node >= gpus_per_node:
+                whole = [n for n, f in enumerate(trial) if f == gpus_per_node][: row.nodes]
+                if len(whole) < row.nodes or row.gpus_per_node > gpus_per_node:
+                    return None
+                taken += [(n, row.gpus_per_node) for n in whole]
+            else:
+                node = next((n for n, f in enumerate(trial) if f >= row.gpus_per_node), None)
+                if node is None:
+                    return None
+                taken.append((node, row.gpus_per_node))
+            for n, g in taken:
+                trial[n] -= g
+        for server in served[key]:
+            need = by_id[server].row.gpus_per_node or 0
+            node = next((n for n, f in enumerate(trial) if f >= need), None) if need else -1
+            if node is None:
+                return None
+            if need:
+                trial[node] -= need
+                taken.append((node, need))
+        return taken
+
+    for key in jobs:
+        row = by_id[key].row
+        asked = row.gpus + sum(by_id[s].row.gpus for s in served[key])
+        if row.nodes * gpus_per_node > gpus or row.gpus_per_node > gpus_per_node or asked > gpus:
+            raise ConfigError(
+                f"{by_id[key].name} asks for {row.nodes} x {row.gpus_per_node} GPUs and its servers for "
+                f"{asked - row.gpus}: it cannot run on {gpus} GPUs in nodes of {gpus_per_node}"
+            )
+
+    def reservation(key: int) -> float:
+        """When the job would fit if nothing else started: the running jobs' ends, in order, until it does."""
+        saved = list(free)
+        try:
+            for end, _, where in sorted(running, key=lambda r: r[0]):
+                for node, g in where:
+                    free[node] += g
+                if take(key) is not None:
+                    return end
+            return math.inf
+        finally:
+            free[:] = saved
+
+    done: dict[int, float] = {}
+    running: list[tuple[float, int, list[tuple[int, int]]]] = []
+    placed: list[Placed] = []
+    now = 0.0
+    started: set[int] = set()
+    while len(done) < len(jobs):
+        ready = sorted((k for k in jobs if k not in started and waits[k] <= done.keys()), key=lambda k: -chain(k))
+        reserved = math.inf
+        for key in ready:
+            where = take(key)
+            if where is None:
+                # The first job that waits for GPUs holds them from when they free up (Slurm's backfill): a later
+                # job starts before it only if it ends by then, so small jobs cannot starve a multi-node one.
+                reserved = min(reserved, reservation(key))
+                continue
+            if now + minutes[key] > reserved:
+                continue
+            for node, g in where:
+                free[node] -= g
+            end = now + minutes[key]
+            started.add(key)
+            running.append((end, key, where))
+            placed.append(Placed(by_id[key], now, end, sum(g for _, g in where)))
+        if not running:
+            raise ConfigError("no job can start: the plan's dependencies or sizes are inconsistent")
+        # Every job that ends at the next end time, before anything starts again.
+        running.sort(key=lambda r: r[0])
+        now = running[0][0]
+        while running and running[0][0] == now:
+            _, key, where = running.pop(0)
+            done[key] = now
+            for node, g in where:
+                free[node] += g
+    return Schedule(gpus, gpus_per_node, sorted(placed, key=lambda p: (p.start, p.end)))
 
 
 def _entry_order(entry: Entry) -> tuple[Any, ...]:
