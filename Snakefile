@@ -22,7 +22,7 @@
 from snakemake.logging import logger
 from snakemake.utils import min_version
 
-from memupdate.settings import check_config
+from memupdate.settings import check_config, refuse_secrets
 
 min_version("9.0")
 
@@ -34,8 +34,10 @@ configfile: "config/config.yaml"
 report: "report/workflow.rst"
 
 
-# Every setting at every depth, and the names one section gives another, checked before any job runs. A
-# rehearsal (`--config rehearse=true`) prints what it swapped, on every run.
+# Every setting at every depth, and the names one section gives another, checked before any job runs; no secret
+# given with --config (it would be written on every job's command line). A rehearsal (`--config rehearse=true`)
+# prints what it swapped, on every run.
+refuse_secrets(workflow.config_settings.overwrite_config)
 rehearsal_swaps = check_config(config, files=workflow.configfiles)
 if rehearsal_swaps:
     logger.warning(

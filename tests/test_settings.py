@@ -20,6 +20,7 @@ from memupdate.settings import (
     build,
     check_config,
     experiment_stages,
+    secret_keys,
     verl_defaults,
 )
 from memupdate.typed_config import json_schema
@@ -424,12 +425,24 @@ def test_a_name_that_would_leave_results_or_match_every_wildcard_is_refused(over
         ({"env": {"VLLM_SERVER_DEV_MODE": "1"}}, "development endpoints (they run code on the server for any client)"),
         ({"extra_args": ["--api-key", "k"]}, "serving: extra_args gives --api-key: a key on a command line is shown"),
         ({"extra_args": ["--api-key=k"]}, "extra_args gives --api-key"),
+        ({"extra_args": ["--host=0.0.0.0"]}, "serving: extra_args gives ['--host']: memupdate chooses where a server"),
+        ({"extra_args": ["--hos", "0.0.0.0"]}, "extra_args gives ['--hos']"),
+        ({"extra_args": ["--port", "8000", "--uds=/tmp/s"]}, "extra_args gives ['--port', '--uds']"),
     ],
 )
 def test_a_server_is_never_opened_by_config(serving, message):
     """Issue 37: each server has its own key, passed through its environment; vLLM's development endpoints are opened
-    only on loopback (memupdate.serving.vllm_server.check_dev_mode)."""
+    only on loopback (memupdate.serving.vllm_server.check_dev_mode), and no extra argument moves a server off it
+    (issue 58: `--host=0.0.0.0` once opened a rollout server's /collective_rpc to the machine's other address)."""
     assert message in problems(merged({"serving": serving}))
+
+
+def test_a_secret_given_with_config_is_refused_before_any_job():
+    """Issue 58: --config lands on every Slurm job's sbatch line and in .snakemake/metadata; a secret belongs in the
+    environment."""
+    out = failed_dry_run("results/stage1/ckpt", "--config", "serving={env: {HF_TOKEN: hf_abc}}")
+    assert "--config sets serving.env.HF_TOKEN" in out and "export it in the environment" in out
+    assert secret_keys({"judge_api_key": "k", "tokenizer": "t", "max_final_tokens": 8}) == ["judge_api_key"]
 
 
 def failed_dry_run(*args: str, configfile: Path | None = None) -> str:

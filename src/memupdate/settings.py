@@ -85,6 +85,10 @@ class SlurmOptions:
     constraint: Str | None = setting(None, flag="--constraint")
 
 
+#: vLLM server options that say where it listens, which memupdate sets itself (memupdate.serving.launch).
+SERVER_BIND_ARGS = ("--host", "--port", "--uds")
+
+
 @section
 class ServeSettings:
     """The ``serving`` section: how served models run."""
@@ -130,6 +134,14 @@ class ServeSettings:
             raise ValueError(
                 "extra_args gives --api-key: a key on a command line is shown to every user of the machine (ps, "
                 "squeue); every server gets a key of its own through its environment"
+            )
+        # argparse takes a unique prefix of an option for the option (--hos is --host).
+        names = {arg.split("=", 1)[0] for arg in self.extra_args if arg.startswith("--") and len(arg) > 3}
+        bind = sorted(n for n in names if any(owned.startswith(n) for owned in SERVER_BIND_ARGS))
+        if bind:
+            raise ValueError(
+                f"extra_args gives {bind}: memupdate chooses where a server listens (loopback for a local one, whose "
+                "development endpoints run code for any client; a free port on its node for a Slurm job's)"
             )
 
 
@@ -873,6 +885,39 @@ SECTIONS = {
 #: Sections of a MemAgent experiment that are verl config keys (``trainer.total_training_steps: 100``);
 #: a MemoryUpdate one's are its stages.
 VERL_SECTIONS = {"memupdate": (), "memagent": ("train",)}
+
+
+#: Parts of a key's name (split at non-alphanumerics, lower case) that say its value is a secret.
+SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "apikey", "credential", "credentials"})
+
+
+def secret_keys(overrides: Mapping[str, Any], at: str = "") -> list[str]:
+    """The keys of ``overrides`` (nested; ``--config``'s) whose names say they hold a secret.
+
+    >>> secret_keys({"serving": {"env": {"HF_TOKEN": "x", "OPENAI_API_KEY": "y"}}, "episode": {"max_new_tokens": 9}})
+    ['serving.env.HF_TOKEN', 'serving.env.OPENAI_API_KEY']
+    """
+    found = []
+    for key, value in overrides.items():
+        path = f"{at}.{key}" if at else str(key)
+        words = [w for w in re.split(r"[^a-z0-9]+", str(key).lower()) if w]
+        pairs = {a + b for a, b in zip(words, words[1:], strict=False)}
+        if SECRET_WORDS & ({*words} | pairs):
+            found.append(path)
+        elif isinstance(value, Mapping):
+            found += secret_keys(value, path)
+    return found
+
+
+def refuse_secrets(overrides: Mapping[str, Any]) -> None:
+    """ConfigError if ``--config`` (``overrides``) sets a secret: Snakemake writes ``--config`` onto every Slurm job's
+    command line (``squeue``, ``sacct`` show it to every user) and into ``.snakemake/metadata``."""
+    if found := secret_keys(overrides):
+        raise ConfigError(
+            f"--config sets {', '.join(found)}: --config is written on every Slurm job's command line (squeue, sacct "
+            "show it to every user of the cluster) and into .snakemake/metadata; export it in the environment "
+            "instead, which every job inherits and nothing writes down"
+        )
 
 
 def check_config(
