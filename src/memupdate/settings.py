@@ -114,6 +114,12 @@ class ServeSettings:
         "requeued server rewrites with its new address) before it fails; 0 = fail after its retries",
         ge=0,
     )
+    handover_s: Float = setting(
+        1800.0,
+        help="seconds before a Slurm server job's time limit at which it submits its successor, which takes over "
+        "its readiness marker once it answers, so a server lives as long as its consumers (0 = none)",
+        ge=0,
+    )
     extra_args: list[Str] = setting(help="extra arguments of the vLLM server", factory=list)
     env: dict[str, Str] = setting(
         help="environment variables of the server (e.g. VLLM_CPU_KVCACHE_SPACE)", factory=dict

@@ -39,8 +39,9 @@ def test_sbatch_command(tmp_path):
     assert argv[:3] == ["sbatch", "--parsable", "--job-name=memupdate-serve-exp-stage1"]
     assert "--gres=gpu:1" in argv and "--time=240" in argv
     assert not any(a.startswith("--account") for a in argv)
-    # The wrapped command is shell-quoted: a path with a space stays one argument.
-    assert argv[-1] == "--wrap=python -m memupdate.serving.launch run --model '/m dir'"
+    # The wrapped command is shell-quoted (a path with a space stays one argument) and replaces the batch shell (exec),
+    # so Slurm's signal before the time limit reaches the supervisor.
+    assert argv[-1] == "--wrap=exec python -m memupdate.serving.launch run --model '/m dir'"
     with pytest.raises(ValueError, match="serving.slurm.gpus: unknown setting"):
         launch.sbatch_argv("x", tmp_path / "s.log", {"gpus": 1}, ["true"])
 

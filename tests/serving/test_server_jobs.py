@@ -75,6 +75,20 @@ def test_the_server_job_gets_the_partition_account_and_qos_of_the_serve_rules_jo
     assert launch.with_job_placement({"partition": "a100"}, placed)["partition"] == "a100"
 
 
+def test_a_server_job_is_signalled_before_its_limit_to_hand_over(tmp_path):
+    """serving.handover_s before the limit Slurm signals the supervisor (the batch shell itself: exec), which then
+    submits its successor; a limit under twice that asks for no signal (Slurm may signal a minute early)."""
+    command = ["python", "-m", launch.MODULE, "run", "--model", "m"]
+    argv = launch.sbatch_argv("x", tmp_path / "s.log", {"time": 2880}, command, handover_s=1800)
+    assert "--signal=B:USR1@1800" in argv and argv[-1] == "--wrap=exec python -m memupdate.serving.launch run --model m"
+    assert not [
+        a for a in launch.sbatch_argv("x", tmp_path / "s.log", {"time": 50}, command, 1800) if a.startswith("--signal")
+    ]
+    assert not [
+        a for a in launch.sbatch_argv("x", tmp_path / "s.log", {"time": 2880}, command, 0) if a.startswith("--signal")
+    ]
+
+
 def test_the_placement_resources_are_the_ones_the_slurm_profile_sets(repo_root):
     """One definition: the profile reads MEMUPDATE_SLURM_* into these resources for every job, serve_model's
     included, and the server's job takes them from there."""

@@ -435,6 +435,48 @@ def test_a_server_left_in_the_queue_past_its_limit_fails_naming_job_and_reason(
     assert not (tmp_path / "queued.ready.json").exists()
 
 
+@pytest.mark.vllm
+def test_a_server_hands_over_to_its_successor_before_its_time_limit(
+    slurm_cluster, placement, vllm_python, tiny_model_dir, tmp_path
+):
+    """Issue 56: a server lives as long as its consumers, whatever its own limit. serving.handover_s before the limit
+    Slurm signals its job; the marker is still there (a consumer needs it), so the job submits its successor, which
+    rewrites the marker with its own address once it answers; then the first job stops by itself, before its limit,
+    and the registry names the successor, which the run's end cancels."""
+    from memupdate.serving.launch import stop_servers
+    from memupdate.serving.readiness import list_models
+
+    settings = {
+        "launcher": "slurm",
+        "python": str(vllm_python),
+        "dtype": "float32",
+        "startup_timeout_s": 300,
+        "handover_s": 150,
+        "slurm": {"time": 6, "mem_mb": 3000, "cpus_per_task": 1, **placement_of(placement)},
+    }
+    first = serve_on_slurm(tiny_model_dir, tmp_path, "handover", settings)
+    marker = tmp_path / "handover.ready.json"
+    try:
+        deadline, now = time.monotonic() + 330, first
+        while now["endpoint"] == first["endpoint"] and time.monotonic() < deadline:
+            time.sleep(2)
+            now = json.loads(marker.read_text())
+        assert now["endpoint"] != first["endpoint"], f"no handover within 330 s: {marker.read_text()}"
+        successor = json.loads((tmp_path / "running" / "handover.json").read_text())["slurm_job_id"]
+        assert successor != first["slurm_job_id"] and squeue_state(successor) == "RUNNING"
+        assert "handover" in list_models(now["endpoint"], api_key=now["api_key"])
+        deadline = time.monotonic() + 90
+        while squeue_state(first["slurm_job_id"]) is not None and time.monotonic() < deadline:
+            time.sleep(2)
+        (record,) = sacct(first["slurm_job_id"], ["State"])
+        assert record["State"] == "COMPLETED", record
+        log = (tmp_path / "logs" / "handover.log").read_text()
+        assert f"submitted Slurm job {successor} to take over" in log and f"job {successor} took over" in log
+    finally:
+        stop_servers(tmp_path / "running")
+    assert squeue_state(successor) in (None, "COMPLETING")
+
+
 def serve_on_slurm(model_dir: Path, tmp_path: Path, name: str, settings: dict) -> dict:
     """serve_model as the serve rule's job calls it (its marker, logs and registry under ``tmp_path``)."""
     from memupdate.serving.launch import serve_model

@@ -13,6 +13,11 @@ when its readiness marker is deleted (Snakemake deletes a temp() output once its
 or, for a local server, when the Snakemake run that started it is gone (so even a killed run leaves
 no server behind).
 
+A Slurm server's job hands over before its time limit (``serving.handover_s``): Slurm signals it (``--signal``), it
+submits its successor (the same job) if its marker still exists (a consumer still needs it), keeps serving, and
+stops once the successor has rewritten the marker with its own address; the registry names the successor. So a server
+lives as long as its consumers, whatever its own limit.
+
 A Slurm server's job lands where the serve rule's own job did (the same partition, account and QoS:
 :func:`with_job_placement`), and its ``startup_timeout_s`` counts from when the job runs, not from when it
 was queued (:func:`wait_until_running`; ``queue_timeout_s`` bounds the queue, if set). A job that is
@@ -213,13 +218,32 @@ def supervisor_argv(
     return argv
 
 
-def sbatch_argv(job_name: str, log_path: Path, options: Mapping[str, Any], command: Sequence[str]) -> list[str]:
-    """``sbatch`` for the server's own job. Unknown option names fail here, not as a Slurm error later."""
+#: The signal Slurm sends a server's job ``serving.handover_s`` before its time limit (``--signal=B:USR1@...``).
+HANDOVER_SIGNAL = signal.SIGUSR1
+#: The environment of a server's job: its own sbatch command (JSON), which its successor is submitted with, and its
+#: registry entry, which the successor's job id replaces.
+SUBMIT_ENV, REGISTRY_ENV = "MEMUPDATE_SERVE_SUBMIT", "MEMUPDATE_SERVE_REGISTRY"
+
+
+def sbatch_argv(
+    job_name: str, log_path: Path, options: Mapping[str, Any], command: Sequence[str], handover_s: float = 0
+) -> list[str]:
+    """``sbatch`` for the server's own job. Unknown option names fail here, not as a Slurm error later. With
+    ``handover_s``, Slurm signals the job that long before its time limit (only if the limit is over twice that:
+    Slurm may signal up to a minute early, and a job that handed over at once would only start another)."""
     options = build(SlurmOptions, options, "serving.slurm")
     flags = {f.name: f.metadata["flag"] for f in dataclasses.fields(SlurmOptions)}
-    argv = ["sbatch", "--parsable", f"--job-name={job_name}", f"--output={log_path.resolve()}", "--export=ALL"]
-    argv += [f"{flags[key]}={value}" for key, value in vars(options).items() if value not in (None, "")]
-    return [*argv, f"--wrap={shlex.join(command)}"]
+    # Appended: a requeued job and a successor write on after the job before them.
+    argv = ["sbatch", "--parsable", f"--job-name={job_name}", f"--output={log_path.resolve()}", "--open-mode=append"]
+    argv += [
+        "--export=ALL",
+        *(f"{flags[key]}={value}" for key, value in vars(options).items() if value not in (None, "")),
+    ]
+    minutes = options.time
+    if handover_s and isinstance(minutes, int | float) and minutes * 60 > 2 * handover_s:
+        argv.append(f"--signal=B:{HANDOVER_SIGNAL.name.removeprefix('SIG')}@{int(handover_s)}")
+    # exec: the supervisor is the batch shell itself, so the signal reaches it.
+    return [*argv, f"--wrap=exec {shlex.join(command)}"]
 
 
 #: The Snakemake Slurm plugin's resources that place a job (profiles/slurm/config.yaml sets them for every job
@@ -426,7 +450,12 @@ def serve_model(
             marker=marker,
         )
         # sbatch --export=ALL gives the job this environment (and gives it again when the job is requeued).
-        submit = sbatch_argv(f"memupdate-serve-{served_model_name}", server_log, settings.slurm, argv)
+        submit = sbatch_argv(
+            f"memupdate-serve-{served_model_name}", server_log, settings.slurm, argv, settings.handover_s
+        )
+        server_log.unlink(missing_ok=True)  # the jobs append to it
+        env[SUBMIT_ENV] = json.dumps(submit)
+        env[REGISTRY_ENV] = str(_registry_entry(registry_dir, served_model_name).resolve())
         result = subprocess.run(submit, capture_output=True, text=True, check=False, env=env)
         if result.returncode != 0:
             raise ServeError(f"sbatch for the {served_model_name} server failed: {result.stderr.strip()}")
@@ -525,6 +554,12 @@ def run_supervisor(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    handover = {"asked": False, "successor": None}
+
+    def on_handover(signum: int, frame: object) -> None:
+        handover["asked"] = True
+
+    signal.signal(HANDOVER_SIGNAL, on_handover)
     write_json_atomic(
         args.address_file,
         {
@@ -559,10 +594,41 @@ def run_supervisor(args: argparse.Namespace) -> int:
             elif marked:
                 stop["why"] = f"its readiness marker {marker} was deleted"
                 break
+        if handover["asked"] and marker is not None and marked and not stale:
+            if handover["successor"] is None:
+                try:
+                    handover["successor"] = _submit_successor()
+                except ServeError as err:
+                    # Serve on until the limit: the clients' reconnect covers a requeue by hand.
+                    logger.error("%s; serving on until this job's time limit", err)
+                    handover["asked"] = False
+            elif _marker_endpoint(marker) not in (None, server.base_url):
+                stop["why"] = f"job {handover['successor']} took over {marker}"
+                break
         time.sleep(1.0)
     logger.info("stopping vLLM pid %d (%s)", child.pid, stop["why"])
     server.stop()
     return 0
+
+
+def _submit_successor() -> str:
+    """Submit this server's job again (its sbatch command from the environment) and name it in the registry; returns
+    its id. It starts with the marker there, so it rewrites it once it answers (as a requeued job does)."""
+    result = subprocess.run(json.loads(os.environ[SUBMIT_ENV]), capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise ServeError(f"sbatch for this server's successor failed: {result.stderr.strip()}")
+    job_id = result.stdout.strip().split(";")[0]
+    entry = Path(os.environ[REGISTRY_ENV])
+    with contextlib.suppress(OSError, ValueError):
+        write_json_atomic(entry, {**json.loads(entry.read_text(encoding="utf-8")), "slurm_job_id": job_id})
+    logger.info("time limit near: submitted Slurm job %s to take over (registry %s)", job_id, entry)
+    return job_id
+
+
+def _marker_endpoint(marker: Path) -> str | None:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(marker.read_text(encoding="utf-8")).get("endpoint")
+    return None
 
 
 def _refresh_marker(marker: Path, base_url: str, port: int, args: argparse.Namespace, api_key: str) -> bool:
