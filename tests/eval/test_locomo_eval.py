@@ -438,14 +438,18 @@ def test_a_policy_with_the_weights_of_one_evaluated_before_takes_its_predictions
         markers[name] = tmp_path / f"{name}.ready.json"
         marker = {"format": MARKER_FORMAT, "endpoint": "http://127.0.0.1:9", "served_model_name": name}
         markers[name].write_text(json.dumps({**marker, "model_path": str(folder)}))
-    evaluator = locomo.LocomoEvaluator(
-        test_file=str(locomo_rows["test"]),
-        memory=MemoryEnvironment(memories=str(locomo_rows["memories"]), embeddings=str(held_out_cache)),
-        tool_config="unused.yaml",
-        conversations=None,
-        out_dir=str(tmp_path / "eval"),
-        settings=LocomoEvalSettings(questions_per_conversation=3),
-    )
+
+    def make_evaluator():
+        return locomo.LocomoEvaluator(
+            test_file=str(locomo_rows["test"]),
+            memory=MemoryEnvironment(memories=str(locomo_rows["memories"]), embeddings=str(held_out_cache)),
+            tool_config="unused.yaml",
+            conversations=None,
+            out_dir=str(tmp_path / "eval"),
+            settings=LocomoEvalSettings(questions_per_conversation=3),
+        )
+
+    evaluator = make_evaluator()
     sft, stage1, other = (
         locomo.System(f"{name}+qa_base", str(markers["qa-base"]), memory=str(markers[name]))
         for name in ("sft", "stage1", "x")
@@ -468,6 +472,11 @@ def test_a_policy_with_the_weights_of_one_evaluated_before_takes_its_predictions
         ("stage1+qa_base", "sft+qa_base", "x")
     }
     assert "same_weights_as" not in next(iter(locomo.read_predictions(made).values()))
+    # Weights replaced under the same manifest (issue 58): another model, so its saved predictions are not reused.
+    before = make_evaluator().fingerprint(other)
+    save_file({"w": torch.full((2,), 9.0)}, tmp_path / "models" / "x" / "model.safetensors", metadata={"step": "1"})
+    after = make_evaluator().fingerprint(other)
+    assert after["models"]["memory"]["manifest"] == before["models"]["memory"]["manifest"] and after != before
 
 
 def test_the_report_says_which_policy_had_the_same_weights(tmp_path):

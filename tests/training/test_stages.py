@@ -17,6 +17,7 @@ from memupdate.memory.environment import MemoryEnvironment
 from memupdate.serving.readiness import ServerGone, write_marker
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training import stages
+from memupdate.utils.io import weights_digest
 
 SLURM_ENV = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "4"}
 
@@ -391,6 +392,31 @@ def test_the_export_copies_the_model_the_workers_saved_whole(tmp_path):
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["step"] == 5 and manifest["base_model"] == "base" and manifest["git"]["commit"] == "a" * 40
     assert not (run_dir / ".ckpt.tmp").exists()
+
+
+def test_the_export_refuses_a_checkpoint_that_is_not_whole(tmp_path):
+    """Issue 58: a shard cut short, or a tracker naming a save that is not there, is never exported (an older step
+    was once exported in its place without a word); a whole one carries its weights' digest in the manifest."""
+    from safetensors.torch import save_file
+
+    run_dir = prepared_run(tmp_path / "stage1")
+    stages.guard_verl_checkpoints(run_dir)
+    saved = verl_saves(run_dir, 5) / "actor" / stages.HF_MODEL_DIR
+    save_file({"w": torch.ones(64)}, saved / "model.safetensors")
+    (run_dir / "tracking.jsonl").write_text(json.dumps({"step": 5, "data": {"critic/score/mean": 0.5}}) + "\n")
+    whole = (saved / "model.safetensors").read_bytes()
+    (saved / "model.safetensors").write_bytes(whole[:-100])
+    with pytest.raises(
+        ValueError, match=r"global_step_5 is not a whole model.*model.safetensors: \d+ bytes, its header"
+    ):
+        stages.export_verl_checkpoint(run_dir, "base")
+    assert not (run_dir / "ckpt").exists() and not (run_dir / ".ckpt.tmp").exists()
+    (saved / "model.safetensors").write_bytes(whole)
+    manifest = json.loads((stages.export_verl_checkpoint(run_dir, "base") / "manifest.json").read_text())
+    assert manifest["weights"] == weights_digest(saved)
+    (run_dir / "checkpoints" / stages.VERL_TRACKER).write_text("10")
+    with pytest.raises(FileNotFoundError, match="names global_step_10, which is not there"):
+        stages.export_verl_checkpoint(run_dir, "base")
 
 
 def test_the_export_takes_the_checkpoint_verl_saved_last(tmp_path):

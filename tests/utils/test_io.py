@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -71,3 +72,29 @@ def test_artifacts_record_paths_inside_the_repository_relative_and_others_as_giv
     # A sibling whose name starts like the repository's is outside it.
     assert portable_path(tmp_path / "repo-old" / "m") == str(tmp_path / "repo-old" / "m")
     assert portable_path("/scratch/hf/hub/m") == "/scratch/hf/hub/m"
+
+
+def test_a_model_folder_is_whole_only_with_a_readable_config_and_every_shard_complete(tmp_path):
+    """Issue 58: what the export and the servers refuse (memupdate.utils.io.check_whole_model)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from memupdate.utils.io import check_whole_model
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    for i in (1, 2):
+        save_file({f"w{i}": torch.ones(8)}, model / f"model-0000{i}-of-00002.safetensors")
+    index = {"weight_map": {"w1": "model-00001-of-00002.safetensors", "w2": "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    check_whole_model(model)
+    (model / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="names 1 shard.s. that are not there: model-00002-of-00002.safetensors"):
+        check_whole_model(model)
+    (model / "model-00002-of-00002.safetensors").write_bytes(b"\x00" * 8)
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors: not a readable safetensors file"):
+        check_whole_model(model)
+    (model / "config.json").write_text("")
+    with pytest.raises(ValueError, match="config.json: not a readable model config"):
+        check_whole_model(model)

@@ -606,12 +606,17 @@ class LocomoEvaluator:
     # ------------------------------------------------------------------ all systems
 
     def fingerprint(self, system: System) -> dict[str, Any]:
-        """What a system's saved predictions depend on: its models (their manifests) and the settings."""
+        """What a system's saved predictions depend on: its models (their manifests and weights) and the settings."""
         models = {}
         for role, marker in (("qa", system.qa), ("memory", system.memory)):
             if marker:
                 folder = Path(load_marker(marker)["model_path"])
-                models[role] = {"path": portable_path(folder), "manifest": model_fingerprint(folder)}
+                # The weights themselves: a checkpoint replaced under the same manifest is another model.
+                models[role] = {
+                    "path": portable_path(folder),
+                    "manifest": model_fingerprint(folder),
+                    "weights": self._weights(marker),
+                }
         # The judge scores predictions after the fact; changing it re-judges, it does not re-predict.
         settings = {k: v for k, v in asdict(self.settings).items() if k != "judge"}
         return {"kind": system.kind, "models": models, "settings": settings, "test_file": sha256_file(self.test_file)}

@@ -381,11 +381,19 @@ def memagent_length_curve(
         for length in rows_files
     ]
 
+    weights: dict[str, str | None] = {}
+
     def fingerprint(name: str, style: str, length: str) -> dict[str, Any]:
-        """What a pass's predictions depend on: the model's weights (its manifest), the settings, the rows."""
+        """What a pass's predictions depend on: the model (its manifest and weights), the settings, the rows."""
         folder = evaluators[name].model_path
+        if name not in weights:
+            weights[name] = weights_digest(Path(folder))
         return {
-            "model": {"path": portable_path(folder), "manifest": model_fingerprint(Path(folder))},
+            "model": {
+                "path": portable_path(folder),
+                "manifest": model_fingerprint(Path(folder)),
+                "weights": weights[name],
+            },
             "settings": asdict(settings),
             "style": style,
             "rows": sha256_file(rows_files[length]),

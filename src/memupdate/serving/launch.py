@@ -62,7 +62,7 @@ from memupdate.serving.vllm_server import (
     wait_until_ready,
 )
 from memupdate.settings import ServeSettings, SlurmOptions, build
-from memupdate.utils.io import write_json_atomic
+from memupdate.utils.io import check_whole_model, write_json_atomic
 from memupdate.utils.system import free_port, tail
 
 logger = logging.getLogger(__name__)
@@ -404,6 +404,10 @@ def serve_model(
     registry_dir = Path(registry_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face checkpoint folder")
+    try:
+        check_whole_model(model_dir)  # a server of a half-written checkpoint would serve garbage, or die loading it
+    except ValueError as err:
+        raise ServeError(f"not serving {model_dir}: {err}") from None
     launcher = resolve_launcher(settings.launcher)
     python = vllm_python(settings, vllm_env)
     address_file = server_log.with_name(server_log.name.split(".")[0] + ".address.json")

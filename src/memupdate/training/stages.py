@@ -38,7 +38,7 @@ from memupdate.serving.readiness import load_marker, read_marker
 from memupdate.settings import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, ToolSettings
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training.tracking import data_sha256
-from memupdate.utils.io import sha256_file, share_like_open, write_json_atomic
+from memupdate.utils.io import check_whole_model, sha256_file, share_like_open, weights_digest, write_json_atomic
 from memupdate.utils.system import tail
 
 logger = logging.getLogger(__name__)
@@ -698,8 +698,13 @@ def last_checkpoint(checkpoints: Path) -> Path | None:
     tracker = checkpoints / VERL_TRACKER
     if tracker.is_file():
         step = checkpoints / f"global_step_{tracker.read_text().strip()}"
-        if step.is_dir():
-            return step
+        if not step.is_dir():
+            # An older step would be exported as if it were the last, without a word.
+            raise FileNotFoundError(
+                f"{tracker} names {step.name}, which is not there: the save was removed or cut short; run the stage "
+                "again (it resumes from the save that is there)"
+            )
+        return step
     steps = sorted(checkpoints.glob("global_step_*"), key=_step_of)
     return steps[-1] if steps else None
 
@@ -741,8 +746,20 @@ def export_verl_checkpoint(
     # verl's workers write the weights 0600: the exported checkpoint is shared as the user's umask says.
     for path in [tmp, *tmp.rglob("*")]:
         share_like_open(path)
+    try:
+        check_whole_model(tmp)
+    except ValueError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"{last} is not a whole model, so it is not exported: {err}") from None
     step = int(last.name.rsplit("_", 1)[1])
-    manifest = {"backend": "verl", **({"kind": kind} if kind else {}), "step": step, "base_model": base_model}
+    # The weights' own digest: what the evaluations key their saved predictions on (memupdate.utils.io).
+    manifest = {
+        "backend": "verl",
+        **({"kind": kind} if kind else {}),
+        "step": step,
+        "base_model": base_model,
+        "weights": weights_digest(tmp),
+    }
     write_json_atomic(tmp / "manifest.json", {**manifest, **record})
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

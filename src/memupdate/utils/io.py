@@ -366,6 +366,57 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def check_whole_model(folder: str | os.PathLike) -> None:
+    """ValueError, naming the file, unless ``folder`` holds a whole Hugging Face model: ``config.json`` a JSON object,
+    and weights whose every file is complete: each shard its ``model.safetensors.index.json`` names present, and each
+    ``*.safetensors`` file as long as its header says (a save cut short is shorter). Reads headers only.
+
+    >>> import tempfile, torch; from safetensors.torch import save_file
+    >>> d = Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text('{"model_type": "llama"}')
+    >>> save_file({"w": torch.ones(4)}, d / "model.safetensors"); check_whole_model(d)
+    >>> _ = (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-4])
+    >>> try:
+    ...     check_whole_model(d)
+    ... except ValueError as err:
+    ...     print(str(err).split(": ", 1)[1])
+    76 bytes, its header says 80: a save cut short, or a copy
+    """
+    folder = Path(folder)
+    config = folder / "config.json"
+    try:
+        parsed = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{config}: not a readable model config ({type(err).__name__}: {err})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{config}: a model config is a JSON object, not {type(parsed).__name__}")
+    index = folder / "model.safetensors.index.json"
+    named: set[str] = set()
+    if index.is_file():
+        try:
+            named = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            raise ValueError(f"{index}: not a readable shard index ({type(err).__name__}: {err})") from None
+        missing = sorted(n for n in named if not (folder / n).is_file())
+        if missing:
+            raise ValueError(f"{index} names {len(missing)} shard(s) that are not there: {', '.join(missing[:5])}")
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards and not any(folder.glob("*.bin")):
+        raise ValueError(f"{folder}: no weights (*.safetensors or *.bin)")
+    for shard in shards:
+        size = shard.stat().st_size
+        try:
+            with shard.open("rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                if not 0 < length < size:
+                    raise ValueError(f"a header of {length} bytes")
+                header = json.loads(handle.read(length))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+            raise ValueError(f"{shard}: not a readable safetensors file ({err})") from None
+        if size != 8 + length + end:
+            raise ValueError(f"{shard}: {size} bytes, its header says {8 + length + end}: a save cut short, or a copy")
+
+
 def weights_digest(folder: Path) -> str | None:
     """The sha256 of the weights a model folder holds: every tensor of its ``*.safetensors`` files by name, dtype,
     shape and bytes, in name order (two saves of the same weights differ in their files' headers and sharding), else
