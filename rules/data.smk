@@ -14,6 +14,8 @@ rule fetch_data:
         runtime=30,
     params:
         spec=get_data_file_spec,
+        # Verified copies by sha256, kept outside the output, which Snakemake deletes before a rerun.
+        store="resources/data/.verified",
     script:
         "../workflow/scripts/fetch_data.py"
 

@@ -161,3 +161,21 @@ def test_a_mirror_folder_that_does_not_exist_is_reported(published, tmp_path, ca
         info = fetch_file(str(path), tmp_path / "copy.json", sha256=digest, mirrors=[missing])
     assert info["origin"] == str(path)
     assert f"data mirror folder {missing} does not exist" in caplog.text
+
+
+def test_a_verified_copy_survives_a_rerun_that_cannot_fetch(published, tmp_path):
+    """Issue 58: Snakemake deletes fetch_data's output before it reruns (a changed filename or data.mirrors); offline,
+    the fetch then found nothing and the good copy was gone. The store of verified copies by sha256 supplies it."""
+    path, digest = published
+    dest, store = tmp_path / "resources" / "data.json", tmp_path / "resources" / ".verified"
+    fetch_file("https://example.invalid/x/data.json", dest, sha256=digest, mirrors=[path.parent], store=store)
+    assert (store / digest).read_bytes() == path.read_bytes()
+    dest.unlink()  # as Snakemake does before running the job again
+    info = fetch_file("https://example.invalid/x/data.json", dest, sha256=digest, mirrors=[], store=store)
+    assert info == {"origin": str(store / digest), "sha256": digest} and dest.read_bytes() == path.read_bytes()
+    # A damaged copy in the store is dropped, not used.
+    (store / digest).write_text("{}")
+    dest.unlink()
+    with pytest.raises(ConnectionError):
+        fetch_file("https://example.invalid/x/data.json", dest, sha256=digest, mirrors=[], store=store, timeout_s=2)
+    assert not (store / digest).exists() and not dest.exists()

@@ -1,6 +1,6 @@
 """Get a public data file by URL or local path, verified by sha256.
 
-Search order: (1) ``mirrors``, folders that may already hold a copy named ``filename`` (a shared
+Search order: (0) the store of verified copies by sha256, if given; (1) ``mirrors``, folders that may already hold a copy named ``filename`` (a shared
 data folder on a cluster, or ``../shared/data`` on the project's CI machines); (2) ``source`` itself
 when it is a local path or ``file://`` URL; (3) a download over HTTPS. Every candidate is checked
 against ``sha256`` before it is copied, and the copy is atomic.
@@ -82,13 +82,48 @@ def fetch_file(
     filename: str | None = None,
     mirrors: Sequence[str | Path] = (),
     timeout_s: float = 60.0,
+    store: str | Path | None = None,
 ) -> dict:
     """Place a verified copy of ``source`` at ``dest`` and return where it came from and its hash.
+
+    ``store``: a folder of verified copies by sha256, looked in first and given every copy verified here. Snakemake
+    deletes a rule's output before running it again (a changed ``filename`` or ``data.mirrors`` reruns the fetch),
+    so without it an offline rerun would lose the good copy for a fetch that cannot replace it.
 
     When nothing can supply the file, the error lists every place tried and why it failed (a mirror copy
     with another sha256, a missing file, an unreachable URL with the reason, a short download).
     """
     dest = Path(dest)
+    kept = Path(store) / sha256 if store is not None and sha256 is not None else None
+    if kept is not None and kept.is_file():
+        try:
+            actual = _verify(kept, sha256, f"verified copy {kept}")
+        except ChecksumMismatch as exc:
+            logger.warning("dropping a damaged verified copy: %s", exc)
+            kept.unlink()
+        else:
+            with atomic_path(dest) as tmp:
+                shutil.copyfile(kept, tmp)
+            logger.info("copied %s from the verified copy %s", dest.name, kept)
+            return {"origin": str(kept), "sha256": actual}
+    info = _fetch(source, dest, sha256=sha256, filename=filename, mirrors=mirrors, timeout_s=timeout_s)
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(kept) as tmp:
+            shutil.copyfile(dest, tmp)
+    return info
+
+
+def _fetch(
+    source: str,
+    dest: Path,
+    *,
+    sha256: str | None,
+    filename: str | None,
+    mirrors: Sequence[str | Path],
+    timeout_s: float,
+) -> dict:
+    """:func:`fetch_file` without its store: mirrors, then the source (a path or a download)."""
     name = filename or Path(urllib.parse.urlparse(source).path).name
     tried: list[str] = []
     mirror_mismatch = False
