@@ -20,11 +20,16 @@ from memupdate.rewards.memory import MemoryRewardConfig, memory_reward
 from memupdate.rewards.scorers import AnswerRecallScorer, EvidenceRecallScorer, QAItem
 from memupdate.settings import DEFAULT_MAX_CONTENT_CHARS, RewardSettings
 from memupdate.training.demonstrations import DONE, MemoryExpert, expert_rows, keep_episode
+from memupdate.training.sft import gain
 
 logger = logging.getLogger(__name__)
 
 SEARCH_TOP_K = 20
 TOP_K, BUDGET = RewardSettings.top_k, RewardSettings.context_chars
+
+
+#: cpu_demo's reward: an edit that gains nothing costs 0.05 (reward.idle_edit_cost).
+COSTLY = MemoryRewardConfig(efficiency=EfficiencyConfig(max_total_memories=None), idle_edit_cost=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +69,13 @@ def played(locomo_rows, base, embedder):
             text = f"{args['keywords']}: {trial.get(args['memory_id']).content}"
             trial.update(args["memory_id"], text, vector=embedder.encode([text])[0])
         item = QAItem(info["question"], info["answer"], info["category"], tuple(info["evidence"] or ()))
-        rewards = {
-            scorer.name: asyncio.run(memory_reward(TrialStore(base), trial, [item], vector[None], scorer, config))[
-                "score"
-            ]
-            for scorer in (AnswerRecallScorer(), EvidenceRecallScorer())
-        }
+        rewards, costly = {}, {}
+        for scorer in (AnswerRecallScorer(), EvidenceRecallScorer()):
+            for into, settings in ((rewards, config), (costly, COSTLY)):
+                components = asyncio.run(memory_reward(TrialStore(base), trial, [item], vector[None], scorer, settings))
+                into[scorer.name] = components["score"] if into is rewards else components
         headroom = question_headroom(TrialStore(base), vector, item.evidence, SEARCH_TOP_K, TOP_K, BUDGET)
-        out.append({"info": info, "search": search, "second": second, "rewards": rewards, **headroom})
+        out.append({"info": info, "search": search, "second": second, "rewards": rewards, "costly": costly, **headroom})
     return out
 
 
@@ -103,3 +107,14 @@ def test_the_experts_promotions_pay_under_the_training_reward_and_stops_score_ze
     assert min(evidence) >= 0 and statistics.fmean(evidence) > 0.4
     assert sum(r > 0 for r in evidence) > 2 * len(edits) / 3
     assert statistics.fmean(answer) > 0 and len(kept) > len(edits) / 2
+
+
+def test_the_idle_edit_cost_keeps_the_same_demonstrations(played):
+    """Under cpu_demo's idle-edit cost a promotion that raised evidence_recall and left answer_recall flat pays the
+    cost under answer_recall; the keep rule weighs what it did to S there (memupdate.training.sft.gain), so the same
+    demonstrations are kept as without the cost. Weighing the charged reward instead dropped most of them."""
+    edits = [e for e in played if e["headroom"]]
+    plain = [keep_episode(e["rewards"], True, "evidence_recall") for e in edits]
+    weighed = [keep_episode({k: gain(c) for k, c in e["costly"].items()}, True, "evidence_recall") for e in edits]
+    charged = [keep_episode({k: c["score"] for k, c in e["costly"].items()}, True, "evidence_recall") for e in edits]
+    assert weighed == plain and sum(plain) > sum(charged), (sum(plain), sum(charged))

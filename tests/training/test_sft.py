@@ -55,7 +55,8 @@ def train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, settings):
         memories=str(locomo_rows["memories"]),
         embeddings=str(cache_dir),
         run_dir=str(run_dir),
-        reward={"scorer": "evidence_recall", "efficiency": {"max_total_memories": None}},
+        # cpu_demo's reward: an edit that gains nothing costs 0.05.
+        reward={"scorer": "evidence_recall", "idle_edit_cost": 0.05, "efficiency": {"max_total_memories": None}},
         tools=TOOLS,
         layout=ON_CPU,
     )

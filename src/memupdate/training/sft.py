@@ -154,6 +154,16 @@ def _offline_scorers(config: Any, tokenizer: Any) -> tuple[str, dict[str, Memory
     return own, others
 
 
+def gain(components: Mapping[str, float]) -> float:
+    """What an episode did to a scorer's S (its reward without ``reward.idle_edit_cost``), which the keep rule weighs
+    under the other scorers: an edit that leaves one of them flat has not lowered it, whatever the cost charges.
+
+    >>> gain({"score": -0.05, "idle_edit_cost": 0.05}), gain({"score": 0.5, "idle_edit_cost": 0.0}), gain({"score": 0.2})
+    (0.0, 0.5, 0.2)
+    """
+    return components["score"] + components.get("idle_edit_cost", 0.0)
+
+
 async def _records(
     batch: DataProto,
     prompts: DataProto,
@@ -176,7 +186,7 @@ async def _records(
         infos = prompts.non_tensor_batch["extra_info"][trajectories[final]]
         rescored = {name: await manager.score_batch(infos, batch[final]) for name, manager in others.items()}
         for i, record in enumerate(records):
-            rewards = {scorer: record["reward"], **{name: results[i]["score"] for name, results in rescored.items()}}
+            rewards = {scorer: record["reward"], **{name: gain(results[i]) for name, results in rescored.items()}}
             edited = edits(record)
             record.update(rewards=rewards, edited=edited, kept=keep_episode(rewards, edited, scorer))
         return records
