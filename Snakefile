@@ -37,7 +37,7 @@ report: "report/workflow.rst"
 # Every setting at every depth, and the names one section gives another, checked before any job runs; no secret
 # given with --config (it would be written on every job's command line). A rehearsal (`--config rehearse=true`)
 # prints what it swapped, on every run.
-refuse_secrets(workflow.config_settings.overwrite_config)
+refuse_secrets(workflow.config_settings.config)
 rehearsal_swaps = check_config(config, files=workflow.configfiles)
 if rehearsal_swaps:
     logger.warning(
