@@ -249,7 +249,7 @@ def test_the_dry_run_prints_the_plan_after_its_jobs(full_dry_run):
     plan = full_dry_run.index("Plan of the GPU-sized jobs")
     assert plan > full_dry_run.rindex("\nrule ") and "This was a dry-run" in full_dry_run[plan:]
     assert re.search(
-        r"^memagent_7b\s+train_memagent\s+qwen2.5-7b\s+4x8\s+117.2\s+3,749\s+175.8\s+213", full_dry_run, re.M
+        r"^memagent_7b\s+train_memagent\s+qwen2.5-7b\s+4x8\s+58.8\s+1,883\s+88.2\s+213", full_dry_run, re.M
     )
 
 
@@ -279,8 +279,8 @@ def test_a_measured_run_and_a_partition_cap_change_the_plan_and_the_limits(workd
     assert (stage1.figure.label, stage1.minutes, stage1.limit) == (MEASURED, 600, 900)
     assert entries["serve_model", "exp=two_stage_7b,purpose=train,served=qa-base"].limit == 900 + 720
     memagent = entries["train_memagent", "exp=memagent_7b"]
-    assert (memagent.limit, memagent.jobs) == (2880, 4)
-    assert "3 resubmit(s)" in plan.render()
+    assert (memagent.limit, memagent.jobs) == (2880, 2)
+    assert "1 resubmit(s)" in plan.render()
     # The jobs ask Slurm for the same limits (the profile's cap from the environment, as in a user's shell).
     result = snakemake(measured, "-n", "--profile", "profiles/slurm", "all", *FULL)
     assert result.returncode == 0, result.stderr[-3000:]
