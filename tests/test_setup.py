@@ -1,5 +1,6 @@
 """run.sh's set-up (the CPU build of torch, whatever index pip would otherwise use) and the GPU install's resolve."""
 
+import concurrent.futures
 import functools
 import http.server
 import json
@@ -88,38 +89,31 @@ def pinned(constraints: Path, package: str) -> str:
     return next(line.split("==")[1] for line in constraints.read_text().splitlines() if line.startswith(f"{package}=="))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("version", allowed_pythons())
-def test_the_gpu_extra_resolves_on_every_allowed_python(version, tmp_path):
-    """A cluster user's first command, `pip install -e ".[gpu]"`, as a dry run (metadata only, nothing installed):
-    it resolves, with the vLLM verl pins and the Slurm plugin CI's Slurm tests run (constraints/cpu.txt)."""
-    report = tmp_path / "report.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "--python",
-            interpreter(version),
-            "install",
-            "--dry-run",
-            "--ignore-installed",
-            "--quiet",
-            "--report",
-            str(report),
-            "-e",
-            f"{REPO}[gpu]",
-        ],
+def resolve_gpu_extra(version: str, report: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--python", interpreter(version), "install", "--dry-run", "--ignore-installed",
+         "--quiet", "--report", str(report), "-e", f"{REPO}[gpu]"],
         capture_output=True,
         text=True,
         timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    chosen = {
-        item["metadata"]["name"].lower(): item["metadata"]["version"]
-        for item in json.loads(report.read_text())["install"]
-    }
-    assert chosen["vllm"] == verl_pin("vllm")
-    assert chosen["torch"] == "2.11.0"
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_gpu_extra_resolves_on_every_allowed_python(tmp_path):
+    """A cluster user's first command, `pip install -e ".[gpu]"`, as a dry run (metadata only, nothing installed) on
+    each Python requires-python allows, side by side: it resolves, with verl's vLLM pin, the CUDA torch vLLM needs and
+    the Slurm plugin CI's Slurm tests run (constraints/cpu.txt)."""
+    versions = allowed_pythons()
+    with concurrent.futures.ThreadPoolExecutor(len(versions)) as pool:
+        results = dict(
+            zip(versions, pool.map(lambda v: resolve_gpu_extra(v, tmp_path / f"{v}.json"), versions), strict=True)
+        )
     plugin = "snakemake-executor-plugin-slurm"
-    assert chosen[plugin] == pinned(REPO / "constraints" / "cpu.txt", plugin)
+    for version, result in results.items():
+        assert result.returncode == 0, (version, result.stderr[-3000:])
+        report = json.loads((tmp_path / f"{version}.json").read_text())
+        chosen = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in report["install"]}
+        assert chosen["vllm"] == verl_pin("vllm"), version
+        assert chosen["torch"] == "2.11.0", version
+        assert chosen[plugin] == pinned(REPO / "constraints" / "cpu.txt", plugin), version
