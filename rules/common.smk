@@ -16,7 +16,6 @@ from memupdate import plan as planning
 from memupdate.cluster import RESOURCES_FILE, placement, read_table
 from memupdate.models.hub import is_hub_id
 from memupdate.settings import (
-    ConfigError,
     HeadroomSettings,
     IngestionSettings,
     PolicyEvalSettings,
@@ -167,18 +166,15 @@ def limits():
     run warns and plans without one, a real run stops before submitting anything."""
     defaults = workflow.resource_settings.default_resources
     to_slurm = defaults is not None and "slurm_partition" in defaults.keys()
-    if not to_slurm or workflow.exec_mode != ExecMode.DEFAULT:
-        return planning.with_cap(
-            CLUSTER.limits, os.environ.get(planning.MAX_RUNTIME_ENV)
-        )
+    asks = to_slurm and workflow.exec_mode == ExecMode.DEFAULT
     try:
         return planning.cluster_limits(
             CLUSTER.limits,
             os.environ,
             placement("slurm_partition"),
-            shutil.which("sinfo"),
+            shutil.which("sinfo") if asks else None,
         )
-    except ConfigError as err:
+    except planning.CapUnknown as err:
         if not workflow.dryrun:
             raise
         logger.warning(f"{err}; this dry run plans without a cap")

@@ -15,6 +15,7 @@ from memupdate.plan import (
     ESTIMATED,
     MEASURED,
     REFERENCE_CAP,
+    CapUnknown,
     Plan,
     checkpoint_gb,
     cluster_limits,
@@ -72,6 +73,10 @@ def test_where_slurm_cannot_say_the_cap_must_be_given(tmp_path):
         cluster_limits(Limits(), {}, "gpu", shutil.which("false"))
     with pytest.raises(ConfigError, match="the default partition"):
         partition_cap("", shutil.which("false"))
+    # A bad value in the environment is the user's to fix: not "Slurm cannot say", which a dry run lets pass.
+    with pytest.raises(ConfigError, match="expected a time limit in minutes") as bad:
+        cluster_limits(Limits(), {"MEMUPDATE_SLURM_MAX_RUNTIME": "2 days"}, "gpu", shutil.which("false"))
+    assert not isinstance(bad.value, CapUnknown)
 
 
 def test_a_benchmark_of_a_previous_run_turns_the_estimate_into_a_measurement(tmp_path):

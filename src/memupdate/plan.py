@@ -115,9 +115,13 @@ def slurm_minutes(text: str) -> int | None:
     return parts[0]
 
 
+class CapUnknown(ConfigError):
+    """Slurm cannot say the partition's time limit (a dry run plans without one; a run stops)."""
+
+
 def partition_cap(partition: str, sinfo: str) -> int | None:
     """The time limit of ``partition`` (its default one if ""), from ``sinfo`` (a path), in minutes; None for no
-    limit. ConfigError, naming what to set instead, if Slurm cannot say."""
+    limit. :class:`CapUnknown`, naming what to set instead, if Slurm cannot say."""
     args = [sinfo, "--noheader", "--format=%P %l"] + (["--partition", partition] if partition else [])
     try:
         out = subprocess.run(args, capture_output=True, text=True, timeout=30)
@@ -131,7 +135,7 @@ def partition_cap(partition: str, sinfo: str) -> int | None:
         rows = [row for row in rows if row[0].endswith("*")]
     named = partition or "the default partition"
     if not rows:
-        raise ConfigError(
+        raise CapUnknown(
             f"cannot read the time limit of {named} from Slurm ({' '.join(args)}: "
             f"{failure or 'no such partition'}); set {MAX_RUNTIME_ENV} to it in minutes (or plan.max_runtime in "
             "profiles/slurm/resources.yaml), so every job's limit fits it"
@@ -139,7 +143,7 @@ def partition_cap(partition: str, sinfo: str) -> int | None:
     try:
         caps = [slurm_minutes(row[1]) for row in rows]
     except (IndexError, ValueError):
-        raise ConfigError(
+        raise CapUnknown(
             f"cannot read the time limit of {named} from sinfo's {rows!r}; set {MAX_RUNTIME_ENV}"
         ) from None
     known = [cap for cap in caps if cap is not None]
@@ -478,9 +482,9 @@ def pack(plan: Plan, gpus: int, gpus_per_node: int) -> Schedule:
         """Where the job and its servers go (node, GPUs), first fit, or None if they do not fit now."""
         row, trial, taken = by_id[key].row, list(free), []
         if row.gpus:
-            if row.nodes > 1 or row.gpus_per_node >= gpus_per_node:
+            if row.nodes > 1 or row.gpus_per_node == gpus_per_node:
                 whole = [n for n, f in enumerate(trial) if f == gpus_per_node][: row.nodes]
-                if len(whole) < row.nodes or row.gpus_per_node > gpus_per_node:
+                if len(whole) < row.nodes:
                     return None
                 taken += [(n, row.gpus_per_node) for n in whole]
             else:

@@ -372,7 +372,9 @@ def memagent_length_curve(
     datasets = {
         (name, length): e.dataset(rows) for name, e in evaluators.items() for length, rows in rows_files.items()
     }
-    twins = same_weights({name: e.model_path for name, e in evaluators.items()})
+    # Each model's weights read once (a 7B model's are GBs): what finds twins, and what keys saved predictions.
+    weights = {name: weights_digest(Path(e.model_path)) for name, e in evaluators.items()}
+    twins = same_weights(weights)
     passes = [
         (name, style, length)
         for name in evaluators
@@ -381,13 +383,9 @@ def memagent_length_curve(
         for length in rows_files
     ]
 
-    weights: dict[str, str | None] = {}
-
     def fingerprint(name: str, style: str, length: str) -> dict[str, Any]:
         """What a pass's predictions depend on: the model (its manifest and weights), the settings, the rows."""
         folder = evaluators[name].model_path
-        if name not in weights:
-            weights[name] = weights_digest(Path(folder))
         return {
             "model": {
                 "path": portable_path(folder),
@@ -447,20 +445,19 @@ def memagent_length_curve(
     return report
 
 
-def same_weights(models: Mapping[str, Path]) -> dict[str, str]:
-    """Each model whose weight files (:func:`memupdate.utils.io.weights_digest`) are those of one listed before
-    it, mapped to the first such; models without weight files are never matched.
+def same_weights(digests: Mapping[str, str | None]) -> dict[str, str]:
+    """Each model whose weights' digest (:func:`memupdate.utils.io.weights_digest`, by model name) is that of one
+    listed before it, mapped to the first such; models without weight files (None) are never matched.
 
     >>> import tempfile, torch; from safetensors.torch import save_file; d = Path(tempfile.mkdtemp())
     >>> for name, value in (("base", 1.0), ("trained", 1.0), ("other", 2.0)):
     ...     (d / name).mkdir(); save_file({"w": torch.full((2,), value)}, d / name / "model.safetensors")
-    >>> same_weights({name: d / name for name in ("base", "trained", "other")})
+    >>> same_weights({name: weights_digest(d / name) for name in ("base", "trained", "other", "none")})
     {'trained': 'base'}
     """
     first: dict[str, str] = {}
     twins = {}
-    for name, folder in models.items():
-        digest = weights_digest(Path(folder))
+    for name, digest in digests.items():
         if digest is None:
             continue
         if digest in first:

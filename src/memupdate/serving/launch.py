@@ -51,6 +51,7 @@ from typing import Any
 
 import psutil
 
+from memupdate.serving.markers import load_marker
 from memupdate.serving.readiness import ServerNotReady, probe, rewrite_marker, write_marker
 from memupdate.serving.vllm_env import ensure_vllm_env, env_path, env_python
 from memupdate.serving.vllm_server import (
@@ -239,8 +240,7 @@ def sbatch_argv(
         "--export=ALL",
         *(f"{flags[key]}={value}" for key, value in vars(options).items() if value not in (None, "")),
     ]
-    minutes = options.time
-    if handover_s and isinstance(minutes, int | float) and minutes * 60 > 2 * handover_s:
+    if handover_s and options.time and options.time * 60 > 2 * handover_s:
         argv.append(f"--signal=B:{HANDOVER_SIGNAL.name.removeprefix('SIG')}@{int(handover_s)}")
     # exec: the supervisor is the batch shell itself, so the signal reaches it.
     return [*argv, f"--wrap=exec {shlex.join(command)}"]
@@ -630,8 +630,9 @@ def _submit_successor() -> str:
 
 
 def _marker_endpoint(marker: Path) -> str | None:
+    # Being rewritten or deleted meanwhile: no answer this time round.
     with contextlib.suppress(OSError, ValueError):
-        return json.loads(marker.read_text(encoding="utf-8")).get("endpoint")
+        return load_marker(marker)["endpoint"]
     return None
 
 
