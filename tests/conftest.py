@@ -279,6 +279,36 @@ def held_out_cache(locomo_rows, embedder, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def headroom_mix(locomo_rows, held_out_cache, tmp_path_factory):
+    """``headroom_mix(part, share)``: locomo_rows' ``part`` drawn as cpu_demo draws its rows (rule headroom_rows):
+    every question with headroom and, with ``share`` below 1, as many others (memupdate.data.headroom)."""
+    from memupdate.data.headroom import write_headroom_rows
+    from memupdate.settings import RewardSettings
+
+    made: dict[tuple[str, float], Path] = {}
+
+    def make(part: str, share: float) -> Path:
+        if (part, share) not in made:
+            out = tmp_path_factory.mktemp(f"headroom-{part}")
+            write_headroom_rows(
+                locomo_rows[part],
+                locomo_rows["memories"],
+                held_out_cache,
+                out / "rows.parquet",
+                out / "flags.parquet",
+                embedding_model="all-MiniLM-L6-v2",
+                search_top_k=10,
+                top_k=RewardSettings.top_k,
+                context_chars=RewardSettings.context_chars,
+                share=share,
+            )
+            made[part, share] = out / "rows.parquet"
+        return made[part, share]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def hotpot_rows(hotpotqa_path, tmp_path_factory) -> Path:
     """MemAgent rows of the first 6 HotpotQA questions, 3 documents each (3 chunks of 48 tiny-model tokens)."""
     from memupdate.data.hotpotqa import preprocess_hotpotqa

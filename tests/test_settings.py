@@ -173,6 +173,13 @@ def test_the_shipped_configs_pass_and_keep_their_values():
         # YAML's .nan and .inf compare false with every bound (issue 37).
         ({"experiments": {"smoke": {"episode": {"top_p": float("nan")}}}}, "episode.top_p: nan is not a finite number"),
         ({"experiments": {"smoke": {"episode": {"temperature": float("inf")}}}}, "temperature: inf is not a finite"),
+        # Budgets past any use (issue 58).
+        ({"reward": {"top_k": 10**9}}, "reward.top_k: 1000000000 is above the maximum 1000"),
+        ({"reward": {"context_chars": 10**9}}, "reward.context_chars: 1000000000 is above the maximum 200000"),
+        ({"reward": {"qa_max_tokens": 10**9}}, "reward.qa_max_tokens: 1000000000 is above the maximum 4096"),
+        # Names that become folders or files (issue 58): the embedding cache's folder, a mirror's file.
+        ({"memory": {"embedding_model": "sentence-transformers/all-MiniLM-L6-v2/."}}, "memory.embedding_model:"),
+        ({"data": {"files": {"locomo10": {"filename": "../locomo10.json"}}}}, "data.files.locomo10.filename:"),
         # The top level is typed as the sections are (WorkflowConfig).
         ({"servng": {}}, "servng: unknown setting; did you mean serving?"),
         ({"data": {"hotpotqa": {"test_percent": 0}}}, "data.hotpotqa.test_percent: 0 is below the minimum 1"),
@@ -235,7 +242,6 @@ def test_null_in_a_configfile_removes_a_key():
     assert "experiments.smoke: 'policy' is required" in problems(merged({"experiments": {"smoke": {"policy": None}}}))
 
 
-@pytest.mark.skipif(not verl_defaults(), reason="verl is not installed")
 def test_verl_backend_settings_are_checked_against_verls_config():
     def with_stage1(stage1: dict) -> dict:
         config = merged()
@@ -263,7 +269,43 @@ def test_verl_backend_settings_are_checked_against_verls_config():
     assert ok["experiments"]["smoke"]["stage1"]["actor_rollout_ref.actor.optim.lr"] == 1e-6
 
 
-@pytest.mark.skipif(not verl_defaults(), reason="verl is not installed")
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("actor_rollout_ref.actor.optim.lr", 0, "optim.lr: 0 is not above 0"),
+        ("actor_rollout_ref.actor.optim.lr", ".nan", "optim.lr: nan is not a finite number"),
+        ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 0, "ppo_micro_batch_size_per_gpu: 0 is below 1"),
+        ("data.train_batch_size", 10**9, "data.train_batch_size: 1000000000 is above 1000000"),
+        ("actor_rollout_ref.actor.kl_loss_coef", ".nan", "kl_loss_coef: nan is not a finite number"),
+        ("trainer.total_training_steps", "ten", "trainer.total_training_steps: 'ten' is not an int"),
+        ("trainer.total_training_steps", 0, "trainer.total_training_steps: 0 is below 1"),
+        ("actor_rollout_ref.rollout.n", -8, "rollout.n: -8 is below 1"),
+    ],
+)
+def test_a_verl_value_no_run_can_use_stops_the_dry_run_naming_its_key(key, value, named):
+    """verl takes these on trust when it composes a run; the job would fail or train nothing hours later."""
+    config = merged()
+    # As YAML gives them: '.nan' is YAML's NaN.
+    config["experiments"]["smoke"]["stage1"][key] = yaml.safe_load(str(value)) if value == ".nan" else value
+    text = problems(config)
+    assert f"experiments.smoke.stage1.{key}: " in text and named in text, text
+
+
+def test_verls_config_missing_stops_the_check_instead_of_switching_it_off(monkeypatch, tmp_path):
+    """A verl whose generated config moved would otherwise let every verl key through unchecked."""
+    fake = tmp_path / "verl"
+    (fake / "trainer" / "config").mkdir(parents=True)
+    spec = importlib.util.spec_from_file_location("verl", fake / "__init__.py", submodule_search_locations=[str(fake)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "verl" else None)
+    verl_defaults.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="_generated_ppo_trainer.yaml is missing"):
+            verl_defaults()
+    finally:
+        monkeypatch.undo()
+        verl_defaults.cache_clear()
+
+
 def test_the_float_fields_verls_yaml_writes_as_integers_are_read_off_its_source():
     """VERL_FLOATS_WITH_INT_DEFAULTS stands in, at Snakefile load, for verl's config dataclasses' annotations."""
     import ast
@@ -317,8 +359,7 @@ def test_loading_the_snakefile_reads_configuration_only(monkeypatch):
         REPO / "profiles",
         Path(importlib.util.find_spec("memupdate").origin).parent / "training",
     }
-    if verl_defaults():
-        allowed.add(Path(importlib.util.find_spec("verl").origin).parent / "trainer" / "config")
+    allowed.add(Path(importlib.util.find_spec("verl").origin).parent / "trainer" / "config")
     assert read and all(any(p.resolve().is_relative_to(a) for a in allowed) for p in read), read
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -578,23 +579,29 @@ class RewardSettings:
         "locomo",
         help="protocol of the QA prompt (memupdate/prompt_files/<protocol>.yaml) of the QA phase and the reader",
     )
-    qa_max_tokens: Int = setting(32, help="answer cap of the QA phase and of the reader (the same answers)", ge=1)
+    qa_max_tokens: Int = setting(
+        32, help="answer cap of the QA phase and of the reader (the same answers)", ge=1, le=4096
+    )
     reader_metric: Literal["locomo_f1", "mem0_f1"] | None = setting(
         None, help="the reader's F1 against the gold (null = the qa_prompt protocol's own)"
     )
-    top_k: Int = setting(5, help="memories retrieved per question", ge=1)
+    top_k: Int = setting(5, help="memories retrieved per question", ge=1, le=1000)
     context_chars: Int = setting(
         650,
         help="characters of the reader's context (each memory as the QA prompt shows it, date included) that S, "
         "the QA phase and evaluation use",
         ge=1,
+        # About 50,000 tokens: past any reader's window.
+        le=200_000,
     )
-    other_questions: Int = setting(0, help="other questions of the conversation averaged into S", ge=0)
+    other_questions: Int = setting(0, help="other questions of the conversation averaged into S", ge=0, le=1000)
     idle_edit_cost: Float = setting(
         0.0,
         help="subtracted from the reward of an episode that edited the store and gained nothing (dS <= 0), so "
         "stopping is strictly best where nothing is missing",
         ge=0,
+        # A reward's S moves within [-1, 1].
+        le=1,
     )
     ingestion_baseline: Literal["append", "before"] = setting(
         "append",
@@ -623,6 +630,8 @@ class MemorySettings:
     embedding_model: Str = setting(
         DEFAULT_EMBEDDING_MODEL,
         help="sentence-transformers model (name or local path); the default loads offline from a package",
+        # Its last component names the cache's folder (results/embeddings/<name>): 'x/.' or 'x/' would not.
+        pattern=r".*[^/.]",
     )
     embedding_batch_size: Int = setting(64, help="texts per encode call when building the embedding cache", ge=1)
     max_content_chars: Int = setting(
@@ -742,7 +751,7 @@ class DataFile:
 
     source: Str = setting(help="http(s) URL or local path")
     sha256: Str | None = setting(help="the file's sha256 (null: a local file, not verified)", pattern="[0-9a-f]{64}")
-    filename: Str | None = setting(None, help="name of the file in a mirror folder")
+    filename: Str | None = setting(None, help="name of the file in a mirror folder", pattern=r"[\w.+-]*[\w+-][\w.+-]*")
 
 
 @section
@@ -1368,17 +1377,20 @@ def _split_errors(split: Mapping[str, list[str]], where: str) -> list[str]:
 @functools.cache
 def verl_defaults() -> dict[str, Any]:
     """verl's ``ppo_trainer`` config, flattened to dotted keys, read from verl's generated YAML without
-    importing verl (which pulls in torch); empty when verl is not installed."""
+    importing verl (which pulls in torch). Raises :class:`ConfigError` when it cannot be read."""
     import importlib.util
 
     import yaml
 
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
-        return {}
+        raise ConfigError("verl is not installed: its config is what every stage's verl keys are checked against")
     path = Path(next(iter(spec.submodule_search_locations))) / "trainer" / "config" / "_generated_ppo_trainer.yaml"
     if not path.is_file():
-        return {}
+        # Silence here would switch off every verl key check (a verl upgrade that moves the file).
+        raise ConfigError(
+            f"verl's generated trainer config {path} is missing: is verl installed as pyproject.toml pins it?"
+        )
     return flatten_keys(yaml.safe_load(path.read_text(encoding="utf-8")))
 
 
@@ -1406,6 +1418,53 @@ VERL_FLOATS_WITH_INT_DEFAULTS = frozenset(
         "reward.reward_model.rollout.top_p",
     }
 )
+
+
+#: verl keys that verl takes on trust when it composes a run, with the values a run can use: (type, least, most,
+#: whether the least itself is allowed). A value outside stops the dry run naming the key, not a job hours later
+#: (a learning rate of 0 trains nothing; a batch of 10^9 never fills). Keys with a null default get their type here.
+VERL_RANGES: dict[str, tuple[type, float, float | None, bool]] = {
+    "trainer.total_training_steps": (int, 1, 10**7, True),
+    "trainer.total_epochs": (int, 1, 10**6, True),
+    "data.train_batch_size": (int, 1, 10**6, True),
+    "data.max_prompt_length": (int, 1, 10**7, True),
+    "data.max_response_length": (int, 1, 10**7, True),
+    "actor_rollout_ref.actor.ppo_mini_batch_size": (int, 1, 10**6, True),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (int, 1, 10**6, True),
+    "actor_rollout_ref.actor.ppo_epochs": (int, 1, 1000, True),
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": (int, 1, 10**8, True),
+    "actor_rollout_ref.rollout.n": (int, 1, 4096, True),
+    "actor_rollout_ref.rollout.val_kwargs.n": (int, 1, 4096, True),
+    "actor_rollout_ref.actor.optim.lr": (float, 0, 1, False),
+    "actor_rollout_ref.actor.kl_loss_coef": (float, 0, None, True),
+    "algorithm.kl_ctrl.kl_coef": (float, 0, None, True),
+    "actor_rollout_ref.actor.clip_ratio": (float, 0, None, False),
+    "actor_rollout_ref.actor.grad_clip": (float, 0, None, False),
+    "actor_rollout_ref.rollout.temperature": (float, 0, None, True),
+    "actor_rollout_ref.rollout.gpu_memory_utilization": (float, 0, 1, False),
+}
+
+
+def _range_error(key: str, value: Any) -> str | None:
+    """Why ``value`` is out of :data:`VERL_RANGES`' range for ``key`` (or not finite, for any number), else None.
+
+    >>> _range_error("actor_rollout_ref.actor.optim.lr", 0.0), _range_error("data.train_batch_size", 10**9)
+    ('0.0 is not above 0', '1000000000 is above 1000000')
+    >>> _range_error("algorithm.kl_ctrl.kl_coef", float("nan")), _range_error("trainer.save_freq", 25)
+    ('nan is not a finite number', None)
+    """
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    if not math.isfinite(value):
+        return f"{value!r} is not a finite number"
+    if key not in VERL_RANGES:
+        return None
+    _, least, most, closed = VERL_RANGES[key]
+    if value < least or (value == least and not closed):
+        return f"{value!r} is {'below' if closed else 'not above'} {least}"
+    if most is not None and value > most:
+        return f"{value!r} is above {most}"
+    return None
 
 
 #: The configs the launcher composes a verl run from (memupdate.training.verl_launcher), under a stage's settings:
@@ -1499,8 +1558,6 @@ def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
     if not isinstance(settings, Mapping):
         return [f"{path}: expected a mapping of verl config keys, got {show_value(settings)}"]
     defaults = verl_defaults()
-    if not defaults:
-        return []
     errors = []
     for key, value in list(settings.items()):
         if kind == "memagent" and key == "num_docs":
@@ -1515,7 +1572,12 @@ def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
             errors.append(f"{path}.{key}: verl's ppo_trainer defines no such key{hint} (prefix it with + to add one)")
             continue
         default = defaults[key]
-        if isinstance(default, float) and not isinstance(default, bool):
+        if default is None and key in VERL_RANGES:
+            default = VERL_RANGES[key][0](1)
+        if value is None:
+            # verl's null (no limit, no seed): a value of its own, not one of the default's type.
+            ok = True
+        elif isinstance(default, float) and not isinstance(default, bool):
             value = settings[key] = as_number(value)
             ok = isinstance(value, int | float) and not isinstance(value, bool)
         elif isinstance(default, bool):
@@ -1539,5 +1601,7 @@ def verl_key_errors(settings: Any, path: str, kind: str) -> list[str]:
             kind_name = {float: "a number", bool: "true or false", int: "an int"}.get(
                 type(default), type(default).__name__
             )
-            errors.append(f"{path}.{key}: {show_value(value)} is not {kind_name} (verl's default: {default!r})")
+            errors.append(f"{path}.{key}: {show_value(value)} is not {kind_name} (verl's default: {defaults[key]!r})")
+        elif problem := _range_error(key, settings[key]):
+            errors.append(f"{path}.{key}: {problem}")
     return errors

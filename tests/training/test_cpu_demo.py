@@ -6,51 +6,26 @@ spread on the questions with headroom and updates the cold start on it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-from memupdate.data.headroom import write_headroom_rows
 from memupdate.eval.policy import EPISODES, evaluate_policy
-from memupdate.names import MANAGE_TOOL, SEARCH_TOOL
-from memupdate.settings import RewardSettings
 from memupdate.training.sft import cold_start
 from memupdate.training.stages import train_stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.verl_cpu, pytest.mark.vllm]
 
-#: cpu_demo's tools, reward and episode (config/config.yaml).
-TOOLS = {"names": [SEARCH_TOOL, MANAGE_TOOL], "compact": True}
-EPISODE = {
-    "max_new_tokens": 192,
-    "max_assistant_turns": 3,
-    "prompt_length": 1024,
-    "response_length": 1024,
-    "max_tool_response_length": 2600,
-}
+#: The experiment this test shortens: its tools, reward, episode and GRPO settings are read, not copied.
+DEMO = yaml.safe_load((Path(__file__).parents[2] / "config" / "config.yaml").read_text())["experiments"]["cpu_demo"]
+TOOLS, EPISODE = DEMO["tools"], DEMO["episode"]
+REWARD = {**DEMO["reward"], "efficiency": {"max_total_memories": None}}
 ON_CPU = {"trainer.device": "cpu"}
-REWARD = {"scorer": "evidence_recall", "idle_edit_cost": 0.05, "efficiency": {"max_total_memories": None}}
-SEARCH_TOP_K = 10
+SEARCH_TOP_K = DEMO["headroom"]["search_top_k"]
 SFT = {"epochs": 2, "batch_size": 2, "micro_batch_size": 2, "lr": 1e-4, "max_rows": 8, "search_top_k": SEARCH_TOP_K}
-
-
-def mix(locomo_rows, cache, part, out, share):
-    rows, flags = out / f"{part}.parquet", out / f"{part}.flags.parquet"
-    write_headroom_rows(
-        locomo_rows[part],
-        locomo_rows["memories"],
-        cache,
-        rows,
-        flags,
-        embedding_model="all-MiniLM-L6-v2",
-        search_top_k=SEARCH_TOP_K,
-        top_k=RewardSettings.top_k,
-        context_chars=RewardSettings.context_chars,
-        share=share,
-    )
-    return rows
 
 
 def tool_call_rate(episodes) -> float:
@@ -59,7 +34,7 @@ def tool_call_rate(episodes) -> float:
 
 
 def test_the_cold_start_calls_tools_held_out_and_grpo_updates_it_on_reward_spread(
-    smollm2_dir, locomo_rows, held_out_cache, vllm_python, repo_root, tmp_path
+    smollm2_dir, locomo_rows, held_out_cache, headroom_mix, vllm_python, repo_root, tmp_path
 ):
     data = {
         "memories": str(locomo_rows["memories"]),
@@ -70,7 +45,7 @@ def test_the_cold_start_calls_tools_held_out_and_grpo_updates_it_on_reward_sprea
     # The cold start on questions with headroom alone: its few rows are then all edits, so that a policy trained
     # on them edits often enough for two short GRPO steps to find reward spread (cpu_demo's own cold start, on
     # a half-and-half mix, edits in about one episode of ten).
-    with_room = mix(locomo_rows, held_out_cache, "train", tmp_path / "headroom", share=1.0)
+    with_room = headroom_mix("train", share=1.0)
     sft = cold_start(
         settings=SFT,
         episode=EPISODE,
@@ -87,7 +62,7 @@ def test_the_cold_start_calls_tools_held_out_and_grpo_updates_it_on_reward_sprea
     assert any(not torch.equal(base[k], cold[k].to(base[k].dtype)) for k in base)
 
     # Held out: conv-30's mix; the demonstrations came from conv-26's.
-    held_out = mix(locomo_rows, held_out_cache, "test", tmp_path / "rows", share=0.5)
+    held_out = headroom_mix("test", share=0.5)
     summaries, rates = {}, {}
     for name, model in (("base", smollm2_dir), ("sft", sft)):
         out = tmp_path / "policy_eval" / name
@@ -113,7 +88,9 @@ def test_the_cold_start_calls_tools_held_out_and_grpo_updates_it_on_reward_sprea
     run_dir = tmp_path / "stage1"
     ckpt = train_stage(
         trained_role="memory",
+        # cpu_demo's GRPO (its advantage, learning rate and trainer mode), shortened: no validation, one step.
         settings={
+            **DEMO["stage1"],
             **ON_CPU,
             "trainer.total_training_steps": 1,
             "trainer.save_freq": 1,
@@ -122,10 +99,6 @@ def test_the_cold_start_calls_tools_held_out_and_grpo_updates_it_on_reward_sprea
             "data.train_batch_size": 2,
             "actor_rollout_ref.rollout.n": 6,
             "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
-            "actor_rollout_ref.actor.optim.lr": 1e-5,
-            "actor_rollout_ref.actor.use_kl_loss": False,
-            "trainer.v1.trainer_mode": "memupdate_sync",
-            "data.seed": 0,
         },
         episode=EPISODE,
         model=str(sft),

@@ -44,14 +44,14 @@ EPISODE = {
 ON_CPU = {"trainer.device": "cpu"}
 
 
-def train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, settings):
-    """The cold start on conv-26 with the tiny model, the episode's lengths and the compact tools, fine-tuned by
-    verl's SFT trainer on CPU."""
+def train_cold_start(tiny_model_dir, rows, locomo_rows, cache_dir, run_dir, settings):
+    """The cold start on conv-26's ``rows`` with the tiny model, the episode's lengths and the compact tools,
+    fine-tuned by verl's SFT trainer on CPU."""
     return cold_start(
         settings={**settings, "lr": 1e-3, "search_top_k": 10},
         episode=EPISODE,
         model=str(tiny_model_dir),
-        train_files=[str(locomo_rows["train"])],
+        train_files=[str(rows)],
         memories=str(locomo_rows["memories"]),
         embeddings=str(cache_dir),
         run_dir=str(run_dir),
@@ -63,9 +63,12 @@ def train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, settings):
 
 
 @pytest.fixture(scope="module")
-def sft_run(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
+def sft_run(tiny_model_dir, locomo_rows, held_out_cache, headroom_mix, tmp_path_factory):
+    """On conv-26's mix as cpu_demo draws it (half its rows with headroom), so that the expert both promotes and
+    stops: on conv-26's rows in order, the first 8 hold no promotion, and the keep rule went untested."""
     run_dir = tmp_path_factory.mktemp("sft") / "run"
-    return run_dir, train_cold_start(tiny_model_dir, locomo_rows, cache_dir, run_dir, SFT)
+    rows = headroom_mix("train", share=0.5)
+    return run_dir, train_cold_start(tiny_model_dir, rows, locomo_rows, held_out_cache, run_dir, SFT)
 
 
 #: Two epochs of batches of two kept episodes; of the 8 episodes, stops beyond the kept edits' count are kept
@@ -126,6 +129,8 @@ def test_kept_edits_raised_the_training_reward_and_lowered_no_other(sft_run, loc
     assert_stops_balanced(records, SFT["min_rows"])
     summary = json.loads((run_dir / DEMONSTRATION_SUMMARY).read_text())
     kept_edits = sum(r["kept"] and r["edited"] for r in records)
+    # Both branches of the rule ran: a promotion kept, and an episode without an edit.
+    assert kept_edits > 0 and not all(r["edited"] for r in records), records
     assert summary["kept"] == sum(r["kept"] for r in records) and summary["kept_edits"] == kept_edits
     assert min(summary["kept_reward_mean"].values()) >= 0 and (min(summary["kept_reward_mean"].values()) > 0) == (
         kept_edits > 0
