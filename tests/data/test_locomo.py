@@ -282,6 +282,44 @@ def _write_broken(locomo_path, tmp_path, edit, *, raw=None):
             lambda d: d[0]["conversation"].update(session_1_date_time=20230508),
             r"field 'conversation.session_1_date_time' must be a string .*got 20230508",
         ),
+        # What passed in silence or crashed without a name before (issue 58).
+        (lambda d: d[0]["qa"][0].update(answer=float("nan")), r"qa\[0\]: field 'answer' must be a finite number"),
+        (
+            lambda d: d[0]["conversation"]["session_1"][0].update(text="   "),
+            r"conversation.session_1\[0\]: field 'text' is empty",
+        ),
+        (
+            lambda d: d[0]["observation"]["session_1_observation"]["Caroline"][0].__setitem__(0, "x" * 100_000),
+            r"Caroline\[0\]: the fact's text is 100,000 characters, over 2,000",
+        ),
+        (
+            lambda d: d[0]["qa"][1].update(question="When did\x00 she go?"),
+            r"qa\[1\]: field 'question' holds the control character '\\x00' at 8",
+        ),
+        (
+            lambda d: d[0]["conversation"].update(session_2_date_time="1:56 pm on 8 May,\x00 2023"),
+            r"field 'conversation.session_2_date_time' holds the control character",
+        ),
+        (
+            lambda d: d[0]["conversation"]["session_1"][1].update(blip_caption={"text": "a dog"}),
+            r"conversation.session_1\[1\]: field 'blip_caption' must be a string, got dict",
+        ),
+        (
+            lambda d: d[0]["conversation"]["session_1"][1].update(speaker=""),
+            r"conversation.session_1\[1\]: field 'speaker' is empty",
+        ),
+        (
+            lambda d: d[0]["conversation"].update(session_0=d[0]["conversation"]["session_1"]),
+            r"field 'conversation.session_0': sessions are numbered from 1",
+        ),
+        (
+            lambda d: d[0].update(session_summary=["a", "b"]),
+            r"sample 'conv-26': field 'session_summary' must be an object of session entries, got list",
+        ),
+        (
+            lambda d: d[0].update(observation="none"),
+            r"sample 'conv-26': field 'observation' must be an object of session entries, got str",
+        ),
     ],
 )
 def test_unusable_records_are_refused(locomo_path, tmp_path, edit, message):

@@ -22,6 +22,7 @@ import difflib
 import hashlib
 import json
 import logging
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -60,6 +61,11 @@ DATA_SOURCE_PREFIX = "locomo"
 
 _DIA_ID = re.compile(r"D:?(\d+):(\d+)")
 _SESSION_KEY = re.compile(r"session_(\d+)")
+#: Control characters (NUL and the like; tab and newlines are text) that no conversation, question or date holds.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+#: Longest observation taken as a memory: LoCoMo's run to 180 characters; a longer one is a broken record, not a
+#: fact, and would crowd the reader's context.
+MAX_FACT_CHARS = 2000
 
 SYSTEM_PROMPT = (
     "You maintain the long-term memory database of a conversational assistant. "
@@ -207,11 +213,35 @@ def _require(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> A
     return value
 
 
+def _text(obj: Any, key: str, where: str, *, empty_ok: bool = False) -> str:
+    """``obj[key]``, a string that says something (unless ``empty_ok``) and holds no control character."""
+    value = _require(obj, key, str, where)
+    _check_text(value, key, where, empty_ok=empty_ok)
+    return value
+
+
+def _check_text(value: str, key: str, where: str, *, empty_ok: bool = False) -> None:
+    if not empty_ok and not value.strip():
+        raise LocomoFormatError(f"{where}: field {key!r} is empty")
+    if found := _CONTROL.search(value):
+        raise LocomoFormatError(
+            f"{where}: field {key!r} holds the control character {found.group()!r} at {found.start()}"
+        )
+
+
+def _mapping(sample: dict, key: str, where: str) -> dict:
+    """``sample[key]``, an object of session entries, or {} if absent."""
+    value = sample.get(key) or {}
+    if not isinstance(value, dict):
+        raise LocomoFormatError(
+            f"{where}: field {key!r} must be an object of session entries, got {type(value).__name__}"
+        )
+    return value
+
+
 def _parse_qa(raw: Any, path: Path, sample_id: str, index: int) -> LocomoQA:
     where = _where(path, sample_id, index)
-    question = _require(raw, "question", str, where).strip()
-    if not question:
-        raise LocomoFormatError(f"{where}: field 'question' is empty")
+    question = _text(raw, "question", where).strip()
     category = raw.get("category")
     if isinstance(category, bool) or not isinstance(category, int) or category not in CATEGORY_NAMES:
         raise LocomoFormatError(f"{where}: field 'category' must be an integer 1..5, got {category!r}")
@@ -226,6 +256,11 @@ def _parse_qa(raw: Any, path: Path, sample_id: str, index: int) -> LocomoQA:
         # bool is an int to Python; true as a gold answer is a broken record, not the answer "True".
         if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
             raise LocomoFormatError(f"{where}: field {name!r} must be a string or number, got {value!r}")
+        # JSON's NaN would become the gold answer "nan".
+        if isinstance(value, float) and not math.isfinite(value):
+            raise LocomoFormatError(f"{where}: field {name!r} must be a finite number, got {value!r}")
+        if isinstance(value, str):
+            _check_text(value, name, where, empty_ok=True)
     # The answer a category is scored against must say something: an empty gold answer would score every
     # prediction as wrong (or, for category 5, leave nothing to refuse), like a missing one.
     needed = "adversarial_answer" if category == 5 else "answer"
@@ -251,14 +286,27 @@ def _parse_qa(raw: Any, path: Path, sample_id: str, index: int) -> LocomoQA:
     )
 
 
+def _caption(turn: dict, where: str) -> str | None:
+    """A turn's image caption (``blip_caption``): text, or absent."""
+    caption = turn.get("blip_caption")
+    if caption is not None:
+        if not isinstance(caption, str):
+            raise LocomoFormatError(f"{where}: field 'blip_caption' must be a string, got {type(caption).__name__}")
+        _check_text(caption, "blip_caption", where, empty_ok=True)
+    return caption
+
+
 def _parse_sessions(sample: dict, path: Path, sample_id: str) -> tuple[Session, ...]:
     where = _where(path, sample_id)
     conv = _require(sample, "conversation", dict, where)
-    observations = sample.get("observation") or {}
-    summaries = sample.get("session_summary") or {}
+    observations = _mapping(sample, "observation", where)
+    summaries = _mapping(sample, "session_summary", where)
     indices = sorted(int(m.group(1)) for k in conv if (m := _SESSION_KEY.fullmatch(k)))
     if not indices:
         raise LocomoFormatError(f"{where}: field 'conversation' has no session_N entries")
+    if indices[0] < 1:
+        # Turn ids name sessions from 1 (D1:3); a session 0 is a broken record, not an earlier session.
+        raise LocomoFormatError(f"{where}: field 'conversation.session_{indices[0]}': sessions are numbered from 1")
     sessions = []
     seen_turns: dict[str, str] = {}
     for n in indices:
@@ -284,10 +332,10 @@ def _parse_sessions(sample: dict, path: Path, sample_id: str) -> tuple[Session, 
             seen_turns[canonical] = f"conversation.session_{n}[{t_index}]"
             turns.append(
                 Turn(
-                    speaker=_require(turn, "speaker", str, t_where),
+                    speaker=_text(turn, "speaker", t_where),
                     dia_id=canonical,
-                    text=_require(turn, "text", str, t_where),
-                    image_caption=turn.get("blip_caption"),
+                    text=_text(turn, "text", t_where),
+                    image_caption=_caption(turn, t_where),
                 )
             )
         obs_raw = observations.get(f"session_{n}_observation") or {}
@@ -308,6 +356,11 @@ def _parse_sessions(sample: dict, path: Path, sample_id: str) -> tuple[Session, 
                 # A fact becomes a memory: an empty one would be a memory that says nothing.
                 if not fact[0].strip():
                     raise LocomoFormatError(f"{f_where}: the fact's text is empty")
+                if len(fact[0]) > MAX_FACT_CHARS:
+                    raise LocomoFormatError(
+                        f"{f_where}: the fact's text is {len(fact[0]):,} characters, over {MAX_FACT_CHARS:,} (a memory)"
+                    )
+                _check_text(fact[0], "text", f_where)
                 ev = fact[1] if isinstance(fact[1], list) else [fact[1]]
                 parsed.append((fact[0].strip(), parse_evidence(ev).ids))
             obs.append((speaker, tuple(parsed)))
@@ -316,12 +369,16 @@ def _parse_sessions(sample: dict, path: Path, sample_id: str) -> tuple[Session, 
             raise LocomoFormatError(
                 f"{where}: field 'session_summary.session_{n}_summary' must be a string, got {type(summary).__name__}"
             )
+        if summary is not None:
+            _check_text(summary, f"session_summary.session_{n}_summary", where, empty_ok=True)
         date_time = conv.get(f"session_{n}_date_time")
         if date_time is not None and not isinstance(date_time, str):
             raise LocomoFormatError(
                 f"{where}: field 'conversation.session_{n}_date_time' must be a string (e.g. '1:56 pm on 8 May, "
                 f"2023'), got {date_time!r}"
             )
+        if date_time is not None:
+            _check_text(date_time, f"conversation.session_{n}_date_time", where, empty_ok=True)
         sessions.append(
             Session(
                 index=n,
