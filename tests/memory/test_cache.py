@@ -156,17 +156,25 @@ def _zero_first_row(folder):
     np.save(folder / "vectors.npy", vectors)
 
 
+def _nan_in_first_row(folder):
+    vectors = np.load(folder / "vectors.npy")
+    vectors[0, 0] = np.nan
+    np.save(folder / "vectors.npy", vectors)
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
         (lambda d: (d / "vectors.npy").write_bytes((d / "vectors.npy").read_bytes()[:1000]), "is damaged"),
         (lambda d: (d / "manifest.json").write_text('{"model_name": "sentence-tr'), "manifest.json: not a manifest"),
         (_zero_first_row, r"vectors are not unit length \(row 0: squared norm 0\)"),
+        # One NaN, and the memory was never retrieved again (issue 58).
+        (_nan_in_first_row, r"vectors are not unit length \(row 0: squared norm nan\)"),
     ],
 )
 def test_a_damaged_cache_is_refused_with_what_to_do(cache_dir, embedder, tmp_path, damage, message):
     """A truncated vectors file or a torn manifest crashed with numpy's or json's error; zeroed vectors passed
-    (issue 37)."""
+    (issue 37), and so did a NaN (issue 58)."""
     copy = tmp_path / "cache"
     shutil.copytree(cache_dir, copy)
     damage(copy)

@@ -161,9 +161,10 @@ class EmbeddingCache:
                 f"embedding cache {path} is inconsistent: manifest count {manifest.get('count')}, dim {built_dim}, "
                 f"{len(keys)} keys, vectors {vectors.dtype}{list(vectors.shape)}; delete it to rebuild it"
             )
-        # Vectors are stored normalised: a row that is not (zeroed, say) would score every query 0 in silence.
+        # Vectors are stored normalised: a row that is not (zeroed, say) would score every query 0 in silence, and
+        # one holding a NaN would never be retrieved again (written as "not within", which NaN never is).
         norms = np.einsum("ij,ij->i", vectors, vectors) if len(keys) else np.ones(0, np.float32)
-        if (bad := np.flatnonzero(np.abs(norms - 1) > 1e-3)).size:
+        if (bad := np.flatnonzero(~(np.abs(norms - 1) <= 1e-3))).size:
             raise EmbeddingCacheError(
                 f"embedding cache {path}: {bad.size} vectors are not unit length (row {int(bad[0])}: squared norm "
                 f"{float(norms[bad[0]]):.3g}); delete it to rebuild it"
