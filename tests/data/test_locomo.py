@@ -206,6 +206,14 @@ def test_invalid_json_names_the_file(tmp_path):
         load_locomo(path)
 
 
+def test_json_nested_past_the_parsers_reach_names_the_file(tmp_path):
+    """A RecursionError traceback before (issue 58)."""
+    path = tmp_path / "locomo10.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(LocomoFormatError, match="locomo10.json: nested deeper than the parser can read"):
+        load_locomo(path)
+
+
 def test_a_lone_surrogate_is_refused_naming_where(locomo_path, tmp_path):
     """JSON lets "\\ud83d" stand alone; Python reads it, and writing it as UTF-8 (parquet) crashed nameless."""
     path = _write_broken(locomo_path, tmp_path, lambda d: None, raw=lambda b: b.replace(b"LGBTQ", b"LGBTQ\\ud83d", 1))

@@ -12,7 +12,14 @@ import sys
 import pytest
 
 from memupdate.memory.cache import EmbeddingCache
-from memupdate.utils.io import atomic_outputs, portable_path, write_json_atomic, write_text_atomic
+from memupdate.utils.io import (
+    TooDeepError,
+    atomic_outputs,
+    portable_path,
+    write_json_atomic,
+    write_text_atomic,
+    yaml_load_strict,
+)
 
 
 @pytest.fixture
@@ -98,3 +105,11 @@ def test_a_model_folder_is_whole_only_with_a_readable_config_and_every_shard_com
     (model / "config.json").write_text("")
     with pytest.raises(ValueError, match="config.json: not a readable model config"):
         check_whole_model(model)
+
+
+def test_yaml_nested_past_the_parsers_reach_names_the_file(tmp_path):
+    """A RecursionError traceback before (issue 58): a config file is read with yaml_load_strict."""
+    path = tmp_path / "config.yaml"
+    path.write_text("a: " + "[" * 5_000 + "]" * 5_000 + "\n")
+    with pytest.raises(TooDeepError, match="config.yaml: nested deeper than the parser can read"):
+        yaml_load_strict(path)

@@ -52,6 +52,7 @@ from memupdate.data.fetch import verify_copy
 from memupdate.names import MEMAGENT_AGENT
 from memupdate.utils.io import (
     DuplicateKeyError,
+    TooDeepError,
     atomic_outputs,
     json_loads_strict,
     lone_surrogate,
@@ -363,7 +364,7 @@ def load_hotpotqa(path: str | Path) -> list[HotpotExample]:
         data = json_loads_strict(read_text_utf8(path, HotpotQAFormatError), path.name)
     except json.JSONDecodeError as exc:
         raise HotpotQAFormatError(f"{path.name}: not valid JSON: {exc}") from exc
-    except DuplicateKeyError as exc:
+    except (DuplicateKeyError, TooDeepError) as exc:
         raise HotpotQAFormatError(str(exc)) from None
     if not isinstance(data, list):
         raise HotpotQAFormatError(f"{path.name}: expected a JSON list of records, got {_kind(data)}")

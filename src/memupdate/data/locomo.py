@@ -38,6 +38,7 @@ from memupdate.data.fetch import verify_copy
 from memupdate.names import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.utils.io import (
     DuplicateKeyError,
+    TooDeepError,
     atomic_outputs,
     json_loads_strict,
     lone_surrogate,
@@ -398,7 +399,7 @@ def load_locomo(path: str | Path) -> list[LocomoConversation]:
         raw = json_loads_strict(read_text_utf8(path, LocomoFormatError), path.name)
     except json.JSONDecodeError as exc:
         raise LocomoFormatError(f"{path.name}: not valid JSON: {exc}") from exc
-    except DuplicateKeyError as exc:
+    except (DuplicateKeyError, TooDeepError) as exc:
         raise LocomoFormatError(str(exc)) from None
     if not isinstance(raw, list):
         raise LocomoFormatError(f"{path.name}: expected a list of samples, got {type(raw).__name__}")

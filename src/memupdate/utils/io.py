@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -148,6 +149,17 @@ class DuplicateKeyError(ValueError):
     """A YAML or JSON mapping names a key twice (both parsers would silently keep the last)."""
 
 
+class TooDeepError(ValueError):
+    """A JSON or YAML document nested deeper than Python's parsers recurse (a ``RecursionError`` otherwise)."""
+
+
+def _too_deep(where: Any) -> TooDeepError:
+    return TooDeepError(
+        f"{where}: nested deeper than the parser can read (Python's recursion limit, {sys.getrecursionlimit()}); "
+        "no file this project reads is"
+    )
+
+
 def json_loads_strict(text: str, where: str) -> Any:
     """``json.loads``, refusing an object that names a key twice; ``where`` (the file) starts the message.
 
@@ -167,7 +179,10 @@ def json_loads_strict(text: str, where: str) -> Any:
             out[key] = value
         return out
 
-    return json.loads(text, object_pairs_hook=pairs)
+    try:
+        return json.loads(text, object_pairs_hook=pairs)
+    except RecursionError:
+        raise _too_deep(where) from None
 
 
 def portable_path(path: str | os.PathLike) -> str:
@@ -258,6 +273,8 @@ def yaml_load_strict(path: str | os.PathLike) -> Any:
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err)
         raise ValueError(f"{path}{at}: not valid YAML: {problem}") from None
+    except RecursionError:
+        raise _too_deep(path) from None
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, *, private: bool = False) -> None:
