@@ -17,6 +17,7 @@ from memupdate.data.locomo import (
     preprocess_locomo,
     select_rows,
 )
+from memupdate.eval.policy import scorable_rows
 from memupdate.utils.io import sha256_file
 
 SPLIT = {
@@ -452,3 +453,14 @@ def test_a_stage_trains_on_the_questions_its_train_on_selects(locomo_rows, tmp_p
     with pytest.raises(ValueError, match="experiments.x.stage3.train_on .* leaves none of the"):
         select_rows(rows, tmp_path / "none.parquet", categories=[5], where="experiments.x.stage3.train_on")
     assert not (tmp_path / "none.parquet").exists()
+
+
+@pytest.mark.parametrize("read", [lambda rows, out: select_rows(rows, out), scorable_rows])
+def test_a_rows_file_without_its_records_is_named(tmp_path, read):
+    """A parquet of other columns stopped with pyarrow's KeyError or ArrowInvalid, naming no file (issue 58)."""
+    import pyarrow as pa
+
+    rows = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"question": ["When?"]}), rows)
+    with pytest.raises(ValueError, match=r"train.parquet is not a rows table .*: no column 'extra_info' \(columns: "):
+        read(rows, tmp_path / "out.parquet")

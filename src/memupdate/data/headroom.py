@@ -31,7 +31,7 @@ from memupdate.memory.cache import EmbeddingCache
 from memupdate.memory.embedder import Embedder
 from memupdate.memory.store import BaseStore, TrialStore
 from memupdate.prompts import within_budget
-from memupdate.utils.io import atomic_outputs
+from memupdate.utils.io import ROWS_TABLE, atomic_outputs, read_parquet_columns
 from memupdate.utils.seeding import seeded_random
 
 logger = logging.getLogger(__name__)
@@ -171,12 +171,12 @@ def write_headroom_rows(
     ``out_flags``. Returns (and writes to ``summary``) the counts, overall and by conversation."""
     # The questions the memory reward can score: a test split keeps category 5 (no gold answer) for LoCoMo's
     # evaluation, and neither training nor the policy evaluation can play it.
-    table = answerable(pq.read_table(rows))
+    table = answerable(read_parquet_columns(rows, {"extra_info": None}, ROWS_TABLE, only=False))
     embedder = Embedder(embedding_model)
     cache = EmbeddingCache.open(embeddings, model_name=embedder.model_name, must_exist=True)
     flags = headroom_flags(
         table,
-        pq.read_table(memories),
+        read_parquet_columns(memories, {"sample_id": None, "content": None}, "a memories table", only=False),
         cache,
         embedder,
         search_top_k=search_top_k,

@@ -51,11 +51,13 @@ from tqdm.auto import tqdm
 from memupdate.data.fetch import verify_copy
 from memupdate.names import MEMAGENT_AGENT
 from memupdate.utils.io import (
+    ROWS_TABLE,
     DuplicateKeyError,
     TooDeepError,
     atomic_outputs,
     json_loads_strict,
     lone_surrogate,
+    read_parquet_columns,
     read_text_utf8,
     sha256_file,
     write_json_atomic,
@@ -788,12 +790,11 @@ def split_rows(rows: str | Path, outputs: dict[str, str | Path], test_percent: i
     ``outputs["train"]`` and ``outputs["test"]`` by :func:`question_part`; returns the row count of each (both
     must be non-empty). Rows whose haystack drew from another part's pool (built with one pool, or with
     another ``test_percent``) are refused: their distractors would leak paragraphs across the split."""
-    import pyarrow.parquet as pq
 
     counts = {}
     # Both parts appear together or not at all, and a failed rerun removes the previous run's files.
     with atomic_outputs({part: outputs[part] for part in ("train", "test")}) as tmp:
-        table = pq.read_table(rows)
+        table = read_parquet_columns(rows, {"extra_info": None}, ROWS_TABLE, only=False)
         info = table.column("extra_info").combine_chunks()
         ids = info.field("id").to_pylist()
         built = info.field("part").to_pylist() if "part" in {f.name for f in info.type} else [None] * len(ids)

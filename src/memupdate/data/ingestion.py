@@ -32,13 +32,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from memupdate.data.locomo import DATA_SOURCE_PREFIX, evidence_session, row_schema
 from memupdate.memory.store import MemoryRecord
 from memupdate.names import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.prompts import format_record
-from memupdate.utils.io import write_parquet_atomic
+from memupdate.utils.io import ROWS_TABLE, read_parquet_columns, write_parquet_atomic
 from memupdate.utils.seeding import seeded_random
 
 logger = logging.getLogger(__name__)
@@ -263,9 +262,9 @@ def build_ingestion_rows(
 ) -> dict[str, Any]:
     """Write the ingestion rows of the conversations of ``qa_rows`` (a LoCoMo split's parquet) from the
     ``memories`` table; returns counts. Every session with a question to score it on gets a row."""
-    questions = [r["extra_info"] for r in pq.read_table(qa_rows, columns=["extra_info"]).to_pylist()]
+    questions = [r["extra_info"] for r in read_parquet_columns(qa_rows, {"extra_info": None}, ROWS_TABLE).to_pylist()]
     samples = {q["sample_id"] for q in questions}
-    table = pq.read_table(memories)
+    table = read_parquet_columns(memories, {"sample_id": None}, "a memories table", only=False)
     kept = [r for r in table.to_pylist() if r["sample_id"] in samples]
     rows = session_rows(kept, questions, split, questions_per_session=questions_per_session)
     if not rows:
@@ -283,7 +282,7 @@ def build_ingestion_rows(
 def select_sessions(rows: str, output: str, *, sessions: int | None = None, where: str = "train_on") -> dict[str, Any]:
     """Write the ingestion rows of ``rows`` of sessions 1..``sessions`` (a curriculum stage's ``train_on``;
     None: all); returns the counts kept and left out. ``where`` names the setting in errors."""
-    table = pq.read_table(rows)
+    table = read_parquet_columns(rows, {"extra_info": None}, ROWS_TABLE, only=False)
     session = table.column("extra_info").combine_chunks().field("session").to_pylist()
     keep = [sessions is None or s <= sessions for s in session]
     selected = table.filter(pa.array(keep))

@@ -32,16 +32,17 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from memupdate.data.fetch import verify_copy
 from memupdate.names import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.utils.io import (
+    ROWS_TABLE,
     DuplicateKeyError,
     TooDeepError,
     atomic_outputs,
     json_loads_strict,
     lone_surrogate,
+    read_parquet_columns,
     read_text_utf8,
     sha256_file,
     write_json_atomic,
@@ -789,7 +790,7 @@ def select_rows(
     ``categories`` (None: all) whose evidence lies in the first ``sessions`` sessions of their
     conversation (None: anywhere; a row without evidence ids is left out, as where its answer lies is
     unknown). Returns the counts kept and left out, by category; ``where`` names the setting in errors."""
-    table = pq.read_table(rows)
+    table = read_parquet_columns(rows, {"extra_info": None}, ROWS_TABLE, only=False)
     info = table.column("extra_info").combine_chunks()
     row_categories = info.field("category").to_pylist()
     evidence = info.field("evidence").to_pylist()

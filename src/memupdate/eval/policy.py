@@ -48,7 +48,7 @@ from memupdate.settings import (
     build,
 )
 from memupdate.tools.config import TOOL_CONFIG
-from memupdate.utils.io import write_json_atomic, write_text_atomic
+from memupdate.utils.io import ROWS_TABLE, read_parquet_columns, write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def evaluate_policy(
 
 def scorable_rows(rows: str, out: Path) -> str:
     """The rows the memory reward can score (a gold answer: categories 1-4, not the adversarial 5), at ``out``."""
-    kept = answerable(pq.read_table(rows))
+    kept = answerable(read_parquet_columns(rows, {"extra_info": None}, ROWS_TABLE, only=False))
     if not kept.num_rows:
         raise ValueError(f"{rows}: no row has a gold answer for the memory reward to score")
     out.parent.mkdir(parents=True, exist_ok=True)

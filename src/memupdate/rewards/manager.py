@@ -40,7 +40,6 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import pyarrow.parquet as pq
 from verl import DataProto
 from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
@@ -69,6 +68,7 @@ from memupdate.rewards.scorers import (
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.readiness import read_marker
 from memupdate.settings import ROLES, RewardSettings
+from memupdate.utils.io import ROWS_TABLE, read_parquet_columns
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def qa_pool(files: list[str]) -> dict[str, list[QAItem]]:
     """Answerable questions per conversation, from LoCoMo row files (for ``other_questions``)."""
     pool: dict[str, list[QAItem]] = defaultdict(list)
     for path in files:
-        for info in pq.read_table(path, columns=["extra_info"]).column("extra_info").to_pylist():
+        for info in read_parquet_columns(path, {"extra_info": None}, ROWS_TABLE).column("extra_info").to_pylist():
             if info["answer"]:
                 pool[info["sample_id"]].append(
                     QAItem(info["question"], info["answer"], info["category"], tuple(info["evidence"]))

@@ -45,13 +45,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow.parquet as pq
 from verl.workers.rollout.replica import TokenOutput
 
 from memupdate.data.headroom import missing_evidence_rank
 from memupdate.memory.store import content_words
 from memupdate.names import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 from memupdate.rollout.episodes import COMPONENTS
+from memupdate.utils.io import read_parquet_columns
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,9 @@ def key_words(question: str, content: str, max_chars: int) -> str | None:
 
 def read_memories(path: str) -> dict[str, dict[int, Memory]]:
     """The seed memories of the memories table (``preprocess_locomo``'s), per conversation and id."""
-    table = pq.read_table(path, columns=["sample_id", "memory_id", "content", "evidence", "date"]).to_pylist()
+    table = read_parquet_columns(
+        path, dict.fromkeys(["sample_id", "memory_id", "content", "evidence", "date"]), "a memories table"
+    ).to_pylist()
     out: dict[str, dict[int, Memory]] = defaultdict(dict)
     for row in table:
         memory = Memory(row["content"], frozenset(row["evidence"] or ()), row["date"])

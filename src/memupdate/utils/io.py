@@ -295,6 +295,10 @@ def write_parquet_atomic(path: str | os.PathLike, table: pa.Table) -> None:
         pq.write_table(table, tmp, compression="zstd")
 
 
+#: What a rows file is, for :func:`read_parquet_columns`' errors: verl's layout, each row's record in ``extra_info``.
+ROWS_TABLE = "a rows table (verl's layout, each row's record in extra_info)"
+
+
 def read_parquet_columns(
     path: str | os.PathLike, columns: Mapping[str, str | None], what: str, *, only: bool = True
 ) -> pa.Table:
