@@ -562,10 +562,14 @@ def test_a_memory_that_says_nothing_or_points_before_the_first_session_is_refuse
         (lambda d: d["deleted"].__setitem__(0, "٧"), "deleted id must be an integer or null, got '٧'"),
         (lambda d: d.update(ops={**d["ops"], "create": -4}), r"ops.create must be an integer of 0 or more, got -4"),
         (lambda d: d.update(next_id="1" * 5000), "next_id must be an integer or null"),
+        # Counts that contradict the records passed (issue 58).
+        (lambda d: d.update(ops={}), r"changes memories \[7, 8\] but counts no operation"),
+        (lambda d: d.update(ops={**d["ops"], "rewrite": 1}), r"unknown operations \['rewrite'\] in ops"),
     ],
 )
 def test_a_tampered_delta_is_refused(base, counting_embedder, tamper, message):
-    """int() read "٧" (Arabic 7) as memory 7, and negative counts passed (issue 37)."""
+    """int() read "٧" (Arabic 7) as memory 7, and negative counts passed (issue 37); so did counts that contradict
+    the records (issue 58)."""
     trial = TrialStore(base, counting_embedder, namespace="conv-26-qa3-0a1b2c3d-deadbeef")
     trial.delete(7)
     trial.delete(8)

@@ -7,12 +7,16 @@ serves: tests/training/test_verl_launcher.py.)"""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
+import socket
 import stat
 import time
+import urllib.parse
 
+import psutil
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -83,6 +87,7 @@ def test_a_server_started_before_verl_is_adopted_if_it_serves_the_same_and_stops
         wait_until_ready(address["base_url"], rs.SERVED_NAME, 600, process=adopted, api_key=address["api_key"])
         with pytest.raises(ServerNotReady, match="returned 401"):
             probe(address["base_url"], rs.SERVED_NAME, completion=False)
+        assert_reachable_from_loopback_only(adopted.pid, address["base_url"])
         # A replica that would serve something else (another context length) stops it and starts its own.
         assert rs.adopt_server(dataclasses.replace(spec, max_model_len=spec.max_model_len - 1)) is None
         assert not is_our_supervisor(adopted.pid)
@@ -95,3 +100,22 @@ def test_a_server_started_before_verl_is_adopted_if_it_serves_the_same_and_stops
     # The run's end stops it, and with it vLLM.
     assert not is_our_supervisor(pid) and not (spec.weights_dir / rs.PRELAUNCH_FILE).exists()
     assert "(the run ended before it got that far)" in caplog.text
+
+
+def assert_reachable_from_loopback_only(pid: int, base_url: str) -> None:
+    """Every socket the server's processes listen on is bound to loopback, and its port refuses a connection made
+    to this machine's other address: its development endpoints (/collective_rpc runs code) face no other host."""
+    tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    listening = {c.laddr for p in tree for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    assert listening and all(ipaddress.ip_address(a.ip).is_loopback for a in listening), listening
+    port = urllib.parse.urlsplit(base_url).port
+    assert port in {a.port for a in listening}, (port, listening)
+    others = [
+        a.address
+        for addresses in psutil.net_if_addrs().values()
+        for a in addresses
+        if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback
+    ]
+    assert others, "this machine has no address but loopback to try the server from"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((others[0], port), timeout=5).close()

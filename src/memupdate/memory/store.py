@@ -915,7 +915,16 @@ class TrialStore:
             trial._put(record, base.vector(record.id) if cls._keeps_base_text(base, record) else next(rows))
         trial._deleted = deleted
         trial._next_id = next_id
-        trial._ops = {op: _count(f"ops.{op}", delta.get("ops", {}).get(op, 0)) for op in OPERATIONS}
+        ops = delta.get("ops", {})
+        if unknown := sorted(set(ops) - set(OPERATIONS)):
+            raise InvalidMemoryOperation(f"delta for base {base.sample_id!r}: unknown operations {unknown} in ops")
+        trial._ops = {op: _count(f"ops.{op}", ops.get(op, 0)) for op in OPERATIONS}
+        # The counts say whether an episode edited (the idle-edit cost reads them): changes without one are forged.
+        if (created or updated or deleted) and not any(trial._ops.values()):
+            raise InvalidMemoryOperation(
+                f"delta for base {base.sample_id!r} changes memories {sorted(created | updated | deleted)[:5]} but "
+                "counts no operation"
+            )
         return trial
 
     @classmethod
