@@ -400,6 +400,19 @@ def test_sent_id_out_of_range_names_the_question_and_the_sentence_count(tmp_path
         load_hotpotqa(write_json(tmp_path / "hotpotqa.json", records))
 
 
+def test_a_blank_gold_sentence_names_the_question_and_the_sentence(tmp_path):
+    """A whitespace-only supporting sentence was taken as the fact a memory must keep (issue 58)."""
+    records = official_records()
+    title, sent_id = records[1]["supporting_facts"][2]
+    paragraph = next(p for p in records[1]["context"] if p[0] == title)
+    paragraph[1][sent_id] = "  \n"
+    with pytest.raises(
+        HotpotQAFormatError,
+        match=rf"field 'supporting_facts': item 2: sentence {sent_id} of paragraph '{title}' is blank",
+    ):
+        load_hotpotqa(write_json(tmp_path / "hotpotqa.json", records))
+
+
 def test_non_utf8_byte_names_the_file_and_offset(tmp_path):
     path = write_json(tmp_path / "hotpotqa.json", official_records())
     path.write_bytes(path.read_bytes().replace(b"Ed Wood was", b"Ed Wood\xff was", 1))

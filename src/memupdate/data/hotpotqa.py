@@ -352,6 +352,11 @@ def _parse_record(raw: Any, file_name: str, index: int) -> HotpotExample:
                 f"item {i}: sent_id {sent_id} is out of range: paragraph {title!r} has "
                 f"{sentence_counts[title]} sentences (sent_id 0..{sentence_counts[title] - 1})",
             )
+        # The gold sentence is what the memory must keep (the expert's, the report's coverage): blank, it says nothing.
+        if not any(
+            p.sentences[sent_id].strip() for p in example.context if p.title == title and sent_id < len(p.sentences)
+        ):
+            raise rec.error("supporting_facts", f"item {i}: sentence {sent_id} of paragraph {title!r} is blank")
     return example
 
 
