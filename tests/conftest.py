@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import psutil
 import pyarrow as pa
@@ -38,10 +39,28 @@ OFFLINE = re.compile(
 )
 
 
+#: Set by ``./run.sh tests`` (what CI runs): a real part that cannot start (the shared data, the vLLM environment,
+#: Slurm) fails the run instead of turning its tests into skips that leave CI green.
+REQUIRE_REAL = os.environ.get("MEMUPDATE_REQUIRE_REAL") == "1"
+
+
+def missing_real_part(reason: str) -> NoReturn:
+    """Skip, or fail where every real part is required (:data:`REQUIRE_REAL`)."""
+    if REQUIRE_REAL:
+        pytest.fail(f"{reason} (MEMUPDATE_REQUIRE_REAL=1; set it to 0 to skip these tests instead)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def real_part_missing():
+    """:func:`missing_real_part`, for conftest files that cannot import this one (pytest's importlib mode)."""
+    return missing_real_part
+
+
 def shared_file(name: str) -> Path:
     path = SHARED_DATA / name
     if not path.is_file():
-        pytest.skip(f"{path} not found: set MEMUPDATE_SHARED_DATA to the folder holding {name}")
+        missing_real_part(f"{path} not found: set MEMUPDATE_SHARED_DATA to the folder holding {name}")
     return path
 
 
@@ -127,7 +146,7 @@ def tiny_pipeline(tmp_path_factory, vllm_python) -> Pipeline:
     The whole-DAG test reads its artifacts; the DVC round trip then adopts them (``dvc repro`` after a
     Snakemake run, as a user versions a run); neither changes what the other reads."""
     if not SHARED_DATA.is_dir():
-        pytest.skip("needs ../shared/data as the data mirror")
+        missing_real_part("needs ../shared/data as the data mirror")
     repo = _copy_workflow(tmp_path_factory.mktemp("pipeline"), WORKFLOW_PARTS + DVC_PARTS)
     # dvc and snakemake from this environment, as the DVC stages' commands name them; vLLM from its own.
     env = {
@@ -349,7 +368,7 @@ def vllm_python() -> Path:
         python = ensure_vllm_env(VLLM_ENV)
     except RuntimeError as exc:
         if OFFLINE.search(str(exc)):
-            pytest.skip(f"cannot build the vLLM environment {VLLM_ENV}: PyPI is not reachable ({exc})")
+            missing_real_part(f"cannot build the vLLM environment {VLLM_ENV}: PyPI is not reachable ({exc})")
         raise
     return python
 

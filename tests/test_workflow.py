@@ -71,11 +71,13 @@ def leave_a_killed_runs_server(workdir: Path, exp: str) -> tuple[Path, Path]:
     return record, marker
 
 
-def test_leftover_servers_are_cleared_by_a_real_run_not_by_reading_the_workflow(workdir, shared_data_dir):
+def test_leftover_servers_are_cleared_by_a_real_run_not_by_reading_the_workflow(
+    workdir, shared_data_dir, real_part_missing
+):
     """A killed run's server record (its run process gone) is cleared when the next real run starts, never
     when the Snakefile is only read (-n, --lint)."""
     if not shared_data_dir.is_dir():
-        pytest.skip("needs ../shared/data as the data mirror")
+        real_part_missing("needs ../shared/data as the data mirror")
     record, marker = leave_a_killed_runs_server(workdir, "old")
     assert snakemake(workdir, "-n", "all").returncode == 0
     assert record.is_file() and marker.is_file()

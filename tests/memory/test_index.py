@@ -85,7 +85,6 @@ def test_normalize_rows_keeps_zero_rows():
 def test_searching_leaves_torch_its_threads():
     """faiss and torch share one OpenMP runtime: a thread count set for faiss once, at import, left every
     training process on one core. In a fresh process, since this one has imported the module already."""
-    pytest.importorskip("torch")
     code = """
 import numpy as np, torch
 before = torch.get_num_threads()

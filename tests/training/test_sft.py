@@ -132,9 +132,9 @@ def test_kept_edits_raised_the_training_reward_and_lowered_no_other(sft_run, loc
     # Both branches of the rule ran: a promotion kept, and an episode without an edit.
     assert kept_edits > 0 and not all(r["edited"] for r in records), records
     assert summary["kept"] == sum(r["kept"] for r in records) and summary["kept_edits"] == kept_edits
-    assert min(summary["kept_reward_mean"].values()) >= 0 and (min(summary["kept_reward_mean"].values()) > 0) == (
-        kept_edits > 0
-    )
+    # The kept edits raised the training scorer and lowered none: the other may be left flat on average.
+    means = summary["kept_reward_mean"]
+    assert min(means.values()) >= 0 and means["evidence_recall"] > 0, means
 
 
 def assert_stops_balanced(records, min_rows):
