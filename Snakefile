@@ -23,8 +23,12 @@ from snakemake.logging import logger
 from snakemake.utils import min_version
 
 from memupdate.settings import check_config, refuse_secrets
+from memupdate.utils.io import yaml_load_strict
 
 min_version("9.0")
+
+# Snakemake's own parse error names neither the file nor the line; this one names both.
+yaml_load_strict("config/config.yaml")
 
 
 configfile: "config/config.yaml"

@@ -104,6 +104,16 @@ def test_a_run_that_planned_on_a_killed_runs_server_stops_with_what_to_do(workdi
     )
 
 
+def test_a_config_file_yaml_cannot_parse_is_named_with_its_line(workdir):
+    """Snakemake's own error said "Config file is not valid JSON or YAML", naming neither (issue 58)."""
+    config = workdir / "config" / "config.yaml"
+    config.write_text(config.read_text() + "\tbroken: true\n")
+    result = snakemake(workdir, "-n", "all", "--cores", "1")
+    assert result.returncode != 0
+    lines = len(config.read_text().splitlines())
+    assert f"config/config.yaml, line {lines}, column 1: not valid YAML" in result.stdout + result.stderr
+
+
 def test_invalid_config_is_rejected_before_anything_runs(workdir):
     result = snakemake(workdir, "-n", "all", "--cores", "1", "--config", "scale=huge")
     assert result.returncode != 0
