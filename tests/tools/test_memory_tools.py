@@ -149,6 +149,11 @@ def test_create_update_delete_change_the_store_and_the_delta(tools):
             {"operation": "create", "content": "x", "metadata": {"date": "8 May " * 20_000}},
             "metadata 'date' must be text of at most 64 characters",
         ),
+        # A NUL in a detail reached the reader's prompt (issue 58).
+        (
+            {"operation": "create", "content": "x", "metadata": {"speaker": "Caro\x00line"}},
+            "metadata 'speaker' must be plain text, without control characters",
+        ),
         (
             {"operation": "create", "content": "x", "metadata": {"session": -3}},
             "session must be 0 or more, got -3",
