@@ -20,7 +20,8 @@ from memupdate.training.stages import train_stage
 pytestmark = [pytest.mark.slow, pytest.mark.verl_cpu, pytest.mark.vllm]
 
 #: The experiment this test shortens: its tools, reward, episode and GRPO settings are read, not copied.
-DEMO = yaml.safe_load((Path(__file__).parents[2] / "config" / "config.yaml").read_text())["experiments"]["cpu_demo"]
+CONFIG = yaml.safe_load((Path(__file__).parents[2] / "config" / "config.yaml").read_text())
+DEMO = CONFIG["experiments"]["cpu_demo"]
 TOOLS, EPISODE = DEMO["tools"], DEMO["episode"]
 REWARD = {**DEMO["reward"], "efficiency": {"max_total_memories": None}}
 ON_CPU = {"trainer.device": "cpu"}
@@ -34,7 +35,7 @@ def tool_call_rate(episodes) -> float:
 
 
 def test_the_cold_start_calls_tools_held_out_and_grpo_updates_it_on_reward_spread(
-    smollm2_dir, locomo_rows, held_out_cache, headroom_mix, vllm_python, repo_root, tmp_path
+    smollm2_dir, locomo_rows, held_out_cache, headroom_mix, vllm_python, tmp_path
 ):
     data = {
         "memories": str(locomo_rows["memories"]),
@@ -84,7 +85,6 @@ def test_the_cold_start_calls_tools_held_out_and_grpo_updates_it_on_reward_sprea
     # GRPO from the cold start, by verl's trainer on CPU in cpu_demo's trainer mode, on questions with headroom
     # (where the cold start's updates differ in reward): one step of two questions x six rollouts (measured: both
     # groups had spread, rewards 0 to +0.5, mean +0.19; 233 s).
-    serving = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())["serving"]
     run_dir = tmp_path / "stage1"
     ckpt = train_stage(
         trained_role="memory",
@@ -104,7 +104,7 @@ def test_the_cold_start_calls_tools_held_out_and_grpo_updates_it_on_reward_sprea
         model=str(sft),
         train_files=[str(with_room)],
         run_dir=str(run_dir),
-        verl={"val_files": [str(held_out)], "serving": {**serving, "python": str(vllm_python)}},
+        verl={"val_files": [str(held_out)], "serving": {**CONFIG["serving"], "python": str(vllm_python)}},
         **data,
     )
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 from memupdate.data.fetch import verify_copy
 from memupdate.names import MEMORY_AGENT, MEMORY_TOOLS
 from memupdate.utils.io import (
+    CONTROL_CHARACTERS,
     ROWS_TABLE,
     DuplicateKeyError,
     TooDeepError,
@@ -63,8 +64,6 @@ DATA_SOURCE_PREFIX = "locomo"
 
 _DIA_ID = re.compile(r"D:?(\d+):(\d+)")
 _SESSION_KEY = re.compile(r"session_(\d+)")
-#: Control characters (NUL and the like; tab and newlines are text) that no conversation, question or date holds.
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 #: Longest observation taken as a memory: LoCoMo's run to 180 characters; a longer one is a broken record, not a
 #: fact, and would crowd the reader's context.
 MAX_FACT_CHARS = 2000
@@ -225,7 +224,7 @@ def _text(obj: Any, key: str, where: str, *, empty_ok: bool = False) -> str:
 def _check_text(value: str, key: str, where: str, *, empty_ok: bool = False) -> None:
     if not empty_ok and not value.strip():
         raise LocomoFormatError(f"{where}: field {key!r} is empty")
-    if found := _CONTROL.search(value):
+    if found := CONTROL_CHARACTERS.search(value):
         raise LocomoFormatError(
             f"{where}: field {key!r} holds the control character {found.group()!r} at {found.start()}"
         )

@@ -38,7 +38,7 @@ from memupdate.memory.store import SOURCES, InvalidMemoryOperation, TrialStore, 
 from memupdate.names import DELETE_TOOL, MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SAMPLE_TOOL, SEARCH_TOOL, SPLIT_TOOL
 from memupdate.prompts import format_record
 from memupdate.tools.config import ENVIRONMENT_KEY
-from memupdate.utils.io import short_repr
+from memupdate.utils.io import CONTROL_CHARACTERS, short_repr
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,6 @@ def _text_list(params: dict, name: str, low: int, high: int) -> list[str]:
     return [v.strip() for v in values]
 
 
-#: Characters no memory detail holds (tab and newlines aside).
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 #: The longest text each metadata key takes (what the tool's schema states): a memory's details are rendered beside
 #: its content (its date in front of it), and a detail without a cap would be a second, unbounded content.
 METADATA_TEXT_CAPS = {"speaker": 64, "date": 64, "type": 32}
@@ -159,7 +157,7 @@ def _metadata_arg(params: dict) -> dict[str, Any]:
         if value is not None and not (isinstance(value, str) and len(value) <= cap):
             raise ToolArgumentError(f"metadata '{key}' must be text of at most {cap} characters.")
         # Rendered beside the content in the reader's prompt: a NUL or other control character is no detail.
-        if value is not None and _CONTROL.search(value):
+        if value is not None and CONTROL_CHARACTERS.search(value):
             raise ToolArgumentError(f"metadata '{key}' must be plain text, without control characters.")
     return metadata
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -212,6 +213,11 @@ def short_repr(value: Any, limit: int = 40) -> str:
     """
     shown = repr(value)
     return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+#: Control characters (NUL and the like; tab and newlines are text), which no text read from data or written by a
+#: tool holds: a NUL ends the text in C readers and tokenizers, the others render as nothing.
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 def lone_surrogate(value: Any, at: str = "") -> str | None:
