@@ -39,7 +39,7 @@ from memupdate.settings import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHAR
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training.tracking import data_sha256
 from memupdate.utils.io import check_whole_model, sha256_file, share_like_open, weights_digest, write_json_atomic
-from memupdate.utils.system import tail
+from memupdate.utils.system import run_to_end, tail
 
 logger = logging.getLogger(__name__)
 
@@ -428,7 +428,7 @@ def run_verl(
     log = Path(run_dir) / log_name
     logger.info("running %s\nits output: %s", " ".join(command), log)
     with log.open("w", encoding="utf-8") as out, prelaunched_servers(resolved, run_env):
-        code = subprocess.run(command, env={**os.environ, **run_env}, stdout=out, stderr=subprocess.STDOUT).returncode
+        code = run_to_end(command, {**os.environ, **run_env}, out)
     if code:
         raise RuntimeError(f"verl's trainer exited with code {code}; the end of {log}:\n{tail(log, 60)}")
     return export_verl_checkpoint(Path(run_dir), model, **export)
