@@ -3,6 +3,7 @@
 #   ./run.sh pipeline [snakemake args]  the whole workflow on profiles/local at smoke scale
 #   ./run.sh tests [pytest args]        the test suite (without args: the quick tests in parallel, then the rest)
 #   ./run.sh demo [snakemake args]      the cpu_demo run: cold start, GRPO and both evaluations (docs/cpu-demo.md)
+#   ./run.sh demo-memagent [args]       the memagent_demo run: MemAgent's cold start, GRPO and evaluation (docs/memagent.md)
 # The environment lives in .venv and is rebuilt only when pyproject.toml or constraints change.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -80,6 +81,11 @@ case "$cmd" in
         exec "$VENV/bin/snakemake" --profile profiles/local --resources=mem_mb="$(machine_mem_mb)" \
             results/cpu_demo/policy_eval/report.json results/cpu_demo/eval/report.json "$@"
         ;;
+    demo-memagent)
+        ensure_env
+        exec "$VENV/bin/snakemake" --profile profiles/local --resources=mem_mb="$(machine_mem_mb)" \
+            results/memagent_demo/memagent_eval/report.json "$@"
+        ;;
     tests)
         ensure_env
         if [[ $# -gt 0 ]]; then
@@ -101,7 +107,7 @@ case "$cmd" in
         exit "$status"
         ;;
     *)
-        sed -n '2,6p' "$0" >&2
+        sed -n '2,7p' "$0" >&2
         exit 2
         ;;
 esac

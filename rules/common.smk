@@ -786,10 +786,8 @@ def get_serve_inputs(wildcards):
 
 def get_evaluated_checkpoints(wildcards):
     experiment = get_experiment(wildcards)
-    if is_memagent(wildcards.exp):
-        stages = ["memagent"]
-    else:
-        stages = [*(["sft"] if "sft" in experiment else []), *get_stages(wildcards)]
+    trained = ["memagent"] if is_memagent(wildcards.exp) else get_stages(wildcards)
+    stages = [*(["sft"] if "sft" in experiment else []), *trained]
     return {f"ckpt_{s}": stage_checkpoint(wildcards.exp, s) for s in stages}
 
 
@@ -971,10 +969,17 @@ def get_memagent_run_dir(wildcards):
 
 
 def get_memagent_eval_inputs(wildcards):
-    """The base policy and the trained one, each served for the evaluation."""
+    """The base policy, the cold start (an experiment with an sft section) and the trained policy, each
+    served for the evaluation, in that order: the report compares each with the one before it.
+    """
     experiment = get_memagent_experiment(wildcards)
     inputs = {
         "base": serve_marker(wildcards.exp, "base", "eval"),
+        **(
+            {"sft": serve_marker(wildcards.exp, "sft", "eval")}
+            if "sft" in experiment
+            else {}
+        ),
         "trained": serve_marker(wildcards.exp, "memagent", "eval"),
     }
     for ndocs in experiment["eval"]["num_docs"]:
@@ -987,7 +992,11 @@ def get_memagent_eval_settings(wildcards):
     (as MemAgent's does) unless its own settings ask for truncate_chunks."""
     experiment = get_memagent_experiment(wildcards)
     settings = {k: v for k, v in experiment["eval"].items() if k != "num_docs"}
-    loop = {k: v for k, v in experiment["loop"].items() if k != "max_chunks"}
+    loop = {
+        k: v
+        for k, v in experiment["loop"].items()
+        if k not in ("max_chunks", "template_tokens")
+    }
     prompt_length = experiment["train"].get("prompt_length")
     return {
         **loop,

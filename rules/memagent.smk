@@ -94,5 +94,7 @@ rule eval_memagent:
     params:
         settings=get_memagent_eval_settings,
         out_dir=get_memagent_eval_dir,
+        # Written by train_memagent beside its checkpoint: the report's learning curve.
+        training_metrics=lambda wildcards: f"results/{wildcards.exp}/memagent/metrics.jsonl",
     script:
         "../workflow/scripts/eval_memagent.py"

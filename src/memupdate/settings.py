@@ -431,9 +431,13 @@ class MemAgentLoopSettings:
     max_chunks: Int | None = setting(8, help="training centre-truncates a haystack to this many chunks", ge=1)
     max_memory_tokens: Int = setting(1024, ge=1)
     max_final_tokens: Int = setting(256, ge=1)
-
-    #: Tokens of a turn's prompt besides its chunk and memory: the template and the question take well under this.
-    TEMPLATE_TOKENS: ClassVar[int] = 1024
+    template_tokens: Int = setting(
+        1024,
+        help="tokens of a turn's prompt besides its chunk and memory (the instructions, question and chat template: "
+        "about 110 SmolLM2 tokens and a HotpotQA question's up to 44); verl pads every turn's row to the prompt "
+        "length, so a CPU update's cost grows with it. A turn that does not fit is an error naming the budget",
+        ge=1,
+    )
 
     def lengths(self) -> dict[str, int]:
         """A turn's prompt and reply budgets (a prompt holds the template, the question, a chunk and the memory; a
@@ -443,9 +447,17 @@ class MemAgentLoopSettings:
         {'prompt_length': 1600, 'response_length': 64}
         """
         return {
-            "prompt_length": self.chunk_size + self.max_memory_tokens + self.TEMPLATE_TOKENS,
+            "prompt_length": self.chunk_size + self.max_memory_tokens + self.template_tokens,
             "response_length": max(self.max_memory_tokens, self.max_final_tokens),
         }
+
+    def agent(self) -> dict[str, Any]:
+        """The ``memagent`` loop's arguments (its budgets; the template's share is the prompt length's).
+
+        >>> MemAgentLoopSettings(chunk_size=512, template_tokens=256).agent()
+        {'chunk_size': 512, 'max_chunks': 8, 'max_memory_tokens': 1024, 'max_final_tokens': 256}
+        """
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "template_tokens"}
 
 
 @section

@@ -66,10 +66,33 @@ def test_evaluation_reads_every_chunk_unless_truncation_is_asked_for(tiny_models
     # A copy with the same weights (another folder, another manifest) is the same policy: not run again.
     twin = shutil.copytree(model, tmp_path / "twin")
     (twin / "manifest.json").write_text('{"step": 3}')
+    # The training run's metrics.jsonl (memupdate.training.tracking.metrics_from_verl): validation before training
+    # (step 0, no training reward) and at the last step.
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(
+        json.dumps({"step": 0, "heldout_reward_mean": 0.0})
+        + "\n"
+        + "".join(json.dumps({"step": s, "reward_mean": s / 4, "num_turns_mean": 3.0}) + "\n" for s in (1, 2))
+        + json.dumps({"step": 2, "heldout_reward_mean": 0.5})
+        + "\n"
+    )
     whole = memagent_length_curve(
-        {"tiny": model, "twin": twin}, {"3": hotpot_rows}, tmp_path / "whole", {**SETTINGS, "memagent_style": False}
+        {"tiny": model, "twin": twin},
+        {"3": hotpot_rows},
+        tmp_path / "whole",
+        {**SETTINGS, "memagent_style": False},
+        training_metrics=metrics,
     )
     assert whole["same_weights"] == {"twin": "tiny"} and whole["results"]["twin"] == whole["results"]["tiny"]
+    # Each model against the one before it, on the same questions: a twin differs by nothing.
+    [comparison] = whole["comparisons"]
+    assert (comparison["a"], comparison["b"], comparison["length"], comparison["n"]) == ("twin", "tiny", "3", 3)
+    assert comparison["mean_difference"] == comparison["low"] == comparison["high"] == 0.0
+    assert not comparison["excludes_zero"]
+    text = (tmp_path / "whole" / "report.md").read_text()
+    assert "| twin - tiny | 3 | 3 | +0.0 | [+0.0, +0.0] | no |" in text
+    assert "by step: step 0 0.000, step 2 0.500." in text and "![training.png](training.png)" in text
+    assert (tmp_path / "whole" / "training.png").stat().st_size > 0
     assert predictions(tmp_path / "whole", "twin", 3) == predictions(tmp_path / "whole", "tiny", 3)
     assert "twin has the weights of tiny" in (tmp_path / "whole" / "report.md").read_text()
     for p, n in zip(predictions(tmp_path / "whole", "tiny", 3), lengths, strict=True):

@@ -429,6 +429,24 @@ def test_memagent_config_composes_into_a_v1_grpo_run_over_turn_rows(tmp_path):
     assert resolved.actor_rollout_ref.rollout.agent.default_agent_loop == entry.name == "memagent"
 
 
+def test_the_template_budget_sets_the_prompt_length_and_stays_out_of_the_loop(tmp_path):
+    run_dir = tmp_path / "memagent"
+    vl.prepare_memagent_ppo(
+        model_path=tmp_path,
+        train_files=tmp_path / "train.parquet",
+        val_files=tmp_path / "test.parquet",
+        loop={**LOOP, "template_tokens": 256},
+        n_gpus_per_node=1,
+        nnodes=1,
+        experiment_dir=run_dir,
+    )
+    # verl pads every turn's row to this: chunk + memory + the template's budget.
+    assert OmegaConf.load(run_dir / "resolved_config.yaml").actor_rollout_ref.rollout.prompt_length == 5000 + 1024 + 256
+    # The loop takes its budgets only (an unknown argument of its constructor would fail every worker).
+    (entry,) = OmegaConf.load(run_dir / "agent_loops.yaml")
+    assert "template_tokens" not in entry and entry.max_memory_tokens == 1024
+
+
 def test_memagent_rejects_an_unknown_loop_setting(tmp_path):
     with pytest.raises(ValueError, match="chunk_tokens"):
         vl.memagent_overrides(

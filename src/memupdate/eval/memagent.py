@@ -348,6 +348,7 @@ def memagent_length_curve(
     settings: Mapping[str, Any] | MemAgentEvalSettings,
     *,
     experiment: str = "memagent",
+    training_metrics: str | Path | None = None,
 ) -> dict[str, Any]:
     """Every model (a checkpoint folder or a served model's readiness marker) on every row file (one per
     context length, named by it, e.g. ``{"10": ...}`` documents), in every style of ``settings``; writes
@@ -359,7 +360,11 @@ def memagent_length_curve(
     where one pass at a time (a few questions, a few turns each) left the server decoding one or two sequences.
     A prediction's ``seconds`` is its batch's time with the other passes running beside it. A model with the
     weights of one listed before it (:func:`same_weights`; a run whose every update was skipped saves its base's)
-    is that model: its passes are that one's, copied, and ``report.json`` says so (``same_weights``)."""
+    is that model: its passes are that one's, copied, and ``report.json`` says so (``same_weights``).
+
+    Each model is compared with the one listed before it, and the last with the first (:func:`compare_models`:
+    paired intervals of the training reward per length). Given the training run's ``metrics.jsonl``
+    (``training_metrics``), its per-step rewards, training and held-out, go into ``report.json`` and ``training.png``."""
     settings = settings if isinstance(settings, MemAgentEvalSettings) else build(MemAgentEvalSettings, settings, "eval")
     out = Path(out_dir)
     (out / "predictions").mkdir(parents=True, exist_ok=True)
@@ -429,6 +434,7 @@ def memagent_length_curve(
     report = {"experiment": experiment, "settings": asdict(settings), "models": described, "results": results["ours"]}
     if twins:
         report["same_weights"] = twins
+    report["comparisons"] = compare_models(out / "predictions", list(evaluators), list(rows_files))
     if "memagent" in results:
         report["memagent_style"] = {
             "protocol": (
@@ -440,9 +446,45 @@ def memagent_length_curve(
             "results": results["memagent"],
         }
     report["plots"] = _plot(report, out)
+    if training_metrics and Path(training_metrics).is_file():
+        from memupdate.eval.report import training_steps
+
+        report["training"] = training_steps(training_metrics, out / "training.png")
+        report["plots"].append("training.png")
     write_text_atomic(out / "report.md", _markdown(report))
     write_json_atomic(out / "report.json", report)
     return report
+
+
+def compare_models(predictions: Path, models: Sequence[str], lengths: Sequence[str]) -> list[dict[str, Any]]:
+    """Paired comparisons of the training reward (EM of the boxed answer, our style) on the same questions at each
+    length: each model against the one before it (cold start - base, trained - cold start), and the last against the
+    first when there are three or more; each a :func:`memupdate.eval.stats.paired_by_key` interval over questions.
+
+    >>> import json, tempfile; d = Path(tempfile.mkdtemp())
+    >>> for name, ems in (("base", [0, 0, 0, 0]), ("sft", [1, 1, 0, 1]), ("trained", [1, 1, 1, 1])):
+    ...     _ = (d / f"{name}-4.jsonl").write_text("".join(
+    ...         json.dumps({"id": f"q{i}", "exact_match": em}) + "\\n" for i, em in enumerate(ems)))
+    >>> [(c["a"], c["b"], c["mean_difference"]) for c in compare_models(d, ["base", "sft", "trained"], ["4"])]
+    [('sft', 'base', 0.75), ('trained', 'sft', 0.25), ('trained', 'base', 1.0)]
+    """
+    from memupdate.eval.report import load_jsonl
+    from memupdate.eval.stats import paired_by_key
+
+    pairs = [(models[i], models[i - 1]) for i in range(1, len(models))]
+    if len(models) > 2:
+        pairs.append((models[-1], models[0]))
+    comparisons = []
+    for length in lengths:
+        scores = {
+            name: {r["id"]: float(r["exact_match"]) for r in load_jsonl(predictions / f"{name}-{length}.jsonl")}
+            for name in models
+        }
+        for a, b in pairs:
+            comparisons.append(
+                {"a": a, "b": b, "length": length, "metric": "exact_match", **paired_by_key(scores[a], scores[b])}
+            )
+    return comparisons
 
 
 def same_weights(digests: Mapping[str, str | None]) -> dict[str, str]:

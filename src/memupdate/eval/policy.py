@@ -32,6 +32,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from memupdate.agents.context import LoopContext
 from memupdate.data.headroom import read_flags
 from memupdate.data.locomo import answerable
+from memupdate.eval.report import HELDOUT_CURVE, training_steps
 from memupdate.eval.stats import paired_by_key, stratified_by_key
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.rollout.config import RolloutConfig, run_config
@@ -286,10 +287,6 @@ HEADROOM, NO_HEADROOM = "headroom", "no headroom"
 
 #: The comparisons the report makes, later policy first; pairs with a policy the experiment lacks are left out.
 PAIRS = (("stage1", "sft"), ("stage1", "base"), ("sft", "base"))
-#: Per-step training metrics the report plots (metrics.jsonl's keys: memupdate.training.tracking.VERL_METRICS), one
-#: panel each; the held-out reward (verl's validation, at the steps it ran) shares the training reward's panel.
-CURVES = ("reward_mean", "num_turns_mean", "response_tokens_mean", "kl")
-HELDOUT_CURVE = "heldout_reward_mean"
 
 
 def policy_report(
@@ -310,37 +307,10 @@ def policy_report(
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if training_metrics and Path(training_metrics).is_file():
-        curve = [json.loads(line) for line in Path(training_metrics).read_text(encoding="utf-8").splitlines()]
-        report["training"] = [{k: step.get(k) for k in ("step", *CURVES, HELDOUT_CURVE)} for step in curve]
-        _plot_training(report["training"], out.with_name("training.png"))
+        report["training"] = training_steps(training_metrics, out.with_name("training.png"))
     write_json_atomic(out, report)
     write_text_atomic(out.with_name("report.md"), _markdown(report))
     return report
-
-
-def _plot_training(steps: Sequence[Mapping[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = [key for key in CURVES if any(s.get(key) is not None for s in steps)]
-    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 2.8), squeeze=False)
-    for ax, key in zip(axes[0], shown, strict=True):
-        curves = [(key, "train")] + ([(HELDOUT_CURVE, "held out")] if key == "reward_mean" else [])
-        for curve, label in curves:
-            points = [(s["step"], s[curve]) for s in steps if s.get(curve) is not None]
-            if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=label)
-        if len(ax.get_lines()) > 1:
-            ax.legend(fontsize="small")
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
 
 
 def _markdown(report: Mapping[str, Any]) -> str:

@@ -258,6 +258,45 @@ def training_curves(metrics_files: Mapping[str, str | Path]) -> dict[str, list[d
     return curves
 
 
+#: Per-step training metrics the report plots (metrics.jsonl's keys: memupdate.training.tracking.VERL_METRICS), one
+#: panel each; the held-out reward (verl's validation, at the steps it ran) shares the training reward's panel.
+CURVES = ("reward_mean", "num_turns_mean", "response_tokens_mean", "kl")
+HELDOUT_CURVE = "heldout_reward_mean"
+
+
+def training_steps(metrics: str | Path, plot: Path) -> list[dict[str, Any]]:
+    """A training run's per-step curves (:data:`CURVES` and the held-out reward, from its ``metrics.jsonl``),
+    plotted into ``plot``, one panel each."""
+    steps = [{k: step.get(k) for k in ("step", *CURVES, HELDOUT_CURVE)} for step in load_jsonl(metrics)]
+    _plot_training(steps, plot)
+    return steps
+
+
+def _plot_training(steps: Sequence[Mapping[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [key for key in CURVES if any(s.get(key) is not None for s in steps)]
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 2.8), squeeze=False)
+    for ax, key in zip(axes[0], shown, strict=True):
+        curves = [(key, "train")] + ([(HELDOUT_CURVE, "held out")] if key == "reward_mean" else [])
+        for curve, label in curves:
+            points = [(s["step"], s[curve]) for s in steps if s.get(curve) is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=label)
+        if len(ax.get_lines()) > 1:
+            ax.legend(fontsize="small")
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+
+
 # ---------------------------------------------------------------------------------------- plots
 
 

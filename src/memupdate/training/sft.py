@@ -419,7 +419,7 @@ def cold_start_memagent(
         train_files=train_files,
         run_dir=run_dir,
         agent_name=MEMAGENT_AGENT,
-        agent=asdict(budgets),
+        agent=budgets.agent(),
         reward_manager=MEMAGENT_REWARD,
         seed=sft["seed"],
         **budgets.lengths(),

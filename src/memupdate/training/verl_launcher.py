@@ -730,7 +730,11 @@ def prepare_memagent_ppo(
     overrides.append(memagent_mini_batch(validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides), loop))
     config = validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides)
     run_dir = Path(_abs(run["experiment_dir"]))
-    entry = {"name": MEMAGENT_AGENT, "_target_": AGENT_LOOPS[MEMAGENT_AGENT], **dict(loop)}
+    entry = {
+        "name": MEMAGENT_AGENT,
+        "_target_": AGENT_LOOPS[MEMAGENT_AGENT],
+        **build(MemAgentLoopSettings, loop, "loop").agent(),
+    }
     header = f"# Written for this run by {__name__}.\n"
     write_text_atomic(run_dir / AGENT_LOOPS_FILE, header + OmegaConf.to_yaml([entry]))
     write_run_files(run_dir, config, run["model_path"])
