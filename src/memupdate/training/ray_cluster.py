@@ -74,7 +74,7 @@ import ray
 
 from memupdate.utils.io import write_json_atomic
 from memupdate.utils.logging import setup_logging
-from memupdate.utils.system import free_port, tail
+from memupdate.utils.system import free_port, stop_process, tail
 
 logger = logging.getLogger(__name__)
 
@@ -575,12 +575,7 @@ def _run_command(
                 next_look = time.monotonic() + 5.0
             if head.poll() is not None:
                 logger.error("the Ray head stopped under the command: stopping the command (pid %d)", child.pid)
-                child.terminate()
-                try:
-                    child.wait(timeout=STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                    child.wait()
+                stop_process(child, STOP_TIMEOUT_S)
                 raise RayClusterError(
                     f"the Ray head's node stopped while the command ran (ray start exited with {head.returncode}); "
                     f"{head_log}:\n{tail(head_log, 20) or '(no log)'}"

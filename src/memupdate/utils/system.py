@@ -41,9 +41,14 @@ def run_to_end(command: Sequence[str], env: Mapping[str, str], out: IO, *, grace
         return child.wait()
     finally:
         if child.poll() is None:
-            child.terminate()
-            try:
-                child.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            stop_process(child, grace_s)
+
+
+def stop_process(child: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to ``child``, then SIGKILL if it has not exited within ``grace_s``; returns once it has exited."""
+    child.terminate()
+    try:
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
