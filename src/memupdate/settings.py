@@ -501,7 +501,9 @@ class MemAgentEvalSettings:
     max_memory_tokens: Int = setting(1024, ge=1)
     max_final_tokens: Int = setting(256, ge=1)
     prompt_length: Int = setting(8192, ge=1)
-    batch_size: Int = setting(4, ge=1)
+    batch_size: Int = setting(
+        4, help="questions in flight per pass, and requests in flight per served model across its passes", ge=1
+    )
     limit: Int | None = setting(None, help="questions per length (null = every test question)", ge=1)
     truncate_chunks: Int | None = setting(
         None, help="centre-truncate each haystack to this many chunks (null = read every chunk)", ge=1

@@ -117,7 +117,10 @@ class MemAgentEvaluator:
         if self.served:
             from memupdate.serving.token_client import VLLMTokenClient
 
-            self.server = VLLMTokenClient(endpoint, max_tokens=response)
+            # One client for every pass of this model, which all run at once: the server decodes batch_size
+            # requests at a time, not batch_size for each pass (a CPU server given 2 x 16 outran the client's
+            # timeout on every retry).
+            self.server = VLLMTokenClient(endpoint, max_tokens=response, max_concurrency=s.batch_size)
         else:
             import torch
             from transformers import AutoModelForCausalLM
