@@ -18,6 +18,7 @@ from memupdate.models.hub import is_hub_id
 from memupdate.settings import (
     HeadroomSettings,
     IngestionSettings,
+    MemAgentLoopSettings,
     PolicyEvalSettings,
     build,
     check_lengths,
@@ -992,11 +993,8 @@ def get_memagent_eval_settings(wildcards):
     (as MemAgent's does) unless its own settings ask for truncate_chunks."""
     experiment = get_memagent_experiment(wildcards)
     settings = {k: v for k, v in experiment["eval"].items() if k != "num_docs"}
-    loop = {
-        k: v
-        for k, v in experiment["loop"].items()
-        if k not in ("max_chunks", "template_tokens")
-    }
+    loop = build(MemAgentLoopSettings, experiment["loop"], "loop").agent()
+    loop.pop("max_chunks")
     prompt_length = experiment["train"].get("prompt_length")
     return {
         **loop,

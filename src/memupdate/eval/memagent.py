@@ -50,6 +50,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from memupdate.agents.fields import MEMAGENT_REWARD
+from memupdate.eval.report import load_jsonl, render_template, training_steps
+from memupdate.eval.stats import paired_by_key
 from memupdate.names import MEMAGENT_AGENT
 from memupdate.settings import MemAgentEvalSettings, build
 from memupdate.utils.io import (
@@ -450,8 +452,6 @@ def memagent_length_curve(
         }
     report["plots"] = _plot(report, out)
     if training_metrics and Path(training_metrics).is_file():
-        from memupdate.eval.report import training_steps
-
         report["training"] = training_steps(training_metrics, out / "training.png")
         report["plots"].append("training.png")
     write_text_atomic(out / "report.md", _markdown(report))
@@ -471,9 +471,6 @@ def compare_models(predictions: Path, models: Sequence[str], lengths: Sequence[s
     >>> [(c["a"], c["b"], c["mean_difference"]) for c in compare_models(d, ["base", "sft", "trained"], ["4"])]
     [('sft', 'base', 0.75), ('trained', 'sft', 0.25), ('trained', 'base', 1.0)]
     """
-    from memupdate.eval.report import load_jsonl
-    from memupdate.eval.stats import paired_by_key
-
     pairs = [(models[i], models[i - 1]) for i in range(1, len(models))]
     if len(models) > 2:
         pairs.append((models[-1], models[0]))
@@ -541,6 +538,4 @@ def _plot(report: Mapping[str, Any], out: Path) -> list[str]:
 
 def _markdown(report: Mapping[str, Any]) -> str:
     """``report.md`` from ``report.json``'s content, through ``templates/memagent_report.md.j2``."""
-    from memupdate.eval.report import render_template
-
     return render_template("memagent_report.md.j2", report=report, pct=lambda value: f"{100 * value:.1f}")
