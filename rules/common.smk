@@ -938,21 +938,38 @@ def get_memagent_train_inputs(wildcards):
     """verl validates on held-out questions (a sample of the test split's: grpo_memagent.yaml), never on the
     training file."""
     experiment = get_memagent_experiment(wildcards)
-    num_docs = experiment["train"]["num_docs"]
     return {
         "model": get_training_start(wildcards),
-        "train": hotpotqa_rows(num_docs, "train"),
-        "val": hotpotqa_rows(num_docs, "test"),
+        "train": memagent_train_rows(wildcards, "grpo"),
+        "val": hotpotqa_rows(experiment["train"]["num_docs"], "test"),
         **rollout_env_inputs(experiment["train"]),
     }
 
 
 def get_memagent_sft_inputs(wildcards):
-    experiment = get_memagent_experiment(wildcards)
     return {
         "model": policy_model(wildcards),
-        "train": hotpotqa_rows(experiment["train"]["num_docs"], "train"),
+        "train": memagent_train_rows(wildcards, "sft"),
     }
+
+
+def memagent_train_rows(wildcards, part):
+    """The train questions the cold start (part sft) or GRPO (part grpo) plays: all of them, or with
+    sft.questions_percent their share of them (split_memagent_train)."""
+    experiment = get_memagent_experiment(wildcards)
+    if experiment.get("sft", {}).get("questions_percent") is None:
+        return get_memagent_split_input(wildcards)
+    return f"results/{wildcards.exp}/data/{part}.parquet"
+
+
+def get_memagent_split_input(wildcards):
+    return hotpotqa_rows(
+        get_memagent_experiment(wildcards)["train"]["num_docs"], "train"
+    )
+
+
+def get_memagent_sft_percent(wildcards):
+    return get_memagent_experiment(wildcards)["sft"]["questions_percent"]
 
 
 def get_memagent_train_settings(wildcards):

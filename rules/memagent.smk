@@ -2,6 +2,30 @@
 # evaluated against its base model on held-out questions at every haystack length, both served.
 
 
+# With sft.questions_percent, the cold start learns from that share of the train questions and GRPO trains on the
+# others, which the cold start never saw.
+rule split_memagent_train:
+    input:
+        rows=get_memagent_split_input,
+    output:
+        sft="results/{exp}/data/sft.parquet",
+        grpo="results/{exp}/data/grpo.parquet",
+    log:
+        "logs/split_memagent_train/{exp}.log",
+    benchmark:
+        "benchmarks/split_memagent_train/{exp}.tsv"
+    wildcard_constraints:
+        exp=MEMAGENT_EXPERIMENTS,
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    resources:
+        runtime=10,
+    params:
+        sft_percent=get_memagent_sft_percent,
+    script:
+        "../workflow/scripts/split_memagent_train.py"
+
+
 # An experiment with an `sft` section trains from its cold start: the policy fine-tuned on the scripted
 # expert's trajectories of the train questions (memupdate.training.memagent_expert).
 rule train_memagent_sft:

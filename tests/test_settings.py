@@ -68,6 +68,15 @@ def test_the_shipped_configs_pass_and_keep_their_values():
             "experiments.smoke.episode.max_new_token: unknown setting; did you mean max_new_tokens?",
         ),
         (
+            {"experiments": {"smoke": {"sft": {"questions_percent": 50}}}},
+            "experiments.smoke.sft.questions_percent: only a MemAgent experiment (kind: memagent) divides its train "
+            "questions",
+        ),
+        (
+            {"experiments": {"memagent_smoke": {"sft": {"questions_percent": 100}}}},
+            "experiments.memagent_smoke.sft.questions_percent",
+        ),
+        (
             {"experiments": {"memagent_smoke": {"train": {"actor_rollout_ref.rollout.m": 4}}}},
             "experiments.memagent_smoke.train.actor_rollout_ref.rollout.m: verl's ppo_trainer defines no such key; "
             "did you mean actor_rollout_ref.rollout.mtp or actor_rollout_ref.rollout.n?",

@@ -231,6 +231,17 @@ def test_a_memagent_experiment_with_a_cold_start_trains_from_it(workdir):
     assert by_rule["train_memagent_sft"]["output"] == "results/memagent_smoke/sft/ckpt"
     assert "results/data/hotpotqa/" in by_rule["train_memagent_sft"]["input"]
     assert by_rule["train_memagent"]["input"].startswith("results/memagent_smoke/sft/ckpt")
+    assert "split_memagent_train" not in by_rule
+    # With questions_percent, the cold start and GRPO play disjoint shares of the train questions.
+    (workdir / "share.yaml").write_text("experiments:\n  memagent_smoke:\n    sft: {questions_percent: 50}\n")
+    shared = snakemake(workdir, "-n", "results/memagent_smoke/memagent/ckpt", "--configfile", "share.yaml")
+    assert shared.returncode == 0, shared.stderr[-3000:]
+    by_rule = {job["rule"]: job for job in dry_run_jobs(shared.stdout)}
+    assert by_rule["split_memagent_train"]["input"].endswith(".train.parquet")
+    assert "results/memagent_smoke/data/sft.parquet" in by_rule["train_memagent_sft"]["input"]
+    train_inputs = by_rule["train_memagent"]["input"].split(", ")
+    assert "results/memagent_smoke/data/grpo.parquet" in train_inputs
+    assert not any(path.endswith(".train.parquet") or "sft.parquet" in path for path in train_inputs)
     # Its settings are checked when the Snakefile loads.
     (workdir / "bad.yaml").write_text("experiments:\n  memagent_smoke:\n    sft: {batch_size: 0}\n")
     bad = snakemake(workdir, "-n", "results/memagent_smoke/memagent/ckpt", "--configfile", "bad.yaml")

@@ -248,6 +248,13 @@ class SFTSettings:
         ge=1,
         le=20,
     )
+    questions_percent: Int | None = setting(
+        None,
+        help="MemAgent: percent of the train questions (by a hash of the id) the cold start learns from; GRPO "
+        "trains on the others (null = both on every train question)",
+        ge=1,
+        le=99,
+    )
     seed: Int = 0
 
     @staticmethod
@@ -502,7 +509,7 @@ class MemAgentEvalSettings:
     max_final_tokens: Int = setting(256, ge=1)
     prompt_length: Int = setting(8192, ge=1)
     batch_size: Int = setting(
-        4, help="questions in flight per pass, and requests in flight per served model across its passes", ge=1
+        4, help="requests in flight per served model (all its passes' questions queue for them)", ge=1
     )
     limit: Int | None = setting(None, help="questions per length (null = every test question)", ge=1)
     truncate_chunks: Int | None = setting(
@@ -1147,6 +1154,11 @@ def _typed_errors(config: dict[str, Any]) -> list[str]:
                 errors.extend(str(err).splitlines())
         names = experiment.get("tools", {}).get("names", MEMORY_TOOLS)
         expert_tools = SFTSettings.tools("ingestion" in experiment)
+        if kind == "memupdate" and experiment.get("sft", {}).get("questions_percent") is not None:
+            errors.append(
+                f"experiments.{name}.sft.questions_percent: only a MemAgent experiment (kind: memagent) divides its "
+                "train questions between the cold start and GRPO; a MemoryUpdate cold start plays max_rows rows"
+            )
         if "sft" in experiment and kind == "memupdate" and not set(expert_tools) <= set(names):
             errors.append(
                 f"experiments.{name}.tools.names: the cold start's expert uses {', '.join(expert_tools)}; "

@@ -2,6 +2,7 @@ import json
 import re
 from collections import Counter
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -12,6 +13,7 @@ from memupdate.data.hotpotqa import (
     TokenizerUnavailableError,
     approx_token_count,
     build_rows,
+    cold_start_part,
     derived_id,
     load_hotpotqa,
     paragraph_pool,
@@ -19,6 +21,7 @@ from memupdate.data.hotpotqa import (
     question_part,
     render_context,
     render_document,
+    split_cold_start,
     split_rows,
 )
 
@@ -354,6 +357,35 @@ def test_split_rows_holds_out_the_same_questions_at_every_length(hotpotqa_path, 
     preprocess_hotpotqa(hotpotqa_path, tmp_path / "rows-1.parquet", num_docs=3, limit=20, test_percent=1)
     with pytest.raises(ValueError, match="no test rows"):
         split_rows(tmp_path / "rows-1.parquet", {"train": tmp_path / "a", "test": tmp_path / "b"}, test_percent=1)
+
+
+def test_split_cold_start_gives_grpo_the_train_questions_the_cold_start_never_saw(hotpotqa_path, tmp_path):
+    rows = tmp_path / "rows.parquet"
+    preprocess_hotpotqa(hotpotqa_path, rows, num_docs=3, limit=40, test_percent=50)
+    split_rows(rows, {"train": tmp_path / "train.parquet", "test": tmp_path / "test.parquet"}, test_percent=50)
+    outputs = {part: tmp_path / f"{part}.parquet" for part in ("sft", "grpo")}
+    counts = split_cold_start(tmp_path / "train.parquet", outputs, sft_percent=50)
+    ids = {
+        p: pq.read_table(f).column("extra_info").combine_chunks().field("id").to_pylist() for p, f in outputs.items()
+    }
+    train = pq.read_table(tmp_path / "train.parquet").column("extra_info").combine_chunks().field("id").to_pylist()
+    assert counts == {p: len(v) for p, v in ids.items()}
+    assert not set(ids["sft"]) & set(ids["grpo"]) and sorted(ids["sft"] + ids["grpo"]) == sorted(train)
+    # Salted: the train questions (hash buckets >= test_percent) do not all land in one part.
+    assert min(counts.values()) >= len(train) // 4
+    assert all(cold_start_part(i, 50) == p for p, v in ids.items() for i in v)
+    again = {part: tmp_path / f"again-{part}.parquet" for part in ("sft", "grpo")}
+    split_cold_start(tmp_path / "train.parquet", again, sft_percent=50)
+    assert all(pq.read_table(again[p]).equals(pq.read_table(outputs[p])) for p in outputs)
+    # A share that leaves GRPO nothing stops, naming the file and the setting, and writes neither part.
+    single = tmp_path / "single.parquet"
+    pq.write_table(
+        pq.read_table(tmp_path / "train.parquet").filter(pa.array([i == ids["sft"][0] for i in train])), single
+    )
+    empty = {part: tmp_path / f"empty-{part}.parquet" for part in ("sft", "grpo")}
+    with pytest.raises(ValueError, match=r"single.parquet: no grpo rows with sft.questions_percent=50"):
+        split_cold_start(single, empty, sft_percent=50)
+    assert not any(path.exists() for path in empty.values())
 
 
 def test_each_part_draws_from_its_own_pool(examples, tmp_path):

@@ -31,6 +31,7 @@ from memupdate.serving.readiness import (
     load_marker,
     probe,
     read_marker,
+    rewrite_marker,
     write_marker,
 )
 from memupdate.serving.token_client import VLLMTokenClient, parse_completion
@@ -55,7 +56,7 @@ PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start
 def test_marker_of_a_dead_server_names_marker_url_and_fix(tmp_path):
     path = tmp_path / "results" / "exp" / "serve" / "qa.ready.json"
     url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
-    marker = write_marker(path, endpoint=url, served_model_name="qa", pid=4242, model_path=tmp_path)
+    marker = write_marker(path, endpoint=url, served_model_name="qa", pid=4242, model_path=tmp_path, engine="vllm-cpu")
     assert load_marker(path) == marker
     assert marker["host"] and marker["model_path"] == str(tmp_path.resolve())
     assert datetime.fromisoformat(marker["health_checked_at"]).tzinfo == UTC
@@ -64,6 +65,8 @@ def test_marker_of_a_dead_server_names_marker_url_and_fix(tmp_path):
     message = str(err.value)
     assert f"the server recorded in {path} at {url} is not answering" in message
     assert "pid 4242" in message and "rerun the serve rule" in message
+    # A restarted server keeps its engine: clients read it to know whether the server computes on their CPU cores.
+    assert rewrite_marker(path, endpoint=url, pid=4243)["engine"] == "vllm-cpu"
 
 
 def test_a_server_serving_the_name_from_another_folder_is_not_the_markers(tmp_path):

