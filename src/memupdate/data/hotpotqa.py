@@ -786,8 +786,40 @@ def question_part(question_id: str, test_percent: int) -> str:
     """
     if not 0 <= test_percent <= 100:
         raise ValueError(f"test_percent must be within 0-100, got {test_percent!r}")
-    bucket = int(hashlib.sha256(question_id.encode()).hexdigest()[:8], 16) % 100
-    return "test" if bucket < test_percent else "train"
+    return "test" if _bucket(question_id) < test_percent else "train"
+
+
+def _bucket(key: str) -> int:
+    """A question's bucket, 0-99, from a hash of ``key`` (its id, or a salted id) alone."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100
+
+
+def _write_parts(
+    rows: str | Path,
+    outputs: dict[str, str | Path],
+    part_of: Callable[[str], str],
+    setting: str,
+    advice: str,
+    check: Callable[[Any, list[str], list[str]], None] | None = None,
+) -> dict[str, int]:
+    """Write the rows of ``rows`` into ``outputs[part]`` by ``part_of(question id)`` and return each part's row
+    count. Every part must be non-empty (the error names ``setting``, then gives ``advice``); ``check(extra_info,
+    ids, parts)`` may refuse the rows before anything is written."""
+    counts = {}
+    # The parts appear together or not at all, and a failed rerun removes the previous run's files.
+    with atomic_outputs(dict(outputs)) as tmp:
+        table = read_parquet_columns(rows, {"extra_info": None}, ROWS_TABLE, only=False)
+        info = table.column("extra_info").combine_chunks()
+        ids = info.field("id").to_pylist()
+        parts = [part_of(i) for i in ids]
+        if check is not None:
+            check(info, ids, parts)
+        for part in outputs:
+            counts[part] = parts.count(part)
+            if not counts[part]:
+                raise ValueError(f"{rows}: no {part} rows with {setting} among {len(ids)} questions; {advice}")
+            write_parquet_atomic(tmp[part], table.filter(pa.array([p == part for p in parts])))
+    return counts
 
 
 def split_rows(rows: str | Path, outputs: dict[str, str | Path], test_percent: int) -> dict[str, int]:
@@ -796,14 +828,8 @@ def split_rows(rows: str | Path, outputs: dict[str, str | Path], test_percent: i
     must be non-empty). Rows whose haystack drew from another part's pool (built with one pool, or with
     another ``test_percent``) are refused: their distractors would leak paragraphs across the split."""
 
-    counts = {}
-    # Both parts appear together or not at all, and a failed rerun removes the previous run's files.
-    with atomic_outputs({part: outputs[part] for part in ("train", "test")}) as tmp:
-        table = read_parquet_columns(rows, {"extra_info": None}, ROWS_TABLE, only=False)
-        info = table.column("extra_info").combine_chunks()
-        ids = info.field("id").to_pylist()
+    def same_pools(info: Any, ids: list[str], parts: list[str]) -> None:
         built = info.field("part").to_pylist() if "part" in {f.name for f in info.type} else [None] * len(ids)
-        parts = [question_part(i, test_percent) for i in ids]
         for index, (question, part, pool) in enumerate(zip(ids, parts, built, strict=True)):
             if pool != part:
                 raise ValueError(
@@ -811,15 +837,15 @@ def split_rows(rows: str | Path, outputs: dict[str, str | Path], test_percent: i
                     f"test_percent={test_percent} the question is in {part!r}; rebuild the rows with "
                     f"preprocess_hotpotqa(..., test_percent={test_percent}) so each part draws from its own pool"
                 )
-        for part in ("train", "test"):
-            keep = pa.array([p == part for p in parts])
-            counts[part] = int(sum(p == part for p in parts))
-            if not counts[part]:
-                raise ValueError(
-                    f"{rows}: no {part} rows with test_percent={test_percent} among {len(ids)} questions; "
-                    "use more questions (scales.<scale>.hotpotqa_limit) or another test_percent"
-                )
-            write_parquet_atomic(tmp[part], table.filter(keep))
+
+    counts = _write_parts(
+        rows,
+        {part: outputs[part] for part in ("train", "test")},
+        lambda question: question_part(question, test_percent),
+        f"test_percent={test_percent}",
+        "use more questions (scales.<scale>.hotpotqa_limit) or another test_percent",
+        check=same_pools,
+    )
     logger.info("%s: %d train / %d test questions", rows, counts["train"], counts["test"])
     return counts
 
@@ -834,8 +860,7 @@ def cold_start_part(question_id: str, sft_percent: int) -> str:
     """
     if not 0 < sft_percent < 100:
         raise ValueError(f"sft_percent must be within 1-99, got {sft_percent!r}")
-    bucket = int(hashlib.sha256(f"cold-start:{question_id}".encode()).hexdigest()[:8], 16) % 100
-    return "sft" if bucket < sft_percent else "grpo"
+    return "sft" if _bucket(f"cold-start:{question_id}") < sft_percent else "grpo"
 
 
 def split_cold_start(rows: str | Path, outputs: dict[str, str | Path], sft_percent: int) -> dict[str, int]:
@@ -843,18 +868,12 @@ def split_cold_start(rows: str | Path, outputs: dict[str, str | Path], sft_perce
     (GRPO's) by :func:`cold_start_part`; returns the row count of each (both must be non-empty). GRPO then trains on
     questions the cold start never saw: on its own questions a cold start answers what it memorised (memagent_demo:
     train reward 0.68-0.81 at GRPO's first step, 0.13-0.20 held out), and GRPO learns little beyond recall."""
-    counts = {}
-    with atomic_outputs({part: outputs[part] for part in ("sft", "grpo")}) as tmp:
-        table = read_parquet_columns(rows, {"extra_info": None}, ROWS_TABLE, only=False)
-        ids = table.column("extra_info").combine_chunks().field("id").to_pylist()
-        parts = [cold_start_part(i, sft_percent) for i in ids]
-        for part in ("sft", "grpo"):
-            counts[part] = parts.count(part)
-            if not counts[part]:
-                raise ValueError(
-                    f"{rows}: no {part} rows with sft.questions_percent={sft_percent} among {len(ids)} questions; "
-                    "use more questions or another questions_percent"
-                )
-            write_parquet_atomic(tmp[part], table.filter(pa.array([p == part for p in parts])))
+    counts = _write_parts(
+        rows,
+        {part: outputs[part] for part in ("sft", "grpo")},
+        lambda question: cold_start_part(question, sft_percent),
+        f"sft.questions_percent={sft_percent}",
+        "use more questions or another questions_percent",
+    )
     logger.info("%s: %d questions for the cold start / %d for GRPO", rows, counts["sft"], counts["grpo"])
     return counts
