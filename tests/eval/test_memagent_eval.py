@@ -95,6 +95,16 @@ def test_evaluation_reads_every_chunk_unless_truncation_is_asked_for(tiny_models
     assert (tmp_path / "whole" / "training.png").stat().st_size > 0
     assert predictions(tmp_path / "whole", "twin", 3) == predictions(tmp_path / "whole", "tiny", 3)
     assert "twin has the weights of tiny" in (tmp_path / "whole" / "report.md").read_text()
+    # Examples to read: each question with every model's final memory and reply, as the predictions hold them.
+    saved = {p["id"]: p for p in predictions(tmp_path / "whole", "tiny", 3)}
+    shown = whole["examples"]["questions"]
+    assert whole["examples"]["length"] == "3" and len(shown) == 3
+    for example in shown:
+        assert set(example["models"]) == {"tiny", "twin"}
+        record = saved[example["id"]]
+        assert example["models"]["tiny"] == {k: record[k] for k in ("memory", "reply", "exact_match")}
+        assert isinstance(record["memory"], str) and record["memory"]
+        assert f"**{example['question']}**" in text
     for p, n in zip(predictions(tmp_path / "whole", "tiny", 3), lengths, strict=True):
         assert p["haystack_tokens"] == p["context_tokens"] == n and p["truncated_tokens"] == 0
         assert p["chunks_read"] == p["chunks_total"] == math.ceil(n / 256)

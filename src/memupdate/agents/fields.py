@@ -65,3 +65,5 @@ MEMAGENT_ANSWER_KEY, TRUNCATIONS_KEY, CONTEXT_KEY = (
 #: How much of the haystack a trajectory read: its chunks before any truncation and the tokens centre
 #: truncation dropped (0 unless ``max_chunks`` cut it).
 CHUNKS_TOTAL_KEY, TRUNCATED_TOKENS_KEY = "memagent_chunks_total", "memagent_truncated_tokens"
+#: The memory the final turn answered from (on the final row; None on the others): what evaluation shows.
+MEMAGENT_MEMORY_KEY = "memagent_memory"

@@ -37,6 +37,7 @@ from memupdate.agents.fields import (
     weight_versions,
 )
 from memupdate.agents.fields import MEMAGENT_ANSWER_KEY as ANSWER_KEY
+from memupdate.agents.fields import MEMAGENT_MEMORY_KEY as MEMORY_KEY
 from memupdate.names import MEMAGENT_AGENT
 from memupdate.settings import MemAgentLoopSettings
 
@@ -228,6 +229,7 @@ class MemAgentLoop(AgentLoopBase):
                         TRUNCATED_TOKENS_KEY: dropped,
                         TRUNCATIONS_KEY: cut,
                         ANSWER_KEY: answer if last else None,
+                        MEMORY_KEY: memory if last else None,
                         **versions,
                     },
                 )

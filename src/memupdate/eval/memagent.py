@@ -74,6 +74,8 @@ STYLE_METRICS = {"ours": METRICS, "memagent": MEMAGENT_STYLE_METRICS}
 #: How much of its haystack a prediction read, and its cost; averaged per length in the report.
 READ_KEYS = ("chunks_read", "chunks_total", "haystack_tokens", "context_tokens", "truncated_tokens")
 COST_KEYS = ("memory_truncations", "seconds")
+#: Questions report.md shows whole (each model's final memory and reply), where reading beats a table.
+EXAMPLES = 4
 
 
 class MemAgentEvaluator:
@@ -154,6 +156,7 @@ class MemAgentEvaluator:
             TRUNCATIONS_KEY,
         )
         from memupdate.agents.fields import MEMAGENT_ANSWER_KEY as ANSWER_KEY
+        from memupdate.agents.fields import MEMAGENT_MEMORY_KEY as MEMORY_KEY
         from memupdate.rewards.memagent import memagent_reward
         from memupdate.rollout.workers import FINAL_MASK_KEY, in_process_workers
 
@@ -192,6 +195,7 @@ class MemAgentEvaluator:
                         "id": extra["id"],
                         "question": extra["question"],
                         "answers": answers,
+                        "memory": values[MEMORY_KEY][i],
                         "reply": reply,
                         **score(reply, answers),
                         "chunks_read": int(values[CHUNKS_KEY][i]),
@@ -456,6 +460,8 @@ def memagent_length_curve(
     if twins:
         report["same_weights"] = twins
     report["comparisons"] = compare_models(out / "predictions", list(evaluators), list(rows_files))
+    length = next(iter(rows_files))
+    report["examples"] = {"length": length, "questions": examples(out / "predictions", list(evaluators), length)}
     if "memagent" in results:
         report["memagent_style"] = {
             "protocol": (
@@ -532,6 +538,39 @@ def compare_models(predictions: Path, models: Sequence[str], lengths: Sequence[s
     return comparisons
 
 
+def examples(predictions: Path, models: Sequence[str], length: str, k: int = EXAMPLES) -> list[dict[str, Any]]:
+    """``k`` questions at ``length`` with every model's final memory, reply and exact match (our style): first those
+    where the models' exact matches differ (what a comparison counts), then the first others, in file order.
+
+    >>> import json, tempfile; d = Path(tempfile.mkdtemp())
+    >>> for name, ems in (("base", [0, 0, 0]), ("sft", [0, 1, 0])):
+    ...     _ = (d / f"{name}-4.jsonl").write_text("".join(json.dumps(
+    ...         {"id": f"q{i}", "question": "Q?", "answers": ["A"], "memory": "m", "reply": "r", "exact_match": em}
+    ...     ) + "\\n" for i, em in enumerate(ems)))
+    >>> [(e["id"], e["models"]["sft"]["exact_match"]) for e in examples(d, ["base", "sft"], "4", k=2)]
+    [('q1', 1), ('q0', 0)]
+    """
+    by_model = {name: load_jsonl(predictions / f"{name}-{length}.jsonl") for name in models}
+    ids = [r["id"] for r in by_model[models[0]]]
+    rows = {name: {r["id"]: r for r in records} for name, records in by_model.items()}
+    differ = [i for i in ids if len({rows[name][i]["exact_match"] for name in models}) > 1]
+    chosen = (differ + [i for i in ids if i not in differ])[:k]
+    first = rows[models[0]]
+    return [
+        {
+            "id": i,
+            "question": first[i]["question"],
+            "answers": first[i]["answers"],
+            "models": {
+                # Predictions saved before the loop recorded its memory have none.
+                name: {key: rows[name][i].get(key) for key in ("memory", "reply", "exact_match")}
+                for name in models
+            },
+        }
+        for i in chosen
+    ]
+
+
 def same_weights(digests: Mapping[str, str | None]) -> dict[str, str]:
     """Each model whose weights' digest (:func:`memupdate.utils.io.weights_digest`, by model name) is that of one
     listed before it, mapped to the first such; models without weight files (None) are never matched.
@@ -583,4 +622,18 @@ def _plot(report: Mapping[str, Any], out: Path) -> list[str]:
 
 def _markdown(report: Mapping[str, Any]) -> str:
     """``report.md`` from ``report.json``'s content, through ``templates/memagent_report.md.j2``."""
-    return render_template("memagent_report.md.j2", report=report, pct=lambda value: f"{100 * value:.1f}")
+    return render_template(
+        "memagent_report.md.j2", report=report, pct=lambda value: f"{100 * value:.1f}", cell=_table_cell
+    )
+
+
+def _table_cell(text: str | None, limit: int = 300) -> str:
+    """``text`` as one markdown table cell: on one line, pipes escaped, cut at ``limit`` characters.
+
+    >>> _table_cell("a | b\\nc"), len(_table_cell("x" * 400)), _table_cell(None)
+    ('a \\\\| b c', 301, '(not recorded)')
+    """
+    if text is None:
+        return "(not recorded)"
+    flat = " ".join(str(text).split()).replace("|", "\\|")
+    return flat if len(flat) <= limit else flat[:limit] + "…"
