@@ -344,7 +344,10 @@ def test_memagent_demonstrations_keep_the_supporting_facts_and_box_the_answer(me
         assert all(w in facts for w in re.findall(r"\w+", record["memory"])) or record["memory"] == NOTHING_YET
     assert any(r["kept"] for r in records)
     summary = json.loads((run_dir / DEMONSTRATION_SUMMARY).read_text())
-    assert summary["kept"] == sum(r["kept"] for r in records)
+    # MemAgent's counts, not MemoryUpdate's edits and stops.
+    assert summary["kept"] == sum(r["kept"] for r in records) and "kept_edits" not in summary
+    assert summary["rows"] == sum(r["turns"] for r in records if r["kept"])
+    assert summary["dropped_uncovered"] == sum(not r["covered"] for r in records)
 
 
 def test_memagent_sft_trains_on_every_turn_of_the_kept_trajectories(memagent_sft, tiny_model_dir):

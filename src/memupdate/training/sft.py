@@ -195,14 +195,16 @@ async def _records(
         info = prompts.non_tensor_batch["extra_info"][trajectories[i]]
         memory = expert.memories.get(info["question"], NOTHING_YET)
         reward = float(batch.batch["rm_scores"][i].sum())
+        covered = covers(memory, info["supporting_facts"])
         records.append(
             {
                 "question": info["question"],
                 "reward": reward,
                 "turns": int((trajectories == trajectories[i]).sum()),
                 "memory": memory,
+                "covered": covered,
                 # The expert boxes the gold answer; a reward that does not credit it would teach nothing sound.
-                "kept": covers(memory, info["supporting_facts"]) and reward > 0,
+                "kept": covered and reward > 0,
             }
         )
     return records
@@ -259,14 +261,18 @@ class SFTTrainer:
         batch, records, episodes = asyncio.run(make_demonstrations(self.cfg, self.tokenizer))
         write_text_atomic(self.run_dir / DEMONSTRATIONS, "".join(json.dumps(r) + "\n" for r in records))
         kept = np.array([r["kept"] for r in records], dtype=bool)[episodes]
-        summary = demonstration_summary(records, time.perf_counter() - start)
+        memagent = self.cfg.rollout.agent_name == MEMAGENT_AGENT
+        summarize = memagent_demonstration_summary if memagent else demonstration_summary
+        summary = summarize(records, time.perf_counter() - start)
         write_json_atomic(self.run_dir / DEMONSTRATION_SUMMARY, summary)
         logger.info("demonstrations: %s", json.dumps(summary))
         if not kept.any():
-            raise RuntimeError(
-                f"no demonstration was kept (no edit raised the reward under every offline scorer, and no episode "
-                f"stopped without an edit); see {DEMONSTRATIONS}"
+            why = (
+                "no trajectory's memory held its question's supporting facts with the boxed answer rewarded"
+                if memagent
+                else "no edit raised the reward under every offline scorer, and no episode stopped without an edit"
             )
+            raise RuntimeError(f"no demonstration was kept ({why}); see {DEMONSTRATIONS}")
         from memupdate.training.verl_sft import run_verl_sft
 
         return run_verl_sft(
@@ -283,7 +289,7 @@ def demonstration_summary(records: list[dict[str, Any]], seconds: float) -> dict
     """What the SFT run reports of its demonstrations: how many episodes there are, edit, and are kept
     (``kept_edits``; ``kept_stops``: kept without an edit), ``dropped`` for their reward and
     ``balanced_out`` (:func:`balance_edits`); per scorer, how many edits raised its reward and the kept
-    episodes' mean reward (a MemAgent record has only its one ``reward`` and no edits).
+    episodes' mean reward (:func:`memagent_demonstration_summary` is a MemAgent cold start's).
 
     >>> s = demonstration_summary([
     ...     {"kept": True, "edited": True, "rewards": {"answer_recall": 0.5, "evidence_recall": 0.25}},
@@ -310,6 +316,25 @@ def demonstration_summary(records: list[dict[str, Any]], seconds: float) -> dict
         "kept_reward_mean": {
             name: float(np.mean([by_scorer[name] for by_scorer in kept])) if kept else None for name in scorers
         },
+        "seconds": round(seconds, 1),
+    }
+
+
+def memagent_demonstration_summary(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """What a MemAgent cold start reports of the expert's trajectories: how many there are and are kept, the rows
+    (turns) the kept ones give, and why the others were dropped: an unrewarded answer, or a memory without the
+    question's supporting facts (:func:`_records`' ``kept``).
+
+    >>> memagent_demonstration_summary([{"kept": True, "reward": 1.0, "turns": 3, "covered": True},
+    ...     {"kept": False, "reward": 1.0, "turns": 2, "covered": False}], 2.0)
+    {'episodes': 2, 'kept': 1, 'rows': 3, 'dropped_unrewarded': 0, 'dropped_uncovered': 1, 'seconds': 2.0}
+    """
+    return {
+        "episodes": len(records),
+        "kept": sum(r["kept"] for r in records),
+        "rows": sum(r["turns"] for r in records if r["kept"]),
+        "dropped_unrewarded": sum(r["reward"] <= 0 for r in records),
+        "dropped_uncovered": sum(r["reward"] > 0 and not r["covered"] for r in records),
         "seconds": round(seconds, 1),
     }
 
