@@ -38,4 +38,9 @@ def test_memagent_bench_runs_every_length_in_its_own_process(hotpotqa_path, tmp_
         r["seconds"] == pytest.approx(statistics.median(r["seconds_per_repeat"]), abs=1e-3) for r in report["lengths"]
     )
     assert report["peak_memory_spread"] <= 0.10
+    # The model's forwards are part of each length's wall time, and the loop's cost per chunk is what remains.
+    assert all(0 < r["generation_seconds"] < r["seconds"] for r in report["lengths"])
+    assert report["loop_overhead_per_chunk"] == pytest.approx(
+        report["time_fit"]["slope"] - report["generation_fit"]["slope"], abs=1e-5
+    )
     assert "R^2" in format_memagent_bench(report)
