@@ -121,6 +121,12 @@ class ServeSettings:
         "its readiness marker once it answers, so a server lives as long as its consumers (0 = none)",
         ge=0,
     )
+    max_in_flight: Int | None = setting(
+        None,
+        help="requests a training rollout keeps in flight at its own vLLM server (rollout memupdate_vllm); the others "
+        "wait at the client, before their timeout starts (null = the client's 64)",
+        ge=1,
+    )
     extra_args: list[Str] = setting(help="extra arguments of the vLLM server", factory=list)
     env: dict[str, Str] = setting(
         help="environment variables of the server (e.g. VLLM_CPU_KVCACHE_SPACE)", factory=dict

@@ -86,6 +86,25 @@ def test_a_request_has_time_for_every_token_it_asks_and_a_slow_live_server_is_no
     )
 
 
+def test_requests_past_the_clients_concurrency_wait_before_their_timeout_starts(chat_server):
+    """What serving.max_in_flight relies on: a request waiting for a place at the client is not timed, so a
+    server given a few requests at a time answers each within its timeout however many are queued."""
+
+    async def main():
+        async with chat_server(lambda m: "ok", delay=0.4) as server:
+            endpoint = Endpoint(server.url, "qa", timeout_s=0.2, max_retries=0)
+            async with OpenAIClient(endpoint, max_concurrency=1) as client:
+                began = asyncio.get_running_loop().time()
+                replies = await asyncio.gather(
+                    *(client.chat([{"role": "user", "content": f"q{i}"}], **GREEDY.request(4)) for i in range(4))
+                )
+                return replies, asyncio.get_running_loop().time() - began
+
+    # Each 0.4 s, within its 0.2 s + 0.1 s x 4 tokens; one after another, 1.6 s in all.
+    replies, seconds = run(main())
+    assert replies == ["ok"] * 4 and seconds >= 1.6
+
+
 def test_reader_and_judge_scorers_speak_the_protocol(chat_server):
     def reader_reply(messages):
         prompt = messages[0]["content"]

@@ -29,9 +29,11 @@ from memupdate.serving.vllm_server import wait_until_ready
 
 
 def test_settings_come_from_the_rollout_config_and_are_checked():
-    config = OmegaConf.create({"custom": {rs.SETTINGS_KEY: {"serving": {"dtype": "float32"}, "weights_dir": "/w"}}})
+    serving = {"dtype": "float32", "max_in_flight": 8}
+    config = OmegaConf.create({"custom": {rs.SETTINGS_KEY: {"serving": serving, "weights_dir": "/w"}}})
     serving, weights = rs.rollout_settings(config)
-    assert serving.dtype == "float32" and str(weights) == "/w"
+    # max_in_flight: what the replica's client keeps in flight (verl_ext.external_vllm).
+    assert serving.dtype == "float32" and serving.max_in_flight == 8 and str(weights) == "/w"
     with pytest.raises(ValueError, match="needs rollout.custom.memupdate_vllm"):
         rs.rollout_settings(OmegaConf.create({"custom": None}))
     bad = OmegaConf.create({"custom": {rs.SETTINGS_KEY: {"serving": {"dtyp": "float32"}, "weights_dir": "/w"}}})

@@ -34,6 +34,11 @@ from memupdate.serving.markers import load_marker
 logger = logging.getLogger(__name__)
 
 
+#: Requests a client keeps in flight at once unless told otherwise; the others wait for a place before their
+#: timeout starts.
+DEFAULT_MAX_CONCURRENCY = 64
+
+
 class EndpointError(RuntimeError):
     """The server could not be reached or kept failing; the message names the URL and the attempts."""
 
@@ -169,7 +174,9 @@ class OpenAIClient:
     #: The longest pause between two tries while waiting for a lost server to come back.
     MAX_RECONNECT_DELAY_S = 30.0
 
-    def __init__(self, endpoint: Endpoint, cache: ResponseCache | None = None, max_concurrency: int = 64):
+    def __init__(
+        self, endpoint: Endpoint, cache: ResponseCache | None = None, max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    ):
         self.endpoint = endpoint
         self.cache = cache if cache is not None else ResponseCache()
         self._semaphore = asyncio.Semaphore(max_concurrency)

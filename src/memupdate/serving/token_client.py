@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
+from memupdate.serving.client import DEFAULT_MAX_CONCURRENCY, Endpoint, EndpointError, OpenAIClient
 from memupdate.serving.decoding import VLLM_DEFAULTS
 from memupdate.serving.readiness import get_models
 
@@ -62,7 +62,7 @@ class VLLMTokenClient:
         max_tokens: int,
         *,
         max_model_len: int | None = None,
-        max_concurrency: int = 64,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
     ):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")

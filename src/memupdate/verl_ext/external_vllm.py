@@ -42,7 +42,7 @@ import ray.util.scheduling_strategies
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY, BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
-from memupdate.serving.client import Endpoint
+from memupdate.serving.client import DEFAULT_MAX_CONCURRENCY, Endpoint
 from memupdate.serving.rollout_server import (
     SERVED_NAME,
     Detached,
@@ -126,6 +126,9 @@ class ExternalVLLMServer:
             Endpoint(self.base_url, SERVED_NAME, api_key=api_key),
             max_tokens=self.config.response_length,
             max_model_len=spec.max_model_len,
+            # A request's timeout counts from when it is sent: the others wait at the client, not in the server's
+            # queue, where a validation's 50 requests at once outran it on a CPU server.
+            max_concurrency=spec.serving.max_in_flight or DEFAULT_MAX_CONCURRENCY,
         )
         logger.info("rollout replica %d: vLLM serves %s at %s", self.replica_rank, spec.model_path, self.base_url)
         return self.base_url
