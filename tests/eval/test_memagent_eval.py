@@ -73,7 +73,7 @@ def test_evaluation_reads_every_chunk_unless_truncation_is_asked_for(tiny_models
         json.dumps({"step": 0, "heldout_reward_mean": 0.0})
         + "\n"
         + "".join(json.dumps({"step": s, "reward_mean": s / 4, "num_turns_mean": 3.0}) + "\n" for s in (1, 2))
-        + json.dumps({"step": 2, "heldout_reward_mean": 0.5})
+        + json.dumps({"step": 2, "heldout_reward_mean": 0.5, "heldout_questions": 2})
         + "\n"
     )
     whole = memagent_length_curve(
@@ -91,7 +91,8 @@ def test_evaluation_reads_every_chunk_unless_truncation_is_asked_for(tiny_models
     assert not comparison["excludes_zero"]
     text = (tmp_path / "whole" / "report.md").read_text()
     assert "| twin - tiny | 3 | 3 | +0.0 | [+0.0, +0.0] | no |" in text
-    assert "by step: step 0 0.000, step 2 0.500." in text and "![training.png](training.png)" in text
+    assert "by step: step 0 0.000, step 2 0.500 (2 questions scored)." in text
+    assert "![training.png](training.png)" in text
     assert (tmp_path / "whole" / "training.png").stat().st_size > 0
     assert predictions(tmp_path / "whole", "twin", 3) == predictions(tmp_path / "whole", "tiny", 3)
     assert "twin has the weights of tiny" in (tmp_path / "whole" / "report.md").read_text()

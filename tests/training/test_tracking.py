@@ -73,9 +73,16 @@ def test_a_verl_runs_metrics_jsonl_is_made_from_verls_file_log(tmp_path):
         + json.dumps({"step": 2, "data": {"critic/score/mean": 0.3, "val-core/locomo/reward/mean@1": 0.2}})
         + "\n"
     )
+    # verl's dump of step 2's validation: two trajectories of two turns each and one of one turn (a MemAgent
+    # validation's rows); step 0 left none.
+    (tmp_path / "validation").mkdir()
+    keys = ["u1_0_0", "u1_0_1", "u2_0_0", "u2_0_1", "u3_0_0"]
+    (tmp_path / "validation" / "2.jsonl").write_text("".join(json.dumps({"uid": k, "score": 0}) + "\n" for k in keys))
     rows = [json.loads(line) for line in metrics_from_verl(tmp_path).read_text().splitlines()]
     assert [(r["step"], r.get("reward_mean")) for r in rows] == [(0, None), (1, 0.1), (2, 0.3)]
     assert [r.get("heldout_reward_mean") for r in rows] == [0.05, None, 0.2]
+    # How many questions the held-out mean is over, where verl's dump says.
+    assert [r.get("heldout_questions") for r in rows] == [None, None, 3]
     assert rows[1]["num_turns_mean"] == 3.0 and rows[1]["verl"]["actor/lr"] == 1e-6
     log.write_text("{not json\n")
     with pytest.raises(ValueError, match="tracking.jsonl, line 1: not a verl file-logger record"):

@@ -262,12 +262,15 @@ def training_curves(metrics_files: Mapping[str, str | Path]) -> dict[str, list[d
 #: panel each; the held-out reward (verl's validation, at the steps it ran) shares the training reward's panel.
 CURVES = ("reward_mean", "num_turns_mean", "response_tokens_mean", "kl")
 HELDOUT_CURVE = "heldout_reward_mean"
+#: How many held-out questions that validation scored (verl drops a trajectory that failed).
+HELDOUT_QUESTIONS = "heldout_questions"
 
 
 def training_steps(metrics: str | Path, plot: Path) -> list[dict[str, Any]]:
     """A training run's per-step curves (:data:`CURVES` and the held-out reward, from its ``metrics.jsonl``),
     plotted into ``plot``, one panel each."""
-    steps = [{k: step.get(k) for k in ("step", *CURVES, HELDOUT_CURVE)} for step in load_jsonl(metrics)]
+    keys = ("step", *CURVES, HELDOUT_CURVE, HELDOUT_QUESTIONS)
+    steps = [{k: step.get(k) for k in keys} for step in load_jsonl(metrics)]
     _plot_training(steps, plot)
     return steps
 

@@ -147,6 +147,30 @@ def heldout_reward(data: Mapping[str, Any]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+#: verl's validation generations, one JSONL per validated step (``trainer.validation_data_dir``; the launcher's
+#: ``validation/``).
+VALIDATION_DIR = "validation"
+
+
+def validated_questions(dump: Path) -> int:
+    """How many questions (sessions) verl's validation scored at a step, from its generations dump: verl averages
+    over the trajectories that finished and drops a failed one (a request that timed out) without a word.
+    A multi-turn trajectory's rows are keyed ``<uid>_<session>_<turn>``.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp()) / "0.jsonl"
+    >>> _ = d.write_text("".join(json.dumps({"uid": u}) + "\\n" for u in ("a_0_0", "a_0_1", "b_0_0", "c")))
+    >>> validated_questions(d)
+    3
+    """
+    sessions = set()
+    for line in dump.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            key = str(json.loads(line)["uid"])
+            parts = key.rsplit("_", 2)
+            sessions.add("_".join(parts[:2]) if len(parts) == 3 else key)
+    return len(sessions)
+
+
 def metrics_from_verl(run_dir: str | Path) -> Path:
     """``<run>/metrics.jsonl`` from verl's ``file`` backend (``<run>/tracking.jsonl``): one record per step with our
     names for the metrics the report's training curves read; every verl metric is kept under ``verl``.
@@ -174,6 +198,9 @@ def metrics_from_verl(run_dir: str | Path) -> Path:
         ours = {key: data[theirs] for key, theirs in VERL_METRICS.items() if theirs in data}
         if (heldout := heldout_reward(data)) is not None:
             ours["heldout_reward_mean"] = heldout
+            dump = run_dir / VALIDATION_DIR / f"{step}.jsonl"
+            if dump.is_file():
+                ours["heldout_questions"] = validated_questions(dump)
         rows.append(json.dumps({"step": step, **ours, "verl": data}))
     target = run_dir / "metrics.jsonl"
     write_text_atomic(target, "".join(row + "\n" for row in rows))

@@ -74,6 +74,7 @@ from memupdate.tools.config import write_tool_config
 from memupdate.training.tracking import (
     TENSORBOARD_DIR,
     TRACKING_FILE,
+    VALIDATION_DIR,
     experiment_name,
     run_info,
     run_record,
@@ -101,7 +102,6 @@ _ROLLOUT_SERVER_KEYS = ("engine", "python", "dtype", "startup_timeout_s", "extra
 RESOLVED_CONFIG = "resolved_config.yaml"
 AGENT_LOOPS_FILE = "agent_loops.yaml"
 CHECKPOINT_DIR = "checkpoints"
-VALIDATION_DIR = "validation"
 HYDRA_DIR = "hydra"
 #: Top-level key of the run's record (commit, data sha256s) in the config verl gives its trackers.
 RUN_RECORD = "memupdate_run"
