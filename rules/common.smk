@@ -22,6 +22,7 @@ from memupdate.settings import (
     PolicyEvalSettings,
     build,
     check_lengths,
+    check_positions,
     experiment_stages,
 )
 
@@ -123,8 +124,11 @@ def get_experiment(wildcards):
 
 @functools.cache
 def _check_lengths(name):
-    """Once per experiment of this DAG: its episodes fit the servers (memupdate.settings.check_lengths)."""
-    check_lengths(name, config["experiments"][name], config["serving"])
+    """Once per experiment of this DAG: its episodes fit the servers, and the servers its models
+    (memupdate.settings.check_lengths, check_positions)."""
+    experiment = config["experiments"][name]
+    check_lengths(name, experiment, config["serving"])
+    check_positions(name, experiment, config["models"], config["serving"])
 
 
 def get_model_spec(wildcards):

@@ -521,6 +521,22 @@ def test_an_episode_longer_than_the_servers_context_fails_the_dry_run(tmp_path):
     )
 
 
+def test_a_context_past_a_models_positions_fails_the_dry_run(tmp_path):
+    """vLLM refuses serving.max_model_len above the model's positions only when a server starts, on a cluster
+    after the queue (issue 58)."""
+    long = tmp_path / "long.yaml"
+    long.write_text("serving:\n  max_model_len: 16384\n")
+    assert (
+        "serving.max_model_len: 16384 is above the 8192 positions of models.smollm2-135m (experiments.smoke.policy)"
+        in failed_dry_run("results/smoke/stage1/ckpt", configfile=long)
+    )
+    full = tmp_path / "full.yaml"
+    full.write_text("scales:\n  full:\n    settings:\n      serving:\n        max_model_len: 65536\n")
+    assert "above the 32768 positions of models.qwen2.5-" in failed_dry_run(
+        "all", "--config", "scale=full", "preflight=false", configfile=full
+    )
+
+
 def test_names_with_dots_match_only_themselves_in_the_dag():
     """A model key like qwen2.5-3b (config/config.yaml) is a name; in the wildcard pattern its '.' is a dot, so
     qwen2x5-3b is no target (an unescaped pattern matched it and failed later, in an input function)."""

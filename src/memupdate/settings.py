@@ -692,9 +692,18 @@ class HFModel:
     params: Float | None = setting(
         None, help="parameters, for the plan's checkpoint sizes (null: the size its hub id names, 7B: 7e9)", gt=0
     )
+    max_position_embeddings: Int | None = setting(
+        None,
+        ge=1,
+        help="its config.json's positions: serving.max_model_len is held to them at the dry run, and the "
+        "prepared model to this (null: checked when a server starts)",
+    )
 
     def __post_init__(self) -> None:
         _check_chat_template(self.chat_template)
+
+    def positions(self) -> int | None:
+        return self.max_position_embeddings
 
 
 @section
@@ -704,9 +713,14 @@ class SmolLM2Model:
     kind: Literal["smollm2_gguf"] = "smollm2_gguf"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     chat_template: Str | None = DEFAULT_CHAT_TEMPLATE
+    #: SmolLM2-135M-Instruct's positions (its GGUF's context_length, the hub config's max_position_embeddings).
+    POSITIONS: ClassVar[int] = 8192
 
     def __post_init__(self) -> None:
         _check_chat_template(self.chat_template)
+
+    def positions(self) -> int:
+        return self.POSITIONS
 
 
 @section
@@ -731,6 +745,9 @@ class TinyRandomModel:
             )
         _check_chat_template(self.chat_template)
 
+    def positions(self) -> int:
+        return self.max_position_embeddings
+
 
 #: Model specs by ``kind`` (``models.<name>`` in config/config.yaml; built by memupdate.models.prepare).
 MODEL_KINDS: dict[str, type] = {"hf": HFModel, "smollm2_gguf": SmolLM2Model, "tiny_random": TinyRandomModel}
@@ -750,6 +767,19 @@ def model_spec(spec: Any, path: str = "model spec") -> dict[str, Any]:
     if kind not in MODEL_KINDS:
         raise ConfigError(f"{path}.kind: {show_value(kind)} is not one of {', '.join(MODEL_KINDS)}")
     return dataclasses.asdict(build(MODEL_KINDS[kind], spec, path))
+
+
+def model_positions(spec: Any, path: str = "model spec") -> int | None:
+    """The positions a model spec gives its model (the longest context vLLM serves it with), None where the
+    spec does not say (an ``hf`` model that declares none).
+
+    >>> model_positions({"kind": "smollm2_gguf"}), model_positions({"kind": "hf", "name_or_path": "m"})
+    (8192, None)
+    """
+    kind = spec.get("kind") if isinstance(spec, Mapping) else None
+    if kind not in MODEL_KINDS:
+        raise ConfigError(f"{path}.kind: {show_value(kind)} is not one of {', '.join(MODEL_KINDS)}")
+    return build(MODEL_KINDS[kind], spec, path).positions()
 
 
 # ------------------------------------------------------------------------------------------ workflow config
@@ -1223,6 +1253,33 @@ def check_lengths(name: str, experiment: Mapping[str, Any], serving: Mapping[str
             f"tokens ({total}) do not fit serving.max_model_len ({context}), the context of the servers that "
             "play it; shorten them or raise serving.max_model_len"
         )
+
+
+def check_positions(
+    name: str, experiment: Mapping[str, Any], models: Mapping[str, Any], serving: Mapping[str, Any]
+) -> None:
+    """``serving.max_model_len`` within the positions of the experiment's models (``models.<name>``: a hub model
+    declares them, the others know them), since each is served (evaluated, or the other stage's fixed role) and
+    vLLM refuses a longer context only when its engine has loaded, on a cluster after the queue. A model that
+    declares none is checked when its server starts (memupdate.serving.launch.serve_model). Raises
+    :class:`ConfigError`.
+
+    >>> check_positions("x", {"policy": "m"}, {"m": {"kind": "tiny_random"}}, {"max_model_len": 8192})
+    Traceback (most recent call last):
+    ...
+    memupdate.typed_config.ConfigError: serving.max_model_len: 8192 is above the 4096 positions of models.m (experiments.x.policy), and vLLM serves no longer context: set it to at most 4096
+    """
+    context = serving.get("max_model_len", ServeSettings.max_model_len)
+    for role in ("policy", "qa_model"):
+        model = experiment.get(role)
+        if not isinstance(model, str) or not isinstance(models.get(model), Mapping):
+            continue  # the experiment's own check names a missing model
+        positions = model_positions(models[model], f"models.{model}")
+        if positions is not None and context > positions:
+            raise ConfigError(
+                f"serving.max_model_len: {context} is above the {positions} positions of models.{model} "
+                f"(experiments.{name}.{role}), and vLLM serves no longer context: set it to at most {positions}"
+            )
 
 
 #: Characters of one search result as the memory tools show it (a LoCoMo observation averages 116 characters,

@@ -143,6 +143,16 @@ def test_hf_resaves_a_local_checkpoint(tiny_model_dir, tmp_path):
     assert (tmp_path / "replaced" / "generation_config.json").is_file()
 
 
+def test_a_spec_that_overstates_the_models_positions_is_refused(tiny_model_dir, tmp_path):
+    """The dry run holds serving.max_model_len to the positions a spec declares; a model with fewer would pass a
+    context vLLM then refuses, hours later."""
+    spec = {"kind": "hf", "name_or_path": str(tiny_model_dir), "max_position_embeddings": 32768}
+    with pytest.raises(ValueError, match=r"has 4096 positions \(max_position_embeddings\), its spec says 32768"):
+        prepare_model(spec, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert prepare_model({**spec, "max_position_embeddings": 4096}, tmp_path / "out")["spec"]["max_position_embeddings"]
+
+
 def test_a_hub_model_is_downloaded_once_and_prepared_with_no_network(tiny_model_dir, tmp_path, monkeypatch):
     """download_model (a local rule: the submitting machine has the network) fills the shared cache and records the
     commit; prepare_model (a compute node's job) reads that snapshot offline and pins the same commit."""

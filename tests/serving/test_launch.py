@@ -46,6 +46,21 @@ def test_sbatch_command(tmp_path):
         launch.sbatch_argv("x", tmp_path / "s.log", {"gpus": 1}, ["true"])
 
 
+def test_a_context_past_the_models_positions_is_refused_before_any_server_starts(tiny_model_dir, tmp_path):
+    """vLLM refuses it only once its engine has loaded (on Slurm, after the queue); a model whose positions
+    config/config.yaml does not declare is held to them here."""
+    with pytest.raises(launch.ServeError, match=r"serving.max_model_len \(16384\) is above its 4096 positions"):
+        launch.serve_model(
+            tiny_model_dir,
+            tmp_path / "ready.json",
+            served_model_name="tiny",
+            settings={"max_model_len": 16384},
+            server_log=tmp_path / "server.log",
+            registry_dir=tmp_path / "running",
+        )
+    assert not (tmp_path / "server.log").exists() and not (tmp_path / "running").exists()
+
+
 def test_stopping_an_empty_or_stale_registry(tmp_path):
     assert launch.stop_servers(tmp_path / "none") == {}
     # A recorded pid that is no longer our supervisor (here: a finished process) is not signalled.

@@ -38,7 +38,7 @@ import torch
 from memupdate.chat_templates import load_chat_template
 from memupdate.models.hub import is_hub_id
 from memupdate.names import MODEL_MANIFEST
-from memupdate.settings import model_spec
+from memupdate.settings import model_positions, model_spec
 from memupdate.utils.io import sha256_file, share_like_open, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -145,6 +145,14 @@ def prepare_model(spec: dict, output_dir: str | os.PathLike, download: str | os.
         builders["hf"] = lambda s: _build_hf(s, snapshot)
     with atomic_directory(output_dir) as tmp:
         model, tokenizer, source = builders[spec["kind"]](spec)
+        # serving.max_model_len was held to the spec's positions at the dry run: the model must have them.
+        declared = model_positions(spec)
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if declared is not None and positions is not None and positions != declared:
+            raise ValueError(
+                f"{source['source'] or spec['kind']} has {positions} positions (max_position_embeddings), its spec says {declared}: "
+                "correct the spec's max_position_embeddings (serving.max_model_len is checked against it)"
+            )
         if spec["chat_template"] is not None:
             tokenizer.chat_template = load_chat_template(spec["chat_template"])
         elif not tokenizer.chat_template:

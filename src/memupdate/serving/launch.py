@@ -63,7 +63,7 @@ from memupdate.serving.vllm_server import (
     wait_until_ready,
 )
 from memupdate.settings import ServeSettings, SlurmOptions, build
-from memupdate.utils.io import check_whole_model, write_json_atomic
+from memupdate.utils.io import check_whole_model, config_positions, write_json_atomic
 from memupdate.utils.system import free_port, tail
 
 logger = logging.getLogger(__name__)
@@ -408,6 +408,15 @@ def serve_model(
         check_whole_model(model_dir)  # a server of a half-written checkpoint would serve garbage, or die loading it
     except ValueError as err:
         raise ServeError(f"not serving {model_dir}: {err}") from None
+    # vLLM refuses a context past the model's positions, but only once its engine has loaded (on Slurm, after the
+    # queue): the dry run holds the models config/config.yaml declares to it; this, a model that declares none.
+    positions = config_positions(model_dir)
+    if positions is not None and settings.max_model_len > positions:
+        raise ServeError(
+            f"not serving {model_dir}: serving.max_model_len ({settings.max_model_len}) is above its "
+            f"{positions} positions (config.json's max_position_embeddings); vLLM would refuse it: set "
+            f"serving.max_model_len to at most {positions}"
+        )
     launcher = resolve_launcher(settings.launcher)
     python = vllm_python(settings, vllm_env)
     address_file = server_log.with_name(server_log.name.split(".")[0] + ".address.json")

@@ -34,7 +34,7 @@ import psutil
 from memupdate.serving.launch import is_our_supervisor, stop_supervisor, supervisor_argv
 from memupdate.serving.vllm_server import API_KEY_ENV, DEV_MODE_ENV
 from memupdate.settings import EXTERNAL_ROLLOUT, ServeSettings, build
-from memupdate.utils.io import write_json_atomic
+from memupdate.utils.io import config_positions, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +120,7 @@ def server_spec(config: Any, model_path: str | os.PathLike, replica_rank: int) -
     max_model_len = int(
         _field(config, "max_model_len") or _field(config, "prompt_length") + _field(config, "response_length")
     )
-    model_config = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
-    positions = model_config.get("max_position_embeddings") or (model_config.get("text_config") or {}).get(
-        "max_position_embeddings"
-    )
+    positions = config_positions(model_path)
     return ServerSpec(
         replica_rank=replica_rank,
         model_path=model_path,

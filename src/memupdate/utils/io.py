@@ -393,6 +393,30 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def config_positions(folder: str | os.PathLike) -> int | None:
+    """The positions of the model in ``folder`` (its ``config.json``'s ``max_position_embeddings``, or its
+    ``text_config``'s), times its ``rope_scaling`` factor where it has one, as vLLM derives the longest context it
+    serves; None when the config names none.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text('{"max_position_embeddings": 8192}')
+    >>> config_positions(d)
+    8192
+    >>> _ = (d / "config.json").write_text('{"text_config": {"max_position_embeddings": 4096}, '
+    ...                                    '"rope_scaling": {"type": "yarn", "factor": 4.0}}')
+    >>> config_positions(d)
+    16384
+    """
+    config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+        "max_position_embeddings"
+    )
+    if not positions:
+        return None
+    factor = (config.get("rope_scaling") or {}).get("factor") or 1
+    return int(positions * factor)
+
+
 def check_whole_model(folder: str | os.PathLike) -> None:
     """ValueError, naming the file, unless ``folder`` holds a whole Hugging Face model: ``config.json`` a JSON object,
     and weights whose every file is complete: each shard its ``model.safetensors.index.json`` names present, and each
