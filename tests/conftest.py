@@ -142,7 +142,7 @@ def _snakemake(repo: Path, env: dict[str, str], *args: str, timeout: float = 600
 @pytest.fixture(scope="session")
 def tiny_pipeline(tmp_path_factory, vllm_python) -> Pipeline:
     """``./run.sh pipeline`` once per session on a clean copy of the repository, at the tiny experiment's scale:
-    data, embeddings, models, served models, three training stages, both evaluations, MemAgent and tiny_ingest.
+    data, embeddings, models, served models, two training stages, both evaluations, MemAgent and tiny_ingest.
     The whole-DAG test reads its artifacts; the DVC round trip then adopts them (``dvc repro`` after a
     Snakemake run, as a user versions a run); neither changes what the other reads."""
     if not SHARED_DATA.is_dir():

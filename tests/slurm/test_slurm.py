@@ -539,7 +539,8 @@ def test_two_slurm_nodes_join_one_ray_cluster(slurm_cluster, placement, tmp_path
             timeout=300,
         )
         assert run.returncode == 0, run.stdout + run.stderr
-        # Both Slurm nodes joined before the task ran, and a task ran on each (Ray sees the fake GPUs).
+        # Both Slurm nodes joined before the task ran, and a task ran on each. The GPUs Ray counts are the num_gpus
+        # given to each Ray node (2 x 2), not read from Slurm's fake GPUs.
         assert json.loads(result.read_text()) == {"nodes": 2, "gpus": 4, "ran": ["n1", "n2"], "ids_match": True}
         stopped = {p.name for p in (tmp_path / "shared").iterdir()}
         assert any(name.endswith(".rank1.stopped") for name in stopped), stopped
