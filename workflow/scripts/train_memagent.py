@@ -9,5 +9,5 @@ train_memagent(
     model=inputs.model,
     train_files=[inputs.train],
     run_dir=params.run_dir,
-    verl={"val_files": inputs.get("val"), "serving": params.serving, "vllm_env": inputs.get("vllm_env")},
+    verl={"val_files": inputs.get("val"), "serving": params.serving},
 )

@@ -17,5 +17,5 @@ train_stage(
     run_dir=params.run_dir,
     reward=params.reward,
     fixed_marker=inputs.get("fixed"),
-    verl={"val_files": inputs.get("val"), "serving": params.serving, "vllm_env": inputs.get("vllm_env")},
+    verl={"val_files": inputs.get("val"), "serving": params.serving},
 )

