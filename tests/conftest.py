@@ -139,6 +139,42 @@ def _snakemake(repo: Path, env: dict[str, str], *args: str, timeout: float = 600
     )
 
 
+def workflow_env(vllm_python: Path) -> dict[str, str]:
+    """A workflow copy's environment: dvc and snakemake from this one, as the DVC stages' commands name them;
+    vLLM from its own, built once (a run would otherwise build one of its own)."""
+    return {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "MEMUPDATE_VLLM_ENV": str(vllm_python.parent.parent),
+    }
+
+
+def local_profile() -> tuple[str, ...]:
+    """As run.sh: the local profile, and jobs together only while their declared memory fits in the machine's."""
+    return ("--profile", "profiles/local", f"--resources=mem_mb={psutil.virtual_memory().total // 2**20}")
+
+
+@pytest.fixture
+def shortened_run(copy_workflow, vllm_python, tmp_path):
+    """``shortened_run(overlay, *targets, models={})``: a demo experiment as ``./run.sh demo`` runs it, shortened for
+    CI: the workflow copied to ``tmp_path``, ``overlay`` (a dict) merged over config/config.yaml, prepared models
+    put in place of their rule's output (``{name: folder}``, for models other tests prepare too), then Snakemake on
+    the local profile for ``targets``. Returns the copy and Snakemake's completed process."""
+    import yaml
+
+    def run(overlay: dict, *targets: str, models: dict[str, Path] | None = None):
+        if not SHARED_DATA.is_dir():
+            missing_real_part("needs ../shared/data as the data mirror")
+        repo = copy_workflow(tmp_path)
+        (repo / "ci.yaml").write_text(yaml.safe_dump(overlay), encoding="utf-8")
+        for name, folder in (models or {}).items():
+            shutil.copytree(folder, repo / "results" / "models" / name, copy_function=os.link)
+        env = workflow_env(vllm_python)
+        return repo, _snakemake(repo, env, *local_profile(), *targets, "--configfile", "ci.yaml", timeout=1800)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def tiny_pipeline(tmp_path_factory, vllm_python) -> Pipeline:
     """``./run.sh pipeline`` once per session on a clean copy of the repository, at the tiny experiment's scale:
@@ -148,14 +184,8 @@ def tiny_pipeline(tmp_path_factory, vllm_python) -> Pipeline:
     if not SHARED_DATA.is_dir():
         missing_real_part("needs ../shared/data as the data mirror")
     repo = _copy_workflow(tmp_path_factory.mktemp("pipeline"), WORKFLOW_PARTS + DVC_PARTS)
-    # dvc and snakemake from this environment, as the DVC stages' commands name them; vLLM from its own.
-    env = {
-        **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-        "MEMUPDATE_VLLM_ENV": str(vllm_python.parent.parent),
-    }
-    # As run.sh: jobs run together only while their declared memory fits in the machine's.
-    local = ("--profile", "profiles/local", f"--resources=mem_mb={psutil.virtual_memory().total // 2**20}")
+    env = workflow_env(vllm_python)
+    local = local_profile()
     data = (*local, "results/data/locomo/train.parquet")
     short = ("results/stage1/ckpt", "results/stage2/ckpt", "results/eval/report.json")
     ingest = "results/tiny_ingest/eval/report.json"
@@ -265,6 +295,20 @@ def smollm2_dir(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("models") / "smollm2"
     prepare_model({"kind": "smollm2_gguf", "dtype": "bfloat16"}, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_configured_dir(tmp_path_factory) -> Path:
+    """SmolLM2 as config/config.yaml's ``models.smollm2-135m`` prepares it (the workflow's results/models/smollm2-135m),
+    for the shortened demos' workflow copies."""
+    import yaml
+
+    from memupdate.models.prepare import prepare_model
+
+    spec = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())["models"]["smollm2-135m"]
+    out = tmp_path_factory.mktemp("models") / "smollm2-135m"
+    prepare_model(spec, out)
     return out
 
 
