@@ -122,6 +122,19 @@ def test_efficiency_factor_components():
     assert grown["efficiency"] == 0.1  # clamped at min_factor
 
 
+def test_efficiency_never_amplifies_a_gain():
+    """Upstream paid up to 1.5x a gain, 1.2x for memories longer than before; E is at most 1, and settings that
+    would lift it above are refused."""
+    longer = efficiency_factor(100, 10000, 100, 20000, EfficiencyConfig(max_total_memories=None))
+    assert longer["density_factor"] == 1.0 and longer["efficiency"] == 1.0
+    fewer_and_longer = efficiency_factor(100, 10000, 90, 27000, EfficiencyConfig(max_total_memories=None))
+    assert fewer_and_longer["efficiency"] <= 1.0
+    with pytest.raises(ValueError, match="need 0 < min_factor <= max_factor <= 1, got 0.1, 1.5"):
+        EfficiencyConfig(max_factor=1.5)
+    with pytest.raises(ValueError, match="density_cap must be in \\(0, 1\\], got 1.2"):
+        EfficiencyConfig(density_cap=1.2)
+
+
 def test_other_questions_join_the_target_reproducibly(base, embedder, locomo_conversations):
     pool = [
         QAItem(q.question, q.answer, q.category, q.evidence) for q in locomo_conversations["conv-26"].qa if q.answer
