@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point that sets up everything on a fresh Debian machine with Python 3.11, then runs:
 #   ./run.sh pipeline [snakemake args]  the whole workflow on profiles/local at smoke scale
-#   ./run.sh tests [pytest args]        the test suite (without args: the quick tests in parallel, then the rest)
+#   ./run.sh tests [pytest args]        the test suite (without args: the tests that start nothing in parallel, then the rest)
 #   ./run.sh demo [snakemake args]      the cpu_demo run: cold start, GRPO and both evaluations (docs/cpu-demo.md)
 #   ./run.sh demo-memagent [args]       the memagent_demo run: MemAgent's cold start, GRPO and evaluation (docs/memagent.md)
 # The environment lives in .venv and is rebuilt only when pyproject.toml or constraints change.
@@ -91,19 +91,20 @@ case "$cmd" in
         if [[ $# -gt 0 ]]; then
             exec "$VENV/bin/python" -m pytest "$@"
         fi
-        # The whole suite in two runs. The quick tests (pure Python, mostly one core each) on up to 4 processes
-        # (pytest-xdist); then, one at a time, the ones that start vLLM servers, Ray, verl and Slurm: two of those
-        # at once would not fit in 24 GB and would make each other's servers miss their start-up timeouts.
-        # Each quick worker gets its share of the cores for torch's threads: with every worker on every core, their
-        # OpenMP threads wait on each other (on 2 cores the quick run took 285 s, 236 s with one thread each).
+        # The whole suite in two runs. The tests that start nothing (pure Python, a small model in process; slow ones
+        # among them) on up to 4 processes (pytest-xdist); then, one at a time, the ones that start vLLM servers, Ray,
+        # verl and Slurm, or time themselves (marked serial): two of those at once would not fit in 24 GB, would make
+        # each other's servers miss their start-up timeouts, or skew a benchmark.
+        # Each parallel worker gets its share of the cores for torch's threads: with every worker on every core, their
+        # OpenMP threads wait on each other (on 2 cores the parallel run took 285 s, 236 s with one thread each).
         # A real part that cannot start here (the shared data, the vLLM environment, Slurm) fails the run instead of
         # skipping its tests; MEMUPDATE_REQUIRE_REAL=0 ./run.sh tests skips them on a machine without them.
         export MEMUPDATE_REQUIRE_REAL="${MEMUPDATE_REQUIRE_REAL:-1}"
-        quick="not slow and not slurm and not vllm and not verl_cpu"
+        parallel="not serial and not slurm and not vllm and not verl_cpu"
         workers=$(( $(nproc) < 4 ? $(nproc) : 4 ))
         status=0
-        OMP_NUM_THREADS=$(( $(nproc) / workers )) "$VENV/bin/python" -m pytest -m "$quick" -n "$workers" || status=$?
-        "$VENV/bin/python" -m pytest -m "not ($quick)" || status=$?
+        OMP_NUM_THREADS=$(( $(nproc) / workers )) "$VENV/bin/python" -m pytest -m "$parallel" -n "$workers" || status=$?
+        "$VENV/bin/python" -m pytest -m "not ($parallel)" || status=$?
         exit "$status"
         ;;
     *)

@@ -15,6 +15,7 @@ def test_linear_fit_reports_r2():
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_memagent_bench_runs_every_length_in_its_own_process(hotpotqa_path, tmp_path):
     report = run_memagent_bench(
         hotpotqa_path,

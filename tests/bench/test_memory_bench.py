@@ -6,6 +6,7 @@ from memupdate.bench.memory import format_memory_bench, run_memory_bench
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_memory_bench_runs_small_and_reports_every_measure(memories_parquet, cache_dir, locomo_path, tmp_path):
     out = tmp_path / "memory.json"
     result = run_memory_bench(

@@ -227,6 +227,7 @@ def _alive(procs: dict[tuple[int, float], psutil.Process]) -> list[psutil.Proces
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_two_ranks_form_one_cluster_and_stop_it(tmp_path):
     # Ray's socket paths must stay under 107 characters, so the node temp dirs live in a short folder.
     temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
@@ -327,6 +328,7 @@ def test_the_head_counts_as_started_only_when_its_client_server_listens_too(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_head_that_exits_while_starting_starts_again_on_ports_picked_anew(tmp_path, monkeypatch, caplog):
     """The head's ports are picked free and bound seconds later; a head whose GCS port was taken meanwhile exits
     (after about 40 s of Ray's own retries, which this test spares: its first ray start exits at once). The head
@@ -359,6 +361,7 @@ def test_a_head_that_exits_while_starting_starts_again_on_ports_picked_anew(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_rank_that_never_joins_fails_the_start_up_naming_it(tmp_path):
     temp_root = Path(tempfile.mkdtemp(prefix="mu-ray-", dir="/tmp"))
     try:
@@ -415,6 +418,7 @@ def a_launcher_running_its_command(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_sigterm_outside_slurm_stops_the_command_and_the_ray_node(tmp_path):
     """A cancelled job (Snakemake stopping, scancel) must not leave its Ray node or its trainer running;
     ray.init replaces the launcher's SIGTERM handler, which the launcher puts back."""
@@ -427,6 +431,7 @@ def test_sigterm_outside_slurm_stops_the_command_and_the_ray_node(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_head_that_dies_under_the_command_fails_the_run_in_seconds(tmp_path):
     """One of the head's processes died while the trainer ran (a port another process took, once): `ray start
     --block` exits, and the launcher stops the command and fails, where the driver had waited 14 minutes on the
