@@ -118,19 +118,25 @@ DVC_PARTS = ("src", "pyproject.toml", "params.yaml", ".dvcignore", ".gitignore",
 
 
 @dataclasses.dataclass
-class Pipeline:
-    """A workflow copy after the tiny pipeline's run (:func:`tiny_pipeline`) and what Snakemake printed."""
+class WorkflowCopy:
+    """A copy of the workflow (:func:`copy_workflow`) and the environment its Snakemake runs in."""
 
     repo: Path
     env: dict[str, str]
+
+    def snakemake(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return _snakemake(self.repo, self.env, *args, timeout=timeout)
+
+
+@dataclasses.dataclass
+class Pipeline(WorkflowCopy):
+    """A workflow copy after the tiny pipeline's run (:func:`tiny_pipeline`) and what Snakemake printed."""
+
     #: ``results/data/locomo/train.parquet`` alone, then the same again (nothing to do).
     data: subprocess.CompletedProcess
     data_again: subprocess.CompletedProcess
     #: ``all``, the default experiment's short paths and tiny_ingest's report.
     everything: subprocess.CompletedProcess
-
-    def snakemake(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        return _snakemake(self.repo, self.env, *args, timeout=timeout)
 
 
 def _snakemake(repo: Path, env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -159,18 +165,17 @@ def shortened_run(copy_workflow, vllm_python, tmp_path):
     """``shortened_run(overlay, *targets, models={})``: a demo experiment as ``./run.sh demo`` runs it, shortened for
     CI: the workflow copied to ``tmp_path``, ``overlay`` (a dict) merged over config/config.yaml, prepared models
     put in place of their rule's output (``{name: folder}``, for models other tests prepare too), then Snakemake on
-    the local profile for ``targets``. Returns the copy and Snakemake's completed process."""
+    the local profile for ``targets``. Returns the copy (:class:`WorkflowCopy`) and Snakemake's completed process."""
     import yaml
 
     def run(overlay: dict, *targets: str, models: dict[str, Path] | None = None):
         if not SHARED_DATA.is_dir():
             missing_real_part("needs ../shared/data as the data mirror")
-        repo = copy_workflow(tmp_path)
-        (repo / "ci.yaml").write_text(yaml.safe_dump(overlay), encoding="utf-8")
+        copy = WorkflowCopy(copy_workflow(tmp_path), workflow_env(vllm_python))
+        (copy.repo / "ci.yaml").write_text(yaml.safe_dump(overlay), encoding="utf-8")
         for name, folder in (models or {}).items():
-            shutil.copytree(folder, repo / "results" / "models" / name, copy_function=os.link)
-        env = workflow_env(vllm_python)
-        return repo, _snakemake(repo, env, *local_profile(), *targets, "--configfile", "ci.yaml", timeout=1800)
+            shutil.copytree(folder, copy.repo / "results" / "models" / name, copy_function=os.link)
+        return copy, copy.snakemake(*local_profile(), *targets, "--configfile", "ci.yaml", timeout=1800)
 
     return run
 

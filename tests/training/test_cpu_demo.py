@@ -52,10 +52,11 @@ def tool_call_rate(episodes) -> float:
 def test_the_cold_start_calls_tools_held_out_and_grpo_updates_it_on_reward_spread(
     shortened_run, smollm2_configured_dir
 ):
-    repo, run = shortened_run(
+    copy, run = shortened_run(
         SHORTENED, f"{EXPERIMENT}/policy_eval/report.json", models={"smollm2-135m": smollm2_configured_dir}
     )
     assert run.returncode == 0, run.stderr[-5000:]
+    repo = copy.repo
     # The rules ran, not their functions: each job left its benchmark (policy_report has none).
     for bench in (
         "train_sft/cpu_demo",

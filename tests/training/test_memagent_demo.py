@@ -8,9 +8,12 @@ spread and updates the cold start on it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from memupdate.training.sft import DEMONSTRATION_SUMMARY
@@ -18,6 +21,10 @@ from memupdate.training.sft import DEMONSTRATION_SUMMARY
 pytestmark = [pytest.mark.slow, pytest.mark.verl_cpu, pytest.mark.vllm]
 
 EXPERIMENT = "results/memagent_demo"
+#: The experiment's own cold-start settings (config/config.yaml).
+DEMO_SFT = yaml.safe_load((Path(__file__).parents[2] / "config" / "config.yaml").read_text())["experiments"][
+    "memagent_demo"
+]["sft"]
 #: Merged over config/config.yaml: the experiment's loop, reward, cold start and GRPO settings stay as they are, but
 #: for these. The haystacks are the two gold documents alone (about 270 SmolLM2 tokens): one chunk, so a trajectory
 #: is a memory turn and the answer. The first 6 questions: 4 train (the same at any limit: a question's part is a
@@ -46,8 +53,9 @@ SHORTENED = {
 
 
 def test_the_cold_start_boxes_answers_and_grpo_updates_it_on_reward_spread(shortened_run, smollm2_configured_dir):
-    repo, run = shortened_run(SHORTENED, f"{EXPERIMENT}/memagent/ckpt", models={"smollm2-135m": smollm2_configured_dir})
+    copy, run = shortened_run(SHORTENED, f"{EXPERIMENT}/memagent/ckpt", models={"smollm2-135m": smollm2_configured_dir})
     assert run.returncode == 0, run.stderr[-5000:]
+    repo = copy.repo
     # The rules ran, not their functions: each job left its benchmark.
     for rule in ("train_memagent_sft", "train_memagent"):
         assert (repo / "benchmarks" / rule / "memagent_demo.tsv").is_file(), rule
@@ -76,3 +84,17 @@ def test_the_cold_start_boxes_answers_and_grpo_updates_it_on_reward_spread(short
     # two held-out questions.
     heldout = [r for r in records if r.get("heldout_reward_mean") is not None]
     assert len(heldout) == 1 and heldout[0]["heldout_questions"] == 2, records
+
+    # The demo's own sft.questions_percent (50): the cold start and GRPO take disjoint shares of the train questions
+    # (rule split_memagent_train, which the shortened run above leaves out).
+    (repo / "half.yaml").write_text(json.dumps({"experiments": {"memagent_demo": {"sft": DEMO_SFT}}}))
+    parts = {part: f"{EXPERIMENT}/data/{part}.parquet" for part in ("sft", "grpo")}
+    split = copy.snakemake(*parts.values(), "--cores", "1", "--configfile", "ci.yaml", "half.yaml")
+    assert split.returncode == 0, split.stderr[-3000:]
+    ids = {
+        part: set(pq.read_table(repo / path).column("extra_info").combine_chunks().field("id").to_pylist())
+        for part, path in parts.items()
+    }
+    train = pq.read_table(repo / "results/data/hotpotqa/dev-2.train.parquet").column("extra_info").combine_chunks()
+    assert ids["sft"] and ids["grpo"] and not ids["sft"] & ids["grpo"]
+    assert ids["sft"] | ids["grpo"] == set(train.field("id").to_pylist())

@@ -105,6 +105,12 @@ def test_a_model_folder_is_whole_only_with_a_readable_config_and_every_shard_com
     (model / "config.json").write_text("")
     with pytest.raises(ValueError, match="config.json: not a readable model config"):
         check_whole_model(model)
+    # A checkpoint's huggingface/ folder with its config and tokenizer but no weights at all.
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    for shard in model.glob("*.safetensors*"):
+        shard.unlink()
+    with pytest.raises(ValueError, match=r"model: no weights \(\*.safetensors or \*.bin\)"):
+        check_whole_model(model)
 
 
 def test_yaml_nested_past_the_parsers_reach_names_the_file(tmp_path):
