@@ -118,12 +118,12 @@ def get_experiment(wildcards):
         raise ValueError(
             f"no experiment {name!r} in config/config.yaml (have {sorted(config['experiments'])})"
         )
-    _check_lengths(name)
+    _check_contexts(name)
     return config["experiments"][name]
 
 
 @functools.cache
-def _check_lengths(name):
+def _check_contexts(name):
     """Once per experiment of this DAG: its episodes fit the servers, and the servers its models
     (memupdate.settings.check_lengths, check_positions)."""
     experiment = config["experiments"][name]

@@ -150,8 +150,9 @@ def prepare_model(spec: dict, output_dir: str | os.PathLike, download: str | os.
         positions = getattr(model.config, "max_position_embeddings", None)
         if declared is not None and positions is not None and positions != declared:
             raise ValueError(
-                f"{source['source'] or spec['kind']} has {positions} positions (max_position_embeddings), its spec says {declared}: "
-                "correct the spec's max_position_embeddings (serving.max_model_len is checked against it)"
+                f"{source['source'] or spec['kind']} has {positions} positions (max_position_embeddings), its spec "
+                f"says {declared}: correct the spec's max_position_embeddings (serving.max_model_len is checked "
+                "against it)"
             )
         if spec["chat_template"] is not None:
             tokenizer.chat_template = load_chat_template(spec["chat_template"])

