@@ -20,6 +20,7 @@ from memupdate.settings import (
     IngestionSettings,
     MemAgentLoopSettings,
     PolicyEvalSettings,
+    ServeSettings,
     build,
     check_lengths,
     check_positions,
@@ -37,6 +38,8 @@ EMBEDDING_MODEL = config["memory"]["embedding_model"]
 MAX_CONTENT_CHARS = config["memory"]["max_content_chars"]
 EMBEDDING_TAG = Path(EMBEDDING_MODEL).name
 EMBEDDINGS = f"results/embeddings/{EMBEDDING_TAG}"
+# The memory a server holds on the run's own machine (serving.local_mem_mb).
+LOCAL_SERVER_MB = build(ServeSettings, config["serving"], "serving").local_mem_mb
 # Memory of a verl training job on a CPU node, MB (measured 10-14 GB with the tiny and the 135M models); on GPU
 # nodes profiles/slurm/resources.yaml's rows give theirs.
 VERL_CPU_MEM_MB = 14000
@@ -163,15 +166,38 @@ def get_hotpotqa_tokenizer_inputs(wildcards):
 CLUSTER = read_table(Path(workflow.basedir) / RESOURCES_FILE, config["models"])
 
 
+def submits_to_slurm():
+    """Whether the run submits its jobs to Slurm (profiles/slurm names slurm_partition among its default resources)."""
+    defaults = workflow.resource_settings.default_resources
+    return defaults is not None and "slurm_partition" in defaults.keys()
+
+
+# A server's readiness marker among a job's inputs: the job talks to that server while it runs.
+SERVE_MARKER = re.compile(r"results/[^/]+/serve/[^/]+/[^/]+\.ready\.json")
+
+
+def local_servers_mb(input):
+    """The memory of the servers a job reads, where they run on the run's own machine: a serve job ends once its
+    server answers, so the server's memory is counted by the jobs that use it (serving.local_mem_mb each). On Slurm
+    each server is a job of its own, with its own memory."""
+    if submits_to_slurm():
+        return 0
+    servers = sum(1 for path in input if SERVE_MARKER.fullmatch(str(path)))
+    return servers * LOCAL_SERVER_MB
+
+
+def serve_job_mem_mb(wildcards):
+    """A serve job's memory: on this machine the server it starts (counted by its consumers once it answers)."""
+    return 2000 if submits_to_slurm() else LOCAL_SERVER_MB
+
+
 @functools.cache
 def limits():
     """The plan's limits with the partition's cap, read once the run's executor is known (while the DAG is built).
     A run that submits to Slurm (profiles/slurm names slurm_partition among its default resources) reads the cap
     from Slurm if neither MEMUPDATE_SLURM_MAX_RUNTIME nor plan.max_runtime gives it; where Slurm cannot say, a dry
     run warns and plans without one, a real run stops before submitting anything."""
-    defaults = workflow.resource_settings.default_resources
-    to_slurm = defaults is not None and "slurm_partition" in defaults.keys()
-    asks = to_slurm and workflow.exec_mode == ExecMode.DEFAULT
+    asks = submits_to_slurm() and workflow.exec_mode == ExecMode.DEFAULT
     try:
         return planning.cluster_limits(
             CLUSTER.limits,
@@ -204,8 +230,13 @@ def job_resources(rule, model_of, **own):
             .get(key, own.get(key))
         )
 
+    def mem_mb(wildcards, input):
+        # The servers the job reads hold memory on this machine while it runs.
+        planned = resource("mem_mb")(wildcards)
+        return None if planned is None else planned + local_servers_mb(input)
+
     keys = {"nodes", "tasks", "gres", "tasks_per_gpu", "mpi", "cpus_per_task", *own}
-    return {key: resource(key) for key in sorted(keys)}
+    return {key: mem_mb if key == "mem_mb" else resource(key) for key in sorted(keys)}
 
 
 def gpu_preflight(sized):

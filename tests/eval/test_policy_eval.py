@@ -18,7 +18,7 @@ def test_a_policy_is_scored_on_held_out_questions_with_n_rollouts_each(
     tiny_model_dir, locomo_rows, held_out_cache, tmp_path
 ):
     runs = {}
-    for name in ("base", "again"):
+    for name, seed in (("base", 0), ("again", 0), ("reseeded", 1)):
         runs[name] = evaluate_policy(
             model=str(tiny_model_dir),
             rows=str(locomo_rows["test"]),
@@ -29,9 +29,15 @@ def test_a_policy_is_scored_on_held_out_questions_with_n_rollouts_each(
             reward={"scorer": "answer_recall", "efficiency": {"max_total_memories": None}},
             n=2,
             questions=3,
+            seed=seed,
             server="hf",
         )
     summary = runs["base"]
+    # The same weights under the same settings are evaluated once (a stage that skipped every update); other
+    # settings are another evaluation.
+    assert runs["again"]["same_weights_as"] == "base" and "same_weights_as" not in runs["reseeded"]
+    assert (tmp_path / "again" / EPISODES).read_text() == (tmp_path / "base" / EPISODES).read_text()
+    assert runs["again"]["evaluation_key"] == summary["evaluation_key"] != runs["reseeded"]["evaluation_key"]
     assert summary["episodes"] == 6 and summary["questions"] == 3 and len(summary["per_question"]) == 3
     records = [json.loads(line) for line in (tmp_path / "base" / EPISODES).read_text().splitlines()]
     assert len(records) == 6 and {r["namespace"] for r in records} == set(summary["per_question"])
@@ -63,6 +69,7 @@ def test_a_policy_is_scored_on_held_out_questions_with_n_rollouts_each(
     assert (tmp_path / "report/training.png").stat().st_size > 0
     markdown = (tmp_path / "report/report.md").read_text()
     assert "| stage1 - base | evaluated | 3 | +0.0000 |" in markdown
+    assert "| stage1 (same weights as base: its episodes) | 3 |" in markdown
     # The learning curve's held-out points: verl's validation before training and at step 2.
     assert "by step: step 0 0.0500, step 2 0.2500" in markdown
     # Every episode stopped: the edits by kind say so.

@@ -49,7 +49,15 @@ from memupdate.settings import (
     build,
 )
 from memupdate.tools.config import TOOL_CONFIG
-from memupdate.utils.io import ROWS_TABLE, read_parquet_columns, write_json_atomic, write_text_atomic
+from memupdate.utils.io import (
+    ROWS_TABLE,
+    read_parquet_columns,
+    sha256_file,
+    sha256_text,
+    weights_digest,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -197,15 +205,78 @@ def evaluate_policy(
         seed=seed,
         **asdict(settings),
     )
-    config = run_config(cfg)
-    with _policy_server(cfg, server, serving) as (client, tokenizer):
-        dataset = RLHFDataset([scored], tokenizer, config.data, max_samples=questions or -1)
-        records = asyncio.run(_episodes(config, client, dataset, n, tokenizer, batch_size))
     out = Path(out_dir)
+    key = evaluation_key(
+        model,
+        scored,
+        {
+            "episode": asdict(settings),
+            "reward": reward,
+            "n": n,
+            "questions": questions,
+            "seed": seed,
+            "server": server,
+            "serving": serving,
+            "embedding_model": embedding_model,
+            "max_content_chars": max_content_chars,
+            "tools": tools,
+        },
+    )
+    twin = evaluated_twin(out, key)
+    if twin is not None:
+        # A stage whose every update was skipped saved the weights it started from: its episodes are that policy's.
+        logger.info("%s has the weights of %s, evaluated with these settings: its episodes are reused", model, twin)
+        records = [json.loads(line) for line in (twin / EPISODES).read_text(encoding="utf-8").splitlines()]
+    else:
+        config = run_config(cfg)
+        with _policy_server(cfg, server, serving) as (client, tokenizer):
+            dataset = RLHFDataset([scored], tokenizer, config.data, max_samples=questions or -1)
+            records = asyncio.run(_episodes(config, client, dataset, n, tokenizer, batch_size))
     write_text_atomic(out / EPISODES, "".join(json.dumps(r) + "\n" for r in records))
-    summary = {"model": model, "n": n, "episode": asdict(settings), **summarize(records)}
+    summary = {
+        "model": model,
+        "n": n,
+        "episode": asdict(settings),
+        "evaluation_key": key,
+        **({"same_weights_as": twin.name} if twin is not None else {}),
+        **summarize(records),
+    }
     write_json_atomic(out / "summary.json", summary)
     return summary
+
+
+#: The files besides the weights that decide what a policy generates from the same prompt.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def evaluation_key(model: str, rows: str, settings: Mapping[str, Any]) -> str | None:
+    """What a policy's held-out episodes depend on, hashed: its weights (:func:`weights_digest`, by tensor), its
+    tokenizer and chat template, the rows and the evaluation's ``settings``. None for a model without weight files,
+    which is never matched."""
+    weights = weights_digest(Path(model))
+    if weights is None:
+        return None
+    tokenizer = {name: sha256_file(Path(model, name)) for name in TOKENIZER_FILES if Path(model, name).is_file()}
+    what = {"weights": weights, "tokenizer": tokenizer, "rows": sha256_file(rows), "settings": settings}
+    return sha256_text(json.dumps(what, sort_keys=True, default=str))
+
+
+def evaluated_twin(out: Path, key: str | None) -> Path | None:
+    """A sibling of ``out`` (another policy of the same experiment) already evaluated under ``key``: the same
+    weights, rows and settings, whose episodes can stand for this policy's; None if there is none."""
+    if key is None or not out.parent.is_dir():
+        return None
+    for summary in sorted(out.parent.glob("*/summary.json")):
+        folder = summary.parent
+        if folder.resolve() == out.resolve() or not (folder / EPISODES).is_file():
+            continue
+        try:
+            done = json.loads(summary.read_text(encoding="utf-8"))
+        except ValueError:
+            continue
+        if done.get("evaluation_key") == key and "same_weights_as" not in done:
+            return folder
+    return None
 
 
 def scorable_rows(rows: str, out: Path) -> str:
@@ -321,7 +392,8 @@ def _markdown(report: Mapping[str, Any]) -> str:
     ]
     for name, s in report["policies"].items():
         lines.append(
-            f"| {name} | {s['questions']} | {s['episodes']} | {s['reward_mean']:.4f} | {s['well_formed_rate']:.0%} "
+            f"| {name}{f' (same weights as {twin}: its episodes)' if (twin := s.get('same_weights_as')) else ''} "
+            f"| {s['questions']} | {s['episodes']} | {s['reward_mean']:.4f} | {s['well_formed_rate']:.0%} "
             f"| {s['tool_calls_mean']:.2f} | {s['groups_with_spread']:.0%} |"
         )
     if report["comparisons"]:
