@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
-from snakemake.io import apply_wildcards
+from snakemake.io import apply_wildcards, regex_from_filepattern
 from snakemake.iocontainers import Wildcards
 from snakemake_interface_executor_plugins.settings import ExecMode
 
@@ -172,17 +172,13 @@ def submits_to_slurm():
     return defaults is not None and "slurm_partition" in defaults.keys()
 
 
-# A server's readiness marker among a job's inputs: the job talks to that server while it runs.
-SERVE_MARKER = re.compile(r"results/[^/]+/serve/[^/]+/[^/]+\.ready\.json")
-
-
 def local_servers_mb(input):
     """The memory of the servers a job reads, where they run on the run's own machine: a serve job ends once its
     server answers, so the server's memory is counted by the jobs that use it (serving.local_mem_mb each). On Slurm
     each server is a job of its own, with its own memory."""
     if submits_to_slurm():
         return 0
-    servers = sum(1 for path in input if SERVE_MARKER.fullmatch(str(path)))
+    servers = sum(1 for path in input if SERVE_MARKER_REGEX.fullmatch(str(path)))
     return servers * LOCAL_SERVER_MB
 
 
@@ -512,11 +508,16 @@ def stop_run_servers():
         logger.info(f"stopped the {name} server")
 
 
+# A server's readiness marker (serve_model's output); among a job's inputs, a server the job talks to while it runs.
+SERVE_MARKER = "results/{exp}/serve/{purpose}/{served}.ready.json"
+SERVE_MARKER_REGEX = re.compile(regex_from_filepattern(SERVE_MARKER))
+
+
 def serve_marker(exp, served, purpose):
     """Training and evaluation ask for their own servers: a marker made for one consumer in a run
     would otherwise count as an updated input of the other, and retrain a finished stage.
     """
-    return f"results/{exp}/serve/{purpose}/{served}.ready.json"
+    return SERVE_MARKER.format(exp=exp, purpose=purpose, served=served)
 
 
 def memory_inputs():

@@ -217,9 +217,8 @@ def evaluate_policy(
             "seed": seed,
             "server": server,
             "serving": serving,
-            "embedding_model": embedding_model,
-            "max_content_chars": max_content_chars,
-            "tools": tools,
+            # The memory environment as resolved (model, cap, tools), and the base store by its content.
+            "memory": {**asdict(memory), "memories": sha256_file(memories)},
         },
     )
     twin = evaluated_twin(out, key)
