@@ -26,6 +26,9 @@ SHORTENED = {
             # on them edits often enough for a short GRPO step to find reward spread (cpu_demo's own cold start, on
             # a half-and-half mix, edits in about one episode of ten).
             "headroom": {"share": 1.0},
+            # An edit that gains nothing differs from a stop, so that one step of twelve episodes has spread without
+            # needing a paying edit among them (cpu_demo's own reward has no such cost: docs/cpu-demo.md).
+            "reward": {"idle_edit_cost": 0.05},
             "sft": {"epochs": 2, "batch_size": 2, "micro_batch_size": 2, "lr": 1.0e-4, "max_rows": 8},
             # One step of two questions x six rollouts, saved, not validated.
             "stage1": {
