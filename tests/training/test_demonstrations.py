@@ -28,7 +28,8 @@ SEARCH_TOP_K = 20
 TOP_K, BUDGET = RewardSettings.top_k, RewardSettings.context_chars
 
 
-#: cpu_demo's reward: an edit that gains nothing costs 0.05 (reward.idle_edit_cost).
+#: The idle-edit cost of cpu_demo's third and fourth attempts (and of test_cpu_demo's overlay): an edit that gains
+#: nothing costs 0.05 (reward.idle_edit_cost).
 COSTLY = MemoryRewardConfig(efficiency=EfficiencyConfig(max_total_memories=None), idle_edit_cost=0.05)
 
 
@@ -110,7 +111,7 @@ def test_the_experts_promotions_pay_under_the_training_reward_and_stops_score_ze
 
 
 def test_the_idle_edit_cost_keeps_the_same_demonstrations(played):
-    """Under cpu_demo's idle-edit cost a promotion that raised evidence_recall and left answer_recall flat pays the
+    """Under an idle-edit cost a promotion that raised evidence_recall and left answer_recall flat pays the
     cost under answer_recall; the keep rule weighs what it did to S there (memupdate.training.sft.gain), so the same
     demonstrations are kept as without the cost. Weighing the charged reward instead dropped most of them."""
     edits = [e for e in played if e["headroom"]]

@@ -55,7 +55,7 @@ def train_cold_start(tiny_model_dir, rows, locomo_rows, cache_dir, run_dir, sett
         memories=str(locomo_rows["memories"]),
         embeddings=str(cache_dir),
         run_dir=str(run_dir),
-        # cpu_demo's reward: an edit that gains nothing costs 0.05.
+        # cpu_demo's reward with test_cpu_demo's idle-edit cost: an edit that gains nothing costs 0.05.
         reward={"scorer": "evidence_recall", "idle_edit_cost": 0.05, "efficiency": {"max_total_memories": None}},
         tools=TOOLS,
         layout=ON_CPU,
