@@ -98,7 +98,7 @@ def test_a_row_gives_an_expected_time_per_step_or_per_system_and_the_limit_is_de
         "t.yaml",
         MODELS,
     )
-    assert table.limits.margin == 2 and table.limits.max_runtime == 600 and table.limits.queue_margin == 720
+    assert table.limits.margin == 2 and table.limits.max_runtime == 600 and table.limits.queue_margin == 30
     row = table.job("train_stage", "qwen")
     assert row.planned and row.gpus == 8 and row.expected(300) == 1530 and row.expected(None) is None
     assert table.job("eval_locomo", "qwen").expected(4) == 250

@@ -98,10 +98,10 @@ def test_a_served_model_outlives_its_longest_consumer_by_the_queue_margin():
     stage1 = job("train_stage1", STAGE, Limits(), units=300)
     stage2 = job("train_stage2", STAGE, Limits(), units=100)
     server = served(Job(gpus_per_node=1), [stage1, stage2], Limits(), exp="x", what="train/qa-base")
-    assert server.limit == stage1.limit + 720 and server.minutes == stage1.minutes and server.gpu_hours == 25.5
-    capped = served(Job(gpus_per_node=1), [stage1], Limits(max_runtime=2880))
-    assert (capped.limit, capped.jobs) == (2880, 1)
-    assert "capped at 48.0 h" in Plan([stage1, capped], Limits(max_runtime=2880)).render()
+    assert server.limit == stage1.limit + 30 and server.minutes == stage1.minutes and server.gpu_hours == 25.5
+    capped = served(Job(gpus_per_node=1), [stage1], Limits(max_runtime=2310))
+    assert (capped.limit, capped.jobs) == (2310, 1)
+    assert "capped at 38.5 h" in Plan([stage1, capped], Limits(max_runtime=2310)).render()
 
 
 def test_checkpoint_disk_is_the_saves_kept_and_the_merged_model():
@@ -240,7 +240,7 @@ def test_the_slurm_limits_are_the_plans_figures_times_the_margin(full_plan, full
         if entry.rule == "serve_model":
             consumers = [e for e in full_plan.entries if e.name in entry.consumers]
             assert consumers, name
-            assert entry.limit == max(c.limit for c in consumers) + 720, name
+            assert entry.limit == max(c.limit for c in consumers) + 30, name
             assert f"time={entry.limit}" in asked["server"], name
             continue
         assert int(asked["runtime"]) == entry.limit == math.ceil(entry.minutes * 1.5), name
@@ -282,7 +282,7 @@ def test_a_measured_run_and_a_partition_cap_change_the_plan_and_the_limits(workd
     entries = {entry_key(e): e for e in plan.entries}
     stage1 = entries["train_stage1", "exp=two_stage_7b,n=1"]
     assert (stage1.figure.label, stage1.minutes, stage1.limit) == (MEASURED, 600, 900)
-    assert entries["serve_model", "exp=two_stage_7b,purpose=train,served=qa-base"].limit == 900 + 720
+    assert entries["serve_model", "exp=two_stage_7b,purpose=train,served=qa-base"].limit == 900 + 30
     memagent = entries["train_memagent", "exp=memagent_7b"]
     assert (memagent.limit, memagent.jobs) == (2880, 2)
     assert "1 resubmit(s)" in plan.render()

@@ -140,9 +140,9 @@ class Limits:
 
     margin: Float = setting(1.5, help="time limit = expected wall time x margin", ge=1)
     queue_margin: Int = setting(
-        720,
-        help="minutes a served model's job outlives its longest consumer's limit (the consumer may wait in the "
-        "queue after the server starts)",
+        30,
+        help="minutes a served model's job outlives its longest consumer's limit: its start-up, for a server started "
+        "with its consumer (serving.start_with_consumer); the consumer's wait in the queue, for one started at once",
         ge=0,
     )
     max_runtime: Int | None = setting(

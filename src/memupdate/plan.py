@@ -5,7 +5,8 @@ and model gives the job's expected wall time with its source, and the limit Slur
 expected x ``plan.margin``, capped by the partition's limit (``MEMUPDATE_SLURM_MAX_RUNTIME``, ``plan.max_runtime``,
 or what Slurm says of the partition: :func:`cluster_limits`); a job that needs more is asked for the cap and needs
 resubmits if it resumes (:func:`resumes`), and is refused otherwise. A served
-model's job must outlive its consumers: its limit is its longest consumer's plus ``plan.queue_margin``. A
+model's job must outlive its consumers: its limit is its longest consumer's plus ``plan.queue_margin`` (it starts when
+its consumer does, ``serving.start_with_consumer``, so the margin covers its start-up). A
 previous run's benchmark file (``benchmarks/<rule>/...tsv``, Snakemake's ``s`` column) replaces the estimate,
 labelled measured.
 
@@ -42,8 +43,8 @@ MEASURED, ESTIMATED = "measured", "estimated"
 #: Rules whose jobs write verl checkpoints (train_stage: every train_stage<N>).
 TRAINING = ("train_stage", "train_memagent", "train_sft", "train_memagent_sft")
 SERVED_SOURCE = (
-    "a served model holds its GPU while its consumers run: the longest one's time; its limit is that one's "
-    "limit + plan.queue_margin"
+    "a served model starts with its consumer and holds its GPU while its consumers run: the longest one's time; its "
+    "limit is that one's limit + plan.queue_margin"
 )
 _ORDER = ("prepare_model", "train_sft", "train_memagent_sft", "train_stage", "train_memagent", "serve_model")
 
@@ -327,8 +328,9 @@ def resumes(entry: Entry) -> bool:
 
 def served(row: Job, consumers: Sequence[Entry], limits: Limits, **about: Any) -> Entry:
     """A served model's job: it holds its GPU as long as its longest consumer runs, and its limit is that
-    consumer's limit plus the queue margin (the consumer may wait in the queue after the server starts),
-    capped by the partition's limit. A server is never resubmitted: a rerun starts it again."""
+    consumer's limit plus the queue margin (its own start-up, as it starts once its consumer runs; a server started
+    at once, the consumer's wait in the queue), capped by the partition's limit. A server is never resubmitted: one
+    near its limit hands over to a successor while a consumer needs it, and a rerun starts it again."""
     timed = [c for c in consumers if c.figure is not None and c.limit is not None]
     names = tuple(c.name for c in consumers)
     if not timed:
@@ -667,8 +669,8 @@ def _notes(plan: Plan) -> list[str]:
     for spare, names in sorted(short.items()):
         notes.append(
             f"{len(names)} served model(s) capped at {_hours(cap)} h outlive their consumer's limit by "
-            f"{_hours(spare)} h, not plan.queue_margin's {_hours(limits.queue_margin)} h: the consumer must start "
-            f"within that ({', '.join(names)})."
+            f"{_hours(spare)} h, not plan.queue_margin's {_hours(limits.queue_margin)} h: each hands over to a "
+            f"successor job before its limit while its consumer still runs ({', '.join(names)})."
         )
     return notes
 

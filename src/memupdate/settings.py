@@ -109,6 +109,12 @@ class ServeSettings:
     queue_timeout_s: Float | None = setting(
         None, help="seconds a server's Slurm job may stay queued before the run gives up (null = wait)", ge=10
     )
+    start_with_consumer: Bool = setting(
+        True,
+        help="a Slurm server's job is submitted held and released by the job that uses it once that one runs, so it "
+        "holds no GPU while its consumer waits in the queue (false: it starts at once, and the serve rule waits until "
+        "it answers)",
+    )
     reconnect_timeout_s: Float = setting(
         1800.0,
         help="seconds a client waits for a server that stopped answering (re-reading its readiness marker, which a "

@@ -24,10 +24,18 @@ import pytest
 import yaml
 
 from memupdate.cluster import PLACEMENT_ENV, placement
-from memupdate.serving import launch
+from memupdate.serving import launch, slurm_jobs
 from memupdate.serving.client import Endpoint, EndpointError, OpenAIClient
 from memupdate.serving.decoding import GREEDY
-from memupdate.serving.readiness import ServerNotReady, list_models, load_marker, read_marker, write_marker
+from memupdate.serving.readiness import (
+    ServerNotReady,
+    await_held_server,
+    list_models,
+    load_marker,
+    read_marker,
+    write_held_marker,
+    write_marker,
+)
 from memupdate.serving.vllm_server import API_KEY_ENV, new_api_key, server_command
 from memupdate.settings import ServeSettings, build
 from memupdate.utils.system import free_port
@@ -130,8 +138,8 @@ def test_queue_time_is_not_start_up_time_and_is_logged_now_and_then(caplog):
     clock = FakeClock()
     # Two hours queued, then the nodes boot, then it runs: far past startup_timeout_s, and no error.
     states = squeue(*itertools.repeat(PENDING, 720), ("CONFIGURING", "None"), ("RUNNING", "None"))
-    with caplog.at_level(logging.INFO, logger=launch.__name__):
-        state = launch.wait_until_running("123", states, poll_s=10, log_every_s=300, clock=clock, sleep=clock.sleep)
+    with caplog.at_level(logging.INFO, logger=slurm_jobs.__name__):
+        state = slurm_jobs.wait_until_running("123", states, poll_s=10, log_every_s=300, clock=clock, sleep=clock.sleep)
     assert state == "RUNNING" and clock.now == 7210
     lines = [r.getMessage() for r in caplog.records]
     queued = [line for line in lines if "PENDING (Resources)" in line]
@@ -144,8 +152,8 @@ def test_queue_time_is_not_start_up_time_and_is_logged_now_and_then(caplog):
 def test_a_queue_limit_fails_naming_the_job_and_squeues_reason():
     clock = FakeClock()
     states = squeue(*itertools.repeat(("PENDING", "QOSMaxGRESPerUser"), 100))
-    with pytest.raises(launch.ServeError) as err:
-        launch.wait_until_running("4711", states, queue_timeout_s=60, poll_s=25, clock=clock, sleep=clock.sleep)
+    with pytest.raises(slurm_jobs.ServeError) as err:
+        slurm_jobs.wait_until_running("4711", states, queue_timeout_s=60, poll_s=25, clock=clock, sleep=clock.sleep)
     message = str(err.value)
     assert "Slurm job 4711 is still PENDING after 60 s in the queue" in message
     assert "squeue's reason: QOSMaxGRESPerUser" in message and "serving.queue_timeout_s" in message
@@ -157,7 +165,7 @@ def test_a_job_not_listed_yet_is_queued_and_one_that_left_the_queue_is_reported(
     clock = FakeClock()
     # squeue may not list a job in its first seconds.
     assert (
-        launch.wait_until_running(
+        slurm_jobs.wait_until_running(
             "1", squeue(None, PENDING, ("RUNNING", "None")), poll_s=2, clock=clock, sleep=clock.sleep
         )
         == "RUNNING"
@@ -165,13 +173,13 @@ def test_a_job_not_listed_yet_is_queued_and_one_that_left_the_queue_is_reported(
     # A job that failed at once (or was cancelled) before a poll saw it run: the address wait says why.
     clock = FakeClock()
     assert (
-        launch.wait_until_running(
+        slurm_jobs.wait_until_running(
             "2", squeue(PENDING, None, None, None, None), poll_s=2, grace_s=5, clock=clock, sleep=clock.sleep
         )
         is None
     )
     assert (
-        launch.wait_until_running("3", squeue(("FAILED", "NonZeroExitCode")), clock=clock, sleep=clock.sleep)
+        slurm_jobs.wait_until_running("3", squeue(("FAILED", "NonZeroExitCode")), clock=clock, sleep=clock.sleep)
         == "FAILED"
     )
 
@@ -311,6 +319,47 @@ def test_a_client_finds_a_requeued_server_through_its_rewritten_marker(fake_vllm
         assert supervisor.wait(timeout=30) == 0
     finally:
         stop(supervisor)
+
+
+def test_a_held_servers_marker_has_no_address_until_its_released_supervisor_answers(fake_vllm, tmp_path):
+    """A Slurm server started with its consumer (serving.start_with_consumer) is submitted held and its marker written
+    at once, without an address: the consumer is submitted next, and the server holds nothing while that one queues.
+    Released, the job's supervisor finds the marker and writes its address once the server answers; from then on
+    the marker reads as any other. A marker without an address that is not a held server's is refused."""
+    python, model = fake_vllm
+    marker = tmp_path / "serve" / "qa.ready.json"
+    key = new_api_key()
+    held = write_held_marker(
+        marker,
+        served_model_name="qa",
+        slurm_job_id="77",
+        model_path=model,
+        reconnect_timeout_s=60,
+        api_key=key,
+        engine="vllm",
+        queue_timeout_s=None,
+        startup_timeout_s=60,
+        log=tmp_path / "qa.supervisor.log",
+    )
+    assert load_marker(marker) == held and held["endpoint"] is None and held["held_job"] == "77"
+    assert stat.S_IMODE(marker.stat().st_mode) == 0o600
+    supervisor = start_supervisor(python, model, marker, tmp_path, key)
+    try:
+        deadline = time.monotonic() + 60
+        while load_marker(marker)["endpoint"] is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        ready = load_marker(marker)
+        assert ready["endpoint"] and "held_job" not in ready, ready
+        assert (ready["model_path"], ready["api_key"], ready["reconnect_timeout_s"]) == (held["model_path"], key, 60)
+        # Answering, it is neither released nor waited for again.
+        assert await_held_server(marker) == ready
+        assert list_models(read_marker(marker).base_url, api_key=key) == ["qa"]
+        assert "released by its consumer, the server answers" in (tmp_path / "qa.supervisor.log").read_text()
+    finally:
+        stop(supervisor)
+    marker.write_text(json.dumps({**held, "held_job": None}))
+    with pytest.raises(ValueError, match="has no 'endpoint'"):
+        load_marker(marker)
 
 
 def test_a_client_gives_up_after_the_markers_reconnect_time_naming_marker_and_address(tmp_path):

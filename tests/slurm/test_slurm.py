@@ -249,6 +249,13 @@ def test_the_full_scale_rehearsal_trains_on_two_nodes_through_a_requeued_server(
         placed = sacct(job["JobID"], ["Partition", "Account"])[0]
         assert placed == {"Partition": placement["partition"], "Account": placement["account"]}, job
 
+    # The server's job was submitted held and started only once the stage it serves ran (serving.start_with_consumer):
+    # it held no allocation while its consumer waited in the queue.
+    (stage,) = [j for j in jobs if j["Comment"] == "rule_train_stage1_wildcards_two_stage_7b_1"]
+    (server,) = [j for j in jobs if j["JobName"].startswith("memupdate-serve-")]
+    server_starts = [r["Start"] for r in sacct(server["JobID"], ["Start"], duplicates=True)]
+    assert min(server_starts) >= sacct(stage["JobID"], ["Start"])[0]["Start"], (server_starts, stage)
+
     # The server was requeued mid-training, came back and rewrote its marker; training went on to the end.
     assert requeued and requeued["result"].returncode == 0, requeued
     # The server answered only requests with its key; neither the key nor serving.env's secret was on a command line
@@ -397,8 +404,8 @@ def test_a_server_left_in_the_queue_past_its_limit_fails_naming_job_and_reason(
     slurm_cluster, placement, vllm_python, tiny_model_dir, tmp_path
 ):
     """A server whose partition is full waits in the queue past its start-up timeout, which has not begun (it
-    counts from when the job runs). With serving.queue_timeout_s set, the wait ends there with the job and squeue's
-    reason, and the job is cancelled."""
+    counts from when the job runs). With serving.queue_timeout_s set, its consumer's wait ends there with the job and
+    squeue's reason, and the job is cancelled."""
     from memupdate.serving.launch import ServeError
 
     fill = subprocess.run(
@@ -432,19 +439,22 @@ def test_a_server_left_in_the_queue_past_its_limit_fails_naming_job_and_reason(
     job = message.split("Slurm job ")[1].split()[0]
     # Cancelled, so it never starts once the partition frees up (gone from the queue at once).
     assert squeue_state(job) is None
-    assert not (tmp_path / "queued.ready.json").exists()
 
 
 @pytest.mark.vllm
 def test_a_server_hands_over_to_its_successor_before_its_time_limit(
     slurm_cluster, placement, vllm_python, tiny_model_dir, tmp_path
 ):
-    """Issue 56: a server lives as long as its consumers, whatever its own limit. serving.handover_s before the limit
-    Slurm signals its job; the marker is still there (a consumer needs it), so the job submits its successor, which
-    rewrites the marker with its own address once it answers; then the first job stops by itself, before its limit,
-    and the registry names the successor, which the run's end cancels."""
+    """Issue 56: a server lives as long as its consumers need it, and no longer. Submitted held, its job waits without
+    an allocation until its consumer starts and releases it (serving.start_with_consumer), so it holds nothing while
+    that one queues. serving.handover_s before its limit Slurm signals its job; the marker is still there (a consumer
+    needs it), so the job submits its successor, which rewrites the marker with its own address once it answers; then
+    the first job stops by itself, before its limit, and the registry names the successor, which the run's end
+    cancels."""
+    from datetime import datetime
+
     from memupdate.serving.launch import stop_servers
-    from memupdate.serving.readiness import list_models
+    from memupdate.serving.readiness import list_models, load_marker, read_marker
 
     settings = {
         "launcher": "slurm",
@@ -454,9 +464,22 @@ def test_a_server_hands_over_to_its_successor_before_its_time_limit(
         "handover_s": 150,
         "slurm": {"time": 6, "mem_mb": 3000, "cpus_per_task": 1, **placement_of(placement)},
     }
-    first = serve_on_slurm(tiny_model_dir, tmp_path, "handover", settings)
+    held = serve_on_slurm(tiny_model_dir, tmp_path, "handover", settings, consumer=False)
     marker = tmp_path / "handover.ready.json"
     try:
+        # The serve rule returned at once; the job stays held, with no address in its marker, until a consumer runs.
+        assert held["endpoint"] is None and held["held_job"] == held["slurm_job_id"]
+        time.sleep(5)
+        queued = subprocess.run(["squeue", "-h", "-j", held["held_job"], "-o", "%T %r"], capture_output=True, text=True)
+        assert queued.stdout.split() == ["PENDING", "JobHeldUser"], queued.stdout
+        released_at = datetime.now().replace(microsecond=0)
+        read_marker(marker)
+        first = load_marker(marker)
+        assert "held_job" not in first and first["slurm_job_id"] == held["held_job"]
+        (record,) = sacct(first["slurm_job_id"], ["Start"])
+        assert datetime.fromisoformat(record["Start"]) >= released_at, (record, released_at)
+        log = (tmp_path / "logs" / "handover.log").read_text()
+        assert "released by its consumer, the server answers: readiness marker" in log, log[-2000:]
         deadline, now = time.monotonic() + 330, first
         while now["endpoint"] == first["endpoint"] and time.monotonic() < deadline:
             time.sleep(2)
@@ -477,18 +500,26 @@ def test_a_server_hands_over_to_its_successor_before_its_time_limit(
     assert squeue_state(successor) in (None, "COMPLETING")
 
 
-def serve_on_slurm(model_dir: Path, tmp_path: Path, name: str, settings: dict) -> dict:
-    """serve_model as the serve rule's job calls it (its marker, logs and registry under ``tmp_path``)."""
+def serve_on_slurm(model_dir: Path, tmp_path: Path, name: str, settings: dict, *, consumer: bool = True) -> dict:
+    """serve_model as the serve rule's job calls it (its marker, logs and registry under ``tmp_path``), then, with
+    ``consumer``, what the job that uses the server does when it starts: release the held server and wait until it
+    answers (read_marker). Returns the marker then."""
     from memupdate.serving.launch import serve_model
+    from memupdate.serving.readiness import load_marker, read_marker
 
-    return serve_model(
+    marker = tmp_path / f"{name}.ready.json"
+    written = serve_model(
         model_dir,
-        tmp_path / f"{name}.ready.json",
+        marker,
         served_model_name=name,
         settings=settings,
         server_log=tmp_path / "logs" / f"{name}.log",
         registry_dir=tmp_path / "running",
     )
+    if not consumer:
+        return written
+    read_marker(marker)
+    return load_marker(marker)
 
 
 CHECK = textwrap.dedent(
@@ -553,8 +584,8 @@ def test_a_server_that_dies_in_its_slurm_job_fails_the_serve_rule_at_once(
     slurm_cluster, placement, vllm_python, tiny_model_dir, tmp_path
 ):
     """The supervisor writes the server's address as soon as vLLM starts; a vLLM that dies after that (a bad
-    argument here; a crashing kernel on the day it was seen) ends the job, and the wait must end with it, not
-    at the start-up timeout (it once idled 15 minutes)."""
+    argument here; a crashing kernel on the day it was seen) ends the job, and the consumer's wait must end with it,
+    not at the start-up timeout (it once idled 15 minutes)."""
     from memupdate.serving.launch import ServeError
     from memupdate.serving.readiness import ServerNotReady
 
@@ -570,7 +601,7 @@ def test_a_server_that_dies_in_its_slurm_job_fails_the_serve_rule_at_once(
     with pytest.raises((ServeError, ServerNotReady)) as failure:
         serve_on_slurm(tiny_model_dir, tmp_path, "dies", settings)
     assert time.monotonic() - start < 120, str(failure.value)
-    assert "--no-such-vllm-option" in str(failure.value) and not (tmp_path / "dies.ready.json").exists()
+    assert "--no-such-vllm-option" in str(failure.value) and "ended" in str(failure.value)
 
 
 @pytest.fixture

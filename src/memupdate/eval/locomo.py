@@ -67,7 +67,7 @@ from memupdate.prompts import (
 from memupdate.rewards.memory import DEFAULT_CONTEXT_CHARS
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.decoding import GREEDY
-from memupdate.serving.readiness import load_marker, read_marker
+from memupdate.serving.readiness import load_marker, read_marker, release_held
 from memupdate.settings import (
     DEFAULT_EMBEDDING_MODEL,
     DEFAULT_MAX_CONTENT_CHARS,
@@ -826,6 +826,8 @@ def evaluate_locomo(
     episode_settings = build(EpisodeSettings, episode, "episode")
     if "qa-base" not in markers:
         raise ValueError("LoCoMo evaluation needs the base QA model served: markers['qa-base']")
+    # Servers held until their consumer runs (Slurm) start together, not one after another as each system waits.
+    release_held(list(markers.values()))
     if stages is None:
         stages = [(s.name, s.role) for s in experiment_stages({name: {} for name in stage_sections(markers)})]
     missing = [name for name, _ in stages if name not in markers]

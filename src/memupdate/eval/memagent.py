@@ -54,6 +54,7 @@ from memupdate.eval.report import load_jsonl, render_template, training_steps
 from memupdate.eval.stats import paired_by_key
 from memupdate.names import MEMAGENT_AGENT
 from memupdate.serving.markers import load_marker
+from memupdate.serving.readiness import read_marker, release_held
 from memupdate.settings import MemAgentEvalSettings, build
 from memupdate.utils.io import (
     invalidate_if_changed,
@@ -262,8 +263,6 @@ def model_source(model: str | Path) -> tuple[Path, Any]:
     path = Path(model)
     if not path.name.endswith(".ready.json"):
         return path, None
-    from memupdate.serving.readiness import read_marker
-
     return Path(load_marker(path)["model_path"]), read_marker(path, timeout_s=30.0)
 
 
@@ -396,6 +395,8 @@ def memagent_length_curve(
     settings = settings if isinstance(settings, MemAgentEvalSettings) else build(MemAgentEvalSettings, settings, "eval")
     out = Path(out_dir)
     (out / "predictions").mkdir(parents=True, exist_ok=True)
+    # Servers held until their consumer runs (Slurm) start together, not one after another as each evaluator waits.
+    release_held([model for model in models.values() if Path(model).name.endswith(".ready.json")])
     evaluators = {name: MemAgentEvaluator(model, settings, out / "work" / name) for name, model in models.items()}
     described = {
         name: {"path": portable_path(e.model_path), "served_as": e.server.endpoint.model if e.served else None}

@@ -13,6 +13,11 @@ when its readiness marker is deleted (Snakemake deletes a temp() output once its
 or, for a local server, when the Snakemake run that started it is gone (so even a killed run leaves
 no server behind).
 
+A Slurm server starts with its consumer (``serving.start_with_consumer``, the default): the serve rule submits its job
+held and writes a marker without an address at once, so the consumer is submitted next and the server holds no GPU
+while the consumer waits in the queue; the consumer releases it when it starts (:func:`memupdate.serving.readiness.
+read_marker`) and waits until it answers; the supervisor then writes its address into the marker.
+
 A Slurm server's job hands over before its time limit (``serving.handover_s``): Slurm signals it (``--signal``), it
 submits its successor (the same job) if its marker still exists (a consumer still needs it), keeps serving, and
 stops once the successor has rewritten the marker with its own address; the registry names the successor. So a server
@@ -45,14 +50,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from memupdate.serving.markers import load_marker
-from memupdate.serving.readiness import ServerNotReady, probe, rewrite_marker, write_marker
+from memupdate.serving.readiness import ServerNotReady, probe, rewrite_marker, write_held_marker, write_marker
+from memupdate.serving.slurm_jobs import ServeError, SlurmJob, job_status, wait_until_running
 from memupdate.serving.vllm_env import ensure_vllm_env, env_path
 from memupdate.serving.vllm_server import (
     API_KEY_ENV,
@@ -71,10 +77,6 @@ logger = logging.getLogger(__name__)
 MODULE = "memupdate.serving.launch"
 #: Set by the Snakefile to the main Snakemake process; a local server stops when that process is gone.
 RUN_PID_ENV = "MEMUPDATE_RUN_PID"
-
-
-class ServeError(RuntimeError):
-    """The server could not be started or did not become ready."""
 
 
 # ---------------------------------------------------------------------------------------- registry
@@ -270,94 +272,6 @@ def with_job_placement(slurm: Mapping[str, Any], resources: Any) -> dict[str, An
     return out
 
 
-def _slurm_status(job_id: str) -> tuple[str, str] | None:
-    """(state, reason) of a job as squeue shows it, or None when squeue does not list it (ended, or not yet)."""
-    result = subprocess.run(
-        ["squeue", "--noheader", "--format=%T %r", f"--jobs={job_id}"], capture_output=True, text=True, check=False
-    )
-    lines = result.stdout.strip().splitlines()
-    if not lines:
-        return None
-    state, _, reason = lines[0].strip().partition(" ")
-    return state, reason.strip() or "None"
-
-
-def _slurm_state(job_id: str) -> str | None:
-    status = _slurm_status(job_id)
-    return status[0] if status else None
-
-
-#: squeue states of a job that has not started: queued, held, requeued, or its nodes still booting.
-QUEUED_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"})
-
-
-def wait_until_running(
-    job_id: str,
-    status: Callable[[], tuple[str, str] | None],
-    *,
-    queue_timeout_s: float | None = None,
-    poll_s: float = 10.0,
-    log_every_s: float = 300.0,
-    grace_s: float = 5.0,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> str | None:
-    """Wait while the server's job is queued; return its first state past the queue (``RUNNING``, or a final
-    one), or None once squeue no longer lists it (it ended unseen; the wait for its address says why).
-
-    The queue is the cluster's, not the server's: a GPU job may wait for hours, and a start-up timeout that
-    counted that time cancelled servers that never started. So the start-up timeout starts after this, and
-    the queue has its own limit, ``queue_timeout_s`` (None: wait; the serve rule's own job time still
-    bounds it). ``status`` gives (state, reason) as squeue does (:func:`_slurm_status`); a job squeue does
-    not list within ``grace_s`` of the first poll has left the queue. Logs on each change of state and every
-    ``log_every_s`` while it waits.
-    """
-    start = clock()
-    logged_at, logged_state = start, None
-    while True:
-        current = status()
-        waited = clock() - start
-        if current is None:
-            if waited > grace_s:
-                logger.info("Slurm job %s left the queue after %.0f s", job_id, waited)
-                return None
-            current = ("PENDING", "not listed by squeue yet")
-        state, reason = current
-        if state not in QUEUED_STATES:
-            logger.info("Slurm job %s is %s after %.0f s in the queue", job_id, state, waited)
-            return state
-        if queue_timeout_s is not None and waited >= queue_timeout_s:
-            raise ServeError(
-                f"Slurm job {job_id} is still {state} after {waited:.0f} s in the queue (squeue's reason: "
-                f"{reason}); serving.queue_timeout_s is {queue_timeout_s:.0f} s. Raise it (null = wait), or ask "
-                "for a server the cluster can place sooner (serving.slurm, profiles/slurm/resources.yaml)"
-            )
-        if state != logged_state or clock() - logged_at >= log_every_s:
-            limit = f" of at most {queue_timeout_s:.0f} s" if queue_timeout_s is not None else ""
-            logger.info("Slurm job %s is %s (%s) after %.0f s in the queue%s", job_id, state, reason, waited, limit)
-            logged_at, logged_state = clock(), state
-        sleep(poll_s if queue_timeout_s is None else max(0.0, min(poll_s, queue_timeout_s - waited)))
-
-
-class SlurmJob:
-    """A server's Slurm job, polled like a process (``poll()`` is None while it runs), so a wait on the server
-    ends as soon as its job does instead of at the start-up timeout."""
-
-    #: squeue may not list a job in its first seconds; after that, absence means it ended.
-    GRACE_S = 5.0
-
-    def __init__(self, job_id: str):
-        self.job_id = job_id
-        self.returncode: str | None = None
-        self._submitted = time.monotonic()
-
-    def poll(self) -> str | None:
-        if self.returncode is None and time.monotonic() - self._submitted > self.GRACE_S:
-            if _slurm_state(self.job_id) is None:
-                self.returncode = f"unknown (Slurm job {self.job_id} has left the queue)"
-        return self.returncode
-
-
 def _wait_for_address(
     address_file: Path, log_path: Path, timeout_s: float, *, process: subprocess.Popen | SlurmJob
 ) -> dict[str, Any]:
@@ -390,7 +304,8 @@ def serve_model(
 
     Returns the marker's content. The server keeps running after this returns; :func:`stop_servers` on
     ``registry_dir`` stops it. If it does not become ready, it is stopped and :class:`ServeError` says
-    why, with the server log's errors.
+    why, with the server log's errors. A Slurm server started with its consumer (``serving.start_with_consumer``)
+    is submitted held and its marker written at once, without an address: its consumer releases it and waits.
 
     The server answers only requests that carry its own key, made here and recorded in the marker (mode 0600),
     where its clients read it. The key and ``serving.env`` reach the server through its environment (a Slurm job
@@ -467,18 +382,42 @@ def serve_model(
         server_log.unlink(missing_ok=True)  # the jobs append to it
         env[SUBMIT_ENV] = json.dumps(submit)
         env[REGISTRY_ENV] = str(_registry_entry(registry_dir, served_model_name).resolve())
-        result = subprocess.run(submit, capture_output=True, text=True, check=False, env=env)
+        # Held, the job waits for its consumer to start (which releases it) and holds no GPU while that one queues;
+        # its successor is submitted to run at once.
+        held = settings.start_with_consumer
+        result = subprocess.run(
+            [submit[0], "--hold", *submit[1:]] if held else submit, capture_output=True, text=True, check=False, env=env
+        )
         if result.returncode != 0:
             raise ServeError(f"sbatch for the {served_model_name} server failed: {result.stderr.strip()}")
         job_id = result.stdout.strip().split(";")[0]
         process = SlurmJob(job_id)
         _register(registry_dir, served_model_name, {"slurm_job_id": job_id, **record})
-        logger.info("submitted Slurm job %s serving %s (log %s)", job_id, model_dir, server_log)
+        logger.info(
+            "submitted Slurm job %s serving %s%s (log %s)",
+            job_id,
+            model_dir,
+            ", held until its consumer starts" if held else "",
+            server_log,
+        )
+        if held:
+            return write_held_marker(
+                marker,
+                served_model_name=served_model_name,
+                slurm_job_id=job_id,
+                model_path=model_dir,
+                reconnect_timeout_s=settings.reconnect_timeout_s,
+                api_key=api_key,
+                engine=settings.engine,
+                queue_timeout_s=settings.queue_timeout_s,
+                startup_timeout_s=settings.startup_timeout_s,
+                log=server_log,
+            )
     try:
         if isinstance(process, SlurmJob):
             wait_until_running(
                 process.job_id,
-                lambda: _slurm_status(process.job_id),
+                lambda: job_status(process.job_id),
                 queue_timeout_s=settings.queue_timeout_s,
                 grace_s=SlurmJob.GRACE_S,
             )
@@ -587,7 +526,8 @@ def run_supervisor(args: argparse.Namespace) -> int:
     logger.info("vLLM pid %d serving %s at %s (log %s)", child.pid, args.served_model_name, server.base_url, log_path)
     marker = Path(args.marker) if args.marker else None
     # A marker there already was written for this server's previous start (its job was preempted and
-    # requeued, and now runs on another node and port): point it at this start once the server answers.
+    # requeued, and now runs on another node and port), or without an address when it was submitted held until its
+    # consumer started: point it at this start once the server answers.
     stale = marker is not None and marker.exists()
     marked, next_probe = stale, 0.0
     while stop["why"] is None:
@@ -652,6 +592,7 @@ def _refresh_marker(marker: Path, base_url: str, port: int, args: argparse.Names
     except ServerNotReady:
         return True
     try:
+        held = load_marker(marker).get("held_job")
         rewrite_marker(
             marker, endpoint=base_url, pid=os.getpid() if args.bind_host == "127.0.0.1" else None, api_key=api_key
         )
@@ -660,7 +601,10 @@ def _refresh_marker(marker: Path, base_url: str, port: int, args: argparse.Names
     except ValueError as exc:
         logger.error("cannot rewrite readiness marker %s for the restarted server: %s", marker, exc)
         return False
-    logger.info("restarted server: readiness marker %s now points at %s", marker, base_url)
+    if held:
+        logger.info("released by its consumer, the server answers: readiness marker %s points at %s", marker, base_url)
+    else:
+        logger.info("restarted server: readiness marker %s now points at %s", marker, base_url)
     return False
 
 

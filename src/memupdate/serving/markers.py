@@ -26,7 +26,8 @@ def load_marker(path: str | os.PathLike) -> dict[str, Any]:
             f"readiness marker {path} has format {marker.get('format') if isinstance(marker, dict) else None!r}, "
             f"this code reads format {MARKER_FORMAT}; rerun the serve rule"
         )
-    for key in ("endpoint", "served_model_name"):
+    # A server held until its consumer starts has no address yet (memupdate.serving.readiness.write_held_marker).
+    for key in ("served_model_name",) if marker.get("held_job") else ("endpoint", "served_model_name"):
         if not marker.get(key):
             raise ValueError(f"readiness marker {path} has no {key!r}; rerun the serve rule")
     return marker

@@ -10,6 +10,10 @@ that holds forever (the server's job can end, be pre-empted, or the machine can 
 - every reader goes through :func:`read_marker`, which probes again and fails with a message naming
   the marker, the URL and the fix, instead of the first reward call timing out deep inside a run.
 
+A Slurm server started with its consumer (``serving.start_with_consumer``) is submitted held, and its marker written at
+once without an address (:func:`write_held_marker`); the consumer's first :func:`read_marker` (or :func:`release_held`,
+for all its servers at once) releases the job and waits until the server, once it answers, has written its address.
+
 A server whose Slurm job is requeued (preempted) comes back on another node and port; its supervisor
 then points the marker at the new address (:func:`rewrite_marker`, atomically), and clients that lost the
 server re-read it (:class:`memupdate.serving.client.OpenAIClient`) for the marker's ``reconnect_timeout_s``.
@@ -24,6 +28,7 @@ import json
 import logging
 import os
 import socket
+import time
 import urllib.error
 import urllib.request
 from datetime import UTC, datetime
@@ -33,7 +38,18 @@ from typing import Any
 from memupdate.serving.client import Endpoint, EndpointError
 from memupdate.serving.decoding import GREEDY
 from memupdate.serving.markers import MARKER_FORMAT, load_marker
+from memupdate.serving.slurm_jobs import (
+    QUEUED_STATES,
+    ServeError,
+    SlurmJob,
+    cancel,
+    job_state,
+    job_status,
+    release,
+    wait_until_running,
+)
 from memupdate.utils.io import write_json_atomic
+from memupdate.utils.system import tail
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +193,103 @@ def write_marker(
     return marker
 
 
+def write_held_marker(
+    path: str | os.PathLike,
+    *,
+    served_model_name: str,
+    slurm_job_id: str,
+    model_path: str | os.PathLike,
+    reconnect_timeout_s: float | None,
+    api_key: str,
+    engine: str,
+    queue_timeout_s: float | None,
+    startup_timeout_s: float,
+    log: str | os.PathLike,
+) -> dict[str, Any]:
+    """The marker of a server submitted held (``sbatch --hold``): no address yet, the job its consumer releases
+    (``held_job``), and how long that consumer waits for it (the queue, then its start-up; ``log`` for the reason
+    when it fails). The server's supervisor finds the marker there when it starts and points it at itself once it
+    answers (:func:`rewrite_marker`), as a requeued server does."""
+    marker = {
+        "format": MARKER_FORMAT,
+        "endpoint": None,
+        "served_model_name": served_model_name,
+        "model_path": str(Path(model_path).resolve()),
+        "host": None,
+        "pid": None,
+        "slurm_job_id": slurm_job_id,
+        "held_job": slurm_job_id,
+        "health_checked_at": None,
+        "reconnect_timeout_s": reconnect_timeout_s,
+        "api_key": api_key,
+        "engine": engine,
+        "queue_timeout_s": queue_timeout_s,
+        "startup_timeout_s": startup_timeout_s,
+        "log": str(Path(log).resolve()),
+    }
+    write_json_atomic(path, marker, private=True)
+    logger.info(
+        "readiness marker %s: %r waits for its consumer (Slurm job %s, held)", path, served_model_name, slurm_job_id
+    )
+    return marker
+
+
+def release_held(paths: list[str | os.PathLike]) -> list[str]:
+    """Release the held servers among the markers at ``paths`` (a consumer's first step, so that all of its servers
+    queue and start together); returns their job ids. :func:`read_marker` then waits for each."""
+    released = []
+    for path in paths:
+        job = load_marker(path).get("held_job")
+        if job and release(job):
+            released.append(job)
+    return released
+
+
+def await_held_server(path: str | os.PathLike, *, poll_s: float = 2.0) -> dict[str, Any]:
+    """Release the held server of the marker at ``path`` if it still is, wait until it answers (its supervisor
+    rewrites the marker), and return the marker then. The queue's wait is bounded by the marker's
+    ``queue_timeout_s`` (None: this job's own limit), the start-up by its ``startup_timeout_s``; a server that fails
+    either, or ends before it answers, is cancelled and raises :class:`ServeError` with its log's last lines."""
+    marker = load_marker(path)
+    job, name = marker.get("held_job"), marker["served_model_name"]
+    if marker.get("endpoint") or not job:
+        return marker
+    log = marker.get("log")
+    release(job)
+    try:
+        wait_until_running(
+            job, lambda: job_status(job), queue_timeout_s=marker.get("queue_timeout_s"), grace_s=SlurmJob.GRACE_S
+        )
+    except ServeError:
+        cancel(job)
+        raise
+    startup_s = float(marker.get("startup_timeout_s") or 900.0)
+    start = logged = time.monotonic()
+    while True:
+        current = load_marker(path)
+        if current.get("endpoint"):
+            logger.info("%s (Slurm job %s) answers at %s", name, job, current["endpoint"])
+            return current
+        state = job_state(job)
+        if state is None or state not in {"RUNNING", *QUEUED_STATES}:
+            raise ServeError(
+                f"Slurm job {job} serving {name!r} ({path}) ended ({state or 'left the queue'}) before it answered; "
+                f"last lines of {log}:\n{tail(Path(log), 30) if log else ''}"
+            )
+        if time.monotonic() - start > startup_s:
+            cancel(job)
+            raise ServeError(
+                f"Slurm job {job} serving {name!r} did not answer within serving.startup_timeout_s ({startup_s:.0f} s) "
+                f"of starting; it is cancelled; see {log}"
+            )
+        if time.monotonic() - logged >= 60:
+            logger.info(
+                "waiting for %s (Slurm job %s, %s) to answer: %.0f s", name, job, state, time.monotonic() - start
+            )
+            logged = time.monotonic()
+        time.sleep(poll_s)
+
+
 def rewrite_marker(
     path: str | os.PathLike, *, endpoint: str, pid: int | None = None, api_key: str | None = None
 ) -> dict[str, Any]:
@@ -205,12 +318,13 @@ def rewrite_marker(
 def read_marker(path: str | os.PathLike, *, timeout_s: float = 10.0, **endpoint_options: Any) -> Endpoint:
     """The :class:`Endpoint` recorded in the marker at ``path``, after checking the server still serves it.
 
-    Probes ``GET /v1/models`` (cheap; no generation) and raises :class:`ServerGone` naming the marker,
+    A server held until its consumer starts is released and waited for first (:func:`await_held_server`). Probes
+    ``GET /v1/models`` (cheap; no generation) and raises :class:`ServerGone` naming the marker,
     the URL and the fix when it fails. ``endpoint_options`` (``timeout_s``, ``max_retries``,
     ``api_key_env``) go to the returned :class:`Endpoint`, which keeps the marker's path (a client that
     loses the server re-reads the marker for its new address) and the server's key.
     """
-    marker = load_marker(path)
+    marker = await_held_server(path)
     base_url, name, key = marker["endpoint"], marker["served_model_name"], marker.get("api_key")
     try:
         probe_models(base_url, name, timeout_s=timeout_s, model_path=marker.get("model_path"), api_key=key)
