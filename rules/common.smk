@@ -20,6 +20,7 @@ from memupdate.settings import (
     IngestionSettings,
     MemAgentLoopSettings,
     PolicyEvalSettings,
+    SERVED_ROLES,
     ServeSettings,
     build,
     check_lengths,
@@ -546,10 +547,6 @@ def get_qa_model(wildcards):
     return experiment["qa_model"]
 
 
-# Scorers of the memory reward that ask served models (memupdate.rewards.manager).
-SERVED_SCORERS = ("reader", "judge")
-
-
 def get_reward_config(wildcards):
     """The reward section of an experiment: the workflow's, with the experiment's own `reward` keys over it."""
     return {**config["reward"], **get_experiment(wildcards).get("reward", {})}
@@ -563,7 +560,7 @@ def get_reward_scorer(wildcards):
     scorer = get_reward_config(wildcards)["scorer"]
     if scorer == "auto":
         return "reader" if "qa_model" in experiment else "answer_recall"
-    if scorer in SERVED_SCORERS and "qa_model" not in experiment:
+    if scorer in SERVED_ROLES and "qa_model" not in experiment:
         raise ValueError(
             f"reward.scorer {scorer!r} needs the served QA model as its reader, but experiment "
             f"{wildcards.exp!r} has no qa_model in config/config.yaml: add one, or set reward.scorer "
@@ -773,7 +770,7 @@ def get_stage_inputs(wildcards):
         return inputs
     # The QA phase (the served QA model answering after the memory turns) is what a served scorer reads.
     # Without a QA model, or with an offline scorer, a memory stage is single-role MemoryUpdate: nothing served.
-    if "qa_model" in experiment and get_reward_scorer(wildcards) in SERVED_SCORERS:
+    if "qa_model" in experiment and get_reward_scorer(wildcards) in SERVED_ROLES:
         inputs["fixed"] = serve_marker(wildcards.exp, fixed_qa(stage), "train")
     return {**inputs, **get_judge_marker(wildcards)}
 
@@ -911,7 +908,7 @@ def get_policy_eval_inputs(wildcards):
 def get_policy_eval_reward(wildcards):
     """The training reward of stage 1, which must be offline: the policies are compared without a served model."""
     scorer = get_reward_scorer(wildcards)
-    if scorer in SERVED_SCORERS:
+    if scorer in SERVED_ROLES:
         raise ValueError(
             f"policy_eval of {wildcards.exp!r} scores with the training reward offline, but its scorer is "
             f"{scorer!r}: set reward.scorer to answer_recall or evidence_recall"

@@ -605,6 +605,11 @@ class EfficiencyConfig:
             raise ValueError(f"density_cap must be in (0, 1], got {self.density_cap}: E never amplifies a gain")
 
 
+#: Scorers of the memory reward that ask served models, and the models each asks: the reward manager asks them,
+#: the workflow serves them.
+SERVED_ROLES = {"reader": ("reader",), "judge": ("reader", "judge")}
+
+
 @section
 class RewardSettings:
     """The ``reward`` section: the memory role's reward r = (S(final) - S(initial)) * E (stage 1), and the QA

@@ -321,6 +321,7 @@ def test_prepare_writes_the_run_files(run):
         "name": "memupdate_agent",
         "trained_role": "qa",
         "fixed_model": ENDPOINT,
+        "qa_phase": True,
         "fixed_temperature": 0.0,
         # The QA phase retrieves and prompts as the reward does (reward.top_k, context_chars, qa_prompt).
         "qa": {key: run["reward"][key] for key in ("top_k", "context_chars", "qa_prompt")},
@@ -328,11 +329,22 @@ def test_prepare_writes_the_run_files(run):
         # The episode's per-turn cap (none by default: the rest of the response budget).
         "max_new_tokens": None,
     }
+
     # ... and the loop takes each of them (verl passes `name` through **kwargs to its base class).
     from memupdate.agents.memory_loop import MemoryUpdateAgentLoop
 
     assert set(kwargs) - {"name"} <= set(inspect.signature(MemoryUpdateAgentLoop.__init__).parameters)
     assert argv == vl.build_main_ppo_command("qa", fixed_model_endpoint=ENDPOINT, **run)[0]
+
+
+@pytest.mark.parametrize("fixed", [ENDPOINT, None], ids=["served scorer", "offline scorer"])
+def test_a_memory_stage_plays_the_qa_phase_where_its_scorer_reads_the_served_qa_model(run, fixed):
+    """The workflow gives a memory stage a fixed QA model only where its scorer reads that model's answers: the
+    loop then answers after the memory turns, and the reward scores that answer (rewards.manager, ANSWER_KEY)."""
+    vl.prepare_main_ppo("memory", fixed_model_endpoint=fixed, **run)
+    (entry,) = OmegaConf.load(run["experiment_dir"] / "agent_loops.yaml")
+    assert entry.trained_role == "memory" and entry.qa_phase is (fixed is not None)
+    assert entry.fixed_model == (dict(fixed) if fixed else None)
 
 
 def test_runs_track_offline_and_record_commit_config_and_data(run, repo_root):

@@ -67,7 +67,7 @@ from memupdate.rewards.scorers import (
 )
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.readiness import read_marker
-from memupdate.settings import ROLES, RewardSettings
+from memupdate.settings import ROLES, SERVED_ROLES, RewardSettings
 from memupdate.utils.io import ROWS_TABLE, read_parquet_columns
 
 logger = logging.getLogger(__name__)
@@ -84,8 +84,6 @@ SETTINGS = {
     *(f.name for f in dataclasses.fields(RewardSettings) if f.name != "judge"),
 }
 SCORERS = ("answer_recall", "evidence_recall", "reader", "judge")
-#: Scorers that ask served models, and the models each asks.
-SERVED_ROLES = {"reader": ("reader",), "judge": ("reader", "judge")}
 #: The QA phase's answer cap (``qa_max_tokens``), which the reader shares: it gives the same answers.
 DEFAULT_QA_MAX_TOKENS = RewardSettings.qa_max_tokens
 #: Each QA protocol's own F1, the reader's metric unless ``reader_metric`` says otherwise.

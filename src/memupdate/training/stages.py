@@ -35,7 +35,7 @@ from typing import Any
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.names import MODEL_MANIFEST
 from memupdate.serving.readiness import load_marker, read_marker
-from memupdate.settings import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, ToolSettings
+from memupdate.settings import DEFAULT_EMBEDDING_MODEL, DEFAULT_MAX_CONTENT_CHARS, SERVED_ROLES, ToolSettings
 from memupdate.tools.config import TOOL_CONFIG
 from memupdate.training.tracking import data_sha256
 from memupdate.utils.io import check_whole_model, sha256_file, share_like_open, weights_digest, write_json_atomic
@@ -98,7 +98,7 @@ def stage_reward(
     reader is the fixed QA model whose QA-phase answers it scores: its marker is the fixed model's (``fixed``,
     :func:`fixed_model_endpoint`), the one place the QA endpoint comes from. Checked now, before the model
     loads: an unknown setting or scorer, a served scorer without its model, or a dead server fails here."""
-    from memupdate.rewards.manager import DEFAULT_QA_MAX_TOKENS, SERVED_ROLES, check_setting_names, served_endpoints
+    from memupdate.rewards.manager import DEFAULT_QA_MAX_TOKENS, check_setting_names, served_endpoints
 
     check_setting_names(reward)
     if "qa_max_tokens" in settings:

@@ -619,7 +619,10 @@ def write_agent_loop_config(
     """Copy the agent-loop list from ``template`` with ``memupdate_agent``'s ``trained_role`` and
     ``fixed_model`` set for this run (verl hands them to the loop's constructor), the QA phase's retrieval and
     prompt ``qa`` and its answer cap ``qa_max_tokens`` when given (the reward's: its reader scores the QA phase's
-    answers, so both retrieve, prompt and cap alike) and the episode's per-turn cap ``max_new_tokens``."""
+    answers, so both retrieve, prompt and cap alike) and the episode's per-turn cap ``max_new_tokens``. A run
+    with a fixed model plays the QA phase: a memory stage is given one only where its scorer reads the served QA
+    model's answers (the workflow's stage inputs), and those answers are then the loop's, which the reward
+    scores instead of asking the reader again."""
     fixed = _fixed_model(trained_role, fixed_model)
     loops = OmegaConf.load(template)
     if not isinstance(loops, ListConfig):
@@ -629,6 +632,7 @@ def write_agent_loop_config(
         raise ValueError(f"{template} has no agent loop named {MEMORY_AGENT!r}")
     entries[0].trained_role = trained_role
     entries[0].fixed_model = fixed
+    entries[0].qa_phase = fixed is not None
     if qa is not None:
         entries[0].qa = dict(qa)
     if qa_max_tokens is not None:
