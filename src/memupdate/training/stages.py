@@ -560,6 +560,7 @@ NOT_RUN = (
     "preflight",
     "rollout",
     "serving/hf_server",
+    "serving/lifecycle",
     "training/demonstrations",
     "training/ingestion_expert",
     "training/memagent_expert",
