@@ -698,11 +698,11 @@ def test_an_ingestion_experiment_trains_the_memory_role_on_sessions():
 def test_a_headroom_mix_is_checked_against_the_experts_search_and_the_rows_kind():
     demo = merged({})
     check_config(demo, root=REPO)
-    assert demo["experiments"]["cpu_demo"]["headroom"] == {"search_top_k": 10, "share": 0.5}
+    assert demo["experiments"]["cpu_demo"]["headroom"] == {"search_top_k": 7, "share": 0.5}
     shallow = merged({"experiments": {"cpu_demo": {"sft": {"search_top_k": 5}}}})
     assert (
         "experiments.cpu_demo.sft.search_top_k: the expert searches 5 memories deep, but the rows' headroom is "
-        "evidence up to rank 10" in problems(shallow)
+        "evidence up to rank 7" in problems(shallow)
     )
     assert "experiments.cpu_demo.headroom.share" in problems(
         merged({"experiments": {"cpu_demo": {"headroom": {"share": 0}}}})
@@ -715,9 +715,9 @@ def test_a_headroom_mix_is_checked_against_the_experts_search_and_the_rows_kind(
 
 def test_an_episode_that_would_cut_the_experts_search_short_is_refused():
     """verl cuts a tool's text at max_tool_response_length characters: cpu_demo's expert, searching ten results
-    deep behind 640 characters, saw four of them and demonstrated no edit."""
+    deep behind 640 characters (its first measured run), saw four of them and demonstrated no edit."""
     cut = merged({"experiments": {"cpu_demo": {"episode": {"max_tool_response_length": 640}}}})
     assert (
-        "experiments.cpu_demo.episode.max_tool_response_length: the expert's search of 10 results is about 1700 "
+        "experiments.cpu_demo.episode.max_tool_response_length: the expert's search of 7 results is about 1190 "
         "characters, but a tool's text is cut at 640" in problems(cut)
     )
