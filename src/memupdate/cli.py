@@ -138,6 +138,20 @@ def _cmd_bench_servers(args: argparse.Namespace) -> None:
     sys.stdout.write(format_servers_bench(result) + "\n")
 
 
+def _cmd_bench_headroom(args: argparse.Namespace) -> None:
+    from memupdate.bench.headroom import experiment_settings, format_headroom_bench, run_headroom_bench
+    from memupdate.settings import check_config, yaml_load_strict
+
+    # Checked and its defaults filled in as the Snakefile loads it.
+    config = yaml_load_strict(args.config)
+    check_config(config, files=[args.config], other_scales=False)
+    settings = experiment_settings(args.experiment, config)
+    result = run_headroom_bench(
+        args.rows, args.memories, args.embeddings, widths=args.widths, output=args.output, **settings
+    )
+    sys.stdout.write(format_headroom_bench(result) + "\n")
+
+
 def _cmd_bench_memagent(args: argparse.Namespace) -> None:
     from memupdate.bench.memagent import format_memagent_bench, run_memagent_bench
 
@@ -357,6 +371,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--work-dir", default="results/bench/servers", help="where the servers' logs go")
     srv.add_argument("--output", default="results/bench/servers.json")
     srv.set_defaults(func=_cmd_bench_servers)
+
+    head = bench_sub.add_parser(
+        "headroom", help="what scripted promotions earn on a split's headroom mix, by search width"
+    )
+    head.add_argument(
+        "--rows",
+        default="results/data/locomo/val.parquet",
+        help="a split's rows (preprocess_locomo's); choose an experiment's width on train or validation questions",
+    )
+    head.add_argument("--memories", default="results/data/locomo/memories.parquet")
+    head.add_argument("--embeddings", default=DEFAULT_MEMORY_EMBEDDINGS)
+    head.add_argument("--experiment", default="cpu_demo", help="its reward and headroom sections are used")
+    head.add_argument("--config", default="config/config.yaml", help="the workflow config naming the experiment")
+    head.add_argument(
+        "--widths", type=int, nargs="+", default=[6, 7, 8, 10], help="search depths to summarise (the expert's)"
+    )
+    head.add_argument("--output", default="results/bench/headroom.json")
+    head.set_defaults(func=_cmd_bench_headroom)
 
     ma = bench_sub.add_parser("memagent", help="MemAgent evaluation time and peak memory at 1-16 chunks")
     ma.add_argument(

@@ -11,13 +11,16 @@ conv-30 and conv-47's questions, 21% over ten conversations).
 This module is the one definition: :func:`missing_evidence_rank` reads a ranked list of memories (the
 search's, as the store ranks it or as the search tool shows it), so the rows' selection
 (:func:`write_headroom_rows`), the cold-start expert and the reports agree. It reads the gold evidence ids,
-which the policy never sees: they select rows and guide the expert, and never reach a prompt.
+which the policy never sees: they select rows and guide the expert, and never reach a prompt. :func:`key_words`
+writes the promotion that brings a memory into a question's view (the question's key words in front of its text),
+as the expert and ``memupdate bench headroom`` (:mod:`memupdate.bench.headroom`) play it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +32,7 @@ import pyarrow.parquet as pq
 from memupdate.data.locomo import answerable
 from memupdate.memory.cache import EmbeddingCache
 from memupdate.memory.embedder import Embedder
-from memupdate.memory.store import BaseStore, TrialStore
+from memupdate.memory.store import BaseStore, TrialStore, content_words
 from memupdate.prompts import within_budget
 from memupdate.utils.io import ROWS_TABLE, atomic_outputs, read_parquet_columns
 from memupdate.utils.seeding import seeded_random
@@ -76,6 +79,29 @@ def missing_evidence_rank(
         if missing & set(ranked[position].evidence):
             return position
     return None
+
+
+#: Words that ask rather than name (a question's, beside the common words content_words leaves out).
+_ASKING = frozenset("what when where who whom whose which why how does go went".split())
+
+
+def key_words(question: str, content: str, max_chars: int) -> str | None:
+    """The words that promote a memory's ``content`` for ``question``: the question's content words in order, each
+    once (those the text already has included), as many as fit in front of the text within ``max_chars``
+    (``manage_memory``'s ``keywords``: "<keywords>: <content>"); None where none fits.
+
+    >>> key_words("When did Caroline go to the LGBTQ support group?", "Caroline attended a meeting.", 300)
+    'Caroline LGBTQ support group'
+    >>> key_words("When did Caroline go to the LGBTQ support group?", "Caroline attended a meeting.", 45)
+    'Caroline LGBTQ'
+    >>> key_words("When did Caroline go?", "x" * 300, 300) is None
+    True
+    """
+    wanted = content_words(question) - _ASKING
+    words = list(dict.fromkeys(w for w in re.findall(r"[^\W_]+", question) if w.casefold() in wanted))
+    while words and len(f"{' '.join(words)}: {content}") > max_chars:
+        words.pop()
+    return " ".join(words) or None
 
 
 def question_headroom(

@@ -187,13 +187,7 @@ class MemoryRewardManager(RewardManagerBase):
     ):
         super().__init__(config, tokenizer, compute_score)
         self.settings = reward_settings(config)
-        self.reward_config = MemoryRewardConfig.from_dict(
-            {
-                k: self.settings[k]
-                for k in ("top_k", "context_chars", "other_questions", "efficiency", "idle_edit_cost")
-                if self.settings.get(k) is not None
-            }
-        )
+        self.reward_config = MemoryRewardConfig.from_settings(self.settings)
         self.pool = qa_pool(list(self.settings.get("qa_pool") or [])) if self.reward_config.other_questions else {}
         # Built and probed now, so a misconfigured scorer fails before any rollout.
         self._clients = {role: OpenAIClient(endpoint) for role, endpoint in served_endpoints(self.settings).items()}

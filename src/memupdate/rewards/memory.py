@@ -79,6 +79,17 @@ class MemoryRewardConfig:
         efficiency = EfficiencyConfig(**spec.pop("efficiency", {}))
         return cls(efficiency=efficiency, **spec)
 
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> MemoryRewardConfig:
+        """From a reward section (:class:`~memupdate.settings.RewardSettings`' keys, the scorer's among them): the
+        keys that shape the reward of a store delta, those unset taking their defaults.
+
+        >>> MemoryRewardConfig.from_settings({"scorer": "evidence_recall", "top_k": 3, "context_chars": None}).top_k
+        3
+        """
+        keys = ("top_k", "context_chars", "other_questions", "efficiency", "idle_edit_cost")
+        return cls.from_dict({k: settings[k] for k in keys if settings.get(k) is not None})
+
 
 def to_retrieved(hit: Hit) -> Retrieved:
     record = hit.record

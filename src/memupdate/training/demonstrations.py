@@ -13,7 +13,7 @@ edit that pays where memory can help (``reward-headroom.md``: promoted in place,
 2. where a memory shown below the reader's context cites gold evidence the context lacks
    (:func:`memupdate.data.headroom.missing_evidence_rank`, the one definition of headroom), ``manage_memory``
    updates the first such memory in place with the question's key words in front of its text (its
-   ``keywords`` argument, :func:`key_words`): the text, date and evidence are kept, and the key words bring it
+   ``keywords`` argument, :func:`~memupdate.data.headroom.key_words`): the text, date and evidence are kept, and the key words bring it
    into the question's search above the memories the reader reads now. The call names the words only, so a
    policy learns a short reply instead of copying a memory's text (a 135M cold start copying it wrote broken
    JSON or other text: 1 update in 160 held-out episodes);
@@ -47,8 +47,7 @@ from typing import Any
 
 from verl.workers.rollout.replica import TokenOutput
 
-from memupdate.data.headroom import missing_evidence_rank
-from memupdate.memory.store import content_words
+from memupdate.data.headroom import key_words, missing_evidence_rank
 from memupdate.names import MANAGE_TOOL, MERGE_TOOL, SEARCH_TOOL
 from memupdate.rollout.episodes import COMPONENTS
 from memupdate.utils.io import read_parquet_columns
@@ -132,29 +131,6 @@ def edit_plan(
         # One day for all: the merged memory keeps it as its date, which the reader is shown.
         texts = [memories[i].content for i in ids]
     return MERGE_TOOL, {"memory_ids": ids, "content": " ".join(texts)}
-
-
-#: Words that ask rather than name (a question's, beside the common words content_words leaves out).
-_ASKING = frozenset("what when where who whom whose which why how does go went".split())
-
-
-def key_words(question: str, content: str, max_chars: int) -> str | None:
-    """The words that promote a memory's ``content`` for ``question``: the question's content words in order, each
-    once (those the text already has included), as many as fit in front of the text within ``max_chars``
-    (``manage_memory``'s ``keywords``: "<keywords>: <content>"); None where none fits.
-
-    >>> key_words("When did Caroline go to the LGBTQ support group?", "Caroline attended a meeting.", 300)
-    'Caroline LGBTQ support group'
-    >>> key_words("When did Caroline go to the LGBTQ support group?", "Caroline attended a meeting.", 45)
-    'Caroline LGBTQ'
-    >>> key_words("When did Caroline go?", "x" * 300, 300) is None
-    True
-    """
-    wanted = content_words(question) - _ASKING
-    words = list(dict.fromkeys(w for w in re.findall(r"[^\W_]+", question) if w.casefold() in wanted))
-    while words and len(f"{' '.join(words)}: {content}") > max_chars:
-        words.pop()
-    return " ".join(words) or None
 
 
 def read_memories(path: str) -> dict[str, dict[int, Memory]]:
