@@ -24,12 +24,22 @@ SHORTENED = {
         "cpu_demo": {
             # Questions with headroom alone: the cold start's few rows are then all edits, so that a policy trained
             # on them edits often enough for a short GRPO step to find reward spread (cpu_demo's own cold start, on
-            # a half-and-half mix, edits in about one episode of ten).
-            "headroom": {"share": 1.0},
+            # a half-and-half mix, edited in half its held-out episodes at a top 7, in one of ten at a top 10).
+            "headroom": {"share": 1.0, "search_top_k": 10},
+            # At the fifth attempt's top 10 (cpu_demo's is 7): at 7 the cold start's 12 episodes of one step all
+            # promoted a memory that gained nothing (-0.05 each, no spread), at 10 its step has had spread in every run.
+            "episode": {"max_tool_response_length": 2600},
             # An edit that gains nothing differs from a stop, so that one step of twelve episodes has spread without
             # needing a paying edit among them (cpu_demo's own reward has no such cost: docs/cpu-demo.md).
             "reward": {"idle_edit_cost": 0.05},
-            "sft": {"epochs": 2, "batch_size": 2, "micro_batch_size": 2, "lr": 1.0e-4, "max_rows": 8},
+            "sft": {
+                "epochs": 2,
+                "batch_size": 2,
+                "micro_batch_size": 2,
+                "lr": 1.0e-4,
+                "max_rows": 8,
+                "search_top_k": 10,
+            },
             # One step of two questions x six rollouts, saved, not validated.
             "stage1": {
                 "trainer.total_training_steps": 1,
