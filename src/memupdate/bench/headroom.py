@@ -110,17 +110,12 @@ def width_summary(
     >>> s["policies"]["first below view"]["others"], width_summary(recs, 2, share=0.5, seed="x", scorer="s")["headroom"]
     (-0.5, 0)
     """
-    flags = [{"headroom": r["evidence_rank"] is not None and r["evidence_rank"] <= width} for r in records]
-    chosen = (
-        [r for r, keep in zip(records, select_mix(flags, share, seed), strict=True) if keep]
-        if any(f["headroom"] for f in flags)
-        else []
-    )
+    room = [r["evidence_rank"] is not None and r["evidence_rank"] <= width for r in records]
+    keep = select_mix([{"headroom": h} for h in room], share, seed) if any(room) else [False] * len(records)
 
-    def rewards(record: Mapping[str, Any]) -> dict[str, float]:
+    def rewards(record: Mapping[str, Any], headroom: bool) -> dict[str, float]:
         own = record["rewards"][scorer][:width]
         below = own[record["in_view"] :]
-        headroom = record["evidence_rank"] is not None and record["evidence_rank"] <= width
         return {
             "stop": 0.0,
             "first below view": below[0] if below else 0.0,
@@ -128,7 +123,7 @@ def width_summary(
             "expert": own[record["evidence_rank"] - 1] if headroom else 0.0,
         }
 
-    per_row = [(r["evidence_rank"] is not None and r["evidence_rank"] <= width, rewards(r)) for r in chosen]
+    per_row = [(h, rewards(r, h)) for r, h, k in zip(records, room, keep, strict=True) if k]
 
     def mean(policy: str, rows: Sequence[tuple[bool, dict[str, float]]]) -> float | None:
         return round(statistics.fmean(r[policy] for _, r in rows), 4) if rows else None
