@@ -152,6 +152,15 @@ def _cmd_bench_headroom(args: argparse.Namespace) -> None:
     sys.stdout.write(format_headroom_bench(result) + "\n")
 
 
+def _cmd_bench_update(args: argparse.Namespace) -> None:
+    from memupdate.bench.update import format_update_bench, run_update_bench
+
+    sizes = ("episodes", "min_tokens", "max_tokens", "width", "budgets", "dtype", "repeats")
+    given = {k: getattr(args, k) for k in sizes if getattr(args, k) is not None}
+    result = run_update_bench(args.model, output=args.output, **given)
+    sys.stdout.write(format_update_bench(result) + "\n")
+
+
 def _cmd_bench_memagent(args: argparse.Namespace) -> None:
     from memupdate.bench.memagent import format_memagent_bench, run_memagent_bench
 
@@ -389,6 +398,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     head.add_argument("--output", default="results/bench/headroom.json")
     head.set_defaults(func=_cmd_bench_headroom)
+
+    upd = bench_sub.add_parser(
+        "update", help="the actor's update on CPU with and without gradient checkpointing, per micro-batch budget"
+    )
+    upd.add_argument("--model", required=True, help="model folder (results/models/<name>)")
+    upd.add_argument("--episodes", type=int, help="episodes in the update (default 4)")
+    upd.add_argument("--min-tokens", type=int, help="shortest episode's tokens (default 1100)")
+    upd.add_argument("--max-tokens", type=int, help="longest episode's tokens (default 2000)")
+    upd.add_argument("--width", type=int, help="padded episode width, prompt + response length (default --max-tokens)")
+    upd.add_argument("--budgets", type=int, nargs="+", help="tokens per micro-batch (default 2048 8192)")
+    upd.add_argument("--dtype", choices=["bfloat16", "float32"], help="compute dtype (default bfloat16, verl's)")
+    upd.add_argument("--repeats", type=int, help="timed updates per setting after a warm-up; the median is kept")
+    upd.add_argument("--output", default="results/bench/update.json")
+    upd.set_defaults(func=_cmd_bench_update)
 
     ma = bench_sub.add_parser("memagent", help="MemAgent evaluation time and peak memory at 1-16 chunks")
     ma.add_argument(

@@ -93,6 +93,8 @@ AGENT_LOOP_TEMPLATE = "agent_loops.yaml"
 CPU_CONFIG = f"{VERL_CPU_CONFIG}.yaml"
 #: verl's platform selector, in the driver's and every Ray worker's environment for ``trainer.device: cpu``.
 CPU_ENV = {"VERL_PLATFORM": "cpu"}
+#: The actor's token budget per micro-batch (the log-prob passes follow it): on CPU, one row's padded width.
+CPU_MICRO_BATCH_TOKENS = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 #: Its settings in the rollout config (memupdate.verl_ext.external_vllm reads them there).
 EXTERNAL_ROLLOUT_SETTINGS = "actor_rollout_ref.rollout.custom"
 #: The serving settings the external rollout's server takes (the rest are about serving rules' jobs).
@@ -258,15 +260,28 @@ def device_overrides(
     experiment_dir: PathLike,
     rollout_server: Mapping[str, Any] | None,
     config_dir: PathLike = CONFIG_DIR,
+    row_tokens: int | None = None,
 ) -> list[str]:
-    """What the device and the rollout add: on CPU the keys of :data:`CPU_CONFIG` and verl's platform in every
-    Ray worker; with the :data:`EXTERNAL_ROLLOUT` rollout, its server's settings (``rollout_server``: the
-    ``serving`` keys with the vLLM interpreter resolved) and where the weights go (``<run>/rollout``)."""
+    """What the device and the rollout add: on CPU the keys of :data:`CPU_CONFIG`, a micro-batch of one row
+    (``row_tokens``, a row's padded width: prompt + response length, where the caller knows it) and verl's
+    platform in every Ray worker; with the :data:`EXTERNAL_ROLLOUT` rollout, its server's settings
+    (``rollout_server``: the ``serving`` keys with the vLLM interpreter resolved) and where the weights go
+    (``<run>/rollout``).
+
+    >>> [o for o in device_overrides({"trainer.device": "cpu"}, "/run", {"python": "/v/bin/python"}, row_tokens=2048)
+    ...  if "ppo_max_token_len" in o or "gradient_checkpointing" in o]
+    ['actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192', 'actor_rollout_ref.model.enable_gradient_checkpointing=false', 'actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048']
+    """
     overrides: list[str] = []
     cpu = run_device(extra) == "cpu"
     if cpu:
         values = OmegaConf.to_container(OmegaConf.load(Path(config_dir) / CPU_CONFIG))
         overrides += [f"{key}={hydra_value(value)}" for key, value in values.items()]
+        if row_tokens is not None:
+            # Each row its own micro-batch, unpadded (memupdate bench update: without gradient checkpointing, an
+            # update of SmolLM2 on one row per micro-batch is the fastest and holds half the memory of four rows
+            # padded to the longest). verl refuses a budget below the padded width.
+            overrides.append(f"{CPU_MICRO_BATCH_TOKENS}={int(row_tokens)}")
         overrides += [f"++{RAY_ENV_VARS}.{name}={hydra_value(value)}" for name, value in CPU_ENV.items()]
     if uses_external_rollout(extra):
         if rollout_server is None:
@@ -436,8 +451,10 @@ def compose_overrides(
     reward = {k: _abs(v) if k.endswith("_marker") and v else v for k, v in (reward or {}).items()}
     reward["memory_environment"] = str(run_dir / MEMORY_ENVIRONMENT_FILE)
     overrides += [f"++{key}={hydra_value(value)}" for key, value in _flatten(REWARD_KWARGS, reward)]
-    overrides += [f"{key}={hydra_value(value)}" for key, value in episode_overrides(episode).items()]
-    overrides += device_overrides(extra, run_dir, rollout_server)
+    lengths = episode_overrides(episode)
+    overrides += [f"{key}={hydra_value(value)}" for key, value in lengths.items()]
+    row_tokens = lengths["data.max_prompt_length"] + lengths["data.max_response_length"]
+    overrides += device_overrides(extra, run_dir, rollout_server, row_tokens=row_tokens)
     return overrides + _extra_overrides(extra)
 
 
@@ -696,6 +713,7 @@ def memagent_overrides(
     if n_gpus_per_node < 1 or nnodes < 1:
         raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
     overrides = run_overrides(model_path, train_files, val_files, n_gpus_per_node, nnodes, experiment_dir)
+    row_tokens = None
     if loop:
         lengths = budgets.lengths()
         overrides += [
@@ -703,7 +721,8 @@ def memagent_overrides(
             f"data.max_response_length={lengths['response_length']}",
             f"actor_rollout_ref.rollout.prompt_length={lengths['prompt_length']}",
         ]
-    overrides += device_overrides(extra, experiment_dir, rollout_server)
+        row_tokens = lengths["prompt_length"] + lengths["response_length"]
+    overrides += device_overrides(extra, experiment_dir, rollout_server, row_tokens=row_tokens)
     return overrides + _extra_overrides(extra)
 
 

@@ -41,6 +41,9 @@ TRAINER_LOG = "sft_trainer.log"
 CPU_OVERRIDES = (
     "engine.strategy=fsdp2",
     "engine.use_torch_compile=false",
+    # As the RL update on CPU (memupdate/training/verl_config/cpu.yaml): recomputing activations costs more than
+    # keeping one row's.
+    "model.enable_gradient_checkpointing=false",
     "model.use_remove_padding=false",
     "++model.override_config.attn_implementation=sdpa",
     "data.num_workers=0",
@@ -138,7 +141,8 @@ def sft_overrides(
         f"data.custom_cls.name={DemonstrationDataset.__name__}",
         "data.pad_mode=no_padding",
         f"data.max_length={max_length}",
-        f"data.max_token_len_per_gpu={max(max_length, 8192)}",
+        # On CPU one row per micro-batch, unpadded, its activations kept (CPU_OVERRIDES; memupdate bench update).
+        f"data.max_token_len_per_gpu={max_length if device == 'cpu' else max(max_length, 8192)}",
         f"data.train_batch_size={batch}",
         f"data.micro_batch_size_per_gpu={int(settings['micro_batch_size'])}",
         f"optim.lr={settings['lr']}",
