@@ -432,7 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="evaluations and their reports")
     ev_sub = ev.add_subparsers(dest="evaluation", required=True, metavar="EVALUATION")
-    evl = ev_sub.add_parser("locomo", help="LoCoMo test questions with every served system -> report.{json,md,html}")
+    evl = ev_sub.add_parser(
+        "locomo", help="LoCoMo test questions with every served system -> report.{json,md} and PNG plots"
+    )
     evl.add_argument("--experiment", required=True, help="experiment name (the report's title)")
     evl.add_argument(
         "--marker",
@@ -459,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     evl.add_argument("--published", default="config/published_locomo.yaml")
     evl.add_argument("--split", help="the LoCoMo split the test file comes from (data.locomo.split), for the report")
     evl.set_defaults(func=_cmd_eval_locomo)
-    evr = ev_sub.add_parser("report", help="rebuild report.{json,md,html} from saved predictions only")
+    evr = ev_sub.add_parser("report", help="rebuild report.{json,md} and the plots from saved predictions only")
     evr.add_argument("out_dir", help="the evaluation folder (holds predictions/)")
     evr.add_argument("--experiment", required=True)
     evr.add_argument("--training-metrics", action="append", default=[], metavar="STAGE=PATH")
