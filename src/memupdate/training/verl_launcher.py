@@ -270,18 +270,18 @@ def device_overrides(
 
     >>> [o for o in device_overrides({"trainer.device": "cpu"}, "/run", {"python": "/v/bin/python"}, row_tokens=2048)
     ...  if "ppo_max_token_len" in o or "gradient_checkpointing" in o]
-    ['actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192', 'actor_rollout_ref.model.enable_gradient_checkpointing=false', 'actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048']
+    ['actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048', 'actor_rollout_ref.model.enable_gradient_checkpointing=false']
     """
     overrides: list[str] = []
     cpu = run_device(extra) == "cpu"
     if cpu:
         values = OmegaConf.to_container(OmegaConf.load(Path(config_dir) / CPU_CONFIG))
-        overrides += [f"{key}={hydra_value(value)}" for key, value in values.items()]
         if row_tokens is not None:
             # Each row its own micro-batch, unpadded (memupdate bench update: without gradient checkpointing, an
             # update of SmolLM2 on one row per micro-batch is the fastest and holds half the memory of four rows
             # padded to the longest). verl refuses a budget below the padded width.
-            overrides.append(f"{CPU_MICRO_BATCH_TOKENS}={int(row_tokens)}")
+            values[CPU_MICRO_BATCH_TOKENS] = int(row_tokens)
+        overrides += [f"{key}={hydra_value(value)}" for key, value in values.items()]
         overrides += [f"++{RAY_ENV_VARS}.{name}={hydra_value(value)}" for name, value in CPU_ENV.items()]
     if uses_external_rollout(extra):
         if rollout_server is None:
