@@ -847,6 +847,11 @@ def get_policy_eval_inputs(wildcards):
         "memories": "results/data/locomo/memories.parquet",
         "embeddings": f"{EMBEDDINGS}/memories",
     }
+    if has_headroom_mix(wildcards):
+        # Which memory each held-out question's missing evidence is: the report's count of updates that named it.
+        inputs["flags"] = (
+            f"results/{wildcards.exp}/data/headroom.{settings['split']}.flags.parquet"
+        )
     return inputs
 
 

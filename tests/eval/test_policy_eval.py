@@ -5,9 +5,21 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
-from memupdate.eval.policy import EPISODES, compare_policies, evaluate_policy, policy_report
+from memupdate.data.headroom import read_flags
+from memupdate.eval.policy import (
+    EPISODES,
+    annotate_update_ranks,
+    compare_policies,
+    evaluate_policy,
+    policy_report,
+    updates_by_rank,
+)
+from memupdate.memory.cache import EmbeddingCache
+from memupdate.memory.store import BaseStore
 
 pytestmark = pytest.mark.slow
 
@@ -100,3 +112,66 @@ def test_a_headroom_mix_is_compared_by_stratum_and_reweighted_to_every_question(
     # 4 of the split's 20 questions have headroom: 0.2 x 0.5 + 0.8 x 0.
     assert by["all (reweighted)"]["mean_difference"] == pytest.approx(0.1)
     assert by["all (reweighted)"]["strata"] == {"headroom": 4, "no headroom": 4}
+
+
+def test_each_update_is_placed_in_its_questions_own_search_and_the_evidence_memory_is_named(
+    headroom_mix, locomo_rows, held_out_cache, embedder, tmp_path
+):
+    """What a policy promotes, by position and by content: the rank of each memory an update names in the
+    question's own search of the seed store (ranked here by the vectors' dot products), and whether it is the
+    memory citing the evidence the reader's context lacks (the headroom flags' ``evidence_rank``)."""
+    rows = headroom_mix("test", 1.0)
+    flags = read_flags(rows.with_name("flags.parquet"))
+    info = pq.read_table(rows).column("extra_info").to_pylist()
+    row = next(i for i in info if flags[i["namespace"]]["headroom"])
+    memories = pq.read_table(locomo_rows["memories"]).to_pylist()
+    ids = [m["memory_id"] for m in memories if m["sample_id"] == row["sample_id"]]
+    store = BaseStore.from_table(
+        pq.read_table(locomo_rows["memories"]), row["sample_id"], EmbeddingCache.open(held_out_cache)
+    )
+    scores = store.vectors @ embedder.encode([row["question"]])[0]
+    ranked = [store.records[i].id for i in np.argsort(-scores, kind="stable")]
+    assert sorted(ranked) == sorted(ids)
+    evidence_rank = flags[row["namespace"]]["evidence_rank"]
+
+    def update(memory_id):
+        arguments = {"operation": "update", "memory_id": memory_id, "keywords": "x"}
+        return f"<tool_call>\n{json.dumps({'name': 'manage_memory', 'arguments': arguments})}\n</tool_call>"
+
+    records = [
+        {
+            "namespace": row["namespace"],
+            "question": row["question"],
+            "reward": 0.5,
+            "policy_text": update(ranked[evidence_rank - 1]),
+        },
+        {
+            "namespace": row["namespace"],
+            "question": row["question"],
+            "reward": 0.0,
+            "policy_text": update(ranked[0]) + update(10_000),
+        },
+        {"namespace": row["namespace"], "question": row["question"], "reward": 0.0, "policy_text": "I stop."},
+    ]
+    annotate_update_ranks(
+        records,
+        {row["namespace"]: row["sample_id"]},
+        locomo_rows["memories"],
+        held_out_cache,
+        embedder.model_name,
+        {ns: f["evidence_rank"] for ns, f in flags.items()},
+    )
+    assert [r["update_ranks"] for r in records] == [[evidence_rank], [1, None], []]
+    assert [r["update_evidence"] for r in records] == [[True], [False, False], []]
+    by_rank = updates_by_rank(records)
+    assert by_rank[str(evidence_rank)] == {"updates": 1, "reward_mean": 0.5, "evidence": 1}
+    assert by_rank["1"]["evidence"] == 0 and by_rank["not in the store"]["updates"] == 1
+    assert list(by_rank)[-1] == "not in the store"
+    # The report shows the table (a policy's summary carries it).
+    summary = {"questions": 1, "episodes": 3, "reward_mean": 0.1667, "well_formed_rate": 0.6667}
+    summary |= {"tool_calls_mean": 1.0, "groups_with_spread": 1.0, "per_question": {}, "updates_by_rank": by_rank}
+    (tmp_path / "stage1.json").write_text(json.dumps(summary))
+    policy_report({"stage1": tmp_path / "stage1.json"}, None, tmp_path / "report.json")
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| rank | updates | mean reward | of them the memory citing the missing evidence |" in markdown
+    assert f"| {evidence_rank} | 1 | +0.5000 | 1 |" in markdown and "| not in the store | 1 | +0.0000 | 0 |" in markdown

@@ -21,4 +21,5 @@ evaluate_policy(
     embedding_model=params.embedding_model,
     max_content_chars=params.max_content_chars,
     tools=params.tools,
+    flags=inputs.get("flags"),
 )

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -34,7 +35,11 @@ from memupdate.data.headroom import read_flags
 from memupdate.data.locomo import answerable
 from memupdate.eval.report import HELDOUT_CURVE, training_steps
 from memupdate.eval.stats import paired_by_key, stratified_by_key
+from memupdate.memory.cache import EmbeddingCache
+from memupdate.memory.embedder import Embedder
 from memupdate.memory.environment import MemoryEnvironment
+from memupdate.memory.store import BaseStore, TrialStore
+from memupdate.names import MANAGE_TOOL
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import COMPONENTS, episode_records
 from memupdate.rollout.workers import in_process_workers
@@ -90,6 +95,8 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if values:
             out[f"{key}_mean"] = round(float(np.mean(values)), 4)
     out["edits"] = edits_by_kind(records)
+    if any("update_ranks" in r for r in records):
+        out["updates_by_rank"] = updates_by_rank(records)
     return out
 
 
@@ -140,6 +147,94 @@ def edits_by_kind(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def updated_ids(policy_text: str) -> list[int]:
+    """The memory ids the ``manage_memory`` updates in ``policy_text`` name, in order: the calls parsed as verl's
+    hermes parser parses them (JSON between ``<tool_call>`` tags); a call that does not parse names nothing.
+
+    >>> updated_ids('<tool_call>\\n{"name": "manage_memory", "arguments": {"operation": "update", "memory_id": "7", '
+    ...             '"keywords": "x"}}\\n</tool_call> <tool_call>{"name": "search_memory"}</tool_call> <tool_call>{</tool_call>')
+    [7]
+    """
+    ids = []
+    for call in _TOOL_CALL.findall(policy_text):
+        try:
+            parsed = json.loads(call)
+            arguments = parsed["arguments"]
+            if parsed["name"] == MANAGE_TOOL and arguments.get("operation") == "update":
+                ids.append(int(arguments["memory_id"]))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+    return ids
+
+
+def annotate_update_ranks(
+    records: Sequence[dict[str, Any]],
+    sample_ids: Mapping[str, str],
+    memories: str | Path,
+    embeddings: str | Path,
+    embedding_model: str,
+    evidence_ranks: Mapping[str, int | None] | None = None,
+) -> None:
+    """Give each record ``update_ranks``: for each memory its updates name (:func:`updated_ids`), the memory's
+    1-based rank in its question's own search of its conversation's seed store (the search whose top the reader
+    reads; None for an id the store lacks), and, given the held-out split's ``evidence_ranks`` (the headroom flags'
+    ``evidence_rank`` by namespace), ``update_evidence``: whether each names the memory citing the evidence the
+    reader's context lacks. What a policy promotes, by position and by content (docs/cpu-demo.md)."""
+    edited = [r for r in records if updated_ids(r.get("policy_text") or "")]
+    for record in records:
+        record["update_ranks"] = []
+        if evidence_ranks is not None:
+            record["update_evidence"] = []
+    if not edited:
+        return
+    embedder = Embedder(embedding_model)
+    cache = EmbeddingCache.open(embeddings, model_name=embedder.model_name, must_exist=True)
+    table = read_parquet_columns(memories, {"sample_id": None, "content": None}, "a memories table", only=False)
+    questions = sorted({r["question"] for r in edited})
+    vectors = dict(zip(questions, embedder.encode(questions), strict=True)) if questions else {}
+    stores: dict[str, TrialStore] = {}
+    for record in edited:
+        sample_id = sample_ids[record["namespace"]]
+        if sample_id not in stores:
+            stores[sample_id] = TrialStore(BaseStore.from_table(table, sample_id, cache))
+        store = stores[sample_id]
+        order = {
+            hit.record.id: rank for rank, hit in enumerate(store.search(vectors[record["question"]], len(store)), 1)
+        }
+        record["update_ranks"] = [order.get(i) for i in updated_ids(record["policy_text"])]
+        if evidence_ranks is not None:
+            wanted = evidence_ranks.get(record["namespace"])
+            record["update_evidence"] = [wanted is not None and rank == wanted for rank in record["update_ranks"]]
+
+
+def updates_by_rank(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per rank (:func:`annotate_update_ranks`) of an updated memory in its question's own search: how many updates
+    named a memory there, their episodes' mean reward, and (where known) how many named the evidence memory.
+
+    >>> by = updates_by_rank([{"reward": 0.5, "update_ranks": [6], "update_evidence": [True]},
+    ...                       {"reward": 0.0, "update_ranks": [7, None]}, {"reward": 0.0}])
+    >>> by["6"], by["7"]["updates"], by["not in the store"]["reward_mean"]
+    ({'updates': 1, 'reward_mean': 0.5, 'evidence': 1}, 1, 0.0)
+    """
+    rewards: dict[int | None, list[float]] = defaultdict(list)
+    evidence: dict[int | None, int] = defaultdict(int)
+    for record in records:
+        ranks = record.get("update_ranks", ())
+        for rank, cites in zip(ranks, record.get("update_evidence") or [False] * len(ranks), strict=True):
+            rewards[rank].append(record["reward"])
+            evidence[rank] += cites
+    out = {}
+    for rank in sorted(rewards, key=lambda r: (r is None, r or 0)):
+        row = {"updates": len(rewards[rank]), "reward_mean": round(float(np.mean(rewards[rank])), 4)}
+        if any("update_evidence" in r for r in records):
+            row["evidence"] = evidence[rank]
+        out["not in the store" if rank is None else str(rank)] = row
+    return out
+
+
 async def _episodes(
     config, server, dataset: RLHFDataset, n: int, tokenizer: Any, batch_size: int
 ) -> list[dict[str, Any]]:
@@ -179,12 +274,15 @@ def evaluate_policy(
     embedding_model: str = DEFAULT_EMBEDDING_MODEL,
     max_content_chars: int = DEFAULT_MAX_CONTENT_CHARS,
     tools: Mapping[str, Any] | None = None,
+    flags: str | None = None,
 ) -> dict[str, Any]:
     """Run and score the memory role's episodes of ``model`` on ``rows`` (the experiment's ``episode``: its
     :class:`~memupdate.settings.EpisodeSettings`, sampled as training samples; ``questions`` of them, drawn with
     ``seed``), ``n`` each (about ``batch_size`` in flight at a time), against a vLLM server of the policy
     (``serving`` settings) or in process (``server="hf"``);
-    write ``<out_dir>/episodes.jsonl`` and ``<out_dir>/summary.json`` and return the summary."""
+    write ``<out_dir>/episodes.jsonl`` and ``<out_dir>/summary.json`` and return the summary. Each update is placed
+    in its question's own search (:func:`annotate_update_ranks`; given the split's headroom ``flags``, whether it
+    named the memory citing the missing evidence)."""
     settings = build(EpisodeSettings, episode, "episode")
     memory = MemoryEnvironment(
         memories=memories,
@@ -231,6 +329,15 @@ def evaluate_policy(
         with _policy_server(cfg, server, serving) as (client, tokenizer):
             dataset = RLHFDataset([scored], tokenizer, config.data, max_samples=questions or -1)
             records = asyncio.run(_episodes(config, client, dataset, n, tokenizer, batch_size))
+    info = read_parquet_columns(scored, {"extra_info": None}, ROWS_TABLE).column("extra_info").to_pylist()
+    annotate_update_ranks(
+        records,
+        {i["namespace"]: i["sample_id"] for i in info},
+        memories,
+        embeddings,
+        embedding_model,
+        {ns: f["evidence_rank"] for ns, f in read_flags(flags).items()} if flags else None,
+    )
     write_text_atomic(out / EPISODES, "".join(json.dumps(r) + "\n" for r in records))
     summary = {
         "model": model,
@@ -418,6 +525,22 @@ def _markdown(report: Mapping[str, Any]) -> str:
             for x in e["examples"]:
                 text = " ".join(x["policy_text"].split())
                 lines.append(f"- {x['question']} (reward {x['reward']:+.3f}): `{text[:300]}`")
+    for name, s in report["policies"].items():
+        if not s.get("updates_by_rank"):
+            continue
+        evidence = all("evidence" in row for row in s["updates_by_rank"].values())
+        lines += [
+            "",
+            f"## {name}: updates by the rank of the memory updated, in the question's own search",
+            "",
+            "| rank | updates | mean reward |"
+            + (" of them the memory citing the missing evidence |" if evidence else ""),
+            "| --- | --- | --- |" + (" --- |" if evidence else ""),
+        ]
+        lines += [
+            f"| {rank} | {row['updates']} | {row['reward_mean']:+.4f} |" + (f" {row['evidence']} |" if evidence else "")
+            for rank, row in s["updates_by_rank"].items()
+        ]
     if "training" in report:
         heldout = [s for s in report["training"] if s.get(HELDOUT_CURVE) is not None]
         if heldout:
