@@ -17,10 +17,6 @@ CODE_SPAN = re.compile(r"`([^`\s]+)`")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
-def docs(repo_root: Path) -> list[Path]:
-    return [repo_root / "README.md", *sorted((repo_root / "docs").glob("*.md"))]
-
-
 def module_resolves(src: Path, dotted: str) -> bool:
     """Whether ``dotted`` (``memupdate.eval.policy`` or ``memupdate.eval.policy.evaluate_policy``) is a module under
     ``src``, or a name that module defines or imports, read from its source (importing would import verl)."""

@@ -183,7 +183,8 @@ def annotate_update_ranks(
     reads; None for an id the store lacks), and, given the held-out split's ``evidence_ranks`` (the headroom flags'
     ``evidence_rank`` by namespace), ``update_evidence``: whether each names the memory citing the evidence the
     reader's context lacks. What a policy promotes, by position and by content (docs/cpu-demo.md)."""
-    edited = [r for r in records if updated_ids(r.get("policy_text") or "")]
+    named = {id(r): updated_ids(r.get("policy_text") or "") for r in records}
+    edited = [r for r in records if named[id(r)]]
     for record in records:
         record["update_ranks"] = []
         if evidence_ranks is not None:
@@ -194,7 +195,7 @@ def annotate_update_ranks(
     cache = EmbeddingCache.open(embeddings, model_name=embedder.model_name, must_exist=True)
     table = read_parquet_columns(memories, {"sample_id": None, "content": None}, "a memories table", only=False)
     questions = sorted({r["question"] for r in edited})
-    vectors = dict(zip(questions, embedder.encode(questions), strict=True)) if questions else {}
+    vectors = dict(zip(questions, embedder.encode(questions), strict=True))
     stores: dict[str, TrialStore] = {}
     for record in edited:
         sample_id = sample_ids[record["namespace"]]
@@ -204,7 +205,7 @@ def annotate_update_ranks(
         order = {
             hit.record.id: rank for rank, hit in enumerate(store.search(vectors[record["question"]], len(store)), 1)
         }
-        record["update_ranks"] = [order.get(i) for i in updated_ids(record["policy_text"])]
+        record["update_ranks"] = [order.get(i) for i in named[id(record)]]
         if evidence_ranks is not None:
             wanted = evidence_ranks.get(record["namespace"])
             record["update_evidence"] = [wanted is not None and rank == wanted for rank in record["update_ranks"]]
@@ -226,10 +227,11 @@ def updates_by_rank(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str,
         for rank, cites in zip(ranks, record.get("update_evidence") or [False] * len(ranks), strict=True):
             rewards[rank].append(record["reward"])
             evidence[rank] += cites
+    known = any("update_evidence" in r for r in records)
     out = {}
     for rank in sorted(rewards, key=lambda r: (r is None, r or 0)):
         row = {"updates": len(rewards[rank]), "reward_mean": round(float(np.mean(rewards[rank])), 4)}
-        if any("update_evidence" in r for r in records):
+        if known:
             row["evidence"] = evidence[rank]
         out["not in the store" if rank is None else str(rank)] = row
     return out
