@@ -147,7 +147,13 @@ def _cmd_bench_headroom(args: argparse.Namespace) -> None:
     check_config(config, files=[args.config], other_scales=False)
     settings = experiment_settings(args.experiment, config)
     result = run_headroom_bench(
-        args.rows, args.memories, args.embeddings, widths=args.widths, output=args.output, **settings
+        args.rows,
+        args.memories,
+        args.embeddings,
+        widths=args.widths,
+        judge_model=args.judge_model,
+        output=args.output,
+        **settings,
     )
     sys.stdout.write(format_headroom_bench(result) + "\n")
 
@@ -395,6 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--config", default="config/config.yaml", help="the workflow config naming the experiment")
     head.add_argument(
         "--widths", type=int, nargs="+", default=[6, 7, 8, 10], help="search depths to summarise (the expert's)"
+    )
+    head.add_argument(
+        "--judge-model",
+        help="a causal language model's folder (the experiment's policy, e.g. results/models/smollm2-135m): also "
+        "promote the memory below the reader's view it finds most relevant to the question",
     )
     head.add_argument("--output", default="results/bench/headroom.json")
     head.set_defaults(func=_cmd_bench_headroom)

@@ -5,7 +5,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from memupdate.bench.headroom import POLICIES, format_headroom_bench, run_headroom_bench
+from memupdate.bench.headroom import PICKS, POLICIES, RelevanceJudge, format_headroom_bench, run_headroom_bench
 from memupdate.settings import RewardSettings
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ REWARD = {
 
 
 @pytest.fixture(scope="module")
-def bench(locomo_rows, held_out_cache, tmp_path_factory):
+def bench(locomo_rows, held_out_cache, tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "headroom.json"
     result = run_headroom_bench(
         str(locomo_rows["train"]),
@@ -31,6 +31,8 @@ def bench(locomo_rows, held_out_cache, tmp_path_factory):
         widths=[10, 6],
         embedding_model="all-MiniLM-L6-v2",
         max_content_chars=300,
+        # A random model's judgments: the plumbing, not a measure (docs/cpu-demo.md has SmolLM2's).
+        judge_model=str(tiny_models / "policy"),
         output=str(out),
     )
     return result, out
@@ -48,6 +50,8 @@ def test_each_width_has_the_rows_the_workflow_selects_and_scores_every_policy(be
     for summary in evidence.values():
         assert set(summary["policies"]) == set(POLICIES)
         assert summary["policies"]["stop"] == {"mix": 0.0, "headroom": 0.0, "others": 0.0}
+        assert set(summary["picks_evidence"]) == set(PICKS)
+        assert all(0 <= share <= 1 for share in summary["picks_evidence"].values()), summary
 
 
 def test_the_expert_pays_where_memory_can_help_and_a_blind_pick_pays_less(bench):
@@ -64,6 +68,26 @@ def test_the_expert_pays_where_memory_can_help_and_a_blind_pick_pays_less(bench)
     assert narrow["policies"]["random below view"]["headroom"] > wide["policies"]["random below view"]["headroom"]
     table = format_headroom_bench(result)
     assert "evidence_recall: mean reward on the mix" in table and "answer_recall" in table
+    assert "the pick is the evidence memory" in table and "model below view" in table
+
+
+def test_the_judges_relevance_is_the_models_own_log_probabilities(tiny_models):
+    import torch
+
+    judge = RelevanceJudge(str(tiny_models / "policy"), batch_size=2)
+    pairs = [("When did Caroline go?", "Caroline went to a support group on 7 May."), ("Who is Mel?", "Mel paints.")]
+
+    def log_p(context: str, text: str) -> float:
+        # One sequence, unpadded: what the batched, padded pass must reproduce.
+        c = judge.tokenizer(context, add_special_tokens=False)["input_ids"]
+        t = judge.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([c + t])
+        with torch.inference_mode():
+            logits = judge.model(input_ids=ids).logits
+        return float(torch.log_softmax(logits[0, len(c) - 1 : -1], -1).gather(-1, ids[0, len(c) :, None]).sum())
+
+    expected = [log_p(f"Memory: {m}\nQuestion: ", q) - log_p("Question: ", q) for q, m in pairs]
+    assert judge.relevance(pairs) == pytest.approx(expected, abs=1e-4)
 
 
 def test_no_width_is_refused(locomo_rows, held_out_cache):
