@@ -718,6 +718,6 @@ def test_an_episode_that_would_cut_the_experts_search_short_is_refused():
     deep behind 640 characters (its first measured run), saw four of them and demonstrated no edit."""
     cut = merged({"experiments": {"cpu_demo": {"episode": {"max_tool_response_length": 640}}}})
     assert (
-        "experiments.cpu_demo.episode.max_tool_response_length: the expert's search of 7 results is about 1190 "
+        "experiments.cpu_demo.episode.max_tool_response_length: the expert's search of 7 results is about 1470 "
         "characters, but a tool's text is cut at 640" in problems(cut)
     )

@@ -298,6 +298,11 @@ class ToolSettings:
         help="the tools the policy is given, search_memory among them", factory=lambda: list(MEMORY_TOOLS)
     )
     compact: Bool = setting(False, help="compact schemas: each tool's main arguments with one-line descriptions")
+    search_matches: Bool = setting(
+        False,
+        help="each search result names the query's content words its text holds, as a search engine highlights "
+        "them: which memory a question is about becomes visible to a small policy",
+    )
 
     def __post_init__(self) -> None:
         if SEARCH_TOOL not in self.names:
@@ -310,7 +315,7 @@ class ToolSettings:
         """The :class:`~memupdate.memory.environment.MemoryEnvironment` fields for an experiment's ``tools``
         values (None: every tool, full schemas)."""
         tools = build(cls, values, path)
-        return {"tools": tuple(tools.names), "compact_schemas": tools.compact}
+        return {"tools": tuple(tools.names), "compact_schemas": tools.compact, "search_matches": tools.search_matches}
 
 
 @section
@@ -1303,6 +1308,8 @@ def check_positions(
 #: Characters of one search result as the memory tools show it (a LoCoMo observation averages 116 characters,
 #: its id, speaker, session and date about 55 more): what a tool response needs per result shown.
 SEARCH_RESULT_CHARS = 170
+#: Characters a result's matches add with ``tools.search_matches`` (" [matches: caroline, lgbtq, group]").
+SEARCH_MATCHES_CHARS = 40
 
 
 def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
@@ -1329,10 +1336,12 @@ def _stage_errors(name: str, experiment: dict[str, Any]) -> list[str]:
                 f"evidence up to rank {reach} (headroom.search_top_k): it would stop where it should promote"
             )
         shown = experiment.get("episode", {}).get("max_tool_response_length", EpisodeSettings.max_tool_response_length)
-        if shown < SEARCH_RESULT_CHARS * search:
+        matches = (experiment.get("tools") or {}).get("search_matches", ToolSettings.search_matches)
+        needed = (SEARCH_RESULT_CHARS + SEARCH_MATCHES_CHARS * bool(matches)) * search
+        if shown < needed:
             errors.append(
                 f"{path}.episode.max_tool_response_length: the expert's search of {search} results is about "
-                f"{SEARCH_RESULT_CHARS * search} characters, but a tool's text is cut at {shown} (verl cuts by "
+                f"{needed} characters, but a tool's text is cut at {shown} (verl cuts by "
                 "characters): the expert and the policy would see only the first results; raise it"
             )
     if "ingestion" in experiment and "policy_eval" in experiment:

@@ -71,6 +71,27 @@ def test_search_shows_short_ids_and_details(tools):
     )
 
 
+def test_search_names_the_querys_words_each_result_holds_where_its_environment_says(environment, tmp_path):
+    """The ids and texts a search shows stay as they are; with ``search_matches`` each line also names the query's
+    content words it holds, the highlight a small policy can choose a memory by."""
+    plain = {
+        cls.SCHEMA["name"]: cls({"type": "native", "environment": str(environment.write(tmp_path))})
+        for cls in TOOL_CLASSES
+    }
+    marked_env = dataclasses.replace(environment, search_matches=True).write(tmp_path / "marked")
+    marked = {cls.SCHEMA["name"]: cls({"type": "native", "environment": str(marked_env)}) for cls in TOOL_CLASSES}
+    query = "When did Caroline go to the LGBTQ support group?"
+    before, ok = call(plain, new_agent_data(), "search_memory", query=query, top_k=5)
+    after, ok_too = call(marked, new_agent_data(), "search_memory", query=query, top_k=5)
+    assert ok and ok_too and "[matches:" not in before
+    for line, marked_line in zip(before.splitlines()[1:], after.splitlines()[1:], strict=True):
+        assert marked_line.startswith(line + " [matches: ")
+    # The memory the question is about holds more of its words than the one ranked above it.
+    lines = {line.split("]", 1)[0]: line for line in after.splitlines()[1:]}
+    assert lines["[0"].endswith("[matches: caroline, lgbtq, support, group]"), after
+    assert lines["[82"].endswith("[matches: caroline, lgbtq, group]"), after
+
+
 def test_search_filters(tools):
     text, ok = call(tools, new_agent_data(), "search_memory", query="painting", top_k=20, speaker="Melanie", session=2)
     assert ok

@@ -27,7 +27,8 @@ SHORTENED = {
             # promoted a memory in about 11 of 12, mostly one that gained nothing: CI's step and one of two here had no
             # spread at all (12 x -0.05). At about half stops, a group of 6 is flat about 3% of the time, both about 0.1%.
             "headroom": {"share": 0.5, "search_top_k": 10},
-            "episode": {"max_tool_response_length": 2600},
+            # Ten results and the words each holds.
+            "episode": {"max_tool_response_length": 3000},
             # An edit that gains nothing differs from a stop, so that one step of twelve episodes has spread without
             # needing a paying edit among them (cpu_demo's own reward has no such cost: docs/cpu-demo.md).
             "reward": {"idle_edit_cost": 0.05},

@@ -53,6 +53,8 @@ class MemoryEnvironment:
     #: only these) and whether their schemas are the compact ones (memupdate.tools.memory_tools).
     tools: tuple[str, ...] = MEMORY_TOOLS
     compact_schemas: bool = False
+    #: Whether each search result names the query's content words its text holds.
+    search_matches: bool = False
 
     def __post_init__(self) -> None:
         for name in ("memories", "embeddings", "embedding_model"):
@@ -77,10 +79,11 @@ class MemoryEnvironment:
                 f"known: {list(MEMORY_TOOLS)}"
             )
         object.__setattr__(self, "tools", tuple(tools))
-        if not isinstance(self.compact_schemas, bool):
-            raise MemoryEnvironmentError(
-                f"memory environment: compact_schemas must be true or false, got {self.compact_schemas!r}"
-            )
+        for name in ("compact_schemas", "search_matches"):
+            if not isinstance(getattr(self, name), bool):
+                raise MemoryEnvironmentError(
+                    f"memory environment: {name} must be true or false, got {getattr(self, name)!r}"
+                )
 
     def write(self, directory: str | os.PathLike) -> Path:
         """Write ``<directory>/memory_environment.json`` (atomically, paths made absolute so a worker in

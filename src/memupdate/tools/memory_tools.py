@@ -34,7 +34,7 @@ from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 from memupdate.agents.fields import DELTA_KEY
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.memory.manager import MemoryStoreManager, manager_for
-from memupdate.memory.store import SOURCES, InvalidMemoryOperation, TrialStore, UnknownMemoryId
+from memupdate.memory.store import SOURCES, InvalidMemoryOperation, TrialStore, UnknownMemoryId, content_words
 from memupdate.names import DELETE_TOOL, MANAGE_TOOL, MEMORY_TOOLS, MERGE_TOOL, SAMPLE_TOOL, SEARCH_TOOL, SPLIT_TOOL
 from memupdate.prompts import format_record
 from memupdate.tools.config import ENVIRONMENT_KEY
@@ -359,7 +359,26 @@ class SearchMemoryTool(MemoryTool):
             scope = f" with filters {filters}" if filters else ""
             return f"No memories found{scope}. Try another query or fewer filters."
         lines = [format_record(hit.record) for hit in hits]
+        if self.environment.search_matches:
+            lines = [
+                f"{line} [matches: {query_matches(query, hit.record.content)}]"
+                for line, hit in zip(lines, hits, strict=True)
+            ]
         return f"Found {len(hits)} memories:\n" + "\n".join(lines)
+
+
+def query_matches(query: str, content: str) -> str:
+    """The query's content words that ``content`` holds, in the query's order (``none`` if it holds none): what
+    a search result shows with ``search_matches``.
+
+    >>> query_matches("Where did Andrew and his girlfriend go hiking?", "Andrew went hiking with friends.")
+    'andrew, hiking'
+    >>> query_matches("Where did Mel paint?", "Caroline sings.")
+    'none'
+    """
+    folded = query.casefold()
+    shared = content_words(query) & content_words(content)
+    return ", ".join(sorted(shared, key=folded.find)) or "none"
 
 
 class ManageMemoryTool(MemoryTool):
