@@ -164,8 +164,9 @@ def test_each_update_is_placed_in_its_questions_own_search_and_the_evidence_memo
     assert [r["update_ranks"] for r in records] == [[evidence_rank], [1, None], []]
     assert [r["update_evidence"] for r in records] == [[True], [False, False], []]
     by_rank = updates_by_rank(records)
-    assert by_rank[str(evidence_rank)] == {"updates": 1, "reward_mean": 0.5, "evidence": 1}
-    assert by_rank["1"]["evidence"] == 0 and by_rank["not in the store"]["updates"] == 1
+    assert by_rank[str(evidence_rank)] == {"updates": 1, "reward_mean": 0.5, "evidence": 1, "evidence_reward_mean": 0.5}
+    assert by_rank["1"]["evidence"] == 0 and by_rank["1"]["evidence_reward_mean"] is None
+    assert by_rank["not in the store"]["updates"] == 1
     assert list(by_rank)[-1] == "not in the store"
     # The report shows the table (a policy's summary carries it).
     summary = {"questions": 1, "episodes": 3, "reward_mean": 0.1667, "well_formed_rate": 0.6667}
@@ -173,5 +174,9 @@ def test_each_update_is_placed_in_its_questions_own_search_and_the_evidence_memo
     (tmp_path / "stage1.json").write_text(json.dumps(summary))
     policy_report({"stage1": tmp_path / "stage1.json"}, None, tmp_path / "report.json")
     markdown = (tmp_path / "report.md").read_text()
-    assert "| rank | updates | mean reward | of them the memory citing the missing evidence |" in markdown
-    assert f"| {evidence_rank} | 1 | +0.5000 | 1 |" in markdown and "| not in the store | 1 | +0.0000 | 0 |" in markdown
+    assert (
+        "| rank | updates | mean reward | of them the memory citing the missing evidence | their mean reward |"
+        in markdown
+    )
+    assert f"| {evidence_rank} | 1 | +0.5000 | 1 | +0.5000 |" in markdown
+    assert "| not in the store | 1 | +0.0000 | 0 | - |" in markdown

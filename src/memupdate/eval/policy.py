@@ -213,26 +213,31 @@ def annotate_update_ranks(
 
 def updates_by_rank(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per rank (:func:`annotate_update_ranks`) of an updated memory in its question's own search: how many updates
-    named a memory there, their episodes' mean reward, and (where known) how many named the evidence memory.
+    named a memory there, their episodes' mean reward, and (where known) how many named the evidence memory and
+    their episodes' mean reward (whether the policy's edit pays when it picks the right memory).
 
     >>> by = updates_by_rank([{"reward": 0.5, "update_ranks": [6], "update_evidence": [True]},
     ...                       {"reward": 0.0, "update_ranks": [7, None]}, {"reward": 0.0}])
     >>> by["6"], by["7"]["updates"], by["not in the store"]["reward_mean"]
-    ({'updates': 1, 'reward_mean': 0.5, 'evidence': 1}, 1, 0.0)
+    ({'updates': 1, 'reward_mean': 0.5, 'evidence': 1, 'evidence_reward_mean': 0.5}, 1, 0.0)
+    >>> by["7"]["evidence_reward_mean"] is None
+    True
     """
     rewards: dict[int | None, list[float]] = defaultdict(list)
-    evidence: dict[int | None, int] = defaultdict(int)
+    evidence: dict[int | None, list[float]] = defaultdict(list)
     for record in records:
         ranks = record.get("update_ranks", ())
         for rank, cites in zip(ranks, record.get("update_evidence") or [False] * len(ranks), strict=True):
             rewards[rank].append(record["reward"])
-            evidence[rank] += cites
+            if cites:
+                evidence[rank].append(record["reward"])
     known = any("update_evidence" in r for r in records)
     out = {}
     for rank in sorted(rewards, key=lambda r: (r is None, r or 0)):
         row = {"updates": len(rewards[rank]), "reward_mean": round(float(np.mean(rewards[rank])), 4)}
         if known:
-            row["evidence"] = evidence[rank]
+            row["evidence"] = len(evidence[rank])
+            row["evidence_reward_mean"] = round(float(np.mean(evidence[rank])), 4) if evidence[rank] else None
         out["not in the store" if rank is None else str(rank)] = row
     return out
 
@@ -536,11 +541,12 @@ def _markdown(report: Mapping[str, Any]) -> str:
             f"## {name}: updates by the rank of the memory updated, in the question's own search",
             "",
             "| rank | updates | mean reward |"
-            + (" of them the memory citing the missing evidence |" if evidence else ""),
-            "| --- | --- | --- |" + (" --- |" if evidence else ""),
+            + (" of them the memory citing the missing evidence | their mean reward |" if evidence else ""),
+            "| --- | --- | --- |" + (" --- | --- |" if evidence else ""),
         ]
         lines += [
-            f"| {rank} | {row['updates']} | {row['reward_mean']:+.4f} |" + (f" {row['evidence']} |" if evidence else "")
+            f"| {rank} | {row['updates']} | {row['reward_mean']:+.4f} |"
+            + (f" {row['evidence']} | {_signed(row.get('evidence_reward_mean'))} |" if evidence else "")
             for rank, row in s["updates_by_rank"].items()
         ]
     if "training" in report:
@@ -553,3 +559,7 @@ def _markdown(report: Mapping[str, Any]) -> str:
             ]
         lines += ["", "![stage-1 training](training.png)"]
     return "\n".join(lines) + "\n"
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.4f}"
