@@ -23,9 +23,10 @@ SHORTENED = {
     "experiments": {
         "cpu_demo": {
             # cpu_demo's half-and-half mix at the fifth attempt's top 10: the cold start's 8 rows are then 3 edits and
-            # 5 stops, and it stopped in about half of the step's 12 episodes. On questions with headroom alone (8 edit rows) it
-            # promoted a memory in about 11 of 12, mostly one that gained nothing: CI's step and one of two here had no
-            # spread at all (12 x -0.05). At about half stops, a group of 6 is flat about 3% of the time, both about 0.1%.
+            # 5 stops, and it stopped in about half of the step's 12 episodes. On questions with headroom alone (8 edit
+            # rows) it promoted a memory in about 11 of 12, mostly one that gained nothing: CI's step and one of two
+            # here had no spread at all (12 x -0.05). At about half stops, a group of 6 is flat about 3% of the time,
+            # both about 0.1%.
             "headroom": {"share": 0.5, "search_top_k": 10},
             "episode": {"max_tool_response_length": 2600},
             # The search results without the question's words each holds (cpu_demo's since its eighth attempt): a cold
