@@ -718,6 +718,13 @@ def test_an_episode_that_would_cut_the_experts_search_short_is_refused():
     deep behind 640 characters (its first measured run), saw four of them and demonstrated no edit."""
     cut = merged({"experiments": {"cpu_demo": {"episode": {"max_tool_response_length": 640}}}})
     assert (
-        "experiments.cpu_demo.episode.max_tool_response_length: the expert's search of 7 results is about 1470 "
+        "experiments.cpu_demo.episode.max_tool_response_length: the expert's search of 7 results is about 1190 "
         "characters, but a tool's text is cut at 640" in problems(cut)
+    )
+    # Results that name their matches are longer: a cut that holds seven plain ones does not hold them.
+    episode = {"episode": {"max_tool_response_length": 1300}}
+    check_config(merged({"experiments": {"cpu_demo": episode}}), root=REPO)
+    matches = merged({"experiments": {"cpu_demo": {**episode, "tools": {"search_matches": True}}}})
+    assert "the expert's search of 7 results is about 1470 characters, but a tool's text is cut at 1300" in problems(
+        matches
     )

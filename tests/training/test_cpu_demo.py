@@ -29,10 +29,6 @@ SHORTENED = {
             # both about 0.1%.
             "headroom": {"share": 0.5, "search_top_k": 10},
             "episode": {"max_tool_response_length": 2600},
-            # The search results without the question's words each holds (cpu_demo's since its eighth attempt): a cold
-            # start on 8 rows lands where its last steps push it, and with them it stopped in 11 of the step's 12
-            # episodes (one group with spread); without them in 6 of 12, and both groups had spread in each of two runs.
-            "tools": {"search_matches": False},
             # An edit that gains nothing differs from a stop, so that one step of twelve episodes has spread without
             # needing a paying edit among them (cpu_demo's own reward has no such cost: docs/cpu-demo.md).
             "reward": {"idle_edit_cost": 0.05},
