@@ -130,6 +130,7 @@ async def _promotions(
         position = missing_evidence_rank(ranked, row["evidence"] or (), config.top_k, config.context_chars)
         # The reader's context: the leading memories within its budget (at most top_k).
         in_view = len(within_budget([to_retrieved(h) for h in hits[: config.top_k]], config.context_chars))
+        asked = content_words(row["question"])
         records.append(
             {
                 "namespace": row["namespace"],
@@ -137,7 +138,7 @@ async def _promotions(
                 "in_view": in_view,
                 "evidence_rank": None if position is None else position + 1,
                 "rewards": {name: [0.0] * len(hits) for name in SCORERS},
-                "shared_words": [len(content_words(row["question"]) & content_words(h.record.content)) for h in hits],
+                "shared_words": [len(asked & content_words(h.record.content)) for h in hits],
             }
         )
         # Only the memories below the reader's view are picked from.
