@@ -86,7 +86,7 @@ def test_every_memoryupdate_stage_composes_against_verl(full, repo_root, tmp_pat
         # Every step reachable whatever the rows (one step an epoch is the fewest a run can have; verl 0.9.1 stops
         # at total_epochs epochs): a 300-step stage of our split's 27 steps an epoch once stopped at step 270.
         assert vl.unreachable_steps(resolved, rows=resolved.data.train_batch_size) is None
-        assert "verl.trainer.main_ppo" in " ".join(command)
+        assert "memupdate.verl_ext.main_ppo" in " ".join(command)
 
 
 def test_memagent_7b_composes_against_verl_with_memagents_budgets(full, repo_root, tmp_path):

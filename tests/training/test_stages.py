@@ -112,7 +112,7 @@ def test_verl_command_spans_the_allocation(run):
     assert command[6:9] == [sys.executable, "-m", "memupdate.training.ray_cluster"]
     assert command[command.index("--num-gpus") + 1] == "4"
     trainer = command[command.index("--") + 1 :]
-    assert trainer[1:3] == ["-m", "verl.trainer.main_ppo"]
+    assert trainer[1:3] == ["-m", "memupdate.verl_ext.main_ppo"]
     assert "trainer.nnodes=2" in trainer and "trainer.n_gpus_per_node=4" in trainer
     assert "trainer.total_training_steps=3" in trainer
     # The memory paths travel in a file; the key closes verl's own rollout servers (verl_launcher.run_env).

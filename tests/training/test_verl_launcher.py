@@ -95,7 +95,7 @@ def test_stage1_command(run):
     assert argv[:7] == [
         sys.executable,
         "-m",
-        "verl.trainer.main_ppo",
+        vl.MAIN_PPO_MODULE,
         "--config-path",
         str(vl.CONFIG_DIR),
         "--config-name",
@@ -136,7 +136,7 @@ def test_stage2_command_needs_the_served_memory_model(run):
     with pytest.raises(ValueError, match="fixed_model_endpoint"):
         vl.compose_overrides("qa", **run)
     argv, _ = vl.build_main_ppo_command("qa", fixed_model_endpoint=ENDPOINT, **run)
-    assert argv[2] == "verl.trainer.main_ppo"
+    assert argv[2] == vl.MAIN_PPO_MODULE
 
 
 @pytest.mark.parametrize(

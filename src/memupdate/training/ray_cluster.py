@@ -3,7 +3,7 @@
 A multi-node training rule (Snakemake resources ``nodes=N, tasks=N, gres="gpu:G", tasks_per_gpu=0,
 mpi="srun"``) runs its shell in the batch step, and ``srun`` starts one task per node::
 
-    srun python -m memupdate.training.ray_cluster --shared-dir <run>/ray -- python -m verl.trainer.main_ppo ...
+    srun python -m memupdate.training.ray_cluster --shared-dir <run>/ray -- python -m memupdate.verl_ext.main_ppo ...
 
 Every task runs :func:`run_ray_cluster` with its rank (``SLURM_PROCID``):
 

@@ -93,6 +93,8 @@ AGENT_LOOP_TEMPLATE = "agent_loops.yaml"
 CPU_CONFIG = f"{VERL_CPU_CONFIG}.yaml"
 #: verl's platform selector, in the driver's and every Ray worker's environment for ``trainer.device: cpu``.
 CPU_ENV = {"VERL_PLATFORM": "cpu"}
+#: verl's main_ppo, through our entry point (its task runner in the driver on CPU runs).
+MAIN_PPO_MODULE = "memupdate.verl_ext.main_ppo"
 #: The actor's token budget per micro-batch (the log-prob passes follow it): on CPU, one row's padded width.
 CPU_MICRO_BATCH_TOKENS = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 #: Its settings in the rollout config (memupdate.verl_ext.external_vllm reads them there).
@@ -468,7 +470,7 @@ def main_ppo_argv(
     return [
         python,
         "-m",
-        "verl.trainer.main_ppo",
+        MAIN_PPO_MODULE,
         "--config-path",
         _abs(config_dir),
         "--config-name",
