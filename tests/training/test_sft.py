@@ -23,7 +23,9 @@ from memupdate.training.memagent_expert import NOTHING_YET, covers
 from memupdate.training.sft import DEMONSTRATION_SUMMARY, DEMONSTRATIONS, cold_start, cold_start_memagent
 from memupdate.training.verl_sft import ROWS_FILE
 
-pytestmark = [pytest.mark.slow, pytest.mark.verl_cpu]
+# The tests that run verl's SFT trainer (through the module's fixtures) are marked verl_cpu one by one: the refusals
+# start nothing, and run with the parallel tests.
+pytestmark = [pytest.mark.slow]
 
 #: The tools the expert uses, in compact form: the prompt a CPU experiment gives its policy.
 TOOLS = {"names": [SEARCH_TOOL, MANAGE_TOOL], "compact": True}
@@ -76,6 +78,7 @@ def sft_run(tiny_model_dir, locomo_rows, held_out_cache, headroom_mix, tmp_path_
 SFT = {"epochs": 2, "batch_size": 2, "micro_batch_size": 1, "max_rows": 8, "min_rows": 4}
 
 
+@pytest.mark.verl_cpu
 def test_demonstrations_are_the_experts_program_in_the_loops_format(sft_run, tiny_model_dir):
     run_dir, _ = sft_run
     records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
@@ -103,6 +106,7 @@ def calls_of(record):
     return [json.loads(c.split("</tool_call>")[0]) for c in record["policy_text"].split("<tool_call>\n")[1:]]
 
 
+@pytest.mark.verl_cpu
 def test_kept_edits_raised_the_training_reward_and_lowered_no_other(sft_run, locomo_rows):
     """The expert updates one memory that cites the question's evidence, putting key words in front of its text,
     and an edit is trained
@@ -179,6 +183,7 @@ def test_a_reply_cap_the_expert_cannot_keep_is_refused(tiny_model_dir, locomo_ro
     assert not (tmp_path / "run" / "ckpt").exists()
 
 
+@pytest.mark.verl_cpu
 def test_verls_sft_trainer_fine_tunes_on_the_policys_own_tokens(sft_run, tiny_model_dir):
     """The demonstrations, as token rows, through verl's SFT trainer (FSDP engine; here on verl's cpu platform),
     merged into the checkpoint stage 1 starts from."""
@@ -264,6 +269,7 @@ def ingest_sft(tiny_model_dir, locomo_rows, cache_dir, tmp_path_factory):
     return out / "run", rows, ckpt
 
 
+@pytest.mark.verl_cpu
 def test_ingestion_demonstrations_merge_what_belongs_together(ingest_sft, locomo_conversations):
     """The ingestion expert searches with a new memory's text and merges the memories shown that cite one
     question's evidence; it is never shown a question. Under the reward that pays for no trick (issue 34) its
@@ -328,6 +334,7 @@ def memagent_sft(tiny_model_dir, hotpot_rows, tmp_path_factory):
     return run_dir, ckpt
 
 
+@pytest.mark.verl_cpu
 def test_memagent_demonstrations_keep_the_supporting_facts_and_box_the_answer(memagent_sft, hotpot_rows):
     run_dir, ckpt = memagent_sft
     rows = {r["extra_info"]["question"]: r["extra_info"] for r in pq.read_table(hotpot_rows).to_pylist()}
@@ -351,6 +358,7 @@ def test_memagent_demonstrations_keep_the_supporting_facts_and_box_the_answer(me
     assert summary["dropped_uncovered"] == sum(not r["covered"] for r in records)
 
 
+@pytest.mark.verl_cpu
 def test_memagent_sft_trains_on_every_turn_of_the_kept_trajectories(memagent_sft, tiny_model_dir):
     run_dir, ckpt = memagent_sft
     records = [json.loads(line) for line in (run_dir / DEMONSTRATIONS).read_text().splitlines()]
