@@ -69,12 +69,13 @@ machine_mem_mb() {
     awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo
 }
 
-# The cores Snakemake counts: one more than the machine has. A training job counts two, yet its rollouts decode on
-# one core and its Ray workers start one after another on one; a policy evaluation's server decodes on one. Counting
-# one core more lets one such job run beside a training job on a 2-core machine, where Snakemake (which starts no job,
-# not even one of no core, while every core is counted) would leave a core idle (figures: docs/measurements.md).
-# Memory still decides what runs together (mem_mb).
-run_cores() {
+# The cores Snakemake counts for the demos: one more than the machine has. A training job counts two, yet its
+# rollouts decode on one core and its Ray workers start one after another on one; a policy evaluation counts one (its
+# server decodes on one). The extra core lets a demo's evaluation of one policy run beside the training of the next, where Snakemake
+# (which starts no job, not even one of no core, while every core is counted) would leave a core idle. The pipeline
+# has no policy evaluation: there the extra core only let servers' starts and the embedding slow its training jobs
+# (figures: docs/measurements.md). Memory still decides what runs together (mem_mb).
+demo_cores() {
     echo $(( $(nproc) + 1 ))
 }
 
@@ -83,17 +84,16 @@ shift || true
 case "$cmd" in
     pipeline)
         ensure_env
-        exec "$VENV/bin/snakemake" --profile profiles/local --cores "$(run_cores)" --resources=mem_mb="$(machine_mem_mb)" \
-            all "$@"
+        exec "$VENV/bin/snakemake" --profile profiles/local --resources=mem_mb="$(machine_mem_mb)" all "$@"
         ;;
     demo)
         ensure_env
-        exec "$VENV/bin/snakemake" --profile profiles/local --cores "$(run_cores)" --resources=mem_mb="$(machine_mem_mb)" \
+        exec "$VENV/bin/snakemake" --profile profiles/local --cores "$(demo_cores)" --resources=mem_mb="$(machine_mem_mb)" \
             results/cpu_demo/policy_eval/report.json results/cpu_demo/eval/report.json "$@"
         ;;
     demo-memagent)
         ensure_env
-        exec "$VENV/bin/snakemake" --profile profiles/local --cores "$(run_cores)" --resources=mem_mb="$(machine_mem_mb)" \
+        exec "$VENV/bin/snakemake" --profile profiles/local --cores "$(demo_cores)" --resources=mem_mb="$(machine_mem_mb)" \
             results/memagent_demo/memagent_eval/report.json "$@"
         ;;
     tests)

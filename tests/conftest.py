@@ -155,15 +155,11 @@ def workflow_env(vllm_python: Path) -> dict[str, str]:
     }
 
 
-def local_profile() -> tuple[str, ...]:
-    """As run.sh: the local profile, one core more than the machine has (run.sh's ``run_cores``), and jobs together
-    only while their declared memory fits in the machine's."""
-    return (
-        "--profile",
-        "profiles/local",
-        f"--cores={len(os.sched_getaffinity(0)) + 1}",
-        f"--resources=mem_mb={psutil.virtual_memory().total // 2**20}",
-    )
+def local_profile(*, demo: bool = False) -> tuple[str, ...]:
+    """As run.sh: the local profile, for a ``demo`` one core more than the machine has (run.sh's ``demo_cores``), and
+    jobs together only while their declared memory fits in the machine's."""
+    cores = (f"--cores={len(os.sched_getaffinity(0)) + 1}",) if demo else ()
+    return ("--profile", "profiles/local", *cores, f"--resources=mem_mb={psutil.virtual_memory().total // 2**20}")
 
 
 @pytest.fixture
@@ -181,7 +177,7 @@ def shortened_run(copy_workflow, vllm_python, tmp_path):
         (copy.repo / "ci.yaml").write_text(yaml.safe_dump(overlay), encoding="utf-8")
         for name, folder in (models or {}).items():
             shutil.copytree(folder, copy.repo / "results" / "models" / name, copy_function=os.link)
-        return copy, copy.snakemake(*local_profile(), *targets, "--configfile", "ci.yaml", timeout=1800)
+        return copy, copy.snakemake(*local_profile(demo=True), *targets, "--configfile", "ci.yaml", timeout=1800)
 
     return run
 
