@@ -71,10 +71,10 @@ machine_mem_mb() {
 
 # The cores Snakemake counts for the demos: one more than the machine has. A training job counts two, yet its
 # rollouts decode on one core and its Ray workers start one after another on one; a policy evaluation counts one (its
-# server decodes on one). The extra core lets a demo's evaluation of one policy run beside the training of the next, where Snakemake
-# (which starts no job, not even one of no core, while every core is counted) would leave a core idle. The pipeline
-# has no policy evaluation: there the extra core only let servers' starts and the embedding slow its training jobs
-# (figures: docs/measurements.md). Memory still decides what runs together (mem_mb).
+# server decodes on one). The extra core lets a demo's evaluation of one policy run beside the training of the next,
+# where Snakemake (which starts no job, not even one of no core, while every core is counted) would leave a core idle.
+# The pipeline has no policy evaluation, and with the extra core it gained nothing measurable: its evaluations wait for
+# memory (figures: docs/measurements.md). Memory still decides what runs together (mem_mb).
 demo_cores() {
     echo $(( $(nproc) + 1 ))
 }
