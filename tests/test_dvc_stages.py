@@ -119,7 +119,7 @@ def test_training_sees_the_memory_store_and_its_config_and_data_does_not_see_tra
         "src/memupdate/tools/memory_tools.yaml",
         "src/memupdate/verl_plugin.py",
         "src/memupdate/training/verl_config/grpo_memupdate.yaml",
-        "src/memupdate/training/verl_config/agent_loops.yaml",
+        "src/memupdate/rollout/loops.py",
     ):
         assert path in deps, path
     imports_metrics = any(

@@ -182,7 +182,7 @@ def test_stage_settings_carry_the_role_and_the_answer_cap_and_are_checked_before
 
 def test_reward_settings_reach_the_qa_phase_in_process(tmp_path, tiny_models):
     from memupdate.agents.memory_loop import qa_settings
-    from memupdate.rollout.config import RolloutConfig, agent_loop_entry, run_config
+    from memupdate.rollout.config import RolloutConfig, loop_arguments, run_config
 
     reward = stages.stage_reward(
         {"scorer": "answer_recall", "qa_prompt": "mem0", "qa_max_tokens": 12, "top_k": 3, "context_chars": 200},
@@ -197,14 +197,13 @@ def test_reward_settings_reach_the_qa_phase_in_process(tmp_path, tiny_models):
         tool_config=str(TOOL_CONFIG),
         memory=MemoryEnvironment(memories="m", embeddings="e"),
         reward=reward,
-        qa_max_tokens=reward["qa_max_tokens"],
     )
     config = run_config(cfg)
     # The QA phase gets the retrieval and prompt the reward manager reads, and the answer cap the reader uses.
-    assert qa_settings(agent_loop_entry(cfg)["qa"]) == {"top_k": 3, "context_chars": 200, "qa_prompt": "mem0"}
-    assert qa_settings(config.reward.custom_reward_function.reward_kwargs) == qa_settings(agent_loop_entry(cfg)["qa"])
+    assert qa_settings(loop_arguments(cfg)["qa"]) == {"top_k": 3, "context_chars": 200, "qa_prompt": "mem0"}
+    assert qa_settings(config.reward.custom_reward_function.reward_kwargs) == qa_settings(loop_arguments(cfg)["qa"])
     assert (
-        config.reward.custom_reward_function.reward_kwargs.qa_max_tokens == agent_loop_entry(cfg)["qa_max_tokens"] == 12
+        config.reward.custom_reward_function.reward_kwargs.qa_max_tokens == loop_arguments(cfg)["qa_max_tokens"] == 12
     )
 
 

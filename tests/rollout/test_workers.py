@@ -39,8 +39,7 @@ def test_agent_loop_constructor_is_resolved_once_and_every_trajectory_gets_a_fre
         run_dir=str(tmp_path),
         tool_config=str(TOOL_CONFIG),
         memory=MemoryEnvironment(memories=locomo_rows["memories"], embeddings=cache_dir),
-        qa_max_tokens=7,
-        reward={"top_k": 3},
+        reward={"top_k": 3, "qa_max_tokens": 7},
     )
     config = run_config(cfg)
     tokenizer = AutoTokenizer.from_pretrained(tiny_models / "policy")

@@ -319,6 +319,8 @@ def test_prepare_writes_the_run_files(run):
     kwargs = hydra.utils.instantiate({**OmegaConf.to_container(entry), "_target_": "builtins.dict"})
     assert kwargs == {
         "name": "memupdate_agent",
+        # Request ids unique per trajectory (the in-process runs number theirs, for reproducibility).
+        "deterministic_ids": False,
         "trained_role": "qa",
         "fixed_model": ENDPOINT,
         "qa_phase": True,
@@ -345,6 +347,56 @@ def test_a_memory_stage_plays_the_qa_phase_where_its_scorer_reads_the_served_qa_
     (entry,) = OmegaConf.load(run["experiment_dir"] / "agent_loops.yaml")
     assert entry.trained_role == "memory" and entry.qa_phase is (fixed is not None)
     assert entry.fixed_model == (dict(fixed) if fixed else None)
+
+
+@pytest.mark.parametrize(
+    ("role", "fixed"), [("memory", None), ("memory", ENDPOINT), ("qa", ENDPOINT)], ids=["offline", "qa phase", "qa"]
+)
+def test_the_trainer_and_the_in_process_runs_play_the_same_episode(run, tmp_path, role, fixed):
+    """One translation of an experiment's episode and reward (memupdate.rollout.loops, settings.VERL_EPISODE_KEYS):
+    verl's trainer and the in-process runs (the cold start's demonstrations, the evaluations) write the same agent
+    loop and put the episode on the same verl keys; only the request ids differ (numbered in process)."""
+    from memupdate.rollout.config import RolloutConfig, run_config
+    from memupdate.settings import VERL_EPISODE_KEYS
+
+    episode = {
+        "max_new_tokens": 48,
+        "prompt_length": 1024,
+        "response_length": 900,
+        "max_assistant_turns": 3,
+        "max_parallel_calls": 2,
+        "max_tool_response_length": 700,
+        "temperature": 0.7,
+        "top_p": 0.9,
+    }
+    reward = {**run["reward"], "qa_max_tokens": 12, "top_k": 3}
+    vl.prepare_main_ppo(role, fixed_model_endpoint=fixed, **{**run, "episode": episode, "reward": reward})
+    trainer_dir = run["experiment_dir"]
+    in_process = RolloutConfig(
+        model_path=str(run["model_path"]),
+        train_files=[str(run["train_files"])],
+        run_dir=str(tmp_path / "in_process"),
+        tool_config=str(run["tool_config"]),
+        memory=run["memory"],
+        reward=reward,
+        trained_role=role,
+        qa_phase=fixed is not None,
+        fixed_model=fixed,
+        **episode,
+    )
+    config = run_config(in_process)
+
+    (trained,) = OmegaConf.to_container(OmegaConf.load(trainer_dir / "agent_loops.yaml"))
+    (played,) = OmegaConf.to_container(OmegaConf.load(tmp_path / "in_process" / "agent_loops.yaml"))
+    assert (trained.pop("deterministic_ids"), played.pop("deterministic_ids")) == (False, True)
+    assert trained == played
+    assert (trained["qa"]["top_k"], trained["qa_max_tokens"], trained["max_new_tokens"]) == (3, 12, 48)
+    resolved = OmegaConf.load(trainer_dir / "resolved_config.yaml")
+    keys = VERL_EPISODE_KEYS.values()
+    assert {key: OmegaConf.select(resolved, key) for key in keys} == {
+        key: OmegaConf.select(config, key) for key in keys
+    }
+    assert OmegaConf.select(config, "actor_rollout_ref.rollout.multi_turn.max_tool_response_length") == 700
 
 
 def test_runs_track_offline_and_record_commit_config_and_data(run, repo_root):
@@ -399,11 +451,6 @@ def test_prepare_writes_nothing_when_validation_fails(run):
     with pytest.raises(vl.ConfigValidationError):
         vl.prepare_main_ppo("memory", extra={"actor_rollout_ref.rollout.mode": "sync"}, **run)
     assert not run["experiment_dir"].exists()
-
-
-def test_agent_loop_template_defaults_to_single_stage_memory():
-    (entry,) = OmegaConf.load(vl.CONFIG_DIR / "agent_loops.yaml")
-    assert (entry.name, entry.trained_role, entry.fixed_model) == ("memupdate_agent", "memory", None)
 
 
 LOOP = {"chunk_size": 5000, "max_chunks": 8, "max_memory_tokens": 1024, "max_final_tokens": 256}

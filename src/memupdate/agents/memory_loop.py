@@ -12,8 +12,8 @@ MemoryUpdate needs, through verl's extension points only:
 - request ids can be made deterministic (``deterministic_ids``) for reproducible in-process runs (evaluation,
   the cold start); they stay unique per process, as trial namespaces (keyed by the whole id) need.
 
-Registered as ``memupdate_agent`` (the rows' ``agent_name``); ``memupdate/training/verl_config/agent_loops.yaml`` wires the
-same class for verl's trainer.
+Registered as ``memupdate_agent`` (the rows' ``agent_name``); a run's ``agent_loops.yaml`` wires the same class with the
+same arguments for verl's trainer and for the in-process runs (:mod:`memupdate.rollout.loops`).
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         carries; :func:`qa_settings`), exactly what evaluation's
         ``no_update`` system asks from the initial store. Its answer is ``extra_fields["qa_answer"]``; when
         the QA role is trained, the QA turn is the loop's (second) output. ``max_new_tokens`` caps each memory
-        turn (the episode's, :class:`~memupdate.settings.EpisodeSettings`; None: what is left of the response
-        budget)."""
+        turn, the policy's and the served model's alike (the episode's, :class:`~memupdate.settings.EpisodeSettings`;
+        None: what is left of the response budget)."""
         super().__init__(*args, **kwargs)
         if trained_role not in ROLES:
             raise ValueError(f"trained_role must be one of {ROLES}, got {trained_role!r}")
@@ -130,7 +130,8 @@ class MemoryUpdateAgentLoop(ToolAgentLoop):
         self.fixed_role = fixed_role
         # What outlives this trajectory (prompt ids, fixed-model clients, request ids): the worker's.
         self.loop_context = loop_context or process_context()
-        self.fixed_model = self.loop_context.fixed_client(fixed_model, self.response_length)
+        # The served role's turns get the policy's per-turn cap (an endpoint's own max_tokens overrides it).
+        self.fixed_model = self.loop_context.fixed_client(fixed_model, max_new_tokens or self.response_length)
         self.fixed_temperature = fixed_temperature
         self.qa_max_tokens = int(qa_max_tokens)
         self.max_new_tokens = max_new_tokens

@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from memupdate.agents.fields import AGENT_LOOPS, MEMORY_REWARD
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.names import MEMORY_AGENT
-from memupdate.settings import QA_PHASE_KEYS, ROLES, EpisodeSettings, RewardSettings
+from memupdate.rollout.loops import agent_loop_entry, memory_loop_arguments
+from memupdate.settings import ROLES, VERL_EPISODE_KEYS, EpisodeSettings
 from memupdate.tools.config import write_tool_config
 from memupdate.utils.io import write_text_atomic
 
@@ -51,8 +52,6 @@ class RolloutConfig:
     qa_phase: bool = False
     #: The served model playing the other role, ``{base_url, model}`` (from its readiness marker).
     fixed_model: dict[str, Any] | None = None
-    #: Answer cap of the QA phase (its retrieval and prompt are the reward's: top_k, context_chars, qa_prompt).
-    qa_max_tokens: int = RewardSettings.qa_max_tokens
     #: Rollouts per prompt (evaluation: one; GRPO needs a group).
     rollout_n: int = 1
     temperature: float = EpisodeSettings.temperature
@@ -86,28 +85,24 @@ class RolloutConfig:
 
 def verl_config(cfg: RolloutConfig, agent_loop_config: Path, tool_config: Path | None, memory: Path | None):
     """verl 0.9.1's full trainer config with ``cfg``'s settings and the run's files (its agent loops, tools and
-    memory environment); the in-process workers and the reward loop read it."""
+    memory environment); the in-process workers and the reward loop read it. The episode reaches verl's keys as
+    the trainer's does (:data:`~memupdate.settings.VERL_EPISODE_KEYS`)."""
     base = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
     conf = OmegaConf.load(base)
     overrides = {
+        **{verl_key: getattr(cfg, name) for name, verl_key in VERL_EPISODE_KEYS.items()},
         "actor_rollout_ref.model.path": cfg.model_path,
         # The worker validates the rollout config; the name only has to be a known backend.
         "actor_rollout_ref.rollout.name": "vllm",
         "actor_rollout_ref.rollout.n": cfg.rollout_n,
-        "actor_rollout_ref.rollout.temperature": cfg.temperature,
-        "actor_rollout_ref.rollout.top_p": cfg.top_p,
+        # The generated config's interpolations of data.max_prompt_length and data.max_response_length.
         "actor_rollout_ref.rollout.prompt_length": cfg.prompt_length,
         "actor_rollout_ref.rollout.response_length": cfg.response_length,
         "actor_rollout_ref.rollout.calculate_log_probs": False,
         "actor_rollout_ref.rollout.multi_turn.enable": True,
         "actor_rollout_ref.rollout.multi_turn.format": "hermes",
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": str(tool_config) if tool_config else None,
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": cfg.max_assistant_turns,
-        "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": cfg.max_parallel_calls,
-        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": cfg.max_tool_response_length,
         "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(agent_loop_config),
-        "data.max_prompt_length": cfg.prompt_length,
-        "data.max_response_length": cfg.response_length,
         "data.return_raw_chat": True,
         # RLHFDataset draws its max_samples subset with this seed (unseeded by default).
         "data.seed": cfg.seed,
@@ -123,22 +118,20 @@ def verl_config(cfg: RolloutConfig, agent_loop_config: Path, tool_config: Path |
     return conf
 
 
-def agent_loop_entry(cfg: RolloutConfig) -> dict[str, Any]:
-    """The run's entry of verl's agent-loop config (``agent_loops.yaml``)."""
-    entry = {"name": cfg.agent_name, "_target_": AGENT_LOOPS[cfg.agent_name], "deterministic_ids": True}
+def loop_arguments(cfg: RolloutConfig) -> dict[str, Any]:
+    """The constructor arguments of ``cfg``'s agent loop: the memory loop's from the rollout's settings
+    (:func:`memory_loop_arguments`), then ``cfg.agent`` (MemAgent's budgets, ...)."""
+    arguments = {}
     if cfg.agent_name == MEMORY_AGENT:
-        # The served role's turns get the same per-turn cap as the policy's.
-        fixed_model = cfg.fixed_model and {**cfg.fixed_model, "max_tokens": cfg.turn_tokens}
-        entry.update(
+        arguments = memory_loop_arguments(
             trained_role=cfg.trained_role,
+            fixed_model=cfg.fixed_model,
             qa_phase=cfg.qa_phase,
-            fixed_model=fixed_model,
-            fixed_temperature=cfg.fixed_temperature,
-            qa={k: v for k, v in cfg.reward.items() if k in QA_PHASE_KEYS},
-            qa_max_tokens=cfg.qa_max_tokens,
+            reward=cfg.reward,
             max_new_tokens=cfg.max_new_tokens,
+            fixed_temperature=cfg.fixed_temperature,
         )
-    return {**entry, **cfg.agent}
+    return {**arguments, **cfg.agent}
 
 
 def run_config(cfg: RolloutConfig) -> DictConfig:
@@ -147,7 +140,8 @@ def run_config(cfg: RolloutConfig) -> DictConfig:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     agent_loops = run_dir / "agent_loops.yaml"
-    write_text_atomic(agent_loops, OmegaConf.to_yaml([agent_loop_entry(cfg)]))
+    entry = agent_loop_entry(cfg.agent_name, loop_arguments(cfg), deterministic_ids=True)
+    write_text_atomic(agent_loops, OmegaConf.to_yaml([entry]))
     memory = tools = None
     if cfg.memory is not None:
         memory = cfg.memory.write(run_dir)

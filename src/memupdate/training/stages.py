@@ -558,7 +558,10 @@ NOT_RUN = (
     "models",
     "plan",
     "preflight",
-    "rollout",
+    # The in-process rollouts; rollout/loops.py writes the trainer's agent loop too.
+    "rollout/config",
+    "rollout/episodes",
+    "rollout/workers",
     "serving/hf_server",
     "serving/lifecycle",
     "training/demonstrations",

@@ -15,8 +15,9 @@ Per run, under ``experiment_dir``:
 - ``run_info.json``: that record and the config digest, the sha256 of ``resolved_config.yaml``
   (:mod:`memupdate.training.tracking`);
 - ``tensorboard/`` (verl's tensorboard backend of ``trainer.logger``; ``tracking.jsonl`` for ``file``);
-- ``agent_loops.yaml``: ``verl_config/agent_loops.yaml`` with the run's ``trained_role`` and
-  ``fixed_model`` (verl passes an agent-loop entry's keys to the loop's constructor);
+- ``agent_loops.yaml``: the run's agent loop with its ``trained_role``, ``fixed_model`` and episode settings,
+  translated as the in-process runs' (:mod:`memupdate.rollout.config`; verl passes an agent-loop entry's keys to
+  the loop's constructor);
 - ``checkpoints/`` (verl's ``trainer.default_local_dir``), ``validation/`` (validation generations),
   ``hydra/`` (main_ppo's hydra output).
 
@@ -48,17 +49,16 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.errors import HydraException
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from memupdate.agents.fields import AGENT_LOOPS
 from memupdate.memory.environment import FILE_NAME as MEMORY_ENVIRONMENT_FILE
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.names import MEMAGENT_AGENT, MEMORY_AGENT
+from memupdate.rollout.loops import agent_loop_entry, memory_loop_arguments
 from memupdate.serving.vllm_server import API_KEY_ENV, new_api_key
 from memupdate.settings import (
     EXTERNAL_ROLLOUT,
-    QA_PHASE_KEYS,
     ROLES,
     VERL_BASE_CONFIG,
     VERL_CONFIG_DIR,
@@ -84,11 +84,10 @@ from memupdate.utils.io import sha256_file, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
-#: The hydra deltas over verl's trainer config and the agent-loop template: package data, so the launcher
+#: The hydra deltas over verl's trainer config: package data, so the launcher
 #: works from an installed package as from a checkout.
 CONFIG_DIR = VERL_CONFIG_DIR
 CONFIG_NAME = VERL_BASE_CONFIG["memupdate"]
-AGENT_LOOP_TEMPLATE = "agent_loops.yaml"
 #: What a run on CPU nodes changes (``trainer.device: cpu``): flat verl keys, listed in docs/verl-on-cpu.md.
 CPU_CONFIG = f"{VERL_CPU_CONFIG}.yaml"
 #: verl's platform selector, in the driver's and every Ray worker's environment for ``trainer.device: cpu``.
@@ -630,36 +629,27 @@ def write_agent_loop_config(
     trained_role: str,
     fixed_model: Mapping[str, Any] | None = None,
     *,
-    template: PathLike = CONFIG_DIR / AGENT_LOOP_TEMPLATE,
-    qa: Mapping[str, Any] | None = None,
-    qa_max_tokens: int | None = None,
+    reward: Mapping[str, Any] | None = None,
     max_new_tokens: int | None = None,
 ) -> Path:
-    """Copy the agent-loop list from ``template`` with ``memupdate_agent``'s ``trained_role`` and
-    ``fixed_model`` set for this run (verl hands them to the loop's constructor), the QA phase's retrieval and
-    prompt ``qa`` and its answer cap ``qa_max_tokens`` when given (the reward's: its reader scores the QA phase's
-    answers, so both retrieve, prompt and cap alike) and the episode's per-turn cap ``max_new_tokens``. A run
-    with a fixed model plays the QA phase: a memory stage is given one only where its scorer reads the served QA
-    model's answers (the workflow's stage inputs), and those answers are then the loop's, which the reward
-    scores instead of asking the reader again."""
+    """Write the run's agent-loop list: ``memupdate_agent`` with ``trained_role``, the served ``fixed_model``, the
+    reward's QA-phase settings and the episode's per-turn cap ``max_new_tokens``, translated as the in-process
+    runs translate theirs (:func:`memupdate.rollout.config.memory_loop_arguments`; verl hands the entry's keys to
+    the loop's constructor). A run with a fixed model plays the QA phase: a memory stage is given one only where
+    its scorer reads the served QA model's answers (the workflow's stage inputs), and those answers are then the
+    loop's, which the reward scores instead of asking the reader again."""
     fixed = _fixed_model(trained_role, fixed_model)
-    loops = OmegaConf.load(template)
-    if not isinstance(loops, ListConfig):
-        raise ValueError(f"{template} must be a list of agent loops (verl's agent_loop_config_path format)")
-    entries = [entry for entry in loops if entry.get("name") == MEMORY_AGENT]
-    if not entries:
-        raise ValueError(f"{template} has no agent loop named {MEMORY_AGENT!r}")
-    entries[0].trained_role = trained_role
-    entries[0].fixed_model = fixed
-    entries[0].qa_phase = fixed is not None
-    if qa is not None:
-        entries[0].qa = dict(qa)
-    if qa_max_tokens is not None:
-        entries[0].qa_max_tokens = int(qa_max_tokens)
-    entries[0].max_new_tokens = max_new_tokens
-    header = f"# Written for this run by {__name__} from {_abs(template)}.\n"
+    arguments = memory_loop_arguments(
+        trained_role=trained_role,
+        fixed_model=fixed,
+        qa_phase=fixed is not None,
+        reward=reward,
+        max_new_tokens=max_new_tokens,
+    )
+    entry = agent_loop_entry(MEMORY_AGENT, arguments, deterministic_ids=False)
+    header = f"# Written for this run by {__name__}.\n"
     path = Path(path)
-    write_text_atomic(path, header + OmegaConf.to_yaml(loops))
+    write_text_atomic(path, header + OmegaConf.to_yaml([entry]))
     return path
 
 
@@ -678,9 +668,7 @@ def prepare_main_ppo(
         run_dir / AGENT_LOOPS_FILE,
         role,
         run.get("fixed_model_endpoint"),
-        template=Path(config_dir) / AGENT_LOOP_TEMPLATE,
-        qa={k: v for k, v in (run.get("reward") or {}).items() if k in QA_PHASE_KEYS},
-        qa_max_tokens=(run.get("reward") or {}).get("qa_max_tokens"),
+        reward=run.get("reward"),
         max_new_tokens=build(EpisodeSettings, run.get("episode"), "episode").max_new_tokens,
     )
     write_tool_config(run["tool_config"], run["memory"].write(run_dir), run_dir)
@@ -755,11 +743,7 @@ def prepare_memagent_ppo(
     overrides.append(memagent_mini_batch(validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides), loop))
     config = validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides)
     run_dir = Path(_abs(run["experiment_dir"]))
-    entry = {
-        "name": MEMAGENT_AGENT,
-        "_target_": AGENT_LOOPS[MEMAGENT_AGENT],
-        **build(MemAgentLoopSettings, loop, "loop").agent(),
-    }
+    entry = agent_loop_entry(MEMAGENT_AGENT, build(MemAgentLoopSettings, loop, "loop").agent(), deterministic_ids=False)
     header = f"# Written for this run by {__name__}.\n"
     write_text_atomic(run_dir / AGENT_LOOPS_FILE, header + OmegaConf.to_yaml([entry]))
     write_run_files(run_dir, config, run["model_path"])
