@@ -2,18 +2,14 @@
 
 import dataclasses
 import functools
-import os
 import re
-import shutil
 from pathlib import Path
 
-from snakemake.exceptions import WorkflowError
 from snakemake.io import apply_wildcards, regex_from_filepattern
 from snakemake.iocontainers import Wildcards
-from snakemake_interface_executor_plugins.settings import ExecMode
 
 from memupdate import plan as planning
-from memupdate.cluster import RESOURCES_FILE, placement, read_table
+from memupdate.cluster import RESOURCES_FILE, read_table
 from memupdate.models.hub import is_hub_id
 from memupdate.settings import (
     HeadroomSettings,
@@ -161,23 +157,11 @@ def get_hotpotqa_tokenizer_inputs(wildcards):
     return {}
 
 
-# What the heavy jobs ask Slurm for, per rule and model, and how long they are expected to take; checked
-# here, when the Snakefile loads. The partition's time limit comes from the environment, the table, or Slurm itself
-# (sinfo, where there is one); every job's limit fits it, or the job resumes after a cut, or the run is refused.
-CLUSTER = read_table(Path(workflow.basedir) / RESOURCES_FILE, config["models"])
-
-
-def submits_to_slurm():
-    """Whether the run submits its jobs to Slurm (profiles/slurm names slurm_partition among its default resources)."""
-    defaults = workflow.resource_settings.default_resources
-    return defaults is not None and "slurm_partition" in defaults.keys()
-
-
 def local_servers_mb(input):
     """The memory of the servers a job reads, where they run on the run's own machine: a serve job ends once its
     server answers, so the server's memory is counted by the jobs that use it (serving.local_mem_mb each). On Slurm
     each server is a job of its own, with its own memory."""
-    if submits_to_slurm():
+    if planning.submits_to_slurm(workflow):
         return 0
     servers = sum(1 for path in input if SERVE_MARKER_REGEX.fullmatch(str(path)))
     return servers * LOCAL_SERVER_MB
@@ -185,55 +169,14 @@ def local_servers_mb(input):
 
 def serve_job_mem_mb(wildcards):
     """A serve job's memory: on this machine the server it starts (counted by its consumers once it answers)."""
-    return 2000 if submits_to_slurm() else LOCAL_SERVER_MB
-
-
-@functools.cache
-def limits():
-    """The plan's limits with the partition's cap, read once the run's executor is known (while the DAG is built).
-    A run that submits to Slurm (profiles/slurm names slurm_partition among its default resources) reads the cap
-    from Slurm if neither MEMUPDATE_SLURM_MAX_RUNTIME nor plan.max_runtime gives it; where Slurm cannot say, a dry
-    run warns and plans without one, a real run stops before submitting anything."""
-    asks = submits_to_slurm() and workflow.exec_mode == ExecMode.DEFAULT
-    try:
-        return planning.cluster_limits(
-            CLUSTER.limits,
-            os.environ,
-            placement("slurm_partition"),
-            shutil.which("sinfo") if asks else None,
-        )
-    except planning.CapUnknown as err:
-        if not workflow.dryrun:
-            raise
-        logger.warning(f"{err}; this dry run plans without a cap")
-        return CLUSTER.limits
-
-
-# The model a sized rule's job handles, by rule (job_resources records each; serve_model's is added below).
-PLAN_MODEL_OF = {}
+    return 2000 if planning.submits_to_slurm(workflow) else LOCAL_SERVER_MB
 
 
 def job_resources(rule, model_of, **own):
-    """The rule's resources: its own (``own``), raised to the row of profiles/slurm/resources.yaml for the
-    model its job handles (``model_of(wildcards)``); Snakemake drops a resource whose value is None. A row
-    with an expected time sets ``runtime`` to the plan's limit (memupdate.plan: expected x margin, capped).
+    """The rule's resources: its own (``own``), raised to its row of profiles/slurm/resources.yaml for the model
+    its job handles (``model_of(wildcards)``), with the memory of the servers it reads here (memupdate.plan).
     """
-    PLAN_MODEL_OF[rule] = model_of
-
-    def resource(key):
-        return (
-            lambda wildcards: planned_row(rule, wildcards)
-            .snakemake()
-            .get(key, own.get(key))
-        )
-
-    def mem_mb(wildcards, input):
-        # The servers the job reads hold memory on this machine while it runs.
-        planned = resource("mem_mb")(wildcards)
-        return None if planned is None else planned + local_servers_mb(input)
-
-    keys = {"nodes", "tasks", "gres", "tasks_per_gpu", "mpi", "cpus_per_task", *own}
-    return {key: mem_mb if key == "mem_mb" else resource(key) for key in sorted(keys)}
+    return PLANNER.resources(rule, model_of, local_servers_mb, **own)
 
 
 def gpu_preflight(sized):
@@ -242,7 +185,7 @@ def gpu_preflight(sized):
     """
 
     def inputs(wildcards):
-        if config["preflight"] and planned_row(sized, wildcards).gpus_per_node:
+        if config["preflight"] and PLANNER.row(sized, wildcards).gpus_per_node:
             return {"preflight": PREFLIGHT_REPORT}
         return {}
 
@@ -256,50 +199,6 @@ def get_preflight_inputs(wildcards):
         e[role] for e in experiments for role in ("policy", "qa_model") if e.get(role)
     )
     return [download for download in map(hub_download, models) if download]
-
-
-def planned_row(sized, wildcards):
-    """The job's row with its time limit from the plan (memupdate.plan), if the row has a figure."""
-    entry = planned(sized, wildcards)
-    if entry.figure is None:
-        return entry.row
-    return dataclasses.replace(entry.row, runtime=entry.limit)
-
-
-_PLANNED = {}
-
-
-def planned(sized, wildcards):
-    """memupdate.plan.Entry of a job of ``sized`` (a table name of resources.yaml): its figure (a previous run's
-    benchmark, else the row's estimate), limit, GPUs and checkpoint disk."""
-    key = (sized, tuple(sorted(dict(wildcards.items()).items())))
-    if key not in _PLANNED:
-        _PLANNED[key] = _plan_job(sized, wildcards)
-    return _PLANNED[key]
-
-
-def _plan_job(sized, wildcards):
-    model = PLAN_MODEL_OF[sized](wildcards)
-    row = CLUSTER.job(sized, model)
-    exp = wildcards.get("exp")
-    if sized == "serve_model":
-        consumers = [planned(r, w) for r, w in serve_consumers(wildcards)]
-        what = f"{wildcards.purpose}/{wildcards.served}"
-        return planning.served(
-            row, consumers, limits(), exp=exp, what=what, model=model
-        )
-    name = f"train_stage{wildcards.n}" if sized == "train_stage" else sized
-    pattern = getattr(rules, name).benchmark
-    return planning.job(
-        name,
-        row,
-        limits(),
-        units=plan_units(sized, wildcards),
-        benchmark=apply_wildcards(str(pattern), wildcards) if pattern else None,
-        disk_gb=plan_disk(sized, wildcards, model),
-        exp=exp,
-        model=model,
-    )
 
 
 def plan_units(sized, wildcards):
@@ -335,10 +234,10 @@ def plan_disk(sized, wildcards, model):
         )
         defaults = planning.trainer_defaults("memagent" if memagent else "memupdate")
         saves = planning.saves_kept(settings, defaults)
-    return planning.checkpoint_gb(params, saves, limits())
+    return planning.checkpoint_gb(params, saves, PLANNER.limits)
 
 
-def serve_consumers(wildcards):
+def serve_consumers(sized, wildcards):
     """(rule, wildcards) of the jobs that read a served model's marker: the experiment's evaluation, or the
     training stages that ask for it (their inputs, as get_stage_inputs gives them)."""
     exp, purpose = wildcards.exp, wildcards.purpose
@@ -354,49 +253,26 @@ def serve_consumers(wildcards):
     return consumers
 
 
-def workflow_plan(dag, always=False):
-    """memupdate.plan.Plan of the jobs the DAG would run; None when none has an expected time (the smoke
-    scale), unless ``always``."""
-    # A dry run has "finished" its jobs by the time it reports them.
-    jobs = list(dag.needrun_jobs(exclude_finished=False))
-    entries = {}
-    for job in jobs:
-        name = job.rule.name
-        sized = "train_stage" if name.startswith("train_stage") else name
-        if sized in PLAN_MODEL_OF:
-            entries[job] = planned(sized, job.wildcards)
-    if not always and not any(e.figure for e in entries.values()):
-        return None
-    # A server is ready in minutes: its consumer, not the server, lies on the chain.
-    minutes = {
-        job: (e.minutes or 0) if e.rule != "serve_model" else 0
-        for job, e in entries.items()
-    }
-    deps = {job: list(dag.dependencies[job]) for job in jobs}
-    chain = planning.longest_chain(minutes, deps)
-
-    def planned_inputs(job, seen):
-        """The nearest planned jobs ``job`` waits for, through unplanned ones (data, models' downloads)."""
-        found = []
-        for dep in deps.get(job, []):
-            if dep not in seen:
-                seen.add(dep)
-                found += [dep] if dep in entries else planned_inputs(dep, seen)
-        return found
-
-    needs = {
-        id(e): [id(entries[d]) for d in planned_inputs(job, set())]
-        for job, e in entries.items()
-    }
-    return planning.Plan(
-        list(entries.values()), limits(), len(jobs) - len(entries), chain, needs=needs
-    )
+def rule_benchmark(name, wildcards):
+    """The benchmark file of a job of rule ``name``, where a previous run measured its time."""
+    pattern = getattr(rules, name).benchmark
+    return apply_wildcards(str(pattern), wildcards) if pattern else None
 
 
-# The plan of a run's GPU-sized jobs, printed once Snakemake has built the DAG (a dry run too); nothing is
-# written. Jobs on the cluster read the Snakefile too, and print nothing.
-if workflow.exec_mode == ExecMode.DEFAULT:
-    planning.print_after_dag(workflow, logger, workflow_plan)
+# What the heavy jobs ask Slurm for, per rule and model, and how long they are expected to take (memupdate.plan),
+# checked here, when the Snakefile loads. The partition's time limit comes from the environment, the table, or
+# Slurm itself (sinfo, where there is one); every job's limit fits it, or the job resumes after a cut, or the run
+# is refused. The plan of a run's GPU-sized jobs is printed once Snakemake has built the DAG (a dry run too).
+PLANNER = planning.JobPlanner(
+    workflow,
+    read_table(Path(workflow.basedir) / RESOURCES_FILE, config["models"]),
+    logger,
+    units=plan_units,
+    disk=plan_disk,
+    consumers=serve_consumers,
+    benchmark=rule_benchmark,
+)
+PLANNER.print_after_dag()
 
 
 def model_wildcard(wildcards):
@@ -421,7 +297,7 @@ def served_model_of(wildcards):
     return role_model_of(wildcards, stage.role if stage else "memory")
 
 
-PLAN_MODEL_OF["serve_model"] = served_model_of
+PLANNER.model_of["serve_model"] = served_model_of
 
 
 def get_serving_settings(wildcards, resources=None):
@@ -432,7 +308,7 @@ def get_serving_settings(wildcards, resources=None):
     where every other job does."""
     from memupdate.serving.launch import with_job_placement
 
-    row = planned_row("serve_model", wildcards).server()
+    row = PLANNER.row("serve_model", wildcards).server()
     slurm = with_job_placement({**config["serving"]["slurm"], **row}, resources)
     return {**config["serving"], "slurm": slurm}
 

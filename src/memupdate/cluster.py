@@ -2,8 +2,9 @@
 
 Snakemake profiles set resources per rule only, but a 7B policy needs other GPUs than a 135M one. The table
 gives each GPU-sized rule a row per model (keys of ``models`` in config/config.yaml) and a ``default`` row;
-``rules/common.smk`` turns a job's row into the resources the Slurm executor plugin reads (:meth:`Job.snakemake`)
-or, for ``serve_model``, into the sbatch options of the server's own job (:meth:`Job.server`). Rows only add
+the workflow's planner (:class:`memupdate.plan.JobPlanner`) turns a job's row into the resources the Slurm
+executor plugin reads (:meth:`Job.snakemake`) or, for ``serve_model``, into the sbatch options of the server's own
+job (:meth:`Job.server`). Rows only add
 to what a rule asks for itself, so the CPU smoke models need none; a local run ignores ``nodes`` and ``gres``.
 
 A row also holds the job's expected wall time, with its source (``minutes``, ``per_step``, ``per_system``):

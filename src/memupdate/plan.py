@@ -10,11 +10,12 @@ its consumer does, ``serving.start_with_consumer``, so the margin covers its sta
 previous run's benchmark file (``benchmarks/<rule>/...tsv``, Snakemake's ``s`` column) replaces the estimate,
 labelled measured.
 
-``rules/common.smk`` plans each job of a sized rule (:func:`job`, :func:`served`), and prints the :class:`Plan`
-of the jobs a run would submit once Snakemake has built the DAG, dry run included (:func:`print_after_dag`);
+A :class:`JobPlanner` (``PLANNER`` in ``rules/common.smk``, given what only the experiments say) plans each job of
+a sized rule (:func:`job`, :func:`served`) for the rule's resources, and prints the :class:`Plan` of the jobs a run
+would submit once Snakemake has built the DAG, dry run included (:func:`print_after_dag`);
 ``memupdate plan [targets] --config scale=full`` prints it alone (:func:`plan_targets`).
 
->>> from memupdate.cluster import Job, Limits
+>>> from memupdate.cluster import Job, Limits, Table
 >>> entry = job("train_stage1", Job(gpus_per_node=8, minutes=30, per_step=5), Limits(max_runtime=1440), units=300)
 >>> entry.minutes, entry.limit, entry.resubmits, entry.gpu_hours
 (1530, 1440, 1, 204.0)
@@ -25,15 +26,17 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
 import re
+import shutil
 import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
-from memupdate.cluster import Job, Limits
+from memupdate.cluster import Job, Limits, Table
 from memupdate.settings import ConfigError
 
 #: The partition cap the plan's notes assume when none is set (48 h is common; MEMUPDATE_SLURM_MAX_RUNTIME).
@@ -444,7 +447,7 @@ def pack(plan: Plan, gpus: int, gpus_per_node: int) -> Schedule:
     consumer asks for its GPUs and its servers' together; a multi-node job takes whole nodes. ConfigError if a job
     can never fit.
 
-    >>> from memupdate.cluster import Job, Limits
+    >>> from memupdate.cluster import Job, Limits, Table
     >>> big = job("train_memagent", Job(nodes=4, gpus_per_node=8, minutes=600), Limits())
     >>> small = job("train_stage1", Job(gpus_per_node=8, minutes=300), Limits())
     >>> p = Plan([big, small], Limits(), needs={id(big): [], id(small): []})
@@ -691,6 +694,155 @@ def _resume(entry: Entry) -> str:
 # ---------------------------------------------------------------------------------- from Snakemake
 
 
+def submits_to_slurm(workflow: Any) -> bool:
+    """Whether the run submits its jobs to Slurm (profiles/slurm names slurm_partition among its default resources)."""
+    defaults = workflow.resource_settings.default_resources
+    return defaults is not None and "slurm_partition" in defaults.keys()
+
+
+#: A table name of resources.yaml and a job's wildcards, to what only the workflow knows about that job.
+JobQuestion = Callable[[str, Any], Any]
+
+
+class JobPlanner:
+    """The plan of a workflow's sized jobs, as Snakemake builds them (rules/common.smk makes one): each job's row
+    of profiles/slurm/resources.yaml for the model it handles, its figure and time limit (:func:`job`,
+    :func:`served`), kept per table name and wildcards, and the plan of a whole DAG (:meth:`plan`). A rule's
+    ``resources:`` come from :meth:`resources`, which records the function giving the model its job handles.
+
+    What only the workflow's experiments say comes in as functions of a table name and a job's wildcards:
+    ``units`` (what a per-unit figure counts), ``disk`` (a training job's checkpoint GB; also given the model),
+    ``consumers`` (a served model's readers, as (table name, wildcards) pairs) and ``benchmark`` (the job's
+    benchmark file, where a previous run's time is measured)."""
+
+    def __init__(
+        self,
+        workflow: Any,
+        table: Table,
+        logger: logging.Logger,
+        *,
+        units: JobQuestion,
+        disk: Callable[[str, Any, str], float | None],
+        consumers: JobQuestion,
+        benchmark: JobQuestion,
+    ) -> None:
+        self.workflow, self.table, self.logger = workflow, table, logger
+        self.units, self.disk, self.consumers, self.benchmark = units, disk, consumers, benchmark
+        #: The model a sized rule's job handles, by table name (:meth:`resources` records each).
+        self.model_of: dict[str, Callable[[Any], str]] = {}
+        self._entries: dict[tuple[str, tuple[tuple[str, str], ...]], Entry] = {}
+
+    @cached_property
+    def limits(self) -> Limits:
+        """The table's limits with the partition's cap, read once the run's executor is known (while the DAG is
+        built). A run that submits to Slurm reads the cap from Slurm if neither MEMUPDATE_SLURM_MAX_RUNTIME nor
+        plan.max_runtime gives it; where Slurm cannot say, a dry run warns and plans without one, a real run
+        stops before submitting anything."""
+        from snakemake_interface_executor_plugins.settings import ExecMode
+
+        from memupdate.cluster import placement
+
+        asks = submits_to_slurm(self.workflow) and self.workflow.exec_mode == ExecMode.DEFAULT
+        try:
+            sinfo = shutil.which("sinfo") if asks else None
+            return cluster_limits(self.table.limits, os.environ, placement("slurm_partition"), sinfo)
+        except CapUnknown as err:
+            if not self.workflow.dryrun:
+                raise
+            self.logger.warning(f"{err}; this dry run plans without a cap")
+            return self.table.limits
+
+    def resources(
+        self, sized: str, model_of: Callable[[Any], str], extra_mb: Callable[[Any], int], **own: Any
+    ) -> dict[str, Any]:
+        """A rule's resources: its own (``own``), raised to the row of its table ``sized`` for the model its job
+        handles (``model_of(wildcards)``); Snakemake drops a resource whose value is None. A row with an expected
+        time sets ``runtime`` to the plan's limit (expected x margin, capped). ``mem_mb`` adds ``extra_mb(input)``,
+        the memory the job's servers hold on this machine while it runs."""
+        self.model_of[sized] = model_of
+
+        def resource(key: str) -> Callable[[Any], Any]:
+            return lambda wildcards: self.row(sized, wildcards).snakemake().get(key, own.get(key))
+
+        def mem_mb(wildcards: Any, input: Any) -> int | None:
+            planned = resource("mem_mb")(wildcards)
+            return None if planned is None else planned + extra_mb(input)
+
+        keys = {"nodes", "tasks", "gres", "tasks_per_gpu", "mpi", "cpus_per_task", *own}
+        return {key: mem_mb if key == "mem_mb" else resource(key) for key in sorted(keys)}
+
+    def row(self, sized: str, wildcards: Any) -> Job:
+        """The job's row with its time limit from the plan, if the row has a figure."""
+        entry = self.entry(sized, wildcards)
+        return entry.row if entry.figure is None else replace(entry.row, runtime=entry.limit)
+
+    def entry(self, sized: str, wildcards: Any) -> Entry:
+        """The :class:`Entry` of a job of the table ``sized``: its figure (a previous run's benchmark, else the
+        row's estimate), limit, GPUs and checkpoint disk."""
+        key = (sized, tuple(sorted(dict(wildcards.items()).items())))
+        if key not in self._entries:
+            self._entries[key] = self._plan(sized, wildcards)
+        return self._entries[key]
+
+    def _plan(self, sized: str, wildcards: Any) -> Entry:
+        model = self.model_of[sized](wildcards)
+        row = self.table.job(sized, model)
+        exp = wildcards.get("exp")
+        if sized == "serve_model":
+            readers = [self.entry(rule, w) for rule, w in self.consumers(sized, wildcards)]
+            what = f"{wildcards.purpose}/{wildcards.served}"
+            return served(row, readers, self.limits, exp=exp, what=what, model=model)
+        name = f"train_stage{wildcards.n}" if sized == "train_stage" else sized
+        return job(
+            name,
+            row,
+            self.limits,
+            units=self.units(sized, wildcards),
+            benchmark=self.benchmark(name, wildcards),
+            disk_gb=self.disk(sized, wildcards, model),
+            exp=exp,
+            model=model,
+        )
+
+    def plan(self, dag: Any, always: bool = False) -> Plan | None:
+        """The :class:`Plan` of the jobs ``dag`` would run; None when none has an expected time (the smoke
+        scale), unless ``always``."""
+        # A dry run has "finished" its jobs by the time it reports them.
+        jobs = list(dag.needrun_jobs(exclude_finished=False))
+        entries = {}
+        for one in jobs:
+            name = one.rule.name
+            sized = "train_stage" if name.startswith("train_stage") else name
+            if sized in self.model_of:
+                entries[one] = self.entry(sized, one.wildcards)
+        if not always and not any(e.figure for e in entries.values()):
+            return None
+        # A server is ready in minutes: its consumer, not the server, lies on the chain.
+        minutes = {one: (e.minutes or 0) if e.rule != "serve_model" else 0 for one, e in entries.items()}
+        deps = {one: list(dag.dependencies[one]) for one in jobs}
+        chain = longest_chain(minutes, deps)
+
+        def planned_inputs(one: Any, seen: set[Any]) -> list[Any]:
+            """The nearest planned jobs ``one`` waits for, through unplanned ones (data, models' downloads)."""
+            found = []
+            for dep in deps.get(one, []):
+                if dep not in seen:
+                    seen.add(dep)
+                    found += [dep] if dep in entries else planned_inputs(dep, seen)
+            return found
+
+        needs = {id(e): [id(entries[d]) for d in planned_inputs(one, set())] for one, e in entries.items()}
+        return Plan(list(entries.values()), self.limits, len(jobs) - len(entries), chain, needs=needs)
+
+    def print_after_dag(self) -> None:
+        """Log the plan once Snakemake has built the DAG (:func:`print_after_dag`), in a run from this machine
+        only: jobs on the cluster read the Snakefile too, and print nothing."""
+        from snakemake_interface_executor_plugins.settings import ExecMode
+
+        if self.workflow.exec_mode == ExecMode.DEFAULT:
+            print_after_dag(self.workflow, self.logger, self.plan)
+
+
 def print_after_dag(workflow: Any, logger: logging.Logger, make_plan: Callable[[Any], Plan | None]) -> None:
     """Log the plan of ``workflow``'s DAG once Snakemake has built it, in a dry run too: when it reports the
     jobs' statistics (its ``run_info`` event; in a dry run the second one, after the job list, unless
@@ -725,8 +877,8 @@ def plan_targets(
     forceall: bool = False,
 ) -> Plan:
     """The plan of the jobs ``snakemake -n <targets> --config ...`` would run (every job with ``forceall``),
-    from the workflow's own ``workflow_plan`` (rules/common.smk)."""
+    from the workflow's own planner (``PLANNER``, rules/common.smk)."""
     from memupdate.workflow_dag import load_dag
 
     workflow = load_dag(root, configfiles, targets, config=config, forceall=forceall)
-    return workflow.globals["workflow_plan"](workflow.dag, always=True)
+    return workflow.globals["PLANNER"].plan(workflow.dag, always=True)

@@ -15,8 +15,9 @@ from memupdate.settings import QA_PHASE_KEYS, RewardSettings
 def agent_loop_entry(agent_name: str, arguments: Mapping[str, Any], *, deterministic_ids: bool) -> dict[str, Any]:
     """One entry of verl's agent-loop config (``agent_loops.yaml``): the loop ``agent_name`` (a key of
     :data:`~memupdate.agents.fields.AGENT_LOOPS`) and its constructor's ``arguments``. verl's trainer
-    (:mod:`memupdate.training.verl_launcher`) and the in-process runs (:func:`~memupdate.rollout.config.run_config`) both write theirs
-    with it; ``deterministic_ids`` for the in-process runs, whose request ids make them reproducible."""
+    (:mod:`memupdate.training.verl_launcher`) and the in-process runs (:func:`~memupdate.rollout.config.run_config`)
+    both write theirs with it; ``deterministic_ids`` for the in-process runs, whose request ids make them
+    reproducible."""
     return {
         "name": agent_name,
         "_target_": AGENT_LOOPS[agent_name],
@@ -34,8 +35,8 @@ def memory_loop_arguments(
     max_new_tokens: int | None,
     fixed_temperature: float | None = 0.0,
 ) -> dict[str, Any]:
-    """The memory loop's constructor arguments for a run (:class:`~memupdate.agents.memory_loop.MemoryUpdateAgentLoop`),
-    for verl's trainer and the in-process runs alike: the trained role, the served model playing the other one,
+    """The memory loop's constructor arguments for a run
+    (:class:`~memupdate.agents.memory_loop.MemoryUpdateAgentLoop`), for verl's trainer and the in-process runs alike: the trained role, the served model playing the other one,
     whether it plays the QA phase, the QA phase's retrieval, prompt and answer cap (the reward's, so that the
     reader scores the answers it would give itself: :data:`~memupdate.settings.QA_PHASE_KEYS` and
     ``qa_max_tokens``) and the episode's per-turn cap."""
