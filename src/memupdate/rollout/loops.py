@@ -36,10 +36,10 @@ def memory_loop_arguments(
     fixed_temperature: float | None = 0.0,
 ) -> dict[str, Any]:
     """The memory loop's constructor arguments for a run
-    (:class:`~memupdate.agents.memory_loop.MemoryUpdateAgentLoop`), for verl's trainer and the in-process runs alike: the trained role, the served model playing the other one,
-    whether it plays the QA phase, the QA phase's retrieval, prompt and answer cap (the reward's, so that the
-    reader scores the answers it would give itself: :data:`~memupdate.settings.QA_PHASE_KEYS` and
-    ``qa_max_tokens``) and the episode's per-turn cap."""
+    (:class:`~memupdate.agents.memory_loop.MemoryUpdateAgentLoop`), for verl's trainer and the in-process runs
+    alike: the trained role, the served model playing the other one, whether it plays the QA phase, the QA phase's
+    retrieval, prompt and answer cap (the reward's, so that the reader scores the answers it would give itself:
+    :data:`~memupdate.settings.QA_PHASE_KEYS` and ``qa_max_tokens``) and the episode's per-turn cap."""
     reward = reward or {}
     return {
         "trained_role": trained_role,
