@@ -11,12 +11,8 @@ from snakemake.iocontainers import Wildcards
 from memupdate import plan as planning
 from memupdate.cluster import RESOURCES_FILE, read_table
 from memupdate.models.hub import is_hub_id
+from memupdate.experiment import Experiment
 from memupdate.settings import (
-    HeadroomSettings,
-    IngestionSettings,
-    MemAgentLoopSettings,
-    PolicyEvalSettings,
-    SERVED_ROLES,
     ServeSettings,
     build,
     check_lengths,
@@ -34,6 +30,11 @@ EMBEDDING_MODEL = config["memory"]["embedding_model"]
 # Cap on a memory text the agent writes; reaches the memory tools like the embedding model does.
 MAX_CONTENT_CHARS = config["memory"]["max_content_chars"]
 EMBEDDING_TAG = Path(EMBEDDING_MODEL).name
+# Each experiment of the checked config with what the workflow asks of it: kind, stages, reward, evaluations.
+EXPERIMENTS = {
+    name: Experiment(name, section, config["reward"], MAX_CONTENT_CHARS)
+    for name, section in config["experiments"].items()
+}
 EMBEDDINGS = f"results/embeddings/{EMBEDDING_TAG}"
 # The memory a server holds on the run's own machine (serving.local_mem_mb).
 LOCAL_SERVER_MB = build(ServeSettings, config["serving"], "serving").local_mem_mb
@@ -113,13 +114,14 @@ def get_hotpotqa_data():
 
 
 def get_experiment(wildcards):
+    """The job's experiment (memupdate.experiment.Experiment: what an experiment means, answered once)."""
     name = wildcards.exp
-    if name not in config["experiments"]:
+    if name not in EXPERIMENTS:
         raise ValueError(
             f"no experiment {name!r} in config/config.yaml (have {sorted(config['experiments'])})"
         )
     _check_contexts(name)
-    return config["experiments"][name]
+    return EXPERIMENTS[name]
 
 
 @functools.cache
@@ -208,12 +210,12 @@ def plan_units(sized, wildcards):
     if sized == "train_stage":
         return planning.training_steps(get_stage(wildcards).settings)
     if sized == "train_memagent":
-        return planning.training_steps(get_memagent_experiment(wildcards)["train"])
+        return planning.training_steps(get_experiment(wildcards).memagent["train"])
     if sized == "eval_locomo":
-        sft = 2 if "sft" in get_experiment(wildcards) else 0
+        sft = 2 if get_experiment(wildcards).has_cold_start else 0
         return 2 + len(get_stages(wildcards)) + sft
     if sized == "eval_memagent":
-        return planning.memagent_systems(get_memagent_experiment(wildcards)["eval"])
+        return planning.memagent_systems(get_experiment(wildcards).memagent["eval"])
     return None
 
 
@@ -228,7 +230,7 @@ def plan_disk(sized, wildcards, model):
     if sized in ("train_stage", "train_memagent"):
         memagent = sized == "train_memagent"
         settings = (
-            get_memagent_experiment(wildcards)["train"]
+            get_experiment(wildcards).memagent["train"]
             if memagent
             else get_stage(wildcards).settings
         )
@@ -242,7 +244,7 @@ def serve_consumers(sized, wildcards):
     training stages that ask for it (their inputs, as get_stage_inputs gives them)."""
     exp, purpose = wildcards.exp, wildcards.purpose
     if purpose == "eval":
-        evaluation = "eval_memagent" if is_memagent(exp) else "eval_locomo"
+        evaluation = "eval_memagent" if EXPERIMENTS[exp].is_memagent else "eval_locomo"
         return [(evaluation, Wildcards(fromdict={"exp": exp}))]
     marker = serve_marker(exp, wildcards.served, purpose)
     consumers = []
@@ -280,7 +282,7 @@ def model_wildcard(wildcards):
 
 
 def policy_of(wildcards):
-    return get_experiment(wildcards)["policy"]
+    return get_experiment(wildcards).policy
 
 
 def role_model_of(wildcards, role):
@@ -359,35 +361,16 @@ def validation_inputs(wildcards):
 
 
 def get_qa_model(wildcards):
-    experiment = get_experiment(wildcards)
-    if "qa_model" not in experiment:
-        raise ValueError(
-            f"experiment {wildcards.exp!r} has no qa_model in config/config.yaml; two-stage "
-            "training and serving the QA role need one"
-        )
-    return experiment["qa_model"]
+    return get_experiment(wildcards).qa_model
 
 
 def get_reward_config(wildcards):
     """The reward section of an experiment: the workflow's, with the experiment's own `reward` keys over it."""
-    return {**config["reward"], **get_experiment(wildcards).get("reward", {})}
+    return get_experiment(wildcards).reward
 
 
 def get_reward_scorer(wildcards):
-    """reward.scorer for an experiment: auto is reader when it has a QA model (two-stage), else the
-    offline answer_recall. A served scorer without a QA model fails here, before any job runs.
-    """
-    experiment = get_experiment(wildcards)
-    scorer = get_reward_config(wildcards)["scorer"]
-    if scorer == "auto":
-        return "reader" if "qa_model" in experiment else "answer_recall"
-    if scorer in SERVED_ROLES and "qa_model" not in experiment:
-        raise ValueError(
-            f"reward.scorer {scorer!r} needs the served QA model as its reader, but experiment "
-            f"{wildcards.exp!r} has no qa_model in config/config.yaml: add one, or set reward.scorer "
-            "to auto, answer_recall or evidence_recall"
-        )
-    return scorer
+    return get_experiment(wildcards).scorer
 
 
 def fixed_qa(stage):
@@ -399,23 +382,15 @@ def get_judge_marker(wildcards):
     """The readiness marker of the served reward.judge, when a memory stage's reward asks it (the reader is the
     stage's fixed QA role, its `fixed` input, whose QA-phase answers it scores: memupdate.training.stages.stage_reward).
     """
-    if get_reward_scorer(wildcards) != "judge":
-        return {}
-    return {
-        "judge": serve_marker(
-            wildcards.exp, get_reward_config(wildcards)["judge"], "train"
-        )
-    }
+    judge = get_experiment(wildcards).served_judge
+    return {"judge": serve_marker(wildcards.exp, judge, "train")} if judge else {}
 
 
 def get_stage_reward(wildcards):
-    """The reward manager's settings for a stage: config's reward section with the scorer resolved. A
-    memory stage's also names the served judge's marker (listed as an input too, so its server runs). A QA
-    stage is rewarded by its answer's F1; a served scorer has no reader there (no other QA model is served
-    for it), so only an offline one adds the memory reward's components to the log.
+    """The reward manager's settings for a stage (memupdate.experiment.Experiment.training_reward); a memory
+    stage's also names the served judge's marker (listed as an input too, so its server runs).
     """
-    reward = {k: v for k, v in get_reward_config(wildcards).items() if k != "judge"}
-    reward["scorer"] = get_reward_scorer(wildcards)
+    reward = get_experiment(wildcards).training_reward
     if get_stage(wildcards).role == "memory":
         for role, marker in get_judge_marker(wildcards).items():
             reward[f"{role}_marker"] = marker
@@ -424,31 +399,27 @@ def get_stage_reward(wildcards):
 
 def policy_model(wildcards):
     """The policy before any training: the prepared model of the experiment's `policy`."""
-    return f"results/models/{get_experiment(wildcards)['policy']}"
+    return f"results/models/{get_experiment(wildcards).policy}"
 
 
 def get_training_start(wildcards):
     """Where stage 1 (MemAgent: training) starts: the cold start's checkpoint when the experiment has an `sft`
     section, else the prepared policy."""
-    if "sft" in get_experiment(wildcards):
+    if get_experiment(wildcards).has_cold_start:
         return f"results/{wildcards.exp}/sft/ckpt"
     return policy_model(wildcards)
 
 
 def get_episode(wildcards):
-    """The experiment's episode (memupdate.settings.EpisodeSettings): training, the cold start's demonstrations, the
-    policy evaluation and the LoCoMo evaluation play it; the latter three are not redone when training changes.
-    """
-    return get_experiment(wildcards).get("episode", {})
+    return get_experiment(wildcards).episode
 
 
 def get_tool_settings(wildcards):
-    """The memory tools the experiment's policy is given (memupdate.settings.ToolSettings; {}: all, full schemas)."""
-    return get_experiment(wildcards).get("tools", {})
+    return get_experiment(wildcards).tools
 
 
 def get_sft_settings(wildcards):
-    return get_experiment(wildcards)["sft"]
+    return get_experiment(wildcards).sft
 
 
 def get_sft_run_dir(wildcards):
@@ -456,27 +427,15 @@ def get_sft_run_dir(wildcards):
 
 
 def get_sft_layout(wildcards):
-    """Where verl's SFT trainer runs: the training stage's trainer.device (cpu: verl's cpu platform) and
-    trainer.n_gpus_per_node, so the cold start runs where training will.
-    """
-    experiment = get_experiment(wildcards)
-    stage = experiment["train" if is_memagent(wildcards.exp) else "stage1"]
-    keys = ("trainer.device", "trainer.n_gpus_per_node")
-    return {k: v for k, v in stage.items() if k in keys}
+    return get_experiment(wildcards).sft_layout
 
 
 def get_sft_reward(wildcards):
-    """The workflow's reward settings; the demonstrations are scored offline (memupdate.training.sft)."""
-    return {k: v for k, v in get_reward_config(wildcards).items() if k != "judge"}
+    return get_experiment(wildcards).offline_reward
 
 
 def get_stages(wildcards):
-    """The experiment's training stages by name (memupdate.settings.experiment_stages): stage1, stage2, ..."""
-    experiment = get_experiment(wildcards)
-    if is_memagent(wildcards.exp):
-        return {}
-    stages = experiment_stages(experiment, f"experiments.{wildcards.exp}")
-    return {stage.name: stage for stage in stages}
+    return get_experiment(wildcards).stages
 
 
 def stage_numbers():
@@ -484,24 +443,16 @@ def stage_numbers():
     rule per number."""
     return sorted(
         {
-            int(stage.name.removeprefix("stage"))
-            for name, experiment in config["experiments"].items()
-            if not is_memagent(name)
-            for stage in experiment_stages(experiment)
+            int(name.removeprefix("stage"))
+            for experiment in EXPERIMENTS.values()
+            for name in experiment.stages
         }
     )
 
 
 def get_stage(wildcards):
     """The stage of a training job (wildcard n)."""
-    stages = get_stages(wildcards)
-    name = f"stage{wildcards.n}"
-    if name not in stages:
-        raise ValueError(
-            f"experiment {wildcards.exp!r} has no {name} in config/config.yaml (its stages: "
-            f"{', '.join(stages) or 'none'})"
-        )
-    return stages[name]
+    return get_experiment(wildcards).stage(wildcards.n)
 
 
 def stage_checkpoint(exp, name):
@@ -520,29 +471,19 @@ def get_stage_start(wildcards):
 
 
 def is_ingestion(wildcards):
-    """Whether the experiment's memory episodes are sessions (question-agnostic ingestion), not questions."""
-    return "ingestion" in get_experiment(wildcards)
+    return get_experiment(wildcards).is_ingestion
 
 
 def get_questions_per_session(wildcards):
-    section = get_experiment(wildcards)["ingestion"]
-    where = f"experiments.{wildcards.exp}.ingestion"
-    return build(IngestionSettings, section, where).questions_per_session
+    return get_experiment(wildcards).questions_per_session
 
 
 def has_headroom_mix(wildcards):
-    """Whether the experiment's question rows are a headroom mix (its `headroom` section, rule headroom_rows)."""
-    return "headroom" in get_experiment(wildcards)
+    return get_experiment(wildcards).has_headroom_mix
 
 
 def get_headroom_settings(wildcards):
-    experiment = get_experiment(wildcards)
-    if "headroom" not in experiment:
-        raise ValueError(
-            f"experiment {wildcards.exp!r} has no headroom section in config/config.yaml"
-        )
-    section = f"experiments.{wildcards.exp}.headroom"
-    return dataclasses.asdict(build(HeadroomSettings, experiment["headroom"], section))
+    return get_experiment(wildcards).headroom
 
 
 def question_rows(wildcards, part):
@@ -577,7 +518,6 @@ def get_train_on(wildcards):
 
 
 def get_stage_inputs(wildcards):
-    experiment = get_experiment(wildcards)
     stage = get_stage(wildcards)
     inputs = {
         "model": get_stage_start(wildcards),
@@ -591,7 +531,7 @@ def get_stage_inputs(wildcards):
         return inputs
     # The QA phase (the served QA model answering after the memory turns) is what a served scorer reads.
     # Without a QA model, or with an offline scorer, a memory stage is single-role MemoryUpdate: nothing served.
-    if "qa_model" in experiment and get_reward_scorer(wildcards) in SERVED_ROLES:
+    if get_experiment(wildcards).plays_qa_phase:
         inputs["fixed"] = serve_marker(wildcards.exp, fixed_qa(stage), "train")
     return {**inputs, **get_judge_marker(wildcards)}
 
@@ -621,7 +561,7 @@ def get_served_model(wildcards):
     if wildcards.served == "qa-base":
         return f"results/models/{get_qa_model(wildcards)}"
     if wildcards.served == "base":
-        return f"results/models/{get_experiment(wildcards)['policy']}"
+        return policy_model(wildcards)
     return f"results/{wildcards.exp}/{wildcards.served}/ckpt"
 
 
@@ -637,8 +577,8 @@ def get_serve_inputs(wildcards):
 
 def get_evaluated_checkpoints(wildcards):
     experiment = get_experiment(wildcards)
-    trained = ["memagent"] if is_memagent(wildcards.exp) else get_stages(wildcards)
-    stages = [*(["sft"] if "sft" in experiment else []), *trained]
+    trained = ["memagent"] if experiment.is_memagent else experiment.stages
+    stages = [*(["sft"] if experiment.has_cold_start else []), *trained]
     return {f"ckpt_{s}": stage_checkpoint(wildcards.exp, s) for s in stages}
 
 
@@ -653,7 +593,6 @@ def get_server_log(wildcards):
 
 
 def get_eval_inputs(wildcards):
-    experiment = get_experiment(wildcards)
     inputs = {
         "test": "results/data/locomo/test.parquet",
         "memories": "results/data/locomo/memories.parquet",
@@ -661,7 +600,7 @@ def get_eval_inputs(wildcards):
         "conversations": data_file_path(config["data"]["locomo"]["file"]),
         "qa_base": serve_marker(wildcards.exp, "qa-base", "eval"),
     }
-    if "sft" in experiment:
+    if get_experiment(wildcards).has_cold_start:
         # What each training step adds: the untrained policy and the cold start as memory models too.
         inputs["base"] = serve_marker(wildcards.exp, "base", "eval")
         inputs["sft"] = serve_marker(wildcards.exp, "sft", "eval")
@@ -676,13 +615,7 @@ def get_eval_stages(wildcards):
 
 
 def get_eval_settings(wildcards):
-    # Evaluation retrieves and caps memories as training is rewarded, unless the experiment says otherwise.
-    defaults = {
-        "context_chars": get_reward_config(wildcards)["context_chars"],
-        "top_k": get_reward_config(wildcards)["top_k"],
-        "max_content_chars": MAX_CONTENT_CHARS,
-    }
-    return {**defaults, **get_experiment(wildcards).get("eval", {})}
+    return get_experiment(wildcards).eval_settings
 
 
 def get_training_metrics(wildcards):
@@ -692,23 +625,14 @@ def get_training_metrics(wildcards):
 
 
 def get_policy_eval_settings(wildcards):
-    experiment = get_experiment(wildcards)
-    if "policy_eval" not in experiment:
-        raise ValueError(
-            f"experiment {wildcards.exp!r} has no policy_eval section in config/config.yaml"
-        )
-    # Every key, defaults filled in: the input function reads the split.
-    section = f"experiments.{wildcards.exp}.policy_eval"
-    return dataclasses.asdict(
-        build(PolicyEvalSettings, experiment["policy_eval"], section)
-    )
+    return get_experiment(wildcards).policy_eval
 
 
 def policy_checkpoint(wildcards):
     """The checkpoint a policy name stands for: base (the prepared policy), sft, stage1."""
     if wildcards.policy == "base":
         return policy_model(wildcards)
-    if wildcards.policy == "sft" and "sft" not in get_experiment(wildcards):
+    if wildcards.policy == "sft" and not get_experiment(wildcards).has_cold_start:
         raise ValueError(
             f"experiment {wildcards.exp!r} has no sft section: no cold start to evaluate"
         )
@@ -732,24 +656,13 @@ def get_policy_eval_inputs(wildcards):
 
 
 def get_policy_eval_reward(wildcards):
-    """The training reward of stage 1, which must be offline: the policies are compared without a served model."""
-    scorer = get_reward_scorer(wildcards)
-    if scorer in SERVED_ROLES:
-        raise ValueError(
-            f"policy_eval of {wildcards.exp!r} scores with the training reward offline, but its scorer is "
-            f"{scorer!r}: set reward.scorer to answer_recall or evidence_recall"
-        )
-    return {**get_sft_reward(wildcards), "scorer": scorer}
+    return get_experiment(wildcards).policy_eval_reward
 
 
 def get_policy_summaries(wildcards):
-    policies = (
-        ["base", "sft", "stage1"]
-        if "sft" in get_experiment(wildcards)
-        else ["base", "stage1"]
-    )
     summaries = {
-        p: f"results/{wildcards.exp}/policy_eval/{p}/summary.json" for p in policies
+        p: f"results/{wildcards.exp}/policy_eval/{p}/summary.json"
+        for p in get_experiment(wildcards).evaluated_policies
     }
     if has_headroom_mix(wildcards):
         # Every question of the held-out split, flagged: the report's strata and their shares.
@@ -765,7 +678,7 @@ def get_eval_dir(wildcards):
 
 
 def is_memagent(name):
-    return config["experiments"][name].get("kind", "memupdate") == "memagent"
+    return EXPERIMENTS[name].is_memagent
 
 
 # The exp wildcard of rules that differ by kind (results/{exp}/sft/ckpt: train_sft or train_memagent_sft).
@@ -774,12 +687,8 @@ MEMAGENT_EXPERIMENTS = one_of(n for n in config["experiments"] if is_memagent(n)
 
 
 def get_memagent_experiment(wildcards):
-    experiment = get_experiment(wildcards)
-    if not is_memagent(wildcards.exp):
-        raise ValueError(
-            f"experiment {wildcards.exp!r} is not a MemAgent experiment (kind: memagent)"
-        )
-    return experiment
+    """A MemAgent experiment's section (kind: memagent)."""
+    return get_experiment(wildcards).memagent
 
 
 def hotpotqa_rows(ndocs, part):
@@ -808,8 +717,7 @@ def get_memagent_sft_inputs(wildcards):
 def memagent_train_rows(wildcards, part):
     """The train questions the cold start (part sft) or GRPO (part grpo) plays: all of them, or with
     sft.questions_percent their share of them (split_memagent_train)."""
-    experiment = get_memagent_experiment(wildcards)
-    if experiment.get("sft", {}).get("questions_percent") is None:
+    if not get_experiment(wildcards).splits_memagent_train:
         return get_memagent_split_input(wildcards)
     return f"results/{wildcards.exp}/data/{part}.parquet"
 
@@ -825,9 +733,7 @@ def get_memagent_sft_percent(wildcards):
 
 
 def get_memagent_train_settings(wildcards):
-    train = dict(get_memagent_experiment(wildcards)["train"])
-    train.pop("num_docs")
-    return train
+    return get_experiment(wildcards).memagent_train
 
 
 def get_memagent_loop(wildcards):
@@ -847,7 +753,7 @@ def get_memagent_eval_inputs(wildcards):
         "base": serve_marker(wildcards.exp, "base", "eval"),
         **(
             {"sft": serve_marker(wildcards.exp, "sft", "eval")}
-            if "sft" in experiment
+            if get_experiment(wildcards).has_cold_start
             else {}
         ),
         "trained": serve_marker(wildcards.exp, "memagent", "eval"),
@@ -858,18 +764,7 @@ def get_memagent_eval_inputs(wildcards):
 
 
 def get_memagent_eval_settings(wildcards):
-    """The loop's budgets as trained, except max_chunks: evaluation reads every chunk of a haystack
-    (as MemAgent's does) unless its own settings ask for truncate_chunks."""
-    experiment = get_memagent_experiment(wildcards)
-    settings = {k: v for k, v in experiment["eval"].items() if k != "num_docs"}
-    loop = build(MemAgentLoopSettings, experiment["loop"], "loop").agent()
-    loop.pop("max_chunks")
-    prompt_length = experiment["train"].get("prompt_length")
-    return {
-        **loop,
-        **({"prompt_length": prompt_length} if prompt_length else {}),
-        **settings,
-    }
+    return get_experiment(wildcards).memagent_eval
 
 
 def get_memagent_eval_dir(wildcards):
