@@ -154,7 +154,7 @@ def train_stage(
     )
     fixed = fixed_model_endpoint(fixed_marker, model)
     reward = stage_reward(reward, trained_role, fixed, settings)
-    return train_verl(
+    command, run_env = verl_commands(
         trained_role=trained_role,
         settings=settings,
         model=model,
@@ -167,6 +167,7 @@ def train_stage(
         episode=episode,
         verl=verl or {},
     )
+    return run_verl(command, run_env, run_dir, model)
 
 
 def train_memagent(
@@ -437,8 +438,3 @@ def _resolved_config(run_dir: Path) -> dict[str, Any]:
 
     path = run_dir / RESOLVED_CONFIG
     return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
-
-
-def train_verl(*, run_dir: str, model: str, **kwargs: Any) -> Path:
-    command, run_env = verl_commands(run_dir=run_dir, model=model, **kwargs)
-    return run_verl(command, run_env, run_dir, model)
