@@ -232,7 +232,9 @@ def test_reward_settings_reach_the_verl_reward_workers(tmp_path, repo_root, monk
         "experiment_dir": tmp_path / "run",
         "reward": reward,
     }
-    vl.prepare_main_ppo("memory", fixed_model_endpoint={"base_url": "http://n1:8000/v1", "model": "qa"}, **run)
+    vl.prepare_main_ppo(
+        "memory", vl.MainPPORun(fixed_model_endpoint={"base_url": "http://n1:8000/v1", "model": "qa"}, **run)
+    )
     resolved = OmegaConf.load(tmp_path / "run" / "resolved_config.yaml")
     kwargs = OmegaConf.to_container(resolved.reward.custom_reward_function.reward_kwargs)
     # Reward workers on other nodes read the marker: its path is absolute.

@@ -91,7 +91,7 @@ def test_hydra_value_round_trips_containers():
 
 
 def test_stage1_command(run):
-    argv, env = vl.build_main_ppo_command("memory", **run)
+    argv, env = vl.build_main_ppo_command("memory", vl.MainPPORun(**run))
     assert argv[:7] == [
         sys.executable,
         "-m",
@@ -129,13 +129,13 @@ def test_stage1_command(run):
     ray_env = {k.rsplit(".", 1)[1]: v for k, v in got.items() if k.startswith("++ray_kwargs.ray_init.runtime_env.")}
     assert ray_env == env
     # A fresh key for every run.
-    assert vl.build_main_ppo_command("memory", **run)[1]["VLLM_API_KEY"] != key
+    assert vl.build_main_ppo_command("memory", vl.MainPPORun(**run))[1]["VLLM_API_KEY"] != key
 
 
 def test_stage2_command_needs_the_served_memory_model(run):
     with pytest.raises(ValueError, match="fixed_model_endpoint"):
-        vl.compose_overrides("qa", **run)
-    argv, _ = vl.build_main_ppo_command("qa", fixed_model_endpoint=ENDPOINT, **run)
+        vl.compose_overrides("qa", vl.MainPPORun(**run))
+    argv, _ = vl.build_main_ppo_command("qa", vl.MainPPORun(fixed_model_endpoint=ENDPOINT, **run))
     assert argv[2] == vl.MAIN_PPO_MODULE
 
 
@@ -149,7 +149,7 @@ def test_stage2_command_needs_the_served_memory_model(run):
 )
 def test_bad_role_arguments(run, role, endpoint, message):
     with pytest.raises(ValueError, match=message):
-        vl.compose_overrides(role, fixed_model_endpoint=endpoint, **run)
+        vl.compose_overrides(role, vl.MainPPORun(fixed_model_endpoint=endpoint, **run))
 
 
 def test_paths_become_absolute(run, tmp_path, monkeypatch):
@@ -163,7 +163,7 @@ def test_paths_become_absolute(run, tmp_path, monkeypatch):
         "experiment_dir": "results/exp/stage1",
         "tool_config": os.path.relpath(run["tool_config"], tmp_path),
     }
-    config = validate(vl.compose_overrides("memory", **relative))
+    config = validate(vl.compose_overrides("memory", vl.MainPPORun(**relative)))
     rollout = config.actor_rollout_ref.rollout
     paths = [
         config.actor_rollout_ref.model.path,
@@ -182,13 +182,15 @@ def test_paths_become_absolute(run, tmp_path, monkeypatch):
 
 
 def test_hub_model_id_stays_a_hub_id(run):
-    got = overrides_dict(vl.compose_overrides("memory", **{**run, "model_path": "Qwen/Qwen2.5-3B-Instruct"}))
+    got = overrides_dict(
+        vl.compose_overrides("memory", vl.MainPPORun(**{**run, "model_path": "Qwen/Qwen2.5-3B-Instruct"}))
+    )
     assert got["actor_rollout_ref.model.path"] == "Qwen/Qwen2.5-3B-Instruct"
 
 
 @pytest.mark.parametrize(("role", "endpoint"), [("memory", None), ("memory", ENDPOINT), ("qa", ENDPOINT)])
 def test_every_override_composes_against_verl(run, role, endpoint):
-    overrides = vl.compose_overrides(role, fixed_model_endpoint=endpoint, **run)
+    overrides = vl.compose_overrides(role, vl.MainPPORun(fixed_model_endpoint=endpoint, **run))
     config = validate(overrides)
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
     assert config.algorithm.adv_estimator == "grpo"
@@ -215,9 +217,9 @@ def test_env_reaches_ray_workers_through_verls_runtime_env(run):
     servers' key is the exception: the Ray nodes start with it (their workers inherit it), off the command line."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
-    _, env = vl.build_main_ppo_command("memory", **run)
+    _, env = vl.build_main_ppo_command("memory", vl.MainPPORun(**run))
     env.pop("VLLM_API_KEY")
-    config = validate(vl.compose_overrides("memory", **run))
+    config = validate(vl.compose_overrides("memory", vl.MainPPORun(**run)))
     merged = OmegaConf.merge(get_ppo_ray_runtime_env(config), config.ray_kwargs.ray_init.runtime_env)
     env_vars = OmegaConf.to_container(merged)["env_vars"]
     assert env.items() <= env_vars.items()
@@ -225,9 +227,9 @@ def test_env_reaches_ray_workers_through_verls_runtime_env(run):
 
 
 def test_extra_overrides(run):
-    config = validate(vl.compose_overrides("memory", extra={"trainer.total_epochs": 1}, **run))
+    config = validate(vl.compose_overrides("memory", vl.MainPPORun(extra={"trainer.total_epochs": 1}, **run)))
     assert config.trainer.total_epochs == 1
-    config = validate(vl.compose_overrides("memory", extra=["+trainer.note='x'"], **run))
+    config = validate(vl.compose_overrides("memory", vl.MainPPORun(extra=["+trainer.note='x'"], **run)))
     assert config.trainer.note == "x"
 
 
@@ -235,7 +237,7 @@ def test_a_run_given_its_steps_runs_them_all_and_one_capped_short_by_its_epochs_
     """verl stops at total_epochs epochs of rows // train_batch_size steps (verl 0.9.1, v1 trainer_base): settings
     that give steps get as many epochs, and steps the rows cannot reach under given epochs are refused by the job,
     where the rows exist (the full scale's stages: tests/training/test_full_scale.py)."""
-    config = validate(vl.compose_overrides("memory", extra={"trainer.total_training_steps": 300}, **run))
+    config = validate(vl.compose_overrides("memory", vl.MainPPORun(extra={"trainer.total_training_steps": 300}, **run)))
     assert config.trainer.total_epochs == 300
     assert vl.unreachable_steps(config, rows=config.data.train_batch_size) is None
     rows = tmp_path / "train.parquet"
@@ -249,7 +251,7 @@ def test_a_run_given_its_steps_runs_them_all_and_one_capped_short_by_its_epochs_
             "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
         }
         return OmegaConf.to_container(
-            validate(vl.compose_overrides("memory", extra=settings, **{**run, "train_files": rows}))
+            validate(vl.compose_overrides("memory", vl.MainPPORun(extra=settings, **{**run, "train_files": rows})))
         )
 
     message = r"train.parquet: trainer.total_training_steps is 30, but verl stops after 12: 2 epochs .* of 6 steps"
@@ -260,7 +262,7 @@ def test_a_run_given_its_steps_runs_them_all_and_one_capped_short_by_its_epochs_
 
 def test_misspelt_key_fails_naming_it(run):
     overrides = vl.compose_overrides(
-        "memory", extra=["actor_rollout_ref.rollout.multi_turn.max_assistant_turn=3"], **run
+        "memory", vl.MainPPORun(extra=["actor_rollout_ref.rollout.multi_turn.max_assistant_turn=3"], **run)
     )
     with pytest.raises(vl.ConfigValidationError) as err:
         validate(overrides)
@@ -281,19 +283,21 @@ def test_misspelt_key_in_the_delta_file_fails(tmp_path):
 
 
 def test_sync_rollout_fails_dataclass_conversion(run):
-    overrides = vl.compose_overrides("memory", extra={"actor_rollout_ref.rollout.mode": "sync"}, **run)
+    overrides = vl.compose_overrides("memory", vl.MainPPORun(extra={"actor_rollout_ref.rollout.mode": "sync"}, **run))
     with pytest.raises(vl.ConfigValidationError, match="(?s)actor_rollout_ref.rollout does not convert.*'sync'"):
         validate(overrides)
 
 
 def test_wrong_actor_value_fails_dataclass_conversion(run):
-    overrides = vl.compose_overrides("memory", extra={"actor_rollout_ref.actor.loss_agg_mode": "seq-sum"}, **run)
+    overrides = vl.compose_overrides(
+        "memory", vl.MainPPORun(extra={"actor_rollout_ref.actor.loss_agg_mode": "seq-sum"}, **run)
+    )
     with pytest.raises(vl.ConfigValidationError, match="(?s)actor_rollout_ref.actor does not convert.*seq-sum"):
         validate(overrides)
 
 
 def test_prepare_writes_the_run_files(run):
-    argv, env = vl.prepare_main_ppo("qa", fixed_model_endpoint=ENDPOINT, **run)
+    argv, env = vl.prepare_main_ppo("qa", vl.MainPPORun(fixed_model_endpoint=ENDPOINT, **run))
     run_dir = run["experiment_dir"]
 
     resolved = OmegaConf.load(run_dir / "resolved_config.yaml")
@@ -336,14 +340,14 @@ def test_prepare_writes_the_run_files(run):
     from memupdate.agents.memory_loop import MemoryUpdateAgentLoop
 
     assert set(kwargs) - {"name"} <= set(inspect.signature(MemoryUpdateAgentLoop.__init__).parameters)
-    assert argv == vl.build_main_ppo_command("qa", fixed_model_endpoint=ENDPOINT, **run)[0]
+    assert argv == vl.build_main_ppo_command("qa", vl.MainPPORun(fixed_model_endpoint=ENDPOINT, **run))[0]
 
 
 @pytest.mark.parametrize("fixed", [ENDPOINT, None], ids=["served scorer", "offline scorer"])
 def test_a_memory_stage_plays_the_qa_phase_where_its_scorer_reads_the_served_qa_model(run, fixed):
     """The workflow gives a memory stage a fixed QA model only where its scorer reads that model's answers: the
     loop then answers after the memory turns, and the reward scores that answer (rewards.manager, ANSWER_KEY)."""
-    vl.prepare_main_ppo("memory", fixed_model_endpoint=fixed, **run)
+    vl.prepare_main_ppo("memory", vl.MainPPORun(fixed_model_endpoint=fixed, **run))
     (entry,) = OmegaConf.load(run["experiment_dir"] / "agent_loops.yaml")
     assert entry.trained_role == "memory" and entry.qa_phase is (fixed is not None)
     assert entry.fixed_model == (dict(fixed) if fixed else None)
@@ -370,7 +374,9 @@ def test_the_trainer_and_the_in_process_runs_play_the_same_episode(run, tmp_path
         "top_p": 0.9,
     }
     reward = {**run["reward"], "qa_max_tokens": 12, "top_k": 3}
-    vl.prepare_main_ppo(role, fixed_model_endpoint=fixed, **{**run, "episode": episode, "reward": reward})
+    vl.prepare_main_ppo(
+        role, vl.MainPPORun(fixed_model_endpoint=fixed, **{**run, "episode": episode, "reward": reward})
+    )
     trainer_dir = run["experiment_dir"]
     in_process = RolloutConfig(
         model_path=str(run["model_path"]),
@@ -405,7 +411,7 @@ def test_runs_track_offline_and_record_commit_config_and_data(run, repo_root):
     data = run["train_files"]
     data.parent.mkdir(parents=True)
     data.write_bytes(b"rows")
-    config = validate(vl.compose_overrides("memory", **run))
+    config = validate(vl.compose_overrides("memory", vl.MainPPORun(**run)))
     assert list(config.trainer.logger) == ["console", "tensorboard", "file"]
     assert config.algorithm.filter_groups.enable is False and config.trainer.max_actor_ckpt_to_keep == 2
     record = OmegaConf.to_container(config[vl.RUN_RECORD])
@@ -413,7 +419,7 @@ def test_runs_track_offline_and_record_commit_config_and_data(run, repo_root):
     assert record["data_sha256"]["memories"] == [{"path": run["memory"].memories, "sha256": None}]
     assert len(record["git"]["commit"]) == 40
 
-    vl.prepare_main_ppo("memory", **run)
+    vl.prepare_main_ppo("memory", vl.MainPPORun(**run))
     run_dir = run["experiment_dir"]
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["config_digest"] == sha256_file(run_dir / "resolved_config.yaml")
@@ -421,7 +427,7 @@ def test_runs_track_offline_and_record_commit_config_and_data(run, repo_root):
     # The record is not a setting: a new commit leaves the digest of the settings as it was.
     assert vl.RUN_RECORD not in OmegaConf.load(run_dir / "resolved_config.yaml")
     # The exported checkpoint's manifest carries them (read before the minutes-long FSDP merge).
-    from memupdate.training.stages import verl_run_record
+    from memupdate.training.checkpoints import verl_run_record
 
     assert verl_run_record(run_dir) == {k: info[k] for k in ("git", "config_digest", "data_sha256")}
     (run_dir / "run_info.json").unlink()
@@ -449,7 +455,7 @@ def validate_memagent(run):
 
 def test_prepare_writes_nothing_when_validation_fails(run):
     with pytest.raises(vl.ConfigValidationError):
-        vl.prepare_main_ppo("memory", extra={"actor_rollout_ref.rollout.mode": "sync"}, **run)
+        vl.prepare_main_ppo("memory", vl.MainPPORun(extra={"actor_rollout_ref.rollout.mode": "sync"}, **run))
     assert not run["experiment_dir"].exists()
 
 
@@ -532,14 +538,14 @@ def test_memagent_rejects_an_unknown_loop_setting(tmp_path):
 )
 def test_what_verl_accepts_but_would_hang_or_waste_a_gpu_run_is_refused(run, extra, named):
     with pytest.raises(vl.ConfigValidationError, match=named):
-        validate(vl.compose_overrides("memory", **run, extra=extra, rollout_server={"python": "python"}))
+        validate(vl.compose_overrides("memory", vl.MainPPORun(**run, extra=extra, rollout_server={"python": "python"})))
 
 
 def test_a_logger_without_file_is_refused_before_anything_runs(run):
     """metrics.jsonl (the report's training curves, DVC's out) is made from verl's file logger."""
     with pytest.raises(ValueError, match="trainer.logger must include file"):
-        vl.compose_overrides("memory", **run, extra={"trainer.logger": ["console", "wandb"]})
-    vl.compose_overrides("memory", **run, extra={"trainer.logger": ["console", "wandb", "file"]})
+        vl.compose_overrides("memory", vl.MainPPORun(**run, extra={"trainer.logger": ["console", "wandb"]}))
+    vl.compose_overrides("memory", vl.MainPPORun(**run, extra={"trainer.logger": ["console", "wandb", "file"]}))
 
 
 # ------------------------------------------------------------------------------------------- verl on CPU
@@ -561,7 +567,7 @@ def test_the_cpu_keys_are_verl_keys():
 
 def test_a_cpu_run_selects_the_cpu_platform_and_the_external_rollout(run):
     extra = {"trainer.device": "cpu", "trainer.total_training_steps": 2}
-    overrides = vl.compose_overrides("memory", extra=extra, rollout_server=SERVER, **run)
+    overrides = vl.compose_overrides("memory", vl.MainPPORun(extra=extra, rollout_server=SERVER, **run))
     config = validate(overrides)
     rollout = config.actor_rollout_ref.rollout
     assert config.trainer.device == "cpu" and rollout.name == "memupdate_vllm"
@@ -572,7 +578,7 @@ def test_a_cpu_run_selects_the_cpu_platform_and_the_external_rollout(run):
     # The server's serving.env reaches it through the run's environment, which the Ray workers inherit: its values
     # (a token, say) are on no command line.
     assert custom["serving"] == {key: value for key, value in SERVER.items() if key != "env"}
-    argv, env = vl.build_main_ppo_command("memory", extra=extra, rollout_server=SERVER, **run)
+    argv, env = vl.build_main_ppo_command("memory", vl.MainPPORun(extra=extra, rollout_server=SERVER, **run))
     assert env["A_B"] == "1" and not any("A_B" in arg for arg in argv)
     # The rollout server's supervisor makes its server's key and gives it to verl's actor (external_vllm).
     assert "VLLM_API_KEY" not in env
@@ -581,7 +587,7 @@ def test_a_cpu_run_selects_the_cpu_platform_and_the_external_rollout(run):
     assert env["VERL_PLATFORM"] == "cpu"
     # The stage's own settings win over the CPU defaults.
     extra = {**extra, "actor_rollout_ref.rollout.agent.num_workers": 2}
-    config = validate(vl.compose_overrides("memory", extra=extra, rollout_server=SERVER, **run))
+    config = validate(vl.compose_overrides("memory", vl.MainPPORun(extra=extra, rollout_server=SERVER, **run)))
     assert config.actor_rollout_ref.rollout.agent.num_workers == 2
 
 
@@ -593,10 +599,10 @@ def test_the_launcher_starts_the_server_verls_actor_would_start(run):
     (run["model_path"] / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
     run = {**run, "nnodes": 1, "n_gpus_per_node": 1}
     extra = {"trainer.device": "cpu", "trainer.total_training_steps": 2}
-    vl.prepare_main_ppo("memory", extra=extra, rollout_server=SERVER, **run)
+    vl.prepare_main_ppo("memory", vl.MainPPORun(extra=extra, rollout_server=SERVER, **run))
     resolved = yaml.safe_load((run["experiment_dir"] / vl.RESOLVED_CONFIG).read_text())
     [spec] = prelaunch_specs(resolved)
-    config = validate(vl.compose_overrides("memory", extra=extra, rollout_server=SERVER, **run))
+    config = validate(vl.compose_overrides("memory", vl.MainPPORun(extra=extra, rollout_server=SERVER, **run)))
     rollout = vl._to_dataclass(config, "actor_rollout_ref.rollout")
     assert server_spec(rollout, config.actor_rollout_ref.model.path, 0) == spec
     assert spec.weights_dir == run["experiment_dir"] / "rollout" / "replica0" and not spec.sleep_mode
@@ -612,9 +618,11 @@ def test_the_launcher_starts_the_server_verls_actor_would_start(run):
 
 def test_the_external_rollout_needs_its_server_settings(run):
     with pytest.raises(ValueError, match="pass rollout_server"):
-        vl.compose_overrides("memory", extra={"trainer.device": "cpu"}, **run)
+        vl.compose_overrides("memory", vl.MainPPORun(extra={"trainer.device": "cpu"}, **run))
     with pytest.raises(ValueError, match="vLLM interpreter"):
-        vl.compose_overrides("memory", extra={"trainer.device": "cpu"}, rollout_server={"dtype": "float32"}, **run)
+        vl.compose_overrides(
+            "memory", vl.MainPPORun(extra={"trainer.device": "cpu"}, rollout_server={"dtype": "float32"}, **run)
+        )
     # On GPU the rollout is verl's own (ours is refused there: test_what_verl_accepts_but_would_...).
-    overrides = vl.compose_overrides("memory", **run)
+    overrides = vl.compose_overrides("memory", vl.MainPPORun(**run))
     assert not any(vl.EXTERNAL_ROLLOUT_SETTINGS in o for o in overrides)

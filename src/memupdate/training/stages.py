@@ -275,11 +275,10 @@ def verl_commands(
     """The command that starts Ray on every node of the allocation and runs ``main_ppo`` on the head,
     and its environment. ``settings`` are verl config keys (``trainer.total_training_steps: 100``), ``episode`` the
     experiment's (:class:`~memupdate.settings.EpisodeSettings`); ``verl`` holds ``val_files`` and launcher options."""
-    from memupdate.training.verl_launcher import prepare_main_ppo, run_device
+    from memupdate.training.verl_launcher import MainPPORun, prepare_main_ppo, run_device
 
     nnodes, gpus = verl_layout(settings, env)
-    argv, run_env = prepare_main_ppo(
-        trained_role,
+    run = MainPPORun(
         model_path=model,
         train_files=train_files,
         val_files=validation_files(verl),
@@ -294,6 +293,7 @@ def verl_commands(
         extra=dict(settings),
         rollout_server=rollout_server(settings, verl),
     )
+    argv, run_env = prepare_main_ppo(trained_role, run)
     return allocation_command(argv, run_dir, nnodes, gpus, env, device=run_device(settings)), run_env
 
 

@@ -44,6 +44,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -408,24 +409,33 @@ def refuse_unreachable_steps(config: Mapping[str, Any]) -> None:
         raise ConfigValidationError(f"{', '.join(files)}: {problem}")
 
 
-def compose_overrides(
-    role: str,
-    *,
-    model_path: PathLike,
-    train_files: PathLike | Sequence[PathLike],
-    val_files: PathLike | Sequence[PathLike],
-    tool_config: PathLike,
-    memory: MemoryEnvironment,
-    n_gpus_per_node: int,
-    nnodes: int,
-    experiment_dir: PathLike,
-    fixed_model_endpoint: Mapping[str, Any] | None = None,
-    reward: Mapping[str, Any] | None = None,
-    episode: Mapping[str, Any] | None = None,
-    extra: Mapping[str, Any] | Sequence[str] = (),
-    rollout_server: Mapping[str, Any] | None = None,
-) -> list[str]:
-    """Hydra overrides for ``main_ppo --config-name grpo_memupdate`` for one run.
+@dataclass(frozen=True, kw_only=True)
+class MainPPORun:
+    """One ``main_ppo`` run of a MemoryUpdate stage, as :func:`compose_overrides` turns it into hydra overrides and
+    :func:`prepare_main_ppo` into the run's files (:func:`memupdate.training.stages.verl_commands` makes one)."""
+
+    model_path: PathLike
+    train_files: PathLike | Sequence[PathLike]
+    val_files: PathLike | Sequence[PathLike]
+    tool_config: PathLike
+    memory: MemoryEnvironment
+    n_gpus_per_node: int
+    nnodes: int
+    experiment_dir: PathLike
+    #: The served model playing the role that is not trained, ``{base_url, model, ...}``.
+    fixed_model_endpoint: Mapping[str, Any] | None = None
+    #: Our reward manager's settings (:func:`memupdate.training.stages.stage_reward`).
+    reward: Mapping[str, Any] | None = None
+    #: The experiment's episode (:class:`~memupdate.settings.EpisodeSettings`).
+    episode: Mapping[str, Any] | None = None
+    #: The stage's verl keys: a mapping of config keys to values, or override strings.
+    extra: Mapping[str, Any] | Sequence[str] = ()
+    #: The serving settings of the run's own vLLM rollout server (``memupdate_vllm``).
+    rollout_server: Mapping[str, Any] | None = None
+
+
+def compose_overrides(role: str, run: MainPPORun) -> list[str]:
+    """Hydra overrides for ``main_ppo --config-name grpo_memupdate`` for one ``run``.
 
     ``role`` is a training role (``memory`` or ``qa``); it and ``fixed_model_endpoint``
     go into the run's ``agent_loops.yaml``, ``memory`` into its ``memory_environment.json`` and ``tool_config``'s
@@ -439,23 +449,26 @@ def compose_overrides(
     ``rollout_server`` for the external vLLM rollout). Every path becomes absolute, since Ray workers on
     other nodes do not share the driver's working directory.
     """
-    _fixed_model(role, fixed_model_endpoint)
+    n_gpus_per_node, nnodes, extra, memory = run.n_gpus_per_node, run.nnodes, run.extra, run.memory
+    _fixed_model(role, run.fixed_model_endpoint)
     if n_gpus_per_node < 1 or nnodes < 1:
         raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
     data = {"memories": memory.memories, "embeddings": memory.embeddings}
-    overrides = run_overrides(model_path, train_files, val_files, n_gpus_per_node, nnodes, experiment_dir, data)
-    run_dir = Path(_abs(experiment_dir))
+    overrides = run_overrides(
+        run.model_path, run.train_files, run.val_files, n_gpus_per_node, nnodes, run.experiment_dir, data
+    )
+    run_dir = Path(_abs(run.experiment_dir))
     overrides.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path={hydra_value(run_dir / TOOLS_FILE)}")
     # The reward settings are our manager's own namespace, not verl's schema, so they are added or
     # replaced (++) leaf by leaf; the manager rejects an unknown setting when it starts. The served
     # scorers' readiness markers are read by reward workers on every node: absolute paths.
-    reward = {k: _abs(v) if k.endswith("_marker") and v else v for k, v in (reward or {}).items()}
+    reward = {k: _abs(v) if k.endswith("_marker") and v else v for k, v in (run.reward or {}).items()}
     reward["memory_environment"] = str(run_dir / MEMORY_ENVIRONMENT_FILE)
     overrides += [f"++{key}={hydra_value(value)}" for key, value in _flatten(REWARD_KWARGS, reward)]
-    lengths = episode_overrides(episode)
+    lengths = episode_overrides(run.episode)
     overrides += [f"{key}={hydra_value(value)}" for key, value in lengths.items()]
     row_tokens = lengths["data.max_prompt_length"] + lengths["data.max_response_length"]
-    overrides += device_overrides(extra, run_dir, rollout_server, row_tokens=row_tokens)
+    overrides += device_overrides(extra, run_dir, run.rollout_server, row_tokens=row_tokens)
     return overrides + _extra_overrides(extra)
 
 
@@ -479,15 +492,15 @@ def main_ppo_argv(
 
 
 def build_main_ppo_command(
-    role: str, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, **run: Any
+    role: str, run: MainPPORun, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR
 ) -> tuple[list[str], dict[str, str]]:
-    """``(argv, env)`` for one run; ``run`` takes :func:`compose_overrides`' keyword arguments.
+    """``(argv, env)`` for one run, writing nothing (:func:`prepare_main_ppo` writes the run's files too).
 
     ``env`` holds the trackers' folders and the platform (:func:`run_env`): run ``argv`` with
     ``{**os.environ, **env}``.
     """
-    argv = main_ppo_argv(compose_overrides(role, **run), python=python, config_dir=config_dir)
-    return argv, run_env(run["experiment_dir"], run.get("extra", ()), run.get("rollout_server"))
+    argv = main_ppo_argv(compose_overrides(role, run), python=python, config_dir=config_dir)
+    return argv, run_env(run.experiment_dir, run.extra, run.rollout_server)
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -654,29 +667,29 @@ def write_agent_loop_config(
 
 
 def prepare_main_ppo(
-    role: str, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, **run: Any
+    role: str, run: MainPPORun, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR
 ) -> tuple[list[str], dict[str, str]]:
     """Everything before the exec: compose and validate the config, write the run's ``agent_loops.yaml``,
     ``memory_environment.json``, ``tools.yaml`` and ``resolved_config.yaml``, and return ``(argv, env)``.
 
-    Takes :func:`compose_overrides`' keyword arguments. Nothing is written when validation fails.
+    Nothing is written when validation fails.
     """
-    overrides = compose_overrides(role, **run)
+    overrides = compose_overrides(role, run)
     config = validate_overrides(config_dir, CONFIG_NAME, overrides)
-    run_dir = Path(_abs(run["experiment_dir"]))
+    run_dir = Path(_abs(run.experiment_dir))
     write_agent_loop_config(
         run_dir / AGENT_LOOPS_FILE,
         role,
-        run.get("fixed_model_endpoint"),
-        reward=run.get("reward"),
-        max_new_tokens=build(EpisodeSettings, run.get("episode"), "episode").max_new_tokens,
+        run.fixed_model_endpoint,
+        reward=run.reward,
+        max_new_tokens=build(EpisodeSettings, run.episode, "episode").max_new_tokens,
     )
-    write_tool_config(run["tool_config"], run["memory"].write(run_dir), run_dir)
-    write_run_files(run_dir, config, run["model_path"])
+    write_tool_config(run.tool_config, run.memory.write(run_dir), run_dir)
+    write_run_files(run_dir, config, run.model_path)
     logger.info("verl run prepared in %s (role %s, %d overrides)", run_dir, role, len(overrides))
     return (
         main_ppo_argv(overrides, python=python, config_dir=config_dir),
-        run_env(run_dir, run.get("extra", ()), run.get("rollout_server")),
+        run_env(run_dir, run.extra, run.rollout_server),
     )
 
 
