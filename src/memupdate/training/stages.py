@@ -405,12 +405,13 @@ def run_verl(
     model: str,
     *,
     log_name: str = TRAINER_LOG,
-    **export: Any,
+    shards: str | None = "actor",
+    kind: str | None = None,
 ) -> Path:
     """Run a verl training command to its end, its output in ``<run_dir>/<log_name>`` (main_ppo: Ray's workers and
     the trainer; follow it with ``tail -f``), its rollout servers started beside it when they can be
     (:func:`~memupdate.serving.rollout_server.prelaunched_servers`), and export its last checkpoint to ``<run_dir>/ckpt``
-    (:func:`export_verl_checkpoint` with ``export``). verl resumes from ``<run_dir>/checkpoints`` only if they
+    (:func:`export_verl_checkpoint` with ``shards`` and ``kind``). verl resumes from ``<run_dir>/checkpoints`` only if they
     are this very run's (:func:`guard_verl_checkpoints`)."""
     from memupdate.serving.rollout_server import prelaunched_servers
     from memupdate.training.verl_launcher import refuse_unreachable_steps
@@ -427,7 +428,7 @@ def run_verl(
         code = run_to_end(command, {**os.environ, **run_env}, out)
     if code:
         raise RuntimeError(f"verl's trainer exited with code {code}; the end of {log}:\n{tail(log, 60)}")
-    return export_verl_checkpoint(Path(run_dir), model, **export)
+    return export_verl_checkpoint(Path(run_dir), model, shards=shards, kind=kind)
 
 
 def _resolved_config(run_dir: Path) -> dict[str, Any]:

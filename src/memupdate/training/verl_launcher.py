@@ -746,19 +746,40 @@ def memagent_mini_batch(config: DictConfig, loop: Mapping[str, Any]) -> str:
 
 
 def prepare_memagent_ppo(
-    *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR, loop: Mapping[str, Any], **run: Any
-) -> list[str]:
-    """Compose and validate ``grpo_memagent`` with :func:`memagent_overrides`, write the run's
-    ``agent_loops.yaml`` (the ``memagent`` loop with ``loop``'s budgets) and ``resolved_config.yaml``, and
+    *,
+    model_path: PathLike,
+    train_files: PathLike | Sequence[PathLike],
+    val_files: PathLike | Sequence[PathLike],
+    loop: Mapping[str, Any],
+    n_gpus_per_node: int,
+    nnodes: int,
+    experiment_dir: PathLike,
+    extra: Mapping[str, Any] | Sequence[str] = (),
+    rollout_server: Mapping[str, Any] | None = None,
+    python: str = sys.executable,
+    config_dir: PathLike = CONFIG_DIR,
+) -> tuple[list[str], dict[str, str]]:
+    """Compose and validate ``grpo_memagent`` with :func:`memagent_overrides` (which takes the same run), write the
+    run's ``agent_loops.yaml`` (the ``memagent`` loop with ``loop``'s budgets) and ``resolved_config.yaml``, and
     return ``main_ppo``'s ``(argv, env)``. Nothing is written when validation fails."""
-    overrides = memagent_overrides(loop=loop, **run)
+    overrides = memagent_overrides(
+        model_path=model_path,
+        train_files=train_files,
+        val_files=val_files,
+        loop=loop,
+        n_gpus_per_node=n_gpus_per_node,
+        nnodes=nnodes,
+        experiment_dir=experiment_dir,
+        extra=extra,
+        rollout_server=rollout_server,
+    )
     # Validated twice: the mini-batch in rows needs the composed mini-batch in questions, and the result is checked.
     overrides.append(memagent_mini_batch(validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides), loop))
     config = validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides)
-    run_dir = Path(_abs(run["experiment_dir"]))
+    run_dir = Path(_abs(experiment_dir))
     entry = agent_loop_entry(MEMAGENT_AGENT, build(MemAgentLoopSettings, loop, "loop").agent(), deterministic_ids=False)
     header = f"# Written for this run by {__name__}.\n"
     write_text_atomic(run_dir / AGENT_LOOPS_FILE, header + OmegaConf.to_yaml([entry]))
-    write_run_files(run_dir, config, run["model_path"])
+    write_run_files(run_dir, config, model_path)
     argv = main_ppo_argv(overrides, python=python, config_dir=config_dir, config_name=MEMAGENT_CONFIG_NAME)
-    return argv, run_env(run_dir, run.get("extra", ()), run.get("rollout_server"))
+    return argv, run_env(run_dir, extra, rollout_server)
