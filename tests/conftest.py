@@ -20,7 +20,9 @@ import pytest
 from aiohttp import web
 
 from memupdate.data.locomo import MEMORY_SCHEMA, initial_memories, load_locomo
-from memupdate.memory import BaseStore, Embedder, EmbeddingCache, build_embedding_cache
+from memupdate.memory.cache import EmbeddingCache, build_embedding_cache
+from memupdate.memory.embedder import Embedder
+from memupdate.memory.store import BaseStore
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: The test environment's scripts (snakemake, dvc, memupdate).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memupdate.memory import Embedder
+from memupdate.memory.embedder import Embedder
 
 
 class CountingEmbedder(Embedder):
