@@ -12,7 +12,7 @@ from memupdate.agents.memagent import FINAL_PROMPT, MEMORY_PROMPT, NO_MEMORY, sp
 from memupdate.rewards.memagent import memagent_reward
 from memupdate.rollout.config import run_config
 from memupdate.rollout.workers import FINAL_MASK_KEY, TRAJECTORY_KEY, TURN_INDEX_KEY, in_process_workers
-from memupdate.serving.hf_server import HFGenerateServer
+from memupdate.serving.hf_generate import HFGenerator
 
 CHUNK, MAX_CHUNKS = 48, 3  # as the memagent_config fixture sets them
 
@@ -49,7 +49,7 @@ def test_each_turn_is_its_own_conversation_with_one_chunk(tmp_path, tiny_models,
     cfg = memagent_config(tmp_path, model_dir, hotpot_rows)
     config = run_config(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    server = HFGenerateServer(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, max_new_tokens=12)
+    server = HFGenerator(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, max_new_tokens=12)
 
     async def main():
         worker = in_process_workers(config, server)

@@ -25,7 +25,7 @@ from memupdate.rewards.scorers import QAItem, ReaderScorer
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.serving.client import Endpoint, OpenAIClient
 from memupdate.serving.decoding import GREEDY, SAMPLING_KEYS
-from memupdate.serving.hf_server import HFGenerateServer
+from memupdate.serving.hf_generate import HFGenerator
 from memupdate.serving.token_client import VLLMTokenClient
 from memupdate.settings import LocomoEvalSettings
 from memupdate.tools.config import TOOL_CONFIG
@@ -49,10 +49,8 @@ def setup(tiny_models, locomo_rows, cache_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(models / "policy")
     dataset = RLHFDataset(cfg.train_files, tokenizer, config.data)
     tools = load_all_tools(config.actor_rollout_ref.rollout.multi_turn.tool_config_path, None)
-    policy = HFGenerateServer(AutoModelForCausalLM.from_pretrained(models / "policy"), tokenizer, max_new_tokens=12)
-    fixed = HFGenerateServer(
-        AutoModelForCausalLM.from_pretrained(models / "fixed"), tokenizer, max_new_tokens=12, seed=7
-    )
+    policy = HFGenerator(AutoModelForCausalLM.from_pretrained(models / "policy"), tokenizer, max_new_tokens=12)
+    fixed = HFGenerator(AutoModelForCausalLM.from_pretrained(models / "fixed"), tokenizer, max_new_tokens=12, seed=7)
     return config, tokenizer, dataset, tools, policy, fixed
 
 
@@ -131,7 +129,7 @@ def test_qa_phase_answers_from_a_fresh_prompt_exactly_as_no_update_does(setup):
     assert "Short answer:" not in tokenizer.decode(output.prompt_ids + output.response_ids)
     assert fixed.generated_tokens > 0 and policy.generated_tokens > 0
     assert output.extra_fields[ROLE_KEY] == "memory"
-    direct = HFGenerateServer(fixed.model, tokenizer, max_new_tokens=12, seed=99)
+    direct = HFGenerator(fixed.model, tokenizer, max_new_tokens=12, seed=99)
     answer = asyncio.run(
         direct.generate("x", prompt_ids=expected, sampling_params={"temperature": 0.0, "max_tokens": 32})
     )

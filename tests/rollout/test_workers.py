@@ -12,7 +12,7 @@ from memupdate.agents.memory_loop import MemoryUpdateAgentLoop
 from memupdate.memory.environment import MemoryEnvironment
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.workers import MultiOutputAgentLoopWorker, in_process_workers
-from memupdate.serving.hf_server import HFGenerateServer
+from memupdate.serving.hf_generate import HFGenerator
 from memupdate.tools.config import TOOL_CONFIG
 
 
@@ -43,7 +43,7 @@ def test_agent_loop_constructor_is_resolved_once_and_every_trajectory_gets_a_fre
     )
     config = run_config(cfg)
     tokenizer = AutoTokenizer.from_pretrained(tiny_models / "policy")
-    server = HFGenerateServer(None, tokenizer, max_new_tokens=4)
+    server = HFGenerator(None, tokenizer, max_new_tokens=4)
     worker = in_process_workers(config, server, reward=False)
     calls = []
     instantiate = hydra.utils.instantiate

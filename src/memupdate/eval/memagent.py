@@ -134,10 +134,10 @@ class MemAgentEvaluator:
             import torch
             from transformers import AutoModelForCausalLM
 
-            from memupdate.serving.hf_server import HFGenerateServer
+            from memupdate.serving.hf_generate import HFGenerator
 
             hf_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
-            self.server = HFGenerateServer(hf_model, self.tokenizer, max_new_tokens=response)
+            self.server = HFGenerator(hf_model, self.tokenizer, max_new_tokens=response)
 
     def dataset(self, rows_file: str | Path):
         """The rows as verl's ``RLHFDataset`` reads them for training (same chat template, same fields)."""

@@ -43,7 +43,7 @@ from memupdate.names import MANAGE_TOOL
 from memupdate.rollout.config import RolloutConfig, run_config
 from memupdate.rollout.episodes import COMPONENTS, episode_records
 from memupdate.rollout.workers import in_process_workers
-from memupdate.serving.hf_server import HFGenerateServer
+from memupdate.serving.hf_generate import HFGenerator
 from memupdate.settings import (
     DEFAULT_EMBEDDING_MODEL,
     DEFAULT_MAX_CONTENT_CHARS,
@@ -409,7 +409,7 @@ def _policy_server(cfg: RolloutConfig, server: str, serving: Mapping[str, Any] |
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     if server == "hf":
         policy = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
-        yield HFGenerateServer(policy, tokenizer, max_new_tokens=cfg.turn_tokens, seed=cfg.seed), tokenizer
+        yield HFGenerator(policy, tokenizer, max_new_tokens=cfg.turn_tokens, seed=cfg.seed), tokenizer
         return
     if server != "vllm":
         raise ValueError(f"server must be vllm or hf, got {server!r}")

@@ -142,7 +142,7 @@ NOT_RUN = (
     "rollout/config",
     "rollout/episodes",
     "rollout/workers",
-    "serving/hf_server",
+    "serving/hf_generate",
     "serving/lifecycle",
     "training/demonstrations",
     "training/ingestion_expert",

@@ -46,7 +46,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-class HFGenerateServer:
+class HFGenerator:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, max_new_tokens: int, seed: int = 0):
         self.model = model
         self.tokenizer = tokenizer
