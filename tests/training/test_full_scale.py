@@ -96,14 +96,16 @@ def test_memagent_7b_composes_against_verl_with_memagents_budgets(full, repo_roo
     settings = {k: v for k, v in experiment["train"].items() if k != "num_docs"}
     run_dir = tmp_path / "memagent"
     vl.prepare_memagent_ppo(
-        model_path=full["models"][experiment["policy"]]["name_or_path"],
-        train_files=tmp_path / "train.parquet",
-        val_files=tmp_path / "test.parquet",
-        loop=experiment["loop"],
-        n_gpus_per_node=job.gpus_per_node,
-        nnodes=job.nodes,
-        experiment_dir=run_dir,
-        extra=settings,
+        vl.MemAgentRun(
+            model_path=full["models"][experiment["policy"]]["name_or_path"],
+            train_files=tmp_path / "train.parquet",
+            val_files=tmp_path / "test.parquet",
+            loop=experiment["loop"],
+            n_gpus_per_node=job.gpus_per_node,
+            nnodes=job.nodes,
+            experiment_dir=run_dir,
+            extra=settings,
+        )
     )
     resolved = OmegaConf.load(run_dir / vl.RESOLVED_CONFIG)
     assert (resolved.trainer.nnodes, resolved.trainer.n_gpus_per_node) == (4, 8)

@@ -442,13 +442,15 @@ def test_runs_track_offline_and_record_commit_config_and_data(run, repo_root):
 
 def validate_memagent(run):
     overrides = vl.memagent_overrides(
-        model_path=run["model_path"],
-        train_files=run["train_files"],
-        val_files=run["val_files"],
-        loop={},
-        n_gpus_per_node=1,
-        nnodes=1,
-        experiment_dir=run["experiment_dir"],
+        vl.MemAgentRun(
+            model_path=run["model_path"],
+            train_files=run["train_files"],
+            val_files=run["val_files"],
+            loop={},
+            n_gpus_per_node=1,
+            nnodes=1,
+            experiment_dir=run["experiment_dir"],
+        )
     )
     return vl.validate_overrides(vl.CONFIG_DIR, vl.MEMAGENT_CONFIG_NAME, overrides)
 
@@ -465,13 +467,15 @@ LOOP = {"chunk_size": 5000, "max_chunks": 8, "max_memory_tokens": 1024, "max_fin
 def test_memagent_config_composes_into_a_v1_grpo_run_over_turn_rows(tmp_path):
     run_dir = tmp_path / "results" / "exp" / "memagent"
     argv, env = vl.prepare_memagent_ppo(
-        model_path=tmp_path,
-        train_files=tmp_path / "train.parquet",
-        val_files=tmp_path / "test.parquet",
-        loop=LOOP,
-        n_gpus_per_node=8,
-        nnodes=2,
-        experiment_dir=run_dir,
+        vl.MemAgentRun(
+            model_path=tmp_path,
+            train_files=tmp_path / "train.parquet",
+            val_files=tmp_path / "test.parquet",
+            loop=LOOP,
+            n_gpus_per_node=8,
+            nnodes=2,
+            experiment_dir=run_dir,
+        )
     )
     assert argv[argv.index("--config-name") + 1] == "grpo_memagent"
     assert "VERL_PLATFORM" not in env  # a GPU run keeps verl's own platform detection
@@ -497,13 +501,15 @@ def test_memagent_config_composes_into_a_v1_grpo_run_over_turn_rows(tmp_path):
 def test_the_template_budget_sets_the_prompt_length_and_stays_out_of_the_loop(tmp_path):
     run_dir = tmp_path / "memagent"
     vl.prepare_memagent_ppo(
-        model_path=tmp_path,
-        train_files=tmp_path / "train.parquet",
-        val_files=tmp_path / "test.parquet",
-        loop={**LOOP, "template_tokens": 256},
-        n_gpus_per_node=1,
-        nnodes=1,
-        experiment_dir=run_dir,
+        vl.MemAgentRun(
+            model_path=tmp_path,
+            train_files=tmp_path / "train.parquet",
+            val_files=tmp_path / "test.parquet",
+            loop={**LOOP, "template_tokens": 256},
+            n_gpus_per_node=1,
+            nnodes=1,
+            experiment_dir=run_dir,
+        )
     )
     # verl pads every turn's row to this: chunk + memory + the template's budget.
     assert OmegaConf.load(run_dir / "resolved_config.yaml").actor_rollout_ref.rollout.prompt_length == 5000 + 1024 + 256
@@ -515,13 +521,15 @@ def test_the_template_budget_sets_the_prompt_length_and_stays_out_of_the_loop(tm
 def test_memagent_rejects_an_unknown_loop_setting(tmp_path):
     with pytest.raises(ValueError, match="chunk_tokens"):
         vl.memagent_overrides(
-            model_path=tmp_path,
-            train_files=tmp_path,
-            val_files=tmp_path,
-            loop={"chunk_tokens": 5},
-            n_gpus_per_node=1,
-            nnodes=1,
-            experiment_dir=tmp_path,
+            vl.MemAgentRun(
+                model_path=tmp_path,
+                train_files=tmp_path,
+                val_files=tmp_path,
+                loop={"chunk_tokens": 5},
+                n_gpus_per_node=1,
+                nnodes=1,
+                experiment_dir=tmp_path,
+            )
         )
 
 

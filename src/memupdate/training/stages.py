@@ -184,11 +184,11 @@ def train_memagent(
     ``loop`` holds the loop's budgets (chunk_size, max_chunks, max_memory_tokens, max_final_tokens);
     ``settings`` are verl config keys.
     """
-    from memupdate.training.verl_launcher import prepare_memagent_ppo, run_device
+    from memupdate.training.verl_launcher import MemAgentRun, prepare_memagent_ppo, run_device
 
     verl = verl or {}
     nnodes, gpus = verl_layout(settings)
-    argv, run_env = prepare_memagent_ppo(
+    run = MemAgentRun(
         model_path=model,
         train_files=train_files,
         val_files=validation_files(verl),
@@ -199,6 +199,7 @@ def train_memagent(
         extra=dict(settings),
         rollout_server=rollout_server(settings, verl),
     )
+    argv, run_env = prepare_memagent_ppo(run)
     command = allocation_command(argv, run_dir, nnodes, gpus, device=run_device(settings))
     return run_verl(command, run_env, run_dir, model)
 

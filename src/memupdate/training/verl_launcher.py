@@ -410,28 +410,35 @@ def refuse_unreachable_steps(config: Mapping[str, Any]) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MainPPORun:
-    """One ``main_ppo`` run of a MemoryUpdate stage, as :func:`compose_overrides` turns it into hydra overrides and
-    :func:`prepare_main_ppo` into the run's files (:func:`memupdate.training.stages.verl_commands` makes one)."""
+class VerlRun:
+    """What every ``main_ppo`` run is given: its starting model, rows, layout and folder, the experiment's verl keys and
+    its own rollout server's settings."""
 
     model_path: PathLike
     train_files: PathLike | Sequence[PathLike]
     val_files: PathLike | Sequence[PathLike]
-    tool_config: PathLike
-    memory: MemoryEnvironment
     n_gpus_per_node: int
     nnodes: int
     experiment_dir: PathLike
+    #: The experiment's verl keys: a mapping of config keys to values, or override strings.
+    extra: Mapping[str, Any] | Sequence[str] = ()
+    #: The serving settings of the run's own vLLM rollout server (``memupdate_vllm``).
+    rollout_server: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MainPPORun(VerlRun):
+    """One ``main_ppo`` run of a MemoryUpdate stage, as :func:`compose_overrides` turns it into hydra overrides and
+    :func:`prepare_main_ppo` into the run's files (:func:`memupdate.training.stages.verl_commands` makes one)."""
+
+    tool_config: PathLike
+    memory: MemoryEnvironment
     #: The served model playing the role that is not trained, ``{base_url, model, ...}``.
     fixed_model_endpoint: Mapping[str, Any] | None = None
     #: Our reward manager's settings (:func:`memupdate.training.stages.stage_reward`).
     reward: Mapping[str, Any] | None = None
     #: The experiment's episode (:class:`~memupdate.settings.EpisodeSettings`).
     episode: Mapping[str, Any] | None = None
-    #: The stage's verl keys: a mapping of config keys to values, or override strings.
-    extra: Mapping[str, Any] | Sequence[str] = ()
-    #: The serving settings of the run's own vLLM rollout server (``memupdate_vllm``).
-    rollout_server: Mapping[str, Any] | None = None
 
 
 def compose_overrides(role: str, run: MainPPORun) -> list[str]:
@@ -696,28 +703,29 @@ def prepare_main_ppo(
 MEMAGENT_CONFIG_NAME = VERL_BASE_CONFIG["memagent"]
 
 
-def memagent_overrides(
-    *,
-    model_path: PathLike,
-    train_files: PathLike | Sequence[PathLike],
-    val_files: PathLike | Sequence[PathLike],
-    loop: Mapping[str, Any],
-    n_gpus_per_node: int,
-    nnodes: int,
-    experiment_dir: PathLike,
-    extra: Mapping[str, Any] | Sequence[str] = (),
-    rollout_server: Mapping[str, Any] | None = None,
-) -> list[str]:
+@dataclass(frozen=True, kw_only=True)
+class MemAgentRun(VerlRun):
+    """One ``main_ppo`` run of MemAgent, as :func:`memagent_overrides` turns it into hydra overrides and
+    :func:`prepare_memagent_ppo` into the run's files (:func:`memupdate.training.stages.train_memagent` makes one)."""
+
+    #: The loop's budgets (:class:`~memupdate.settings.MemAgentLoopSettings`).
+    loop: Mapping[str, Any]
+
+
+def memagent_overrides(run: MemAgentRun) -> list[str]:
     """Hydra overrides for ``main_ppo --config-name grpo_memagent``: paths, layout, and the turn budgets the
     loop's ``loop`` settings imply (a turn's prompt holds a chunk and a memory; a reply is at most a memory or
     the answer), so verl pads to what the loop produces."""
     # The loop's settings as the loop itself takes them: an unknown or ill-typed key fails here, named.
-    budgets = build(MemAgentLoopSettings, loop, "loop")
+    budgets = build(MemAgentLoopSettings, run.loop, "loop")
+    n_gpus_per_node, nnodes = run.n_gpus_per_node, run.nnodes
     if n_gpus_per_node < 1 or nnodes < 1:
         raise ValueError(f"need n_gpus_per_node >= 1 and nnodes >= 1, got {n_gpus_per_node}, {nnodes}")
-    overrides = run_overrides(model_path, train_files, val_files, n_gpus_per_node, nnodes, experiment_dir)
+    overrides = run_overrides(
+        run.model_path, run.train_files, run.val_files, n_gpus_per_node, nnodes, run.experiment_dir
+    )
     row_tokens = None
-    if loop:
+    if run.loop:
         lengths = budgets.lengths()
         overrides += [
             f"actor_rollout_ref.rollout.response_length={lengths['response_length']}",
@@ -725,8 +733,8 @@ def memagent_overrides(
             f"actor_rollout_ref.rollout.prompt_length={lengths['prompt_length']}",
         ]
         row_tokens = lengths["prompt_length"] + lengths["response_length"]
-    overrides += device_overrides(extra, experiment_dir, rollout_server, row_tokens=row_tokens)
-    return overrides + _extra_overrides(extra)
+    overrides += device_overrides(run.extra, run.experiment_dir, run.rollout_server, row_tokens=row_tokens)
+    return overrides + _extra_overrides(run.extra)
 
 
 def memagent_mini_batch(config: DictConfig, loop: Mapping[str, Any]) -> str:
@@ -746,40 +754,20 @@ def memagent_mini_batch(config: DictConfig, loop: Mapping[str, Any]) -> str:
 
 
 def prepare_memagent_ppo(
-    *,
-    model_path: PathLike,
-    train_files: PathLike | Sequence[PathLike],
-    val_files: PathLike | Sequence[PathLike],
-    loop: Mapping[str, Any],
-    n_gpus_per_node: int,
-    nnodes: int,
-    experiment_dir: PathLike,
-    extra: Mapping[str, Any] | Sequence[str] = (),
-    rollout_server: Mapping[str, Any] | None = None,
-    python: str = sys.executable,
-    config_dir: PathLike = CONFIG_DIR,
+    run: MemAgentRun, *, python: str = sys.executable, config_dir: PathLike = CONFIG_DIR
 ) -> tuple[list[str], dict[str, str]]:
-    """Compose and validate ``grpo_memagent`` with :func:`memagent_overrides` (which takes the same run), write the
-    run's ``agent_loops.yaml`` (the ``memagent`` loop with ``loop``'s budgets) and ``resolved_config.yaml``, and
-    return ``main_ppo``'s ``(argv, env)``. Nothing is written when validation fails."""
-    overrides = memagent_overrides(
-        model_path=model_path,
-        train_files=train_files,
-        val_files=val_files,
-        loop=loop,
-        n_gpus_per_node=n_gpus_per_node,
-        nnodes=nnodes,
-        experiment_dir=experiment_dir,
-        extra=extra,
-        rollout_server=rollout_server,
-    )
+    """Compose and validate ``grpo_memagent`` with :func:`memagent_overrides`, write the run's ``agent_loops.yaml``
+    (the ``memagent`` loop with ``run.loop``'s budgets) and ``resolved_config.yaml``, and return ``main_ppo``'s
+    ``(argv, env)``. Nothing is written when validation fails."""
+    overrides = memagent_overrides(run)
+    loop = run.loop
     # Validated twice: the mini-batch in rows needs the composed mini-batch in questions, and the result is checked.
     overrides.append(memagent_mini_batch(validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides), loop))
     config = validate_overrides(config_dir, MEMAGENT_CONFIG_NAME, overrides)
-    run_dir = Path(_abs(experiment_dir))
+    run_dir = Path(_abs(run.experiment_dir))
     entry = agent_loop_entry(MEMAGENT_AGENT, build(MemAgentLoopSettings, loop, "loop").agent(), deterministic_ids=False)
     header = f"# Written for this run by {__name__}.\n"
     write_text_atomic(run_dir / AGENT_LOOPS_FILE, header + OmegaConf.to_yaml([entry]))
-    write_run_files(run_dir, config, model_path)
+    write_run_files(run_dir, config, run.model_path)
     argv = main_ppo_argv(overrides, python=python, config_dir=config_dir, config_name=MEMAGENT_CONFIG_NAME)
-    return argv, run_env(run_dir, extra, rollout_server)
+    return argv, run_env(run_dir, run.extra, run.rollout_server)
