@@ -1,6 +1,5 @@
 # Shared helpers: scale selection, wildcard constraints and input functions (no logic in rules).
 
-import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -10,8 +9,8 @@ from snakemake.iocontainers import Wildcards
 
 from memupdate import plan as planning
 from memupdate.cluster import RESOURCES_FILE, read_table
-from memupdate.models.hub import is_hub_id
 from memupdate.experiment import Experiment
+from memupdate.models.hub import is_hub_id
 from memupdate.settings import (
     ServeSettings,
     build,
@@ -30,12 +29,12 @@ EMBEDDING_MODEL = config["memory"]["embedding_model"]
 # Cap on a memory text the agent writes; reaches the memory tools like the embedding model does.
 MAX_CONTENT_CHARS = config["memory"]["max_content_chars"]
 EMBEDDING_TAG = Path(EMBEDDING_MODEL).name
+EMBEDDINGS = f"results/embeddings/{EMBEDDING_TAG}"
 # Each experiment of the checked config with what the workflow asks of it: kind, stages, reward, evaluations.
 EXPERIMENTS = {
     name: Experiment(name, section, config["reward"], MAX_CONTENT_CHARS)
     for name, section in config["experiments"].items()
 }
-EMBEDDINGS = f"results/embeddings/{EMBEDDING_TAG}"
 # The memory a server holds on the run's own machine (serving.local_mem_mb).
 LOCAL_SERVER_MB = build(ServeSettings, config["serving"], "serving").local_mem_mb
 # Memory of a verl training job on a CPU node, MB (measured 10-14 GB with the tiny and the 135M models); on GPU
@@ -367,10 +366,6 @@ def get_qa_model(wildcards):
 def get_reward_config(wildcards):
     """The reward section of an experiment: the workflow's, with the experiment's own `reward` keys over it."""
     return get_experiment(wildcards).reward
-
-
-def get_reward_scorer(wildcards):
-    return get_experiment(wildcards).scorer
 
 
 def fixed_qa(stage):

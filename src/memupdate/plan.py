@@ -15,7 +15,7 @@ a sized rule (:func:`job`, :func:`served`) for the rule's resources, and prints 
 would submit once Snakemake has built the DAG, dry run included (:func:`print_after_dag`);
 ``memupdate plan [targets] --config scale=full`` prints it alone (:func:`plan_targets`).
 
->>> from memupdate.cluster import Job, Limits, Table
+>>> from memupdate.cluster import Job, Limits
 >>> entry = job("train_stage1", Job(gpus_per_node=8, minutes=30, per_step=5), Limits(max_runtime=1440), units=300)
 >>> entry.minutes, entry.limit, entry.resubmits, entry.gpu_hours
 (1530, 1440, 1, 204.0)
@@ -447,7 +447,7 @@ def pack(plan: Plan, gpus: int, gpus_per_node: int) -> Schedule:
     consumer asks for its GPUs and its servers' together; a multi-node job takes whole nodes. ConfigError if a job
     can never fit.
 
-    >>> from memupdate.cluster import Job, Limits, Table
+    >>> from memupdate.cluster import Job, Limits
     >>> big = job("train_memagent", Job(nodes=4, gpus_per_node=8, minutes=600), Limits())
     >>> small = job("train_stage1", Job(gpus_per_node=8, minutes=300), Limits())
     >>> p = Plan([big, small], Limits(), needs={id(big): [], id(small): []})

@@ -411,9 +411,9 @@ def run_verl(
 ) -> Path:
     """Run a verl training command to its end, its output in ``<run_dir>/<log_name>`` (main_ppo: Ray's workers and
     the trainer; follow it with ``tail -f``), its rollout servers started beside it when they can be
-    (:func:`~memupdate.serving.rollout_server.prelaunched_servers`), and export its last checkpoint to ``<run_dir>/ckpt``
-    (:func:`export_verl_checkpoint` with ``shards`` and ``kind``). verl resumes from ``<run_dir>/checkpoints`` only if they
-    are this very run's (:func:`guard_verl_checkpoints`)."""
+    (:func:`~memupdate.serving.rollout_server.prelaunched_servers`), and export its last checkpoint to
+    ``<run_dir>/ckpt`` (:func:`export_verl_checkpoint` with ``shards`` and ``kind``). verl resumes from
+    ``<run_dir>/checkpoints`` only if they are this very run's (:func:`guard_verl_checkpoints`)."""
     from memupdate.serving.rollout_server import prelaunched_servers
     from memupdate.training.verl_launcher import refuse_unreachable_steps
 

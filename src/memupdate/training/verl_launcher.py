@@ -16,7 +16,7 @@ Per run, under ``experiment_dir``:
   (:mod:`memupdate.training.tracking`);
 - ``tensorboard/`` (verl's tensorboard backend of ``trainer.logger``; ``tracking.jsonl`` for ``file``);
 - ``agent_loops.yaml``: the run's agent loop with its ``trained_role``, ``fixed_model`` and episode settings,
-  translated as the in-process runs' (:mod:`memupdate.rollout.config`; verl passes an agent-loop entry's keys to
+  translated as the in-process runs' (:mod:`memupdate.rollout.loops`; verl passes an agent-loop entry's keys to
   the loop's constructor);
 - ``checkpoints/`` (verl's ``trainer.default_local_dir``), ``validation/`` (validation generations),
   ``hydra/`` (main_ppo's hydra output).
