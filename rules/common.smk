@@ -149,13 +149,18 @@ def get_prepare_model_inputs(wildcards):
     return {"download": download} if download else {}
 
 
-def get_hotpotqa_tokenizer_inputs(wildcards):
-    """A HotpotQA tokenizer that names a hub model of `models:` is read from that model's download."""
-    name = config["data"]["hotpotqa"]["tokenizer"]
-    for model, spec in config["models"].items():
-        if spec.get("name_or_path") == name and hub_download(model):
-            return {"tokenizer": hub_download(model)}
-    return {}
+def tokenizer_inputs(dataset):
+    """The input function of a dataset's haystack tokenizer (data.<dataset>.tokenizer): one that names a hub model
+    of `models:` is read from that model's download."""
+
+    def inputs(wildcards):
+        name = config["data"][dataset]["tokenizer"]
+        for model, spec in config["models"].items():
+            if spec.get("name_or_path") == name and hub_download(model):
+                return {"tokenizer": hub_download(model)}
+        return {}
+
+    return inputs
 
 
 def local_servers_mb(input):
@@ -686,7 +691,10 @@ def get_memagent_experiment(wildcards):
     return get_experiment(wildcards).memagent
 
 
-def hotpotqa_rows(ndocs, part):
+def haystack_rows(wildcards, ndocs, part):
+    """The MemAgent rows of a part (train, test) at a haystack length, of the experiment's haystack."""
+    if get_experiment(wildcards).haystack == "locomo":
+        return f"results/data/locomo_haystack/{ndocs}.{part}.parquet"
     split = next(iter(config["data"]["hotpotqa"]["splits"]))
     return f"results/data/hotpotqa/{split}-{ndocs}.{part}.parquet"
 
@@ -698,7 +706,7 @@ def get_memagent_train_inputs(wildcards):
     return {
         "model": get_training_start(wildcards),
         "train": memagent_train_rows(wildcards, "grpo"),
-        "val": hotpotqa_rows(experiment["train"]["num_docs"], "test"),
+        "val": haystack_rows(wildcards, experiment["train"]["num_docs"], "test"),
     }
 
 
@@ -718,8 +726,8 @@ def memagent_train_rows(wildcards, part):
 
 
 def get_memagent_split_input(wildcards):
-    return hotpotqa_rows(
-        get_memagent_experiment(wildcards)["train"]["num_docs"], "train"
+    return haystack_rows(
+        wildcards, get_memagent_experiment(wildcards)["train"]["num_docs"], "train"
     )
 
 
@@ -754,7 +762,7 @@ def get_memagent_eval_inputs(wildcards):
         "trained": serve_marker(wildcards.exp, "memagent", "eval"),
     }
     for ndocs in experiment["eval"]["num_docs"]:
-        inputs[f"test_{ndocs}"] = hotpotqa_rows(ndocs, "test")
+        inputs[f"test_{ndocs}"] = haystack_rows(wildcards, ndocs, "test")
     return inputs
 
 

@@ -100,7 +100,7 @@ rule headroom_rows:
 
 rule preprocess_hotpotqa:
     input:
-        unpack(get_hotpotqa_tokenizer_inputs),
+        unpack(tokenizer_inputs("hotpotqa")),
         data=get_hotpotqa_input,
     output:
         rows="results/data/hotpotqa/{split}-{ndocs}.parquet",
@@ -142,6 +142,32 @@ rule split_hotpotqa:
         test_percent=config["data"]["hotpotqa"]["test_percent"],
     script:
         "../workflow/scripts/split_hotpotqa.py"
+
+
+# A MemAgent experiment with `haystack: locomo`: LoCoMo conversations as haystacks of {ndocs} windows of turns, the
+# questions whose answer their evidence turns hold, train and test by data.locomo's split (data.locomo_haystack).
+rule preprocess_locomo_haystack:
+    input:
+        unpack(tokenizer_inputs("locomo_haystack")),
+        data=get_locomo_input,
+    output:
+        train="results/data/locomo_haystack/{ndocs}.train.parquet",
+        test="results/data/locomo_haystack/{ndocs}.test.parquet",
+        summary="results/data/locomo_haystack/{ndocs}.summary.json",
+    log:
+        "logs/preprocess_locomo_haystack/{ndocs}.log",
+    benchmark:
+        "benchmarks/preprocess_locomo_haystack/{ndocs}.tsv"
+    conda:
+        "../workflow/envs/memupdate.yaml"
+    resources:
+        runtime=10,
+    params:
+        split=config["data"]["locomo"]["splits"][config["data"]["locomo"]["split"]],
+        settings=config["data"]["locomo_haystack"],
+        sha256=DATA_FILES[config["data"]["locomo"]["file"]]["sha256"],
+    script:
+        "../workflow/scripts/preprocess_locomo_haystack.py"
 
 
 rule hotpotqa_data:

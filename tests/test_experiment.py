@@ -58,3 +58,6 @@ def test_memagent_sections_are_a_memagent_experiments_only(repo_root):
     assert "max_chunks" not in e.memagent_eval and e.memagent_eval["chunk_size"] == e.section["loop"]["chunk_size"]
     with pytest.raises(ValueError, match="is not a MemAgent experiment"):
         _ = experiment().memagent
+    # RULER-HotpotQA unless the experiment names LoCoMo's conversations.
+    assert e.haystack == "hotpotqa"
+    assert Experiment("l", config["experiments"]["memagent_locomo"], config["reward"]).haystack == "locomo"

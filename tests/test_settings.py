@@ -207,6 +207,13 @@ def test_the_shipped_configs_pass_and_keep_their_values():
             "memagent_smoke.train: 'num_docs' is required",
         ),
         ({"experiments": {"memagent_smoke": {"stage1": {}}}}, "memagent_smoke.stage1: unknown setting"),
+        (
+            {"experiments": {"memagent_smoke": {"haystack": "ruler"}}},
+            "experiments.memagent_smoke.haystack: 'ruler' is not one of hotpotqa, locomo",
+        ),
+        # The haystack is a MemAgent experiment's; a MemoryUpdate one reads its memories, not a haystack.
+        ({"experiments": {"smoke": {"haystack": "locomo"}}}, "experiments.smoke.haystack: unknown setting"),
+        ({"data": {"locomo_haystack": {"turns_per_window": 0}}}, "turns_per_window: 0 is below the minimum 1"),
         # true == 1 and 2.0 == 2 in Python; a category is an integer.
         (
             {"experiments": {"smoke": {"stage1": {"train_on": {"categories": [True, 2.0]}}}}},

@@ -249,6 +249,27 @@ def test_a_memagent_experiment_with_a_cold_start_trains_from_it(workdir):
     assert bad.returncode != 0 and "experiments.memagent_smoke.sft.batch_size" in bad.stdout + bad.stderr
 
 
+def test_memagent_on_locomo_reads_conversation_haystacks_held_out_by_conversation(workdir):
+    """haystack: locomo swaps the rows, and only the rows: the cold start, GRPO, its validation and the evaluation
+    read LoCoMo's conversations as haystacks, trained on the train conversations, evaluated on the test ones."""
+    result = snakemake(workdir, "-n", "results/memagent_locomo/memagent_eval/report.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = dry_run_jobs(result.stdout)
+    by_rule = {job["rule"]: job for job in jobs}
+    built = sorted(job["output"] for job in jobs if job["rule"] == "preprocess_locomo_haystack")
+    assert len(built) == 2 and all(out.startswith("results/data/locomo_haystack/") for out in built), built
+    assert not any(job["rule"] in ("preprocess_hotpotqa", "split_hotpotqa") for job in jobs)
+    assert by_rule["split_memagent_train"]["input"] == "results/data/locomo_haystack/4.train.parquet"
+    train_inputs = by_rule["train_memagent"]["input"].split(", ")
+    assert "results/data/locomo_haystack/4.test.parquet" in train_inputs  # verl's held-out validation
+    assert "results/memagent_locomo/data/grpo.parquet" in train_inputs
+    eval_inputs = by_rule["eval_memagent"]["input"].split(", ")
+    assert {p for p in eval_inputs if p.endswith(".parquet")} == {
+        "results/data/locomo_haystack/4.test.parquet",
+        "results/data/locomo_haystack/8.test.parquet",
+    }
+
+
 def test_a_verl_experiments_cold_start_is_a_gpu_job_on_the_slurm_profile(workdir):
     """The cold start is verl's SFT trainer on one node, sized by profiles/slurm/resources.yaml."""
     (workdir / "sft.yaml").write_text(

@@ -22,6 +22,7 @@ from typing import Any
 
 from memupdate.settings import (
     DEFAULT_MAX_CONTENT_CHARS,
+    HAYSTACKS,
     SERVED_ROLES,
     HeadroomSettings,
     IngestionSettings,
@@ -233,6 +234,12 @@ class Experiment:
         if not self.is_memagent:
             raise ValueError(f"experiment {self.name!r} is not a MemAgent experiment (kind: memagent)")
         return self.section
+
+    @property
+    def haystack(self) -> str:
+        """What a MemAgent experiment's haystacks are made of: ``hotpotqa`` (RULER-HotpotQA) or ``locomo`` (LoCoMo
+        conversations, :mod:`memupdate.data.locomo_haystack`); their numbers are never compared."""
+        return self.memagent.get("haystack", HAYSTACKS[0])
 
     @property
     def memagent_train(self) -> dict[str, Any]:

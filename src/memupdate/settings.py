@@ -890,12 +890,25 @@ class HotpotData:
 
 
 @section
+class LocomoHaystackData:
+    """``data.locomo_haystack``: LoCoMo conversations as MemAgent haystacks (:mod:`memupdate.data.locomo_haystack`),
+    held out by ``data.locomo``'s split."""
+
+    turns_per_window: Int = setting(4, help="turns of one session in each document of a haystack", ge=1)
+    seed: Int = setting(0, help="draws each haystack's distractor windows")
+    tokenizer: Str | None = setting(None, help="a model whose tokenizer counts haystack tokens (null: none)")
+
+
+@section
 class DataSettings:
     """The ``data`` section: the public data files and how each dataset is read."""
 
     files: dict[str, Annotated[dict[str, Any], Section(DataFile)]] = setting(help="data files by key", removable=True)
     locomo: Annotated[dict[str, Any], Section(LocomoData, filled=True)] = setting(help="LoCoMo")
     hotpotqa: Annotated[dict[str, Any], Section(HotpotData, filled=True)] = setting(help="HotpotQA (MemAgent)")
+    locomo_haystack: Annotated[dict[str, Any], Section(LocomoHaystackData, filled=True)] = setting(
+        help="LoCoMo as MemAgent haystacks (an experiment's haystack: locomo)", factory=dict
+    )
     mirrors: list[Str] = setting(
         help="folders searched for a verified copy of each data file before downloading", factory=list
     )
@@ -1065,6 +1078,9 @@ def check_config(
 #: An experiment's own keys, besides its sections (:data:`SECTIONS`, :data:`VERL_SECTIONS`, a MemoryUpdate one's
 #: ``stage<N>``).
 EXPERIMENT_KEYS = ("kind", "policy", "qa_model")
+#: What a MemAgent experiment's haystacks are made of (its key ``haystack``; the first is the default):
+#: RULER-HotpotQA (:mod:`memupdate.data.hotpotqa`) or LoCoMo conversations (:mod:`memupdate.data.locomo_haystack`).
+HAYSTACKS = ("hotpotqa", "locomo")
 #: What an experiment of each kind must have.
 REQUIRED = {"memupdate": ("policy", "stage1"), "memagent": ("policy", "loop", "train", "eval")}
 
@@ -1086,9 +1102,14 @@ def _shape_errors(config: dict[str, Any]) -> list[str]:
         if not isinstance(kind, str) or kind not in SECTIONS:
             errors.append(f"{where}.kind: {show_value(kind)} is not one of {', '.join(SECTIONS)}")
             continue
-        allowed = [*EXPERIMENT_KEYS, *SECTIONS[kind], *VERL_SECTIONS[kind]]
+        own = [*EXPERIMENT_KEYS, "haystack"] if kind == "memagent" else EXPERIMENT_KEYS
+        if kind == "memagent":
+            haystack = experiment.setdefault("haystack", HAYSTACKS[0])
+            if haystack not in HAYSTACKS:
+                errors.append(f"{where}.haystack: {show_value(haystack)} is not one of {', '.join(HAYSTACKS)}")
+        allowed = [*own, *SECTIONS[kind], *VERL_SECTIONS[kind]]
         for key, value in experiment.items():
-            if key in EXPERIMENT_KEYS:
+            if key in own:
                 if not isinstance(value, str):
                     errors.append(f"{where}.{key}: {show_value(value)} is not a string")
             elif key in allowed or (kind == "memupdate" and STAGE_SECTION.fullmatch(str(key))):

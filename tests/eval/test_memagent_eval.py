@@ -11,14 +11,17 @@ import re
 import shutil
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
 from memupdate.eval.memagent import (
+    HAYSTACK_NAMES,
     MEMAGENT_STYLE_METRICS,
     METRICS,
     MemAgentEvalSettings,
+    haystack_name,
     memagent_length_curve,
     memagent_style_answer,
     memagent_style_scores,
@@ -162,6 +165,8 @@ def test_memagent_style_is_reported_beside_ours(tiny_models, hotpot_rows, tmp_pa
     report = memagent_length_curve({"tiny": tiny_models / "policy"}, {"3": hotpot_rows}, out, SETTINGS)
     # A rule's log, where the progress bar is off, says when each pass is done and how it scored.
     assert re.search(r"tiny @ 3 \(memagent\): 3 questions in \d+ s; exact_match [\d.]+, sub_em", caplog.text)
+    assert report["haystack"] == HAYSTACK_NAMES["hotpotqa"]
+    assert f"Haystacks: {HAYSTACK_NAMES['hotpotqa']}." in (out / "report.md").read_text()
     style = report["memagent_style"]
     assert "temperature 0.7 / top-p 0.95" in style["protocol"] and "the answer is" in style["protocol"]
     # MemAgent's style: its final prompt, the memory turns' token limit, and its sampling.
@@ -238,3 +243,12 @@ def test_served_and_in_process_evaluation_agree(vllm_server, tiny_model_dir, hot
         for key in METRICS:
             assert summary[key] == pytest.approx(np.mean([r[key] for r in rows]), abs=1e-4)
     assert (tmp_path / "eval" / "length_curve.png").is_file()
+
+
+def test_a_length_curve_across_two_kinds_of_haystack_is_refused_naming_the_files(hotpot_rows, tmp_path):
+    table = pq.read_table(hotpot_rows)
+    locomo = tmp_path / "locomo.parquet"
+    pq.write_table(table.set_column(0, "data_source", pa.array(["locomo_haystack"] * table.num_rows)), locomo)
+    assert haystack_name({"4": locomo}) == HAYSTACK_NAMES["locomo_haystack"]
+    with pytest.raises(ValueError, match=r"mix them: hotpotqa in 3: .*; locomo_haystack in 8: .*locomo.parquet"):
+        haystack_name({"3": hotpot_rows, "8": locomo})

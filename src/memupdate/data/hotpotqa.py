@@ -436,7 +436,8 @@ def _lazy_permutation(rng: random.Random, n: int) -> Iterator[int]:
         swapped[j] = swapped.get(i, i)
 
 
-def _question_rng(seed: int, example_id: str) -> random.Random:
+def question_rng(seed: int, example_id: str) -> random.Random:
+    """A question's own RNG, from the run's seed and its id alone (a row depends on no other row)."""
     # A hash, not hash(): Python salts str hashes per process, which would break reproducibility.
     digest = hashlib.sha256(f"{seed}\x1f{example_id}".encode()).digest()
     return random.Random(int.from_bytes(digest[:8], "big"))
@@ -501,7 +502,7 @@ class _Builder:
 
     def context(self, example: HotpotExample) -> tuple[str, int, int]:
         """Return one question's rendered context, its number of documents and its token count."""
-        rng = _question_rng(self.seed, example.id)
+        rng = question_rng(self.seed, example.id)
         gold = [render_document(p.title, p.text) for p in example.gold]
         hard = [render_document(p.title, p.text) for p in example.hard_distractors]
         if self.max_tokens is None:
@@ -653,7 +654,8 @@ def load_token_counter(tokenizer: str) -> Callable[[str], int]:
     return count
 
 
-def _spread(values: list[int]) -> dict[str, float | int | None]:
+def spread(values: list[int]) -> dict[str, float | int | None]:
+    """Mean, min and max of ``values`` for a summary (all None when there are none)."""
     if not values:
         return {"mean": None, "min": None, "max": None}
     return {"mean": round(statistics.fmean(values), 2), "min": min(values), "max": max(values)}
@@ -759,8 +761,8 @@ def preprocess_hotpotqa(
             "rows": table.num_rows,
             "rows_by_type": dict(sorted(types.items())),
             "rows_over_budget": over_budget,
-            "num_tokens": _spread(tokens),
-            "num_docs": _spread(docs),
+            "num_tokens": spread(tokens),
+            "num_docs": spread(docs),
         }
         write_json_atomic(tmp["summary"], summary)
     logger.info(

@@ -522,11 +522,20 @@ def initial_memories(conv: LocomoConversation, sources: Sequence[str] = ("observ
                 add(session.summary.strip(), None, session, (), source)
             elif source == "dialogue":
                 for turn in session.turns:
-                    text = turn.text.strip()
-                    if turn.image_caption:
-                        text = f"{text} [shares a photo: {turn.image_caption}]"
-                    add(f"{turn.speaker}: {text}", turn.speaker, session, (turn.dia_id,), source)
+                    add(turn_line(turn), turn.speaker, session, (turn.dia_id,), source)
     return records
+
+
+def turn_line(turn: Turn) -> str:
+    """A turn as one line of text, ``"Speaker: text"``, a shared photo's caption in brackets.
+
+    >>> turn_line(Turn("Mel", "D1:2", " Look! ", "a dog on a beach"))
+    'Mel: Look! [shares a photo: a dog on a beach]'
+    """
+    text = turn.text.strip()
+    if turn.image_caption:
+        text = f"{text} [shares a photo: {turn.image_caption}]"
+    return f"{turn.speaker}: {text}"
 
 
 # --------------------------------------------------------------------------- verl rows

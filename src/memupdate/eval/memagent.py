@@ -1,4 +1,4 @@
-"""MemAgent evaluation: the trained loop on held-out HotpotQA rows, scored our way and MemAgent's way.
+"""MemAgent evaluation: the trained loop on held-out haystack rows, scored our way and MemAgent's way.
 
 :meth:`MemAgentEvaluator.evaluate` runs one model on one row file and writes a prediction per question;
 :func:`memagent_length_curve` does it for the same questions at several context lengths and models, and
@@ -57,9 +57,11 @@ from memupdate.serving.markers import load_marker
 from memupdate.serving.readiness import read_marker, release_held
 from memupdate.settings import MemAgentEvalSettings, build
 from memupdate.utils.io import (
+    ROWS_TABLE,
     invalidate_if_changed,
     model_fingerprint,
     portable_path,
+    read_parquet_columns,
     sha256_file,
     weights_digest,
     write_json_atomic,
@@ -77,6 +79,11 @@ READ_KEYS = ("chunks_read", "chunks_total", "haystack_tokens", "context_tokens",
 COST_KEYS = ("memory_truncations", "seconds")
 #: Questions report.md shows whole (each model's final memory and reply), where reading beats a table.
 EXAMPLES = 4
+#: What a report says its haystacks are, by the rows' ``data_source``: numbers of one are never those of another.
+HAYSTACK_NAMES = {
+    "hotpotqa": "RULER-HotpotQA (HotpotQA paragraphs; MemAgent's benchmark)",
+    "locomo_haystack": "LoCoMo long-context (a conversation's windows of turns; not RULER-HotpotQA)",
+}
 
 
 class MemAgentEvaluator:
@@ -370,6 +377,21 @@ def summarize(records: Sequence[Mapping[str, Any]], style: str = "ours") -> dict
     return out
 
 
+def haystack_name(rows_files: Mapping[str, str | Path]) -> str:
+    """What the row files' haystacks are (:data:`HAYSTACK_NAMES`): one kind for every length, or a ``ValueError``
+    naming the files, since a length curve across two benchmarks would mean nothing."""
+    sources = {}
+    for length, path in rows_files.items():
+        column = read_parquet_columns(path, {"data_source": "string"}, ROWS_TABLE).column("data_source")
+        for source in column.unique().to_pylist():
+            sources.setdefault(source, []).append(f"{length}: {path}")
+    if len(sources) != 1:
+        shown = "; ".join(f"{source} in {', '.join(files)}" for source, files in sources.items())
+        raise ValueError(f"a length curve needs one kind of haystack, but the row files mix them: {shown}")
+    source = next(iter(sources))
+    return HAYSTACK_NAMES.get(source, source)
+
+
 def memagent_length_curve(
     models: Mapping[str, str | Path],
     rows_files: Mapping[str, str | Path],
@@ -398,6 +420,7 @@ def memagent_length_curve(
     paired intervals of the training reward per length). Given the training run's ``metrics.jsonl``
     (``training_metrics``), its per-step rewards, training and held-out, go into ``report.json`` and ``training.png``."""
     settings = settings if isinstance(settings, MemAgentEvalSettings) else build(MemAgentEvalSettings, settings, "eval")
+    haystack = haystack_name(rows_files)
     out = Path(out_dir)
     (out / "predictions").mkdir(parents=True, exist_ok=True)
     # Servers held until their consumer runs (Slurm) start together, not one after another as each evaluator waits.
@@ -462,7 +485,13 @@ def memagent_length_curve(
                 shutil.copyfile(
                     predictions / f"{source}-{length}{suffix}.jsonl", predictions / f"{twin}-{length}{suffix}.jsonl"
                 )
-    report = {"experiment": experiment, "settings": asdict(settings), "models": described, "results": results["ours"]}
+    report = {
+        "experiment": experiment,
+        "haystack": haystack,
+        "settings": asdict(settings),
+        "models": described,
+        "results": results["ours"],
+    }
     if twins:
         report["same_weights"] = twins
     report["comparisons"] = compare_models(out / "predictions", list(evaluators), list(rows_files))
@@ -620,6 +649,7 @@ def _plot(report: Mapping[str, Any], out: Path) -> list[str]:
         ax.set_xlabel("haystack tokens (mean per question)")
         ax.set_xscale("log")
         ax.legend(fontsize=8)
+    fig.suptitle(report["haystack"], fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "length_curve.png", dpi=110)
     plt.close(fig)
