@@ -15,6 +15,7 @@ COMMANDS = [
     ["preprocess"],
     ["preprocess", "locomo"],
     ["preprocess", "hotpotqa"],
+    ["preprocess", "locomo-haystack"],
     ["embed"],
     ["bench"],
     ["bench", "memory"],
@@ -64,6 +65,17 @@ def test_preprocess_locomo_from_the_command_line(locomo_path, tmp_path):
     assert result.returncode == 0, result.stderr
     splits = json.loads(result.stdout)
     assert splits["train"]["rows"] == pq.read_metadata(tmp_path / "train.parquet").num_rows == 152
+
+
+def test_preprocess_locomo_haystack_from_the_command_line(locomo_path, tmp_path):
+    cmd = [*memupdate_exe(), "preprocess", "locomo-haystack", str(locomo_path), str(tmp_path)]
+    cmd += ["--train", "conv-26", "--test", "conv-48", "--num-docs", "3"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["parts"]["test"]["conversations"] == ["conv-48"]
+    assert pq.read_metadata(tmp_path / "3.test.parquet").num_rows == summary["parts"]["test"]["rows"] > 0
+    assert json.loads((tmp_path / "3.summary.json").read_text()) == summary
 
 
 def test_score_command(capsys):

@@ -62,6 +62,25 @@ def _cmd_preprocess_hotpotqa(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+def _cmd_preprocess_locomo_haystack(args: argparse.Namespace) -> None:
+    from memupdate.data.locomo_haystack import preprocess_locomo_haystack
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = preprocess_locomo_haystack(
+        args.input,
+        {part: out / f"{args.num_docs}.{part}.parquet" for part in ("train", "test")},
+        out / f"{args.num_docs}.summary.json",
+        split={"train": args.train, "test": args.test},
+        num_docs=args.num_docs,
+        turns_per_window=args.turns_per_window,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+    )
+    json.dump(summary, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
 def _cmd_embed(args: argparse.Namespace) -> None:
     from memupdate.memory.cache import build_embedding_cache
 
@@ -317,6 +336,17 @@ def build_parser() -> argparse.ArgumentParser:
         "distractors from that part's own pool (data.hotpotqa.test_percent in the workflow)",
     )
     hot.set_defaults(func=_cmd_preprocess_hotpotqa)
+
+    hay = pre_sub.add_parser("locomo-haystack", help="LoCoMo -> MemAgent haystack rows of conversation windows")
+    hay.add_argument("input", help="path to locomo10.json")
+    hay.add_argument("out_dir", help="output folder: <num-docs>.{train,test}.parquet and <num-docs>.summary.json")
+    hay.add_argument("--train", nargs="+", required=True, metavar="SAMPLE_ID", help="conversations trained on")
+    hay.add_argument("--test", nargs="+", required=True, metavar="SAMPLE_ID", help="conversations held out")
+    hay.add_argument("--num-docs", type=int, required=True, help="windows per haystack")
+    hay.add_argument("--turns-per-window", type=int, default=4)
+    hay.add_argument("--seed", type=int, default=0)
+    hay.add_argument("--tokenizer", help="HF tokenizer name or path for token counts")
+    hay.set_defaults(func=_cmd_preprocess_locomo_haystack)
 
     embed = sub.add_parser("embed", help="embed the memories table into an embedding cache")
     embed.add_argument("memories", help="memories.parquet (column 'content')")
