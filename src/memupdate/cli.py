@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from memupdate.preflight import add_arguments as add_preflight_arguments
 from memupdate.preflight import run_from_args as run_preflight_from_args
@@ -18,6 +19,12 @@ from memupdate.utils.logging import setup_logging
 DEFAULT_MEMORY_EMBEDDINGS = f"results/embeddings/{DEFAULT_EMBEDDING_MODEL}/memories"
 
 logger = logging.getLogger(__name__)
+
+
+def _print_json(value: Any) -> None:
+    """A command's result on stdout, as indented JSON (what a script reads)."""
+    json.dump(value, sys.stdout, indent=2)
+    sys.stdout.write("\n")
 
 
 def _cmd_fetch(args: argparse.Namespace) -> None:
@@ -41,8 +48,7 @@ def _cmd_preprocess_locomo(args: argparse.Namespace) -> None:
         memory_sources=args.memory_sources,
         summary_path=f"{out}/summary.json",
     )
-    json.dump(summary["splits"], sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    _print_json(summary["splits"])
 
 
 def _cmd_preprocess_hotpotqa(args: argparse.Namespace) -> None:
@@ -58,8 +64,7 @@ def _cmd_preprocess_hotpotqa(args: argparse.Namespace) -> None:
         tokenizer=args.tokenizer,
         test_percent=args.test_percent,
     )
-    json.dump(summary, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    _print_json(summary)
 
 
 def _cmd_preprocess_locomo_haystack(args: argparse.Namespace) -> None:
@@ -77,16 +82,14 @@ def _cmd_preprocess_locomo_haystack(args: argparse.Namespace) -> None:
         seed=args.seed,
         tokenizer=args.tokenizer,
     )
-    json.dump(summary, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    _print_json(summary)
 
 
 def _cmd_embed(args: argparse.Namespace) -> None:
     from memupdate.memory.cache import build_embedding_cache
 
     summary = build_embedding_cache(args.memories, args.cache_dir, args.model, args.batch_size, pool_dir=args.pool)
-    json.dump(summary, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    _print_json(summary)
 
 
 def _cmd_bench_memory(args: argparse.Namespace) -> None:
