@@ -558,7 +558,15 @@ def test_a_logger_without_file_is_refused_before_anything_runs(run):
 
 # ------------------------------------------------------------------------------------------- verl on CPU
 
-SERVER = {"engine": "vllm-cpu", "python": "/envs/vllm/bin/python", "dtype": "float32", "env": {"A_B": "1"}}
+SERVER = {
+    "engine": "vllm-cpu",
+    "python": "/envs/vllm/bin/python",
+    "dtype": "float32",
+    "env": {"A_B": "1"},
+    # What the replica's client keeps in flight: without it a validation's 50 requests at once timed out on a CPU
+    # server and verl scored the 13-21 that finished.
+    "max_in_flight": 8,
+}
 
 
 def test_the_cpu_keys_are_verl_keys():

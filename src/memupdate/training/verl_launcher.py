@@ -99,8 +99,9 @@ MAIN_PPO_MODULE = "memupdate.verl_ext.main_ppo"
 CPU_MICRO_BATCH_TOKENS = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 #: Its settings in the rollout config (memupdate.verl_ext.external_vllm reads them there).
 EXTERNAL_ROLLOUT_SETTINGS = "actor_rollout_ref.rollout.custom"
-#: The serving settings the external rollout's server takes (the rest are about serving rules' jobs).
-_ROLLOUT_SERVER_KEYS = ("engine", "python", "dtype", "startup_timeout_s", "extra_args")
+#: The serving settings the external rollout's server and its client take (the rest are about serving rules' jobs;
+#: ``env`` reaches the server through the run's environment, never the command line).
+_ROLLOUT_SERVER_KEYS = ("engine", "python", "dtype", "startup_timeout_s", "extra_args", "max_in_flight")
 
 # Files and folders of one run, under experiment_dir.
 RESOLVED_CONFIG = "resolved_config.yaml"
